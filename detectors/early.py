@@ -1,0 +1,144 @@
+"""Early-detection features of a question (DioR §3.1.1): one function shared by build_early and serving."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from detectors.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
+from detectors.config import BuildEarlyParams, EarlyFeatureParams
+from detectors.llm import LLM
+from detectors.qa import contains_reference
+
+
+class RecordError(ValueError):
+    """One record cannot be processed; the reason is reported and the run goes on."""
+
+
+@dataclasses.dataclass
+class QuestionFeatures:
+    question_tokens: list[str]
+    attribution: np.ndarray  # distribution over question tokens, sums to 1
+    entropy: float  # attribution entropy (Eq. 1)
+    keywords: list[str]  # keyword candidates (Eq. 3)
+    first_token_id: int
+    first_token_prob: float
+    first_token_entropy: float
+    first_token_margin: float  # p(top1) - p(top2)
+    hidden: np.ndarray  # last prompt position, chosen layers concatenated
+    prompt_ids: torch.Tensor  # [1, L], to continue generation from
+
+
+def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
+    """Map layer indices (1..L, or negative from the last) to ``hidden_states`` positions."""
+    out = []
+    for layer in layers:
+        if not (-num_layers <= layer <= num_layers) or layer == 0:
+            raise ValueError(
+                f"build_early.features.hidden_layers has {layer}, but the LLM has {num_layers} layers: "
+                f"use 1..{num_layers} or -1..-{num_layers}"
+            )
+        out.append(layer if layer > 0 else num_layers + 1 + layer)
+    return out
+
+
+def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> QuestionFeatures:
+    """Features of ``question`` before any answer token is generated."""
+    if not question or not question.strip():
+        raise RecordError("empty question")
+    layers = resolve_layers(params.hidden_layers, llm.fingerprint.num_layers)
+    ids, mask = llm.encode_prompt(question, params.prompt)
+    n_question = int(mask.sum())
+    if n_question == 0:
+        raise RecordError("the question has no tokens after tokenisation")
+    if n_question > params.max_question_tokens:
+        raise RecordError(f"question has {n_question} tokens > max_question_tokens={params.max_question_tokens}")
+    max_len = getattr(llm.model.config, "max_position_embeddings", None)
+    if max_len is not None and ids.shape[1] >= max_len:
+        raise RecordError(f"prompt has {ids.shape[1]} tokens, the LLM's context is {max_len}")
+    with torch.no_grad():
+        out = llm.model(ids, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    probs = torch.softmax(out.logits[0, -1].float(), dim=-1)
+    top2 = torch.topk(probs, 2)
+    first_id = int(top2.indices[0])
+    hidden = torch.cat([out.hidden_states[layer][0, -1].float() for layer in layers]).cpu().numpy()
+    scores = token_attributions(llm.model, ids, mask, first_id, params.n_steps, params.method, params.ig_batch_size)
+    p = attribution_distribution(scores)
+    tokens = [llm.tokenizer.decode([t]) for t in ids[0][mask].tolist()]
+    return QuestionFeatures(
+        question_tokens=tokens,
+        attribution=p.astype(np.float32),
+        entropy=attribution_entropy(p),
+        keywords=keyword_candidates(tokens, p),
+        first_token_id=first_id,
+        first_token_prob=float(top2.values[0]),
+        first_token_entropy=float(-(probs * torch.log(probs.clamp_min(1e-30))).sum()),
+        first_token_margin=float(top2.values[0] - top2.values[1]),
+        hidden=hidden.astype(np.float32),
+        prompt_ids=ids,
+    )
+
+
+def greedy_answer(llm: LLM, prompt_ids: torch.Tensor, max_new_tokens: int) -> str:
+    """The LLM's greedy continuation of the prompt, special tokens removed."""
+    with torch.no_grad():
+        out = llm.model.generate(
+            prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=llm.tokenizer.pad_token_id,
+        )
+    return llm.tokenizer.decode(out[0, prompt_ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def early_record(llm: LLM, question: str, answers: list[str], params: BuildEarlyParams) -> dict:
+    """One row of the early-detection set: features, greedy answer and the containment label.
+
+    ``label`` is 1 for a hallucination (no reference answer contained in the answer), 0 otherwise.
+    """
+    f = question_features(llm, question, params.features)
+    answer = greedy_answer(llm, f.prompt_ids, params.max_new_tokens)
+    return {"answer": answer, "label": int(not contains_reference(answer, answers)), **features_to_row(f)}
+
+
+def features_to_row(f: QuestionFeatures) -> dict:
+    """The stored columns of a question's features (the early-detection set's schema)."""
+    return {
+        "question_tokens": f.question_tokens,
+        "attribution": f.attribution.tolist(),
+        "entropy": f.entropy,
+        "keywords": f.keywords,
+        "first_token_prob": f.first_token_prob,
+        "first_token_entropy": f.first_token_entropy,
+        "first_token_margin": f.first_token_margin,
+        "hidden": f.hidden.tolist(),
+    }
+
+
+SEQUENCE_DIM = 4  # per question token: p, p*n, log(p*n), relative position
+
+
+def sequence_features(attribution) -> np.ndarray:
+    """Per-token inputs of the GRU from an attribution distribution."""
+    p = np.asarray(attribution, dtype=np.float64)
+    n = len(p)
+    rel = p * n
+    pos = np.arange(n) / max(n - 1, 1)
+    return np.stack([p, rel, np.log(np.clip(rel, 1e-6, None)), pos], axis=1).astype(np.float32)
+
+
+def static_features(row: dict, groups: list[str]) -> np.ndarray:
+    """The per-question vector fed to the detector's head, in a fixed group order."""
+    parts: list[np.ndarray] = []
+    if "entropy" in groups:
+        n = len(row["attribution"])
+        log_n = float(np.log(n)) if n > 1 else 1.0
+        parts.append(np.array([row["entropy"], row["entropy"] / log_n, log_n]))
+    if "first_token" in groups:
+        parts.append(np.array([row["first_token_prob"], row["first_token_entropy"], row["first_token_margin"]]))
+    if "hidden" in groups:
+        parts.append(np.asarray(row["hidden"], dtype=np.float64))
+    return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, dtype=np.float32)

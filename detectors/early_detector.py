@@ -1,0 +1,203 @@
+"""The trained early detector: training from the early-detection set, its artifact, and serving.
+
+The artifact is a directory: ``weights.safetensors`` (no pickle) and ``detector.json`` (network
+shape, feature groups, standardisation, validation threshold, feature params incl. the prompt, and
+the LLM fingerprint). Serving computes features with the same ``question_features`` as build_early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn.utils.rnn import pad_sequence
+
+from detectors.config import EarlyFeatureParams, PromptParams, TrainEarlyParams, from_dict
+from detectors.early import SEQUENCE_DIM, question_features, sequence_features, static_features, features_to_row
+from detectors.llm import LLM, Fingerprint, load_llm
+from detectors.metrics import choose_threshold, require_both_classes
+from detectors.nets import EarlyGRU
+from detectors.training import fit, predict
+
+KIND = "dior-early"
+CONFIG = "detector.json"
+WEIGHTS = "weights.safetensors"
+
+
+@dataclasses.dataclass
+class EarlyDecision:
+    """The answer to "retrieve before generating?" for one question."""
+
+    probability: float  # P(hallucination) from the detector
+    retrieve: bool  # probability >= the threshold chosen on validation data
+    keywords: list[str]  # DioR Eq. 3 keyword candidates for the retrieval query
+    entropy: float  # attribution entropy (Eq. 1)
+    question_tokens: list[str]
+    attribution: list[float]
+
+
+def _items(rows: list[dict], groups: list[str], mean: np.ndarray, std: np.ndarray) -> list[dict]:
+    items = []
+    for row in rows:
+        item: dict[str, Any] = {"label": int(row.get("label", 0))}
+        if "attribution" in groups:
+            item["seq"] = torch.from_numpy(sequence_features(row["attribution"]))
+        item["static"] = torch.from_numpy((static_features(row, groups) - mean) / std).float()
+        items.append(item)
+    return items
+
+
+def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+    batch = {"label": torch.tensor([it["label"] for it in items]), "static": torch.stack([it["static"] for it in items])}
+    if "seq" in items[0]:
+        batch["seq"] = pad_sequence([it["seq"] for it in items], batch_first=True)
+        batch["lengths"] = torch.tensor([len(it["seq"]) for it in items])
+    return batch
+
+
+@dataclasses.dataclass
+class EarlyDetector:
+    net: EarlyGRU
+    groups: list[str]
+    static_mean: np.ndarray
+    static_std: np.ndarray
+    threshold: float
+    features: EarlyFeatureParams
+    fingerprint: Fingerprint
+    llm_ref: dict[str, Any]  # where the training LLM came from: {"dir", "source", "gguf_file"}
+    info: dict[str, Any]
+    llm: LLM | None = None
+
+    # ---- artifact -------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()}, directory / WEIGHTS)
+        config = {
+            "kind": KIND,
+            "net": self.net.config,
+            "groups": self.groups,
+            "static_mean": self.static_mean.tolist(),
+            "static_std": self.static_std.tolist(),
+            "threshold": self.threshold,
+            "features": dataclasses.asdict(self.features),
+            "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
+            "info": self.info,
+        }
+        (directory / CONFIG).write_text(json.dumps(config, indent=2))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "EarlyDetector":
+        directory = Path(directory)
+        if not (directory / CONFIG).exists():
+            raise FileNotFoundError(f"{directory} holds no {CONFIG}: not an early-detector artifact")
+        config = json.loads((directory / CONFIG).read_text())
+        if config.get("kind") != KIND:
+            raise ValueError(f"{directory} holds a {config.get('kind')!r} artifact, not {KIND!r}")
+        net = EarlyGRU(**config["net"])
+        net.load_state_dict(load_file(directory / WEIGHTS))
+        net.eval()
+        llm = dict(config["llm"])
+        return cls(
+            net=net,
+            groups=config["groups"],
+            static_mean=np.asarray(config["static_mean"], dtype=np.float32),
+            static_std=np.asarray(config["static_std"], dtype=np.float32),
+            threshold=float(config["threshold"]),
+            features=from_dict(EarlyFeatureParams, config["features"], "detector.features"),
+            fingerprint=Fingerprint.from_dict(llm.pop("fingerprint")),
+            llm_ref=llm,
+            info=config["info"],
+        )
+
+    # ---- scoring --------------------------------------------------------------------------------
+    def predict_rows(self, rows: list[dict]) -> np.ndarray:
+        """P(hallucination) for stored feature rows (the early-detection set's schema)."""
+        return predict(self.net, _items(rows, self.groups, self.static_mean, self.static_std), collate)
+
+    def attach(self, llm: LLM) -> "EarlyDetector":
+        """Use ``llm`` for new questions; it must be the LLM the detector was trained on."""
+        self.fingerprint.require_same(llm.fingerprint, f"detector {KIND!r}")
+        self.llm = llm
+        return self
+
+    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
+        """Load the training LLM from where the artifact says it came from, and attach it."""
+        candidates = [self.llm_ref.get("dir"), self.llm_ref.get("source")]
+        errors = []
+        for location in (c for c in candidates if c):
+            try:
+                return self.attach(load_llm(location, dtype, device, self.llm_ref.get("gguf_file")))
+            except (OSError, ValueError) as err:
+                errors.append(f"{location}: {err}")
+        raise RuntimeError(f"could not load the detector's LLM {self.fingerprint.name!r}: " + "; ".join(errors))
+
+    def assess(self, question: str) -> EarlyDecision:
+        """Should the RAG loop retrieve before generating an answer to ``question``?"""
+        if self.llm is None:
+            self.load_llm()
+        f = question_features(self.llm, question, self.features)
+        prob = float(self.predict_rows([features_to_row(f)])[0])
+        return EarlyDecision(
+            probability=prob,
+            retrieve=prob >= self.threshold,
+            keywords=f.keywords,
+            entropy=f.entropy,
+            question_tokens=f.question_tokens,
+            attribution=f.attribution.tolist(),
+        )
+
+
+def train_early_detector(
+    frame: pd.DataFrame,
+    groups: list[str],
+    params: TrainEarlyParams,
+    features: EarlyFeatureParams,
+    fingerprint: Fingerprint,
+    llm_ref: dict[str, Any],
+    fast_dev_run: bool = False,
+) -> EarlyDetector:
+    """Train on the ``train`` split, early-stop and choose the threshold on ``val`` (never on test)."""
+    ok = frame[frame["status"] == "ok"]
+    train = ok[ok["split"] == "train"].to_dict("records")
+    val = ok[ok["split"] == "val"].to_dict("records")
+    for name, rows in (("the train split", train), ("the validation split", val)):
+        require_both_classes(np.array([r["label"] for r in rows]), name)
+    raw = np.stack([static_features(r, groups) for r in train])
+    mean = raw.mean(axis=0) if raw.shape[1] else raw.sum(axis=0)
+    std = raw.std(axis=0) + 1e-6 if raw.shape[1] else raw.sum(axis=0) + 1.0
+    net = EarlyGRU(SEQUENCE_DIM if "attribution" in groups else 0, raw.shape[1], params.rnn_hidden, params.dropout)
+    summary = fit(
+        net,
+        _items(train, groups, mean, std),
+        _items(val, groups, mean, std),
+        collate,
+        lr=params.lr,
+        weight_decay=params.weight_decay,
+        batch_size=params.batch_size,
+        max_epochs=params.max_epochs,
+        patience=params.patience,
+        seed=params.seed,
+        accelerator=params.accelerator,
+        fast_dev_run=fast_dev_run,
+    )
+    detector = EarlyDetector(net, list(groups), mean, std, 0.5, features, fingerprint, llm_ref, {})
+    val_probs = detector.predict_rows(val)
+    val_labels = np.array([r["label"] for r in val])
+    detector.threshold = choose_threshold(val_labels, val_probs, params.threshold)
+    detector.info = {
+        **summary,
+        "threshold_strategy": params.threshold,
+        "n_train": len(train),
+        "n_val": len(val),
+        "train_hallucination_rate": float(np.mean([r["label"] for r in train])),
+        "seed": params.seed,
+    }
+    return detector

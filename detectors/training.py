@@ -1,0 +1,113 @@
+"""Lightning training of a binary detector: BCE, AUROC per split, early stopping on validation AUROC.
+
+Seeded and deterministic; ``accelerator="auto"`` takes the GPU when there is one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import BinaryAUROC
+
+
+class ListDataset(Dataset):
+    def __init__(self, items: list[dict]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+class BinaryDetector(pl.LightningModule):
+    """Wraps any ``net(batch) -> logits``; ``batch['label']`` is 1 for hallucinated."""
+
+    def __init__(self, net: nn.Module, lr: float, weight_decay: float):
+        super().__init__()
+        self.net = net
+        self.lr, self.weight_decay = lr, weight_decay
+        self.loss = nn.BCEWithLogitsLoss()
+        self.val_auroc = BinaryAUROC()
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.net(batch)
+
+    def training_step(self, batch: dict, _: int) -> torch.Tensor:
+        loss = self.loss(self(batch), batch["label"].float())
+        self.log("train_loss", loss, on_epoch=True, on_step=False, batch_size=len(batch["label"]))
+        return loss
+
+    def validation_step(self, batch: dict, _: int) -> None:
+        logits = self(batch)
+        self.log("val_loss", self.loss(logits, batch["label"].float()), on_epoch=True, batch_size=len(batch["label"]))
+        self.val_auroc.update(logits, batch["label"].long())
+        self.log("val_auroc", self.val_auroc, on_epoch=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+def fit(
+    net: nn.Module,
+    train: list[dict],
+    val: list[dict],
+    collate: Callable[[list[dict]], dict],
+    *,
+    lr: float,
+    weight_decay: float,
+    batch_size: int,
+    max_epochs: int,
+    patience: int,
+    seed: int,
+    accelerator: str = "auto",
+    fast_dev_run: bool = False,
+) -> dict:
+    """Train ``net`` in place; keeps the weights of the best validation-AUROC epoch. Returns a summary."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    pl.seed_everything(seed, workers=True, verbose=False)
+    gen = torch.Generator().manual_seed(seed)
+    train_loader = DataLoader(ListDataset(train), batch_size=batch_size, shuffle=True, collate_fn=collate, generator=gen)
+    val_loader = DataLoader(ListDataset(val), batch_size=max(batch_size, 256), collate_fn=collate)
+    module = BinaryDetector(net, lr, weight_decay)
+    with tempfile.TemporaryDirectory() as tmp:
+        best = ModelCheckpoint(dirpath=tmp, monitor="val_auroc", mode="max", save_top_k=1, save_weights_only=True)
+        trainer = pl.Trainer(
+            accelerator=accelerator,
+            devices=1,
+            max_epochs=max_epochs,
+            callbacks=[EarlyStopping(monitor="val_auroc", mode="max", patience=patience), best],
+            deterministic=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            fast_dev_run=fast_dev_run,
+            default_root_dir=tmp,
+        )
+        trainer.fit(module, train_loader, val_loader)
+        if best.best_model_path:
+            state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
+            module.load_state_dict(state)
+        score = best.best_model_score
+        return {
+            "best_val_auroc": float(score) if score is not None else float("nan"),
+            "epochs": int(trainer.current_epoch),
+            "device": str(trainer.strategy.root_device),
+        }
+
+
+@torch.no_grad()
+def predict(net: nn.Module, items: list[dict], collate: Callable[[list[dict]], dict], batch_size: int = 256) -> np.ndarray:
+    """Hallucination probabilities for ``items`` (on CPU, in order)."""
+    net = net.to("cpu").eval()
+    out = [torch.sigmoid(net(collate(items[i : i + batch_size]))) for i in range(0, len(items), batch_size)]
+    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
