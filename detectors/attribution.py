@@ -63,13 +63,14 @@ def attribution_entropy(p: np.ndarray) -> float:
 def keyword_candidates(tokens: list[str], p: np.ndarray) -> list[str]:
     """DioR Eq. 3: words holding a token whose attribution is above the mean, in question order.
 
-    ``tokens`` are the decoded question tokens; a token that starts with whitespace starts a new word.
+    ``tokens`` are the decoded question tokens; a token that starts with whitespace starts a new word,
+    and punctuation tokens stand alone (a hot full stop makes no keyword of the word before it).
     """
     mean = float(np.mean(p)) if len(p) else 0.0
     words: list[tuple[str, bool]] = []
     for tok, score in zip(tokens, p):
         hot = float(score) > mean
-        if not words or tok[:1].isspace():
+        if not words or tok[:1].isspace() or not any(c.isalnum() for c in tok) or not any(c.isalnum() for c in words[-1][0]):
             words.append((tok, hot))
         else:
             text, was_hot = words[-1]

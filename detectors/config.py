@@ -98,7 +98,7 @@ def from_dict(cls: type[T], data: Any, where: str) -> T:
 
 
 def positive(key: str, value: float | int) -> None:
-    if value <= 0:
+    if not value > 0:  # also refuses NaN
         fail(key, value, "must be positive")
 
 
@@ -231,7 +231,7 @@ class TrainEarlyParams:
             positive(f"{where}.{key}", getattr(self, key))
         if not 0 <= self.dropout < 1:
             fail(f"{where}.dropout", self.dropout, "must be in [0, 1)")
-        if self.weight_decay < 0:
+        if not self.weight_decay >= 0:
             fail(f"{where}.weight_decay", self.weight_decay, "must be >= 0")
 
 
@@ -299,5 +299,5 @@ def load_all(path: str | Path = "params.yaml") -> dict[str, Any]:
     data = read_params(path)
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
-        fail(unknown[0], "...", f"unknown params section; known: {sorted(SECTIONS)}")
+        fail(unknown[0], data[unknown[0]], f"unknown params section; known: {sorted(SECTIONS)}")
     return {name: load_section(name, data=data) for name in SECTIONS}

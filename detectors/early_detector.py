@@ -173,9 +173,8 @@ def train_early_detector(
     raw = np.stack([static_features(r, groups) for r in train])
     mean = raw.mean(axis=0) if raw.shape[1] else raw.sum(axis=0)
     std = raw.std(axis=0) + 1e-6 if raw.shape[1] else raw.sum(axis=0) + 1.0
-    net = EarlyGRU(SEQUENCE_DIM if "attribution" in groups else 0, raw.shape[1], params.rnn_hidden, params.dropout)
-    summary = fit(
-        net,
+    net, summary = fit(
+        lambda: EarlyGRU(SEQUENCE_DIM if "attribution" in groups else 0, raw.shape[1], params.rnn_hidden, params.dropout),
         _items(train, groups, mean, std),
         _items(val, groups, mean, std),
         collate,

@@ -195,9 +195,13 @@ def prepare_llm(params: LLMParams) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     name = f"{params.source}/{src.gguf_file}" if src.gguf_file else params.source
     model, tokenizer = _load_raw(src, torch.float32)
+    fingerprint = Fingerprint.of(model, name)
     if src.kind == "gguf":
         log.info("converting %s/%s to a safetensors checkpoint in %s", src.location, src.gguf_file, out)
         model = _clean_copy(model)
+        converted = Fingerprint.of(model, name)
+        if converted != fingerprint:
+            raise RuntimeError(f"GGUF conversion changed the weights: digest {fingerprint.weights_digest} -> {converted.weights_digest}")
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         weights = "."
@@ -208,7 +212,7 @@ def prepare_llm(params: LLMParams) -> dict[str, Any]:
         "kind": src.kind,
         "gguf_file": src.gguf_file,
         "weights": weights,
-        "fingerprint": Fingerprint.of(model, name).to_dict(),
+        "fingerprint": fingerprint.to_dict(),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

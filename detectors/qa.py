@@ -190,9 +190,9 @@ def normalize_records(
         rid = str(rec[idf]) if idf and rec.get(idf) not in (None, "") else stable_id(question, source)
         reason = None
         if not question:
-            reason = f"empty question (field {qf or QUESTION_FIELDS})"
+            reason = f"empty question (field {qf or question_field or QUESTION_FIELDS})"
         elif not answers:
-            reason = f"no usable reference answer (field {af or ANSWER_FIELDS})"
+            reason = f"no usable reference answer (field {af or answers_field or ANSWER_FIELDS})"
         elif rid in seen:
             first = seen[rid]
             if first["question"] == question:  # the same question twice: its answers are all references

@@ -5,6 +5,7 @@ Seeded and deterministic; ``accelerator="auto"`` takes the GPU when there is one
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Callable
@@ -58,7 +59,7 @@ class BinaryDetector(pl.LightningModule):
 
 
 def fit(
-    net: nn.Module,
+    make_net: Callable[[], nn.Module],
     train: list[dict],
     val: list[dict],
     collate: Callable[[list[dict]], dict],
@@ -71,10 +72,13 @@ def fit(
     seed: int,
     accelerator: str = "auto",
     fast_dev_run: bool = False,
-) -> dict:
-    """Train ``net`` in place; keeps the weights of the best validation-AUROC epoch. Returns a summary."""
+) -> tuple[nn.Module, dict]:
+    """Build the net after seeding (so its initial weights are seeded too) and train it; keeps the
+    weights of the best validation-AUROC epoch. Returns the net and a summary."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)  # no banner per trained variant
     pl.seed_everything(seed, workers=True, verbose=False)
+    net = make_net()
     gen = torch.Generator().manual_seed(seed)
     train_loader = DataLoader(ListDataset(train), batch_size=batch_size, shuffle=True, collate_fn=collate, generator=gen)
     val_loader = DataLoader(ListDataset(val), batch_size=max(batch_size, 256), collate_fn=collate)
@@ -98,7 +102,7 @@ def fit(
             state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
             module.load_state_dict(state)
         score = best.best_model_score
-        return {
+        return net, {
             "best_val_auroc": float(score) if score is not None else float("nan"),
             "epochs": int(trainer.current_epoch),
             "device": str(trainer.strategy.root_device),

@@ -1,0 +1,54 @@
+"""IG attribution: ours against an independent step-by-step implementation, and Eq. 1 / Eq. 3."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from detectors.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
+from detectors.config import PromptParams
+
+
+def naive_ig(model, ids, mask, target, n_steps):
+    """Gauss-Legendre IG one step at a time, full forward pass, no captum: the definition itself."""
+    x, w = np.polynomial.legendre.leggauss(n_steps)
+    alphas, weights = 0.5 * (1 + x), 0.5 * w
+    embeds = model.get_input_embeddings()(ids).detach()
+    baseline = embeds * (~mask)[None, :, None]
+    total = torch.zeros_like(embeds)
+    for a, wt in zip(alphas, weights):
+        point = (baseline + float(a) * (embeds - baseline)).requires_grad_(True)
+        prob = torch.softmax(model(inputs_embeds=point).logits[0, -1], -1)[target]
+        (grad,) = torch.autograd.grad(prob, point)
+        total += float(wt) * grad
+    return ((embeds - baseline) * total)[0].norm(dim=-1)[mask].numpy()
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_ig_matches_step_by_step_definition(tiny_llm, batch_size):
+    ids, mask = tiny_llm.encode_prompt("The capital of Kenya is", PromptParams(template="Q: {question}", chat=False))
+    target = int(tiny_llm.model(ids).logits[0, -1].argmax())
+    ours = token_attributions(tiny_llm.model, ids, mask, target, n_steps=8, batch_size=batch_size)
+    ref = naive_ig(tiny_llm.model, ids, mask, target, 8)
+    assert ours.shape == (int(mask.sum()),)
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-7)
+
+
+def test_entropy_is_log_n_for_uniform_and_zero_for_peaked():
+    assert attribution_entropy(attribution_distribution(np.ones(7))) == pytest.approx(np.log(7))
+    assert attribution_entropy(attribution_distribution(np.array([5.0, 0, 0, 0]))) == 0.0
+    spread = attribution_entropy(attribution_distribution(np.array([3.0, 1, 1, 1])))
+    assert 0 < spread < np.log(4)
+
+
+def test_distribution_of_all_zero_attributions_is_uniform():
+    np.testing.assert_allclose(attribution_distribution(np.zeros(4)), np.full(4, 0.25))
+
+
+def test_keyword_candidates_are_words_above_the_mean():
+    tokens = ["The", " cap", "ital", " of", " Occ", "itan", "ia", " is"]
+    p = attribution_distribution(np.array([0.05, 0.3, 0.02, 0.01, 0.02, 0.4, 0.1, 0.1]))
+    # mean is 1/8: "capital" (via "cap") and "Occitania" (via "itan") are above it, "is" is not
+    assert keyword_candidates(tokens, p) == ["capital", "Occitania"]
+    assert keyword_candidates(["A", " b", "."], np.array([0.2, 0.2, 0.6])) == []  # punctuation alone is no word

@@ -1,0 +1,322 @@
+"""params.yaml validation (detectors.config) and LLM source resolution (detectors.llm.resolve_source)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from detectors.config import (
+    BuildEarlyParams,
+    LLMParams,
+    QAParams,
+    TrainEarlyParams,
+    ParamsError,
+    from_dict,
+    load_all,
+    load_section,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = REPO_ROOT / "params.yaml"
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict:
+    return yaml.safe_load(SHIPPED.read_text())
+
+
+def write_params(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def edited(shipped: dict, tmp_path: Path, dotted: str, value) -> Path:
+    """A copy of the shipped params with ``dotted`` (a.b.c) set to ``value``, written to tmp_path."""
+    data = copy.deepcopy(shipped)
+    *parents, last = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return write_params(tmp_path, data)
+
+
+def params_error(path: Path) -> str:
+    with pytest.raises(ParamsError) as err:
+        load_all(path)
+    return str(err.value)
+
+
+def test_shipped_params_validate():
+    sections = load_all(SHIPPED)
+    assert set(sections) == {"llm", "qa", "build_early", "train_early", "evaluate", "mlflow", "register_early"}
+    qa = sections["qa"]
+    assert isinstance(qa, QAParams)
+    assert abs(sum(qa.splits.values()) - 1.0) < 1e-9
+    assert isinstance(sections["build_early"], BuildEarlyParams)
+    assert "{question}" in sections["build_early"].features.prompt.template
+    assert isinstance(sections["train_early"], TrainEarlyParams)
+    assert sections["mlflow"].tracking_uri.startswith("sqlite:///")
+
+
+def test_shipped_params_values_are_typed(shipped):
+    sections = load_all(SHIPPED)
+    feats = sections["build_early"].features
+    assert feats.n_steps == shipped["build_early"]["features"]["n_steps"]
+    assert feats.hidden_layers == shipped["build_early"]["features"]["hidden_layers"]
+    assert isinstance(sections["train_early"].lr, float)
+    assert sections["train_early"].ablation == shipped["train_early"]["ablation"]
+
+
+def test_load_section_reads_one_section_and_defaults_missing_ones(tmp_path):
+    path = write_params(tmp_path, {"qa": {"source": "data/q.jsonl", "limit": 10}})
+    qa = load_section("qa", path)
+    assert qa.source == "data/q.jsonl" and qa.limit == 10
+    assert qa.splits == {"train": 0.7, "val": 0.15, "test": 0.15}  # the dataclass default
+    assert load_section("evaluate", path).ece_bins == 10  # absent section -> defaults
+    with pytest.raises(ParamsError, match="no params section named 'nope'"):
+        load_section("nope", path)
+
+
+def test_missing_params_file_is_a_params_error(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        load_all(tmp_path / "absent.yaml")
+
+
+def test_negative_n_steps_names_key_and_value(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "build_early.features.n_steps", -3))
+    assert "build_early.features.n_steps" in msg
+    assert "-3" in msg
+    assert "positive" in msg
+
+
+def test_unknown_key_in_a_section_names_key_and_value(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "train_early.learning_rate", 0.01))
+    assert "train_early.learning_rate" in msg
+    assert "0.01" in msg
+    assert "unknown key" in msg
+    assert "'lr'" in msg  # lists the known keys
+
+
+def test_unknown_nested_key_names_its_full_path(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "build_early.features.prompt.sytem", "be brief"))
+    assert "build_early.features.prompt.sytem" in msg
+    assert "'be brief'" in msg
+
+
+def test_splits_not_summing_to_one(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "qa.splits", {"train": 0.6, "val": 0.2, "test": 0.3}))
+    assert "qa.splits" in msg
+    assert "'test': 0.3" in msg
+    assert "sum to 1.1" in msg
+
+
+def test_split_key_missing(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "qa.splits", {"train": 0.8, "val": 0.2}))
+    assert "qa.splits" in msg
+    assert "{'train': 0.8, 'val': 0.2}" in msg
+    assert "train, val and test" in msg
+
+
+def test_split_ratio_out_of_range(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "qa.splits", {"train": 1.2, "val": -0.1, "test": -0.1}))
+    assert "qa.splits.train" in msg and "1.2" in msg
+
+
+def test_unknown_feature_group(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "train_early.features", ["attribution", "logits"]))
+    assert "train_early.features" in msg
+    assert "'logits'" in msg
+    assert "unknown feature group" in msg
+
+
+def test_unknown_feature_group_in_an_ablation_names_its_index(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "train_early.ablation", [["attribution"], ["hiddden"]]))
+    assert "train_early.ablation[1]" in msg
+    assert "'hiddden'" in msg
+
+
+def test_feature_group_listed_twice(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "train_early.features", ["entropy", "entropy"]))
+    assert "train_early.features" in msg and "twice" in msg
+
+
+def test_string_for_an_int(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "build_early.shard_size", "32"))
+    assert "build_early.shard_size" in msg
+    assert "'32'" in msg
+    assert "expected an integer" in msg
+
+
+def test_float_for_an_int(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "train_early.batch_size", 32.5))
+    assert "train_early.batch_size" in msg and "32.5" in msg
+
+
+@pytest.mark.parametrize(
+    "dotted",
+    ["build_early.features.n_steps", "train_early.max_epochs", "qa.limit", "evaluate.ece_bins"],
+)
+def test_bools_are_not_accepted_as_ints(shipped, tmp_path, dotted):
+    msg = params_error(edited(shipped, tmp_path, dotted, True))
+    assert dotted in msg
+    assert "True" in msg
+
+
+def test_bool_is_not_accepted_as_a_float(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "train_early.dropout", False))
+    assert "train_early.dropout" in msg and "False" in msg
+
+
+def test_int_is_accepted_for_a_float(shipped, tmp_path):
+    path = edited(shipped, tmp_path, "train_early.lr", 1)
+    lr = load_section("train_early", path).lr
+    assert lr == 1.0 and isinstance(lr, float)
+
+
+def test_literal_value_outside_its_choices(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "train_early.threshold", "median"))
+    assert "train_early.threshold" in msg
+    assert "'median'" in msg
+    assert "youden" in msg
+
+
+@pytest.mark.parametrize("template", ["Q: {query}\nA:", "{question} and again {question}"])
+def test_prompt_template_must_hold_question_once(shipped, tmp_path, template):
+    msg = params_error(edited(shipped, tmp_path, "build_early.features.prompt.template", template))
+    assert "build_early.features.prompt.template" in msg
+    assert repr(template) in msg
+    assert "{question}" in msg
+
+
+@pytest.mark.parametrize("uri", ["./mlruns", "mlruns", "file:///x", "file:./mlruns"])
+def test_file_store_tracking_uri_is_refused(shipped, tmp_path, uri):
+    msg = params_error(edited(shipped, tmp_path, "mlflow.tracking_uri", uri))
+    assert "mlflow.tracking_uri" in msg
+    assert repr(uri) in msg
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///data/mlflow/mlflow.db", "http://127.0.0.1:5000"])
+def test_database_or_server_tracking_uri_is_accepted(shipped, tmp_path, uri):
+    assert load_section("mlflow", edited(shipped, tmp_path, "mlflow.tracking_uri", uri)).tracking_uri == uri
+
+
+def test_unknown_top_level_section(shipped, tmp_path):
+    data = copy.deepcopy(shipped)
+    data["train_late"] = {"rnn_hidden": 8}
+    msg = params_error(write_params(tmp_path, data))
+    assert "train_late" in msg
+    assert "unknown params section" in msg
+    assert "'train_early'" in msg  # lists the known sections
+
+
+def test_section_that_is_not_a_mapping(shipped, tmp_path):
+    msg = params_error(edited(shipped, tmp_path, "evaluate", ["ece_bins", 10]))
+    assert re.search(r"params: evaluate = \['ece_bins', 10\]", msg)
+
+
+def test_params_file_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("- llm\n- qa\n")
+    with pytest.raises(ParamsError, match="mapping"):
+        load_all(path)
+
+
+def test_from_dict_checks_llm_device():
+    assert from_dict(LLMParams, {"device": "cuda:1"}, "llm").device == "cuda:1"
+    with pytest.raises(ParamsError, match=r"llm\.device = 'gpu'"):
+        from_dict(LLMParams, {"device": "gpu"}, "llm")
+
+
+# --- llm.source resolution (no model is loaded) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    from detectors import llm as module
+
+    return module
+
+
+def test_unknown_source_names_the_value(llm, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(llm.LLMSourceError, match="no_such_model_xyz"):
+        llm.resolve_source("no_such_model_xyz")
+
+
+def test_checkpoint_directory(llm, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    src = llm.resolve_source(str(ckpt))
+    assert src.kind == "checkpoint"
+    assert Path(src.location) == ckpt
+
+
+def test_prepared_directory(llm, tmp_path):
+    (tmp_path / llm.MANIFEST).write_text("{}")
+    (tmp_path / "config.json").write_text("{}")
+    assert llm.resolve_source(str(tmp_path)).kind == "prepared"
+
+
+def test_directory_with_one_gguf(llm, tmp_path):
+    (tmp_path / "model-q8_0.gguf").write_bytes(b"GGUF")
+    (tmp_path / "README.md").write_text("a model")
+    src = llm.resolve_source(str(tmp_path))
+    assert src.kind == "gguf"
+    assert Path(src.location) == tmp_path
+    assert src.gguf_file == "model-q8_0.gguf"
+
+
+def test_gguf_file_path(llm, tmp_path):
+    f = tmp_path / "tiny.gguf"
+    f.write_bytes(b"GGUF")
+    src = llm.resolve_source(str(f))
+    assert (src.kind, Path(src.location), src.gguf_file) == ("gguf", tmp_path, "tiny.gguf")
+
+
+def test_file_that_is_not_gguf(llm, tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"\0")
+    with pytest.raises(llm.LLMSourceError, match="not a .gguf"):
+        llm.resolve_source(str(f))
+
+
+def test_directory_with_two_ggufs_needs_gguf_file(llm, tmp_path):
+    for name in ("a-q4.gguf", "a-q8.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(llm.LLMSourceError, match="2 GGUF files") as err:
+        llm.resolve_source(str(tmp_path))
+    assert "gguf_file" in str(err.value)
+    src = llm.resolve_source(str(tmp_path), gguf_file="a-q8.gguf")
+    assert (src.kind, src.gguf_file) == ("gguf", "a-q8.gguf")
+    with pytest.raises(llm.LLMSourceError, match="'a-q2.gguf'"):
+        llm.resolve_source(str(tmp_path), gguf_file="a-q2.gguf")
+
+
+def test_empty_directory_is_refused(llm, tmp_path):
+    with pytest.raises(llm.LLMSourceError, match="0 GGUF files"):
+        llm.resolve_source(str(tmp_path))
+
+
+def test_hub_id(llm, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # "org/name" is not a path here
+    src = llm.resolve_source("some-org/some_model.v2")
+    assert (src.kind, src.location, src.gguf_file) == ("hub", "some-org/some_model.v2", None)
+
+
+def test_existing_relative_path_wins_over_hub_id(llm, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    (tmp_path / "org" / "name" / "config.json").write_text("{}")
+    assert llm.resolve_source("org/name").kind == "checkpoint"
+
+
+@pytest.mark.parametrize("dotted", ["train_early.lr", "train_early.weight_decay"])
+def test_nan_is_not_an_acceptable_number(shipped, tmp_path, dotted):
+    msg = params_error(edited(shipped, tmp_path, dotted, float("nan")))
+    assert dotted in msg and "nan" in msg

@@ -1,0 +1,44 @@
+"""Early-detection features of one question, on the tiny Llama."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from detectors.config import EarlyFeatureParams, PromptParams
+from detectors.early import RecordError, question_features, static_features, features_to_row
+
+PARAMS = EarlyFeatureParams(prompt=PromptParams(template="{question}", chat=False), n_steps=4, hidden_layers=[1, -1])
+
+
+def test_features_of_a_question(tiny_llm):
+    f = question_features(tiny_llm, "The capital of Egypt is", PARAMS)
+    assert len(f.attribution) == len(f.question_tokens) == int(tiny_llm.encode_prompt("The capital of Egypt is", PARAMS.prompt)[1].sum())
+    assert f.attribution.sum() == pytest.approx(1.0, abs=1e-5)
+    assert 0 <= f.entropy <= np.log(len(f.attribution)) + 1e-9
+    assert f.keywords and set(f.keywords) <= {"The", "capital", "of", "Egypt", "is"}
+    assert 0 < f.first_token_prob <= 1 and 0 <= f.first_token_margin <= f.first_token_prob
+    assert f.hidden.shape == (2 * 64,)
+    again = question_features(tiny_llm, "The capital of Egypt is", PARAMS)
+    np.testing.assert_array_equal(f.attribution, again.attribution)
+
+
+def test_bad_questions_are_record_errors(tiny_llm):
+    with pytest.raises(RecordError, match="empty question"):
+        question_features(tiny_llm, "  ", PARAMS)
+    with pytest.raises(RecordError, match="max_question_tokens=3"):
+        question_features(tiny_llm, "The capital of the United Kingdom of Great Britain is", dataclasses.replace(PARAMS, max_question_tokens=3))
+
+
+def test_layer_out_of_range_names_the_key(tiny_llm):
+    with pytest.raises(ValueError, match="hidden_layers has 5, but the LLM has 2 layers"):
+        question_features(tiny_llm, "The capital of Egypt is", dataclasses.replace(PARAMS, hidden_layers=[5]))
+
+
+def test_static_features_follow_the_groups(tiny_llm):
+    row = features_to_row(question_features(tiny_llm, "The capital of Peru is", PARAMS))
+    assert static_features(row, ["entropy"]).shape == (3,)
+    assert static_features(row, ["entropy", "first_token", "hidden"]).shape == (3 + 3 + 128,)
+    assert static_features(row, ["attribution"]).shape == (0,)
