@@ -3,7 +3,8 @@
 The attribution target is the probability of the first answer token. Only the question's token
 embeddings are integrated from a zero baseline; the prompt template around them stays fixed, so the
 attribution speaks about the question alone. Speed: all interpolation steps go through the model in
-one batch (``internal_batch_size``) and only the last position's logits are computed.
+one batch (``internal_batch_size``), only the last position's logits are computed, and the prompt
+before the question runs once (its key/value cache is shared by all steps).
 """
 
 from __future__ import annotations
@@ -11,17 +12,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 from captum.attr import IntegratedGradients
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 _EPS = 1e-12
 
 
-def first_token_probability(model: PreTrainedModel, target_id: int):
-    """``f(inputs_embeds) -> p(target | prompt)`` for each row of a batch, from the last position only."""
+def first_token_probability(model: PreTrainedModel, target_id: int, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """``f(inputs_embeds) -> p(target | prompt)`` for each row of a batch, from the last position only.
+
+    ``prefix`` holds the per-layer key/value states of the prompt tokens before the inputs; they are
+    shared by every row, so they are computed once instead of once per interpolation step.
+    """
 
     def forward(inputs_embeds: torch.Tensor) -> torch.Tensor:
-        logits = model(inputs_embeds=inputs_embeds, logits_to_keep=1, use_cache=False).logits[:, -1]
-        return torch.softmax(logits.float(), dim=-1)[:, target_id]
+        cache = None
+        if prefix:
+            rows = inputs_embeds.shape[0]
+            cache = DynamicCache(
+                ddp_cache_data=[(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=model.config
+            )
+        logits = model(inputs_embeds=inputs_embeds, past_key_values=cache, logits_to_keep=1, use_cache=cache is not None).logits
+        return torch.softmax(logits[:, -1].float(), dim=-1)[:, target_id]
 
     return forward
 
@@ -35,12 +46,23 @@ def token_attributions(
     method: str = "gausslegendre",
     batch_size: int | None = None,
 ) -> np.ndarray:
-    """Per-question-token IG attribution: L2 norm over the embedding dimension, shape ``[n_question_tokens]``."""
-    embeds = model.get_input_embeddings()(input_ids).detach()
-    baseline = embeds * (~question_mask)[None, :, None].to(embeds.dtype)
-    ig = IntegratedGradients(first_token_probability(model, target_id))
+    """Per-question-token IG attribution: L2 norm over the embedding dimension, shape ``[n_question_tokens]``.
+
+    The prompt before the first question token is identical at every interpolation step (causal
+    attention), so it runs once and its key/value cache is reused by all steps.
+    """
+    start = int(question_mask.nonzero()[0, 0])
+    prefix = None
+    if start > 0:
+        with torch.no_grad():
+            cache = model(input_ids[:, :start], use_cache=True).past_key_values
+        prefix = [(layer.keys, layer.values) for layer in cache.layers]
+    mask = question_mask[start:]
+    embeds = model.get_input_embeddings()(input_ids[:, start:]).detach()
+    baseline = embeds * (~mask)[None, :, None].to(embeds.dtype)
+    ig = IntegratedGradients(first_token_probability(model, target_id, prefix))
     attr = ig.attribute(embeds, baselines=baseline, n_steps=n_steps, method=method, internal_batch_size=batch_size or n_steps)
-    scores = attr[0].float().norm(dim=-1)[question_mask]
+    scores = attr[0].float().norm(dim=-1)[mask]
     return scores.detach().cpu().numpy()
 
 

@@ -183,6 +183,7 @@ class EarlyFeatureParams:
 class BuildEarlyParams:
     features: EarlyFeatureParams = dataclasses.field(default_factory=EarlyFeatureParams)
     max_new_tokens: int = 8
+    stop: list[str] = dataclasses.field(default_factory=lambda: ["\n"])
     shard_size: int = 50
     shard_dir: str = "data/early/shards"
     out: str = "data/early/early.parquet"

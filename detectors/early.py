@@ -81,8 +81,8 @@ def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> Qu
     )
 
 
-def greedy_answer(llm: LLM, prompt_ids: torch.Tensor, max_new_tokens: int) -> str:
-    """The LLM's greedy continuation of the prompt, special tokens removed."""
+def greedy_answer(llm: LLM, prompt_ids: torch.Tensor, max_new_tokens: int, stop: list[str] = ()) -> str:
+    """The LLM's greedy continuation of the prompt up to the first stop string, special tokens removed."""
     with torch.no_grad():
         out = llm.model.generate(
             prompt_ids,
@@ -90,8 +90,13 @@ def greedy_answer(llm: LLM, prompt_ids: torch.Tensor, max_new_tokens: int) -> st
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=llm.tokenizer.pad_token_id,
+            stop_strings=list(stop) or None,
+            tokenizer=llm.tokenizer if stop else None,
         )
-    return llm.tokenizer.decode(out[0, prompt_ids.shape[1]:], skip_special_tokens=True).strip()
+    text = llm.tokenizer.decode(out[0, prompt_ids.shape[1]:], skip_special_tokens=True)
+    for s in stop:  # the answer is what comes before the first stop string
+        text = text.split(s, 1)[0]
+    return text.strip()
 
 
 def early_record(llm: LLM, question: str, answers: list[str], params: BuildEarlyParams) -> dict:
@@ -100,7 +105,7 @@ def early_record(llm: LLM, question: str, answers: list[str], params: BuildEarly
     ``label`` is 1 for a hallucination (no reference answer contained in the answer), 0 otherwise.
     """
     f = question_features(llm, question, params.features)
-    answer = greedy_answer(llm, f.prompt_ids, params.max_new_tokens)
+    answer = greedy_answer(llm, f.prompt_ids, params.max_new_tokens, params.stop)
     return {"answer": answer, "label": int(not contains_reference(answer, answers)), **features_to_row(f)}
 
 

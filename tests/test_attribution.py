@@ -25,9 +25,17 @@ def naive_ig(model, ids, mask, target, n_steps):
     return ((embeds - baseline) * total)[0].norm(dim=-1)[mask].numpy()
 
 
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        PromptParams(template="{question}", chat=False),  # no prefix before the question
+        PromptParams(template="Q: {question} A:", chat=False),
+        PromptParams(template="Complete: {question}", chat=True, system="Be brief."),  # long cached prefix
+    ],
+)
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_ig_matches_step_by_step_definition(tiny_llm, batch_size):
-    ids, mask = tiny_llm.encode_prompt("The capital of Kenya is", PromptParams(template="Q: {question}", chat=False))
+def test_ig_matches_step_by_step_definition(tiny_llm, prompt, batch_size):
+    ids, mask = tiny_llm.encode_prompt("The capital of Kenya is", prompt)
     target = int(tiny_llm.model(ids).logits[0, -1].argmax())
     ours = token_attributions(tiny_llm.model, ids, mask, target, n_steps=8, batch_size=batch_size)
     ref = naive_ig(tiny_llm.model, ids, mask, target, 8)

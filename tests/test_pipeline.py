@@ -26,6 +26,7 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     params["llm"].update(source=str(checkpoint), dtype="float32", device="cpu")
     params["qa"].update(source=str(QA_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
     params["build_early"]["features"].update(n_steps=4, ig_batch_size=4, hidden_layers=[1, -1])
+    params["build_early"]["features"]["prompt"].update(template="{question}", chat=False)  # as the tiny Llama learnt them
     params["build_early"].update(max_new_tokens=4, shard_size=8)
     params["train_early"].update(ablation=[["attribution"]], max_epochs=15, patience=5, batch_size=8, accelerator="cpu")
     path = workdir / "params.yaml"
