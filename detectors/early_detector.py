@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.nn.utils.rnn import pad_sequence
 
-from detectors.config import EarlyFeatureParams, PromptParams, TrainEarlyParams, from_dict
+from detectors.config import EarlyFeatureParams, TrainEarlyParams, from_dict
 from detectors.early import SEQUENCE_DIM, question_features, sequence_features, static_features, features_to_row
 from detectors.llm import LLM, Fingerprint, load_llm
 from detectors.metrics import choose_threshold, require_both_classes

@@ -5,7 +5,6 @@ Work is written in shards; a killed run resumes at the first unfinished shard.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import logging
@@ -15,10 +14,11 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from detectors.config import load_section, read_params
+from detectors.config import load_section
 from detectors.early import early_record
 from detectors.llm import load_llm
 from detectors.shards import ShardStore, write_json
+from pipelines._stage import stage_params
 
 log = logging.getLogger("build_early")
 
@@ -51,11 +51,7 @@ def report(frame: pd.DataFrame) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    data = read_params(args.params)
+    data = stage_params(__doc__, argv)
     llm_params, qa_params = load_section("llm", data=data), load_section("qa", data=data)
     params = load_section("build_early", data=data)
     table = pd.read_parquet(qa_params.out)

@@ -6,7 +6,6 @@ MLflow run per scorer, nested under one comparison run, all with the same metric
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 from pathlib import Path
@@ -20,11 +19,12 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from detectors import registry  # noqa: E402
-from detectors.config import load_section, read_params  # noqa: E402
+from detectors.config import load_section  # noqa: E402
 from detectors.early_detector import EarlyDetector  # noqa: E402
 from detectors.metrics import binary_metrics, choose_threshold, platt, roc  # noqa: E402
 from detectors.scorers import EARLY_BASELINES, DetectorScorer  # noqa: E402
 from detectors.shards import write_json  # noqa: E402
+from pipelines._stage import stage_params  # noqa: E402
 
 log = logging.getLogger("evaluate")
 
@@ -84,11 +84,7 @@ def write_plots(scores: pd.DataFrame, frame: pd.DataFrame, names: list[str], plo
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    data = read_params(args.params)
+    data = stage_params(__doc__, argv)
     build, train = load_section("build_early", data=data), load_section("train_early", data=data)
     params, mlflow_params = load_section("evaluate", data=data), load_section("mlflow", data=data)
     frame = pd.read_parquet(build.out)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
-from detectors.config import load_section, read_params
+from detectors.config import load_section
 from detectors.llm import prepare_llm, resolve_source
 from detectors.qa import SourceError, load_raw, normalize_records, sample, split_of
 from detectors.shards import write_json
+from pipelines._stage import stage_params
 
 log = logging.getLogger("prepare")
 
@@ -38,11 +38,7 @@ def prepare_qa(qa) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    data = read_params(args.params)
+    data = stage_params(__doc__, argv)
     llm_params, qa_params = load_section("llm", data=data), load_section("qa", data=data)
     resolve_source(llm_params.source, llm_params.gguf_file)  # unknown model: fail before the heavy work
     log.info("QA: %s", prepare_qa(qa_params))

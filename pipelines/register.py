@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from pathlib import Path
@@ -10,19 +9,16 @@ from pathlib import Path
 import mlflow
 
 from detectors import registry
-from detectors.config import load_section, read_params
+from detectors.config import load_section
 from detectors.early_detector import EarlyDetector
 from detectors.shards import write_json
+from pipelines._stage import stage_params
 
 log = logging.getLogger("register")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    data = read_params(args.params)
+    data = stage_params(__doc__, argv)
     train, evaluate = load_section("train_early", data=data), load_section("evaluate", data=data)
     params, mlflow_params = load_section("register_early", data=data), load_section("mlflow", data=data)
     detector = EarlyDetector.load(train.out_dir)

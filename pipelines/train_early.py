@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from pathlib import Path
 
 import pandas as pd
 
-from detectors.config import load_section, read_params
+from detectors.config import load_section
 from detectors.early_detector import train_early_detector
 from detectors.llm import MANIFEST, Fingerprint
 from detectors.shards import write_json
+from pipelines._stage import stage_params
 
 log = logging.getLogger("train_early")
 
@@ -22,11 +22,7 @@ def variant_name(groups: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    data = read_params(args.params)
+    data = stage_params(__doc__, argv)
     llm_params, build = load_section("llm", data=data), load_section("build_early", data=data)
     params = load_section("train_early", data=data)
     manifest = json.loads((Path(llm_params.dir) / MANIFEST).read_text())
