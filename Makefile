@@ -22,4 +22,6 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
+	PATH="$(abspath $(BIN)):$$PATH" dvc repro prepare
 	$(BIN)/python -m benchmarks.ig_speed
+	$(BIN)/python -m benchmarks.ig_speed --prompt plain --out benchmarks/results/ig_speed_plain.json

@@ -17,20 +17,34 @@ from transformers import DynamicCache, PreTrainedModel
 _EPS = 1e-12
 
 
-def first_token_probability(model: PreTrainedModel, target_id: int, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per-layer (keys, values) of a batch-1 prompt prefix
+
+
+def prefix_states(model: PreTrainedModel, input_ids: torch.Tensor, end: int) -> KV | None:
+    """Key/value states of ``input_ids[:, :end]`` (None when ``end`` is 0)."""
+    if end == 0:
+        return None
+    with torch.no_grad():
+        cache = model(input_ids[:, :end], use_cache=True).past_key_values
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def as_cache(prefix: KV | None, rows: int, config) -> DynamicCache | None:
+    """A fresh cache holding ``prefix`` for ``rows`` sequences (views: the prefix itself is never changed)."""
+    if not prefix:
+        return None
+    return DynamicCache(ddp_cache_data=[(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=config)
+
+
+def first_token_probability(model: PreTrainedModel, target_id: int, prefix: KV | None = None):
     """``f(inputs_embeds) -> p(target | prompt)`` for each row of a batch, from the last position only.
 
-    ``prefix`` holds the per-layer key/value states of the prompt tokens before the inputs; they are
-    shared by every row, so they are computed once instead of once per interpolation step.
+    ``prefix`` holds the key/value states of the prompt tokens before the inputs; they are shared by
+    every row, so they are computed once instead of once per interpolation step.
     """
 
     def forward(inputs_embeds: torch.Tensor) -> torch.Tensor:
-        cache = None
-        if prefix:
-            rows = inputs_embeds.shape[0]
-            cache = DynamicCache(
-                ddp_cache_data=[(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=model.config
-            )
+        cache = as_cache(prefix, inputs_embeds.shape[0], model.config)
         logits = model(inputs_embeds=inputs_embeds, past_key_values=cache, logits_to_keep=1, use_cache=cache is not None).logits
         return torch.softmax(logits[:, -1].float(), dim=-1)[:, target_id]
 
@@ -45,18 +59,17 @@ def token_attributions(
     n_steps: int,
     method: str = "gausslegendre",
     batch_size: int | None = None,
+    prefix: KV | None = None,
 ) -> np.ndarray:
     """Per-question-token IG attribution: L2 norm over the embedding dimension, shape ``[n_question_tokens]``.
 
     The prompt before the first question token is identical at every interpolation step (causal
-    attention), so it runs once and its key/value cache is reused by all steps.
+    attention), so it runs once and its key/value states are reused by all steps; pass ``prefix``
+    (from :func:`prefix_states`) when the caller already has them.
     """
     start = int(question_mask.nonzero()[0, 0])
-    prefix = None
-    if start > 0:
-        with torch.no_grad():
-            cache = model(input_ids[:, :start], use_cache=True).past_key_values
-        prefix = [(layer.keys, layer.values) for layer in cache.layers]
+    if prefix is None:
+        prefix = prefix_states(model, input_ids, start)
     mask = question_mask[start:]
     embeds = model.get_input_embeddings()(input_ids[:, start:]).detach()
     baseline = embeds * (~mask)[None, :, None].to(embeds.dtype)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import torch
 
-from detectors.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
+from detectors.attribution import (
+    as_cache,
+    attribution_distribution,
+    attribution_entropy,
+    keyword_candidates,
+    prefix_states,
+    token_attributions,
+)
 from detectors.config import BuildEarlyParams, EarlyFeatureParams
 from detectors.llm import LLM
 from detectors.qa import contains_reference
@@ -28,7 +36,7 @@ class QuestionFeatures:
     first_token_entropy: float
     first_token_margin: float  # p(top1) - p(top2)
     hidden: np.ndarray  # last prompt position, chosen layers concatenated
-    prompt_ids: torch.Tensor  # [1, L], to continue generation from
+    cache: Any  # key/value cache of the whole prompt, to continue generation from
 
 
 def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
@@ -58,13 +66,22 @@ def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> Qu
     max_len = getattr(llm.model.config, "max_position_embeddings", None)
     if max_len is not None and ids.shape[1] >= max_len:
         raise RecordError(f"prompt has {ids.shape[1]} tokens, the LLM's context is {max_len}")
+    # one pass over the prompt: the part before the question is cached for IG, the rest continues it
+    start = int(mask.nonzero()[0, 0])
+    prefix = prefix_states(llm.model, ids, start)
     with torch.no_grad():
-        out = llm.model(ids, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        out = llm.model(
+            ids[:, start:],
+            past_key_values=as_cache(prefix, 1, llm.model.config),
+            output_hidden_states=True,
+            logits_to_keep=1,
+            use_cache=True,
+        )
     probs = torch.softmax(out.logits[0, -1].float(), dim=-1)
     top2 = torch.topk(probs, 2)
     first_id = int(top2.indices[0])
     hidden = torch.cat([out.hidden_states[layer][0, -1].float() for layer in layers]).cpu().numpy()
-    scores = token_attributions(llm.model, ids, mask, first_id, params.n_steps, params.method, params.ig_batch_size)
+    scores = token_attributions(llm.model, ids, mask, first_id, params.n_steps, params.method, params.ig_batch_size, prefix)
     p = attribution_distribution(scores)
     tokens = [llm.tokenizer.decode([t]) for t in ids[0][mask].tolist()]
     return QuestionFeatures(
@@ -77,23 +94,27 @@ def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> Qu
         first_token_entropy=float(-(probs * torch.log(probs.clamp_min(1e-30))).sum()),
         first_token_margin=float(top2.values[0] - top2.values[1]),
         hidden=hidden.astype(np.float32),
-        prompt_ids=ids,
+        cache=out.past_key_values,
     )
 
 
-def greedy_answer(llm: LLM, prompt_ids: torch.Tensor, max_new_tokens: int, stop: list[str] = ()) -> str:
-    """The LLM's greedy continuation of the prompt up to the first stop string, special tokens removed."""
+def greedy_answer(llm: LLM, f: QuestionFeatures, max_new_tokens: int, stop: list[str] = ()) -> str:
+    """The LLM's greedy continuation of the prompt up to the first stop string or end of sequence.
+
+    Continues from the prompt's cache and first token in ``f``, so the prompt is not run again.
+    """
+    eos = llm.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+    cache, token, tokens = f.cache, f.first_token_id, []
     with torch.no_grad():
-        out = llm.model.generate(
-            prompt_ids,
-            attention_mask=torch.ones_like(prompt_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=llm.tokenizer.pad_token_id,
-            stop_strings=list(stop) or None,
-            tokenizer=llm.tokenizer if stop else None,
-        )
-    text = llm.tokenizer.decode(out[0, prompt_ids.shape[1]:], skip_special_tokens=True)
+        while token not in eos:
+            tokens.append(token)
+            text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+            if len(tokens) >= max_new_tokens or any(s in text for s in stop):
+                break
+            out = llm.model(torch.tensor([[token]], device=llm.device), past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
     for s in stop:  # the answer is what comes before the first stop string
         text = text.split(s, 1)[0]
     return text.strip()
@@ -105,7 +126,7 @@ def early_record(llm: LLM, question: str, answers: list[str], params: BuildEarly
     ``label`` is 1 for a hallucination (no reference answer contained in the answer), 0 otherwise.
     """
     f = question_features(llm, question, params.features)
-    answer = greedy_answer(llm, f.prompt_ids, params.max_new_tokens, params.stop)
+    answer = greedy_answer(llm, f, params.max_new_tokens, params.stop)
     return {"answer": answer, "label": int(not contains_reference(answer, answers)), **features_to_row(f)}
 
 
