@@ -156,15 +156,19 @@ def sequence_features(attribution) -> np.ndarray:
     return np.stack([p, rel, np.log(np.clip(rel, 1e-6, None)), pos], axis=1).astype(np.float32)
 
 
-def static_features(row: dict, groups: list[str]) -> np.ndarray:
-    """The per-question vector fed to the detector's head, in a fixed group order."""
+def scalar_features(row: dict, groups: list[str]) -> np.ndarray:
+    """The per-question scalars fed straight to the detector's head, in a fixed group order."""
     parts: list[np.ndarray] = []
     if "entropy" in groups:
         n = len(row["attribution"])
         log_n = float(np.log(n)) if n > 1 else 1.0
         parts.append(np.array([row["entropy"], row["entropy"] / log_n, log_n]))
     if "first_token" in groups:
-        parts.append(np.array([row["first_token_prob"], row["first_token_entropy"], row["first_token_margin"]]))
-    if "hidden" in groups:
-        parts.append(np.asarray(row["hidden"], dtype=np.float64))
+        prob = float(row["first_token_prob"])
+        parts.append(np.array([prob, np.log(max(prob, 1e-9)), row["first_token_entropy"], row["first_token_margin"]]))
     return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, dtype=np.float32)
+
+
+def vector_features(row: dict, groups: list[str]) -> np.ndarray:
+    """The per-question vector (hidden state of the last prompt token) the head sees through a projection."""
+    return np.asarray(row["hidden"], dtype=np.float32) if "hidden" in groups else np.zeros(0, dtype=np.float32)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn.utils.rnn import pad_sequence
 
 from detectors.config import EarlyFeatureParams, TrainEarlyParams, from_dict
-from detectors.early import SEQUENCE_DIM, question_features, sequence_features, static_features, features_to_row
+from detectors.early import SEQUENCE_DIM, features_to_row, question_features, scalar_features, sequence_features, vector_features
 from detectors.llm import LLM, Fingerprint, load_llm
 from detectors.metrics import choose_threshold, require_both_classes
 from detectors.nets import EarlyGRU
@@ -42,19 +42,25 @@ class EarlyDecision:
     attribution: list[float]
 
 
-def _items(rows: list[dict], groups: list[str], mean: np.ndarray, std: np.ndarray) -> list[dict]:
+def per_question(row: dict, groups: list[str]) -> np.ndarray:
+    """Scalars then vector: the per-question features, standardised together with train statistics."""
+    return np.concatenate([scalar_features(row, groups), vector_features(row, groups)])
+
+
+def _items(rows: list[dict], groups: list[str], mean: np.ndarray, std: np.ndarray, n_scalars: int) -> list[dict]:
     items = []
     for row in rows:
-        item: dict[str, Any] = {"label": int(row.get("label", 0))}
+        z = torch.from_numpy((per_question(row, groups) - mean) / std).float()
+        item: dict[str, Any] = {"label": int(row.get("label", 0)), "scalars": z[:n_scalars], "vector": z[n_scalars:]}
         if "attribution" in groups:
             item["seq"] = torch.from_numpy(sequence_features(row["attribution"]))
-        item["static"] = torch.from_numpy((static_features(row, groups) - mean) / std).float()
         items.append(item)
     return items
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
-    batch = {"label": torch.tensor([it["label"] for it in items]), "static": torch.stack([it["static"] for it in items])}
+    batch = {key: torch.stack([it[key] for it in items]) for key in ("scalars", "vector")}
+    batch["label"] = torch.tensor([it["label"] for it in items])
     if "seq" in items[0]:
         batch["seq"] = pad_sequence([it["seq"] for it in items], batch_first=True)
         batch["lengths"] = torch.tensor([len(it["seq"]) for it in items])
@@ -120,7 +126,8 @@ class EarlyDetector:
     # ---- scoring --------------------------------------------------------------------------------
     def predict_rows(self, rows: list[dict]) -> np.ndarray:
         """P(hallucination) for stored feature rows (the early-detection set's schema)."""
-        return predict(self.net, _items(rows, self.groups, self.static_mean, self.static_std), collate)
+        items = _items(rows, self.groups, self.static_mean, self.static_std, self.net.config["scalar_dim"])
+        return predict(self.net, items, collate)
 
     def attach(self, llm: LLM) -> "EarlyDetector":
         """Use ``llm`` for new questions; it must be the LLM the detector was trained on."""
@@ -170,13 +177,15 @@ def train_early_detector(
     val = ok[ok["split"] == "val"].to_dict("records")
     for name, rows in (("the train split", train), ("the validation split", val)):
         require_both_classes(np.array([r["label"] for r in rows]), name)
-    raw = np.stack([static_features(r, groups) for r in train])
-    mean = raw.mean(axis=0) if raw.shape[1] else raw.sum(axis=0)
-    std = raw.std(axis=0) + 1e-6 if raw.shape[1] else raw.sum(axis=0) + 1.0
+    raw = np.stack([per_question(r, groups) for r in train])
+    mean, std = raw.mean(axis=0), raw.std(axis=0) + 1e-6
+    n_scalars = len(scalar_features(train[0], groups))
     net, summary = fit(
-        lambda: EarlyGRU(SEQUENCE_DIM if "attribution" in groups else 0, raw.shape[1], params.rnn_hidden, params.dropout),
-        _items(train, groups, mean, std),
-        _items(val, groups, mean, std),
+        lambda: EarlyGRU(
+            SEQUENCE_DIM if "attribution" in groups else 0, n_scalars, raw.shape[1] - n_scalars, params.rnn_hidden, params.dropout
+        ),
+        _items(train, groups, mean, std, n_scalars),
+        _items(val, groups, mean, std, n_scalars),
         collate,
         lr=params.lr,
         weight_decay=params.weight_decay,

@@ -83,25 +83,55 @@ def f1_at(labels, scores, threshold: float) -> float:
     return 2 * tp / denom if denom else 0.0
 
 
-def platt(val_labels, val_scores):
-    """A monotone map score -> probability fitted on validation data (1-D logistic regression with
-    Platt's smoothed targets, so separable data still gives probabilities strictly inside (0, 1))."""
-    x, y = _t(val_scores), _t(val_labels)
+def fit_logistic(features, labels, l2: float = 1e-3, smooth: bool = True):
+    """L2-regularised logistic regression on standardised features; returns ``x -> P(label 1)``.
+
+    With ``smooth``, Platt's targets (N+1)/(N+2) and 1/(N+2) keep separable data from giving
+    probabilities of exactly 0 or 1.
+    """
+    x = _t(features)
+    x = x[:, None] if x.ndim == 1 else x
+    y = _t(labels)
     n_pos, n_neg = float(y.sum()), float(len(y) - y.sum())
-    target = torch.where(y > 0, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2))
-    mu, sd = x.mean(), x.std().clamp_min(1e-8)
-    w = torch.zeros(2, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=200, line_search_fn="strong_wolfe")
+    target = torch.where(y > 0, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2)) if smooth else y
+    mu, sd = x.mean(0), x.std(0).clamp_min(1e-8)
+    w = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=500, line_search_fn="strong_wolfe")
 
     def closure():
         opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(w[0] * (x - mu) / sd + w[1], target)
+        logits = ((x - mu) / sd) @ w[:-1] + w[-1]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, target) + l2 * (w[:-1] ** 2).sum()
         loss.backward()
         return loss
 
     opt.step(closure)
-    a, b = w.detach()
-    return lambda s: torch.sigmoid(a * (_t(s) - mu) / sd + b).numpy()
+    coef = w.detach()
+
+    def predict(z) -> np.ndarray:
+        z = _t(z)
+        z = z[:, None] if z.ndim == 1 else z
+        return torch.sigmoid(((z - mu) / sd) @ coef[:-1] + coef[-1]).numpy()
+
+    return predict
+
+
+def platt(val_labels, val_scores):
+    """A monotone map score -> probability fitted on validation data (1-D logistic regression)."""
+    return fit_logistic(val_scores, val_labels, l2=0.0)
+
+
+def bootstrap_auroc(labels, scores, n: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the AUROC (resampling examples, both classes kept)."""
+    labels, scores = np.asarray(labels), np.asarray(scores, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(n):
+        idx = rng.integers(0, len(labels), len(labels))
+        if 0 < labels[idx].sum() < len(idx):
+            values.append(auroc(labels[idx], scores[idx]))
+    low, high = np.percentile(values, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def binary_metrics(labels, scores, threshold: float, probabilities, ece_bins: int = 10) -> dict[str, float]:
@@ -112,6 +142,7 @@ def binary_metrics(labels, scores, threshold: float, probabilities, ece_bins: in
     pred = np.asarray(scores) >= threshold
     return {
         "auroc": auroc(labels, scores),
+        **dict(zip(("auroc_ci_low", "auroc_ci_high"), bootstrap_auroc(labels, scores))),
         "auprc": auprc(labels, scores),
         "accuracy": float((pred == labels.astype(bool)).mean()),
         "f1": f1_at(labels, scores, threshold),

@@ -12,6 +12,8 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
+from detectors.metrics import fit_logistic
+
 
 class Scorer(Protocol):
     name: str
@@ -31,6 +33,10 @@ class ColumnScorer:
     kind: str = "baseline"
     is_probability: bool = False
 
+    @property
+    def features(self) -> str:
+        return self.column
+
     def score(self, frame: pd.DataFrame) -> np.ndarray:
         values = frame[self.column].to_numpy(dtype=np.float64)
         return values if self.higher_is_hallucinated else -values
@@ -41,6 +47,32 @@ EARLY_BASELINES: tuple[ColumnScorer, ...] = (
     ColumnScorer("first_token_prob", "first_token_prob", higher_is_hallucinated=False),
     ColumnScorer("first_token_entropy", "first_token_entropy"),
 )
+
+
+def summary_features(frame: pd.DataFrame) -> np.ndarray:
+    """Attribution summary and first-token statistics: the inputs of the logistic-regression baseline."""
+    n = frame["attribution"].map(len).to_numpy(dtype=np.float64)
+    peak = frame["attribution"].map(max).to_numpy(dtype=np.float64)
+    log_n = np.log(np.maximum(n, 2))
+    prob = frame["first_token_prob"].to_numpy(dtype=np.float64)
+    return np.c_[frame["entropy"], frame["entropy"] / log_n, peak, log_n,
+                 prob, np.log(np.maximum(prob, 1e-9)), frame["first_token_entropy"], frame["first_token_margin"]]
+
+
+@dataclasses.dataclass
+class LogisticScorer:
+    """The early-detection probe the GRU is measured against: a logistic regression on attribution
+    summaries and first-token statistics, fitted on the train split only."""
+
+    name: str = "logreg[attribution+first_token]"
+    kind: str = "baseline"
+    is_probability: bool = True
+    features: str = "attribution summary, first_token"
+
+    def score(self, frame: pd.DataFrame) -> np.ndarray:
+        train = frame[frame["split"] == "train"]
+        model = fit_logistic(summary_features(train), train["label"], l2=1e-2, smooth=False)
+        return model(summary_features(frame))
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from detectors import registry  # noqa: E402
 from detectors.config import load_section  # noqa: E402
 from detectors.early_detector import EarlyDetector  # noqa: E402
 from detectors.metrics import binary_metrics, choose_threshold, platt, roc  # noqa: E402
-from detectors.scorers import EARLY_BASELINES, DetectorScorer  # noqa: E402
+from detectors.scorers import EARLY_BASELINES, DetectorScorer, LogisticScorer  # noqa: E402
 from detectors.shards import write_json  # noqa: E402
 from pipelines._stage import stage_params  # noqa: E402
 
@@ -38,12 +38,8 @@ def evaluate_scorers(frame: pd.DataFrame, scorers, strategy: str, ece_bins: int)
     for scorer in scorers:
         scores[scorer.name] = scorer.score(ok)
         s_val, s_test = scores.loc[val.index, scorer.name], scores.loc[test.index, scorer.name]
-        if scorer.kind == "detector":
-            threshold = scorer.detector.threshold
-            prob = s_test
-        else:
-            threshold = choose_threshold(val["label"], s_val, strategy)
-            prob = platt(val["label"], s_val)(s_test)
+        threshold = scorer.detector.threshold if scorer.kind == "detector" else choose_threshold(val["label"], s_val, strategy)
+        prob = s_test if scorer.is_probability else platt(val["label"], s_val)(s_test)
         results[scorer.name] = {"kind": scorer.kind, **binary_metrics(test["label"], s_test, threshold, prob, ece_bins)}
     return results, scores
 
@@ -92,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     detectors = [DetectorScorer("gru", EarlyDetector.load(model_dir))]
     ablation_dir = model_dir / "ablation"
     detectors += [DetectorScorer(d.name, EarlyDetector.load(d)) for d in sorted(ablation_dir.iterdir())] if ablation_dir.exists() else []
-    scorers = detectors + list(EARLY_BASELINES)
+    scorers = detectors + [LogisticScorer()] + list(EARLY_BASELINES)
     results, scores = evaluate_scorers(frame, scorers, train.threshold, params.ece_bins)
     Path(params.scores).parent.mkdir(parents=True, exist_ok=True)
     scores.to_parquet(params.scores, index=False)
@@ -113,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             with mlflow.start_run(experiment_id=exp, run_name=scorer.name, nested=True, tags={**tags, "kind": scorer.kind}):
                 m = results[scorer.name]
                 mlflow.log_params({"scorer": scorer.name, "kind": scorer.kind,
-                                   "features": ",".join(scorer.detector.groups) if scorer.kind == "detector" else scorer.column})
+                                   "features": ",".join(scorer.detector.groups) if scorer.kind == "detector" else scorer.features})
                 mlflow.log_metrics({f"test_{k}": v for k, v in m.items() if k != "kind"})
                 if scorer.kind == "detector":
                     mlflow.log_metric("val_auroc", scorer.detector.info["best_val_auroc"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from detectors.config import EarlyFeatureParams, PromptParams
-from detectors.early import RecordError, question_features, static_features, features_to_row
+from detectors.early import RecordError, features_to_row, question_features, scalar_features, vector_features
 
 PARAMS = EarlyFeatureParams(prompt=PromptParams(template="{question}", chat=False), n_steps=4, hidden_layers=[1, -1])
 
@@ -37,8 +37,9 @@ def test_layer_out_of_range_names_the_key(tiny_llm):
         question_features(tiny_llm, "The capital of Egypt is", dataclasses.replace(PARAMS, hidden_layers=[5]))
 
 
-def test_static_features_follow_the_groups(tiny_llm):
+def test_per_question_features_follow_the_groups(tiny_llm):
     row = features_to_row(question_features(tiny_llm, "The capital of Peru is", PARAMS))
-    assert static_features(row, ["entropy"]).shape == (3,)
-    assert static_features(row, ["entropy", "first_token", "hidden"]).shape == (3 + 3 + 128,)
-    assert static_features(row, ["attribution"]).shape == (0,)
+    assert scalar_features(row, ["entropy"]).shape == (3,)
+    assert scalar_features(row, ["entropy", "first_token", "hidden"]).shape == (3 + 4,)
+    assert vector_features(row, ["entropy", "first_token", "hidden"]).shape == (128,)
+    assert scalar_features(row, ["attribution"]).shape == vector_features(row, ["attribution"]).shape == (0,)

@@ -7,10 +7,13 @@ import pytest
 
 from detectors.metrics import (
     OneClassError,
+    auroc,
     binary_metrics,
+    bootstrap_auroc,
     choose_threshold,
     f1_at,
     platt,
+    fit_logistic,
     require_both_classes,
 )
 
@@ -181,3 +184,26 @@ def test_auroc_of_large_raw_scores_that_separate_perfectly_is_one():
     assert m["accuracy"] == pytest.approx(1.0)  # raw-score comparison is right
     assert m["auroc"] == pytest.approx(1.0)
     assert m["auprc"] == pytest.approx(1.0)
+
+
+def test_logistic_regression_learns_the_informative_feature():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 400)
+    x = np.c_[y + rng.normal(0, 0.5, 400), rng.normal(0, 1, 400)]  # first column informative, second noise
+    model = fit_logistic(x[:300], y[:300])
+    p = model(x[300:])
+    assert ((p > 0) & (p < 1)).all()
+    assert auroc(y[300:], p) > 0.9
+    assert model(np.array([[2.0, 0.0]]))[0] > 0.9 > 0.1 > model(np.array([[-1.0, 0.0]]))[0]
+
+
+def test_bootstrap_interval_brackets_the_auroc_and_shrinks_with_data():
+    rng = np.random.default_rng(1)
+    widths = []
+    for n in (60, 600):
+        y = rng.integers(0, 2, n)
+        s = y + rng.normal(0, 1.2, n)
+        low, high = bootstrap_auroc(y, s)
+        assert low <= auroc(y, s) <= high
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 2

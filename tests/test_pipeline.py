@@ -96,11 +96,12 @@ def test_build_early_resumes_without_redoing_finished_shards(pipeline):
 
 def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     metrics = json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())
-    assert {"gru", "gru[attribution]", "attribution_entropy", "first_token_prob", "first_token_entropy"} <= set(metrics)
-    keys = {"auroc", "auprc", "accuracy", "f1", "ece", "threshold"}
+    assert {"gru", "gru[attribution]", "logreg[attribution+first_token]", "attribution_entropy", "first_token_prob",
+            "first_token_entropy"} <= set(metrics)
+    keys = {"auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1", "ece", "threshold"}
     for name, m in metrics.items():
         assert keys <= set(m), name
-        assert 0 <= m["auroc"] <= 1 and 0 <= m["ece"] <= 1
+        assert 0 <= m["auroc_ci_low"] <= m["auroc"] <= m["auroc_ci_high"] <= 1 and 0 <= m["ece"] <= 1
     assert (pipeline / "data/plots/early_roc.png").stat().st_size > 0
     assert (pipeline / "data/plots/early_roc/gru.csv").exists()
     assert {p.name for p in (pipeline / "data/plots/early_entropy_ecdf").glob("*.csv")} == {"correct.csv", "hallucinated.csv"}

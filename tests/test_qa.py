@@ -458,3 +458,18 @@ def test_sample_returns_all_rows_when_limit_is_large(records, limit):
     out = sample(records, limit)
     assert len(out) == len(records)
     assert out["id"].tolist() == records["id"].tolist()
+
+
+def test_prepare_refuses_a_source_without_usable_records(tmp_path):
+    from detectors.config import QAParams
+    from pipelines.prepare import prepare_qa
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SourceError, match="no usable record among 0"):
+        prepare_qa(QAParams(source=str(empty), raw_dir=str(tmp_path), out=str(tmp_path / "qa.parquet")))
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_text('{"question": "", "answers": ["x"]}\n{"question": "Q?", "answers": []}\n')
+    with pytest.raises(SourceError, match="no usable record among 2"):
+        prepare_qa(QAParams(source=str(only_bad), raw_dir=str(tmp_path), out=str(tmp_path / "qa.parquet")))
+    assert not (tmp_path / "qa.parquet").exists()
