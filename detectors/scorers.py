@@ -19,6 +19,7 @@ class Scorer(Protocol):
     name: str
     kind: str  # "detector" | "baseline"
     is_probability: bool  # False: evaluation maps scores to probabilities by a Platt fit on validation
+    features: str  # what the score is computed from, for the MLflow run
 
     def score(self, frame: pd.DataFrame) -> np.ndarray: ...
 
@@ -83,6 +84,10 @@ class DetectorScorer:
     detector: object  # EarlyDetector (anything with predict_rows and threshold)
     kind: str = "detector"
     is_probability: bool = True
+
+    @property
+    def features(self) -> str:
+        return ",".join(self.detector.groups)
 
     def score(self, frame: pd.DataFrame) -> np.ndarray:
         return self.detector.predict_rows(frame.to_dict("records"))

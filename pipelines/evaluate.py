@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         for scorer in scorers:
             with mlflow.start_run(experiment_id=exp, run_name=scorer.name, nested=True, tags={**tags, "kind": scorer.kind}):
                 m = results[scorer.name]
-                mlflow.log_params({"scorer": scorer.name, "kind": scorer.kind,
-                                   "features": ",".join(scorer.detector.groups) if scorer.kind == "detector" else scorer.features})
+                mlflow.log_params({"scorer": scorer.name, "kind": scorer.kind, "features": scorer.features})
                 mlflow.log_metrics({f"test_{k}": v for k, v in m.items() if k != "kind"})
                 if scorer.kind == "detector":
                     mlflow.log_metric("val_auroc", scorer.detector.info["best_val_auroc"])
