@@ -21,7 +21,7 @@ import pandas as pd  # noqa: E402
 from detectors import registry  # noqa: E402
 from detectors.config import load_section  # noqa: E402
 from detectors.early_detector import EarlyDetector  # noqa: E402
-from detectors.metrics import binary_metrics, choose_threshold, platt, roc  # noqa: E402
+from detectors.metrics import auroc, binary_metrics, choose_threshold, platt, roc  # noqa: E402
 from detectors.scorers import EARLY_BASELINES, DetectorScorer, LogisticScorer  # noqa: E402
 from detectors.shards import write_json  # noqa: E402
 from pipelines._stage import stage_params  # noqa: E402
@@ -56,7 +56,7 @@ def write_plots(scores: pd.DataFrame, frame: pd.DataFrame, names: list[str], plo
     for name in names:
         fpr, tpr, _ = roc(test["label"], test[name])
         pd.DataFrame({"fpr": fpr, "tpr": tpr}).to_csv(roc_dir / f"{name}.csv", index=False)
-        ax.plot(fpr, tpr, label=name)
+        ax.plot(fpr, tpr, label=f"{name} ({auroc(test['label'], test[name]):.3f})")
     ax.plot([0, 1], [0, 1], "k:", lw=0.8)
     ax.set(xlabel="false positive rate", ylabel="true positive rate", title="Early detection, test split")
     ax.legend(fontsize=7)
