@@ -192,6 +192,9 @@ class BuildEarlyParams:
     def check(self, where: str) -> None:
         positive(f"{where}.max_new_tokens", self.max_new_tokens)
         positive(f"{where}.shard_size", self.shard_size)
+        for i, stop in enumerate(self.stop):
+            if not stop:
+                fail(f"{where}.stop[{i}]", stop, "stop strings must be non-empty (use [] for no stop string)")
 
 
 FEATURE_GROUPS = ("attribution", "entropy", "first_token", "hidden")

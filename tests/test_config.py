@@ -320,3 +320,9 @@ def test_existing_relative_path_wins_over_hub_id(llm, tmp_path, monkeypatch):
 def test_nan_is_not_an_acceptable_number(shipped, tmp_path, dotted):
     msg = params_error(edited(shipped, tmp_path, dotted, float("nan")))
     assert dotted in msg and "nan" in msg
+
+
+def test_empty_stop_string_is_refused():
+    with pytest.raises(ParamsError, match=r"build_early\.stop\[1\] = ''"):
+        from_dict(BuildEarlyParams, {"stop": ["\n", ""]}, "build_early")
+    assert from_dict(BuildEarlyParams, {"stop": []}, "build_early").stop == []

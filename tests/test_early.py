@@ -43,3 +43,16 @@ def test_per_question_features_follow_the_groups(tiny_llm):
     assert scalar_features(row, ["entropy", "first_token", "hidden"]).shape == (3 + 4,)
     assert vector_features(row, ["entropy", "first_token", "hidden"]).shape == (128,)
     assert scalar_features(row, ["attribution"]).shape == vector_features(row, ["attribution"]).shape == (0,)
+
+
+def test_greedy_answer_matches_generate_and_stops_at_the_stop_string(tiny_llm):
+    from detectors.early import greedy_answer
+
+    for question in ("The capital of Spain is", "The river of Cairo is", "The sport of Bolt is"):
+        f = question_features(tiny_llm, question, PARAMS)
+        ids, _ = tiny_llm.encode_prompt(question, PARAMS.prompt)
+        ref = tiny_llm.model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tiny_llm.tokenizer.pad_token_id)
+        expected = tiny_llm.tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+        assert greedy_answer(tiny_llm, f, 5) == expected.strip()
+        cut = greedy_answer(tiny_llm, question_features(tiny_llm, question, PARAMS), 5, stop=["."])
+        assert cut == expected.split(".", 1)[0].strip() and "." not in cut
