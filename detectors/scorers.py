@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
+from detectors.early import scalar_features
 from detectors.metrics import fit_logistic
 
 
@@ -51,13 +52,11 @@ EARLY_BASELINES: tuple[ColumnScorer, ...] = (
 
 
 def summary_features(frame: pd.DataFrame) -> np.ndarray:
-    """Attribution summary and first-token statistics: the inputs of the logistic-regression baseline."""
-    n = frame["attribution"].map(len).to_numpy(dtype=np.float64)
-    peak = frame["attribution"].map(max).to_numpy(dtype=np.float64)
-    log_n = np.log(np.maximum(n, 2))
-    prob = frame["first_token_prob"].to_numpy(dtype=np.float64)
-    return np.c_[frame["entropy"], frame["entropy"] / log_n, peak, log_n,
-                 prob, np.log(np.maximum(prob, 1e-9)), frame["first_token_entropy"], frame["first_token_margin"]]
+    """Inputs of the logistic-regression baseline: the detector's entropy and first-token scalars,
+    plus the peak of the attribution distribution (a summary in place of the whole sequence)."""
+    return np.stack(
+        [np.r_[scalar_features(row, ["entropy", "first_token"]), max(row["attribution"])] for row in frame.to_dict("records")]
+    )
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ import pandas as pd  # noqa: E402
 from detectors import registry  # noqa: E402
 from detectors.config import load_section  # noqa: E402
 from detectors.early_detector import EarlyDetector  # noqa: E402
-from detectors.metrics import auroc, binary_metrics, choose_threshold, platt, roc  # noqa: E402
+from detectors.metrics import binary_metrics, choose_threshold, platt, roc  # noqa: E402
 from detectors.scorers import EARLY_BASELINES, DetectorScorer, LogisticScorer  # noqa: E402
 from detectors.shards import write_json  # noqa: E402
 from pipelines._stage import stage_params  # noqa: E402
@@ -44,7 +44,7 @@ def evaluate_scorers(frame: pd.DataFrame, scorers, strategy: str, ece_bins: int)
     return results, scores
 
 
-def write_plots(scores: pd.DataFrame, frame: pd.DataFrame, names: list[str], plots_dir: Path) -> list[Path]:
+def write_plots(scores: pd.DataFrame, frame: pd.DataFrame, results: dict, plots_dir: Path) -> list[Path]:
     """dvc plots (one CSV per curve, so each is its own series) and PNGs for MLflow."""
     roc_dir, ecdf_dir = plots_dir / "early_roc", plots_dir / "early_entropy_ecdf"
     for d in (roc_dir, ecdf_dir):
@@ -53,10 +53,10 @@ def write_plots(scores: pd.DataFrame, frame: pd.DataFrame, names: list[str], plo
             old.unlink()
     test = scores[scores["split"] == "test"]
     fig, ax = plt.subplots(figsize=(5.5, 5))
-    for name in names:
+    for name, metrics in results.items():
         fpr, tpr, _ = roc(test["label"], test[name])
         pd.DataFrame({"fpr": fpr, "tpr": tpr}).to_csv(roc_dir / f"{name}.csv", index=False)
-        ax.plot(fpr, tpr, label=f"{name} ({auroc(test['label'], test[name]):.3f})")
+        ax.plot(fpr, tpr, label=f"{name} ({metrics['auroc']:.3f})")
     ax.plot([0, 1], [0, 1], "k:", lw=0.8)
     ax.set(xlabel="false positive rate", ylabel="true positive rate", title="Early detection, test split")
     ax.legend(fontsize=7)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(params.scores).parent.mkdir(parents=True, exist_ok=True)
     scores.to_parquet(params.scores, index=False)
     write_json(params.metrics, results)
-    pngs = write_plots(scores, frame, [s.name for s in scorers], Path(params.plots_dir))
+    pngs = write_plots(scores, frame, results, Path(params.plots_dir))
     for name, m in sorted(results.items(), key=lambda kv: -kv[1]["auroc"]):
         log.info("%-45s AUROC %.3f  AUPRC %.3f  acc %.3f  F1 %.3f  ECE %.3f", name, m["auroc"], m["auprc"], m["accuracy"], m["f1"], m["ece"])
 
