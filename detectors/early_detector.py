@@ -146,6 +146,17 @@ class EarlyDetector:
                 errors.append(f"{location}: {err}")
         raise RuntimeError(f"could not load the detector's LLM {self.fingerprint.name!r}: " + "; ".join(errors))
 
+    def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """pyfunc view: a ``question`` column in; probability, retrieve and keywords out."""
+        decisions = [self.assess(str(q)) for q in frame["question"]]
+        return pd.DataFrame(
+            {
+                "probability": [d.probability for d in decisions],
+                "retrieve": [d.retrieve for d in decisions],
+                "keywords": [d.keywords for d in decisions],
+            }
+        )
+
     def assess(self, question: str) -> EarlyDecision:
         """Should the RAG loop retrieve before generating an answer to ``question``?"""
         if self.llm is None:

@@ -4,6 +4,8 @@
     det = load_detector("dior-early", alias="champion")      # loads its LLM from the recorded source
     decision = det.assess("The capital of Occitania is")
     decision.retrieve, decision.probability, decision.keywords
+
+Every registered kind loads the same way (see ``detectors.mlflow_model.KINDS``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from pathlib import Path
 import mlflow
 
 from detectors.config import load_section
-from detectors.early_detector import EarlyDetector
 from detectors.llm import LLM
 from detectors.registry import configure
 
@@ -26,7 +27,7 @@ def load_detector(
     tracking_uri: str | None = None,
     params: str | Path = "params.yaml",
     llm: LLM | None = None,
-) -> EarlyDetector:
+)
     """The detector registered as ``models:/<name>@<alias>``.
 
     The tracking store is ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section

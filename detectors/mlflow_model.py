@@ -1,28 +1,43 @@
-"""Models-from-code entry point of a registered detector (MLflow loads this file, not a pickle)."""
+"""Models-from-code entry point of a registered detector (MLflow loads this file, not a pickle).
+
+The artifact directory's ``detector.json`` names its ``kind``; ``KINDS`` maps each kind to the class
+that loads it. Every such class has ``load(directory)`` and ``predict_frame(frame) -> frame``.
+"""
 
 from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
 
 import mlflow
 import pandas as pd
 
-from detectors.early_detector import EarlyDetector
+KINDS = {
+    "dior-early": "detectors.early_detector:EarlyDetector",
+}
 
 
-class EarlyDetectorModel(mlflow.pyfunc.PythonModel):
-    """pyfunc view of the early detector: a ``question`` column in, probability/retrieve/keywords out."""
+def load_artifact(directory: str | Path):
+    """The detector stored in ``directory``, whatever its kind."""
+    config = Path(directory) / "detector.json"
+    if not config.exists():
+        raise FileNotFoundError(f"{directory} holds no detector.json: not a detector artifact")
+    kind = json.loads(config.read_text()).get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"{directory} holds a detector of kind {kind!r}; known kinds: {sorted(KINDS)}")
+    module, cls = KINDS[kind].split(":")
+    return getattr(importlib.import_module(module), cls).load(directory)
+
+
+class DetectorModel(mlflow.pyfunc.PythonModel):
+    """pyfunc view of any detector: its ``predict_frame`` on the input frame."""
 
     def load_context(self, context) -> None:
-        self.detector = EarlyDetector.load(context.artifacts["detector"])
+        self.detector = load_artifact(context.artifacts["detector"])
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
-        decisions = [self.detector.assess(str(q)) for q in model_input["question"]]
-        return pd.DataFrame(
-            {
-                "probability": [d.probability for d in decisions],
-                "retrieve": [d.retrieve for d in decisions],
-                "keywords": [d.keywords for d in decisions],
-            }
-        )
+        return self.detector.predict_frame(model_input)
 
 
-mlflow.models.set_model(EarlyDetectorModel())
+mlflow.models.set_model(DetectorModel())
