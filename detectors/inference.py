@@ -27,7 +27,7 @@ def load_detector(
     tracking_uri: str | None = None,
     params: str | Path = "params.yaml",
     llm: LLM | None = None,
-)
+):
     """The detector registered as ``models:/<name>@<alias>``.
 
     The tracking store is ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section
