@@ -340,6 +340,8 @@ class EvaluateParams:
     scores: str = "data/eval/early_scores.parquet"
     realtime_metrics: str = "data/metrics/evaluate_realtime.json"
     realtime_scores: str = "data/eval/realtime_scores.parquet"
+    ctrla_early: str = "data/eval/ctrla_early.parquet"  # CtrlA confidence scores, joined when present
+    ctrla_realtime: str = "data/eval/ctrla_realtime.parquet"
     experiment: str = "detector-evaluation"
 
     def check(self, where: str) -> None:
@@ -485,12 +487,10 @@ class TruthfulQAParams:
     limit: int | None = 200
     lambdas: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.3])
     few_shot: bool = True
-    batch_size: int = 48
 
     def check(self, where: str) -> None:
         if self.limit is not None:
             positive(f"{where}.limit", self.limit)
-        positive(f"{where}.batch_size", self.batch_size)
         if 0.0 not in self.lambdas:
             fail(f"{where}.lambdas", self.lambdas, "include 0 (no steering) as the reference")
 

@@ -279,3 +279,11 @@ def load_llm(location: str, dtype: str = "auto", device: str = "auto", gguf_file
     model, tokenizer = _load_raw(src, torch_dtype)
     model.to(dev)
     return LLM.wrap(model, tokenizer, name)
+
+
+def prepared_reference(directory: str | Path) -> tuple[Fingerprint, dict[str, Any]]:
+    """The fingerprint of the LLM prepared in ``directory`` and where it came from (stored in detectors)."""
+    manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    ref = {"dir": str(Path(directory).resolve()), "source": manifest["source"], "gguf_file": manifest["gguf_file"]}
+    return Fingerprint.from_dict(manifest["fingerprint"]), ref
+

@@ -15,6 +15,9 @@ import pandas as pd
 
 KINDS = {
     "dior-early": "detectors.early_detector:EarlyDetector",
+    "dior-realtime": "detectors.realtime_detector:RealtimeDetector",
+    "ctrla-honesty": "detectors.ctrla:HonestySteering",
+    "ctrla-confidence": "detectors.ctrla:ConfidenceDetector",
 }
 
 

@@ -311,8 +311,18 @@ def token_offsets(llm: LLM, gen_ids: list[int]) -> list[int]:
 
 
 def entity_tokens(offsets: list[int], start: int, end: int) -> list[int]:
-    """Indices of the tokens overlapping characters [start, end) of the continuation."""
-    return [i for i in range(len(offsets) - 1) if offsets[i] < end and offsets[i + 1] > start and offsets[i + 1] > offsets[i]]
+    """Indices of the tokens overlapping characters [start, end) of the continuation.
+
+    A token that adds no character on its own (the first bytes of a multi-byte character) belongs
+    to the character that the following tokens complete.
+    """
+    n = len(offsets) - 1
+    ends, nxt = [0] * n, offsets[-1]
+    for i in reversed(range(n)):
+        if offsets[i + 1] > offsets[i]:
+            nxt = offsets[i + 1]
+        ends[i] = nxt
+    return [i for i in range(n) if offsets[i] < end and ends[i] > start and ends[i] > offsets[i]]
 
 
 def label_continuation(

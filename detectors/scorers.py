@@ -34,6 +34,7 @@ class ColumnScorer:
     higher_is_hallucinated: bool = True
     kind: str = "baseline"
     is_probability: bool = False
+    threshold: float | None = None  # None: chosen on validation by the evaluation
 
     @property
     def features(self) -> str:
@@ -87,6 +88,10 @@ class DetectorScorer:
     @property
     def features(self) -> str:
         return ",".join(self.detector.groups)
+
+    @property
+    def threshold(self) -> float:
+        return self.detector.threshold
 
     def score(self, frame: pd.DataFrame) -> np.ndarray:
         return self.detector.predict_rows(frame.to_dict("records"))

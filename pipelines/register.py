@@ -1,4 +1,7 @@
-"""Stage register: log the early detector to MLflow, register it, move the champion alias if not worse."""
+"""Stage register: log each DioR detector to MLflow, register it, move its alias only if not worse.
+
+``dior-early`` (the GRU) and ``dior-realtime`` (the MLP; its test metrics are the continuation level's).
+"""
 
 from __future__ import annotations
 
@@ -10,31 +13,46 @@ import mlflow
 
 from detectors import registry
 from detectors.config import load_section
-from detectors.early_detector import EarlyDetector
+from detectors.mlflow_model import load_artifact
 from detectors.shards import write_json
 from pipelines._stage import stage_params
 
 log = logging.getLogger("register")
 
 
-def main(argv: list[str] | None = None) -> None:
-    data = stage_params(__doc__, argv)
-    train, evaluate = load_section("train_early", data=data), load_section("evaluate", data=data)
-    params, mlflow_params = load_section("register_early", data=data), load_section("mlflow", data=data)
-    detector = EarlyDetector.load(train.out_dir)
-    test = json.loads(Path(evaluate.metrics).read_text())["gru"]
+def register_detector(artifact_dir: str, test: dict, params, mlflow_params, extra_params: dict) -> dict:
+    """Log ``artifact_dir`` as a pyfunc, register it as ``params.name`` and apply the champion rule."""
+    detector = load_artifact(artifact_dir)
     val_auroc = float(detector.info["best_val_auroc"])
     registry.configure(mlflow_params)
     exp = registry.experiment(params.experiment, mlflow_params)
-    metadata = {"llm": detector.fingerprint.to_dict(), "features": detector.groups, "threshold": detector.threshold}
+    metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
     with mlflow.start_run(experiment_id=exp, run_name=params.name) as run:
-        mlflow.log_params({"features": ",".join(detector.groups), "threshold": detector.threshold, "llm": detector.fingerprint.name})
+        mlflow.log_params({"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params})
         mlflow.log_metrics({"val_auroc": val_auroc, **{f"test_{k}": v for k, v in test.items() if k != "kind"}})
-        info = registry.log_detector(train.out_dir, metadata)
+        info = registry.log_detector(artifact_dir, metadata)
         result = registry.register(info.model_uri, params.name, params.alias, val_auroc)
     result.update({"run_id": run.info.run_id, "model_uri": info.model_uri, "test_auroc": test["auroc"]})
     write_json(params.out, result)
     log.info("%s", result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    data = stage_params(__doc__, argv)
+    evaluate, mlflow_params = load_section("evaluate", data=data), load_section("mlflow", data=data)
+    train_early, train_rt = load_section("train_early", data=data), load_section("train_realtime", data=data)
+    early_test = json.loads(Path(evaluate.metrics).read_text())["gru"]
+    register_detector(
+        train_early.out_dir, early_test, load_section("register_early", data=data), mlflow_params,
+        {"features": ",".join(train_early.features)},
+    )  # fmt: skip
+    realtime_test = json.loads(Path(evaluate.realtime_metrics).read_text())["sentence"]["mlp"]
+    layers = load_section("build_realtime", data=data).hidden_layers
+    register_detector(
+        train_rt.out_dir, realtime_test, load_section("register_realtime", data=data), mlflow_params,
+        {"hidden_layers": ",".join(map(str, layers))},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pandas as pd
 
 from detectors.config import load_section
 from detectors.early_detector import train_early_detector
-from detectors.llm import MANIFEST, Fingerprint
+from detectors.llm import prepared_reference
 from detectors.shards import write_json
 from pipelines._stage import stage_params
 
@@ -25,9 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     data = stage_params(__doc__, argv)
     llm_params, build = load_section("llm", data=data), load_section("build_early", data=data)
     params = load_section("train_early", data=data)
-    manifest = json.loads((Path(llm_params.dir) / MANIFEST).read_text())
-    llm_ref = {"dir": str(Path(llm_params.dir).resolve()), "source": manifest["source"], "gguf_file": manifest["gguf_file"]}
-    fingerprint = Fingerprint.from_dict(manifest["fingerprint"])
+    fingerprint, llm_ref = prepared_reference(llm_params.dir)
     frame = pd.read_parquet(build.out)
     out = Path(params.out_dir)
     variants = {"gru": params.features, **{variant_name(g): g for g in params.ablation}}

@@ -1,5 +1,6 @@
-"""The whole DAG on the tiny Llama and the hand-made QA fixture: prepare → build_early → train_early →
-evaluate → register, then the registered detector loaded back through the inference module."""
+"""The whole DAG on the tiny Llama and the hand-made QA and article fixtures: prepare → build_early →
+train_early, prepare_articles → build_realtime → train_realtime, evaluate → register, then the
+registered detectors loaded back through the inference module."""
 
 from __future__ import annotations
 
@@ -11,14 +12,20 @@ import mlflow
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import yaml
+
+from safetensors.numpy import load_file
 
 from conftest import QA_FIXTURE, ROOT, build_tiny_llama
 from detectors import load_detector
 from detectors.llm import LLM, LLMMismatchError
 from detectors.registry import register
-from pipelines import build_early, evaluate, prepare, train_early
+from pipelines import build_early, build_realtime, evaluate, prepare, prepare_articles, train_early, train_realtime
 from pipelines import register as register_stage
+
+
+ARTICLES_FIXTURE = ROOT / "data" / "fixtures" / "articles_small.json"
 
 
 def write_params(workdir: Path, checkpoint: Path) -> Path:
@@ -29,6 +36,11 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     params["build_early"]["features"]["prompt"].update(template="{question}", chat=False)  # as the tiny Llama learnt them
     params["build_early"].update(max_new_tokens=4, shard_size=8)
     params["train_early"].update(ablation=[["attribution"]], max_epochs=15, patience=5, batch_size=8, accelerator="cpu")
+    params["articles"].update(source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
+    params["build_realtime"].update(
+        hidden_layers=[1, -1], max_new_tokens=6, batch_size=4, shard_size=8, max_article_chars=400, prompt={"template": "{text}"}
+    )
+    params["train_realtime"].update(mlp_hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator="cpu")
     path = workdir / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
@@ -42,7 +54,7 @@ def pipeline(tmp_path_factory, tiny_checkpoint):
     os.chdir(workdir)
     try:
         write_params(workdir, tiny_checkpoint)
-        for stage in (prepare, build_early, train_early, evaluate, register_stage):
+        for stage in (prepare, prepare_articles, build_early, build_realtime, train_early, train_realtime, evaluate, register_stage):
             stage.main(["--params", "params.yaml"])
         yield workdir
     finally:
@@ -106,7 +118,7 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     assert (pipeline / "data/plots/early_roc/gru.csv").exists()
     assert {p.name for p in (pipeline / "data/plots/early_entropy_ecdf").glob("*.csv")} == {"correct.csv", "hallucinated.csv"}
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
-    runs = mlflow.search_runs(experiment_names=["detector-evaluation"], filter_string="tags.kind != ''")
+    runs = mlflow.search_runs(experiment_names=["detector-evaluation"], filter_string="tags.kind != '' and tags.task = 'early'")
     assert set(runs["params.scorer"]) == set(metrics)
     assert runs["metrics.test_auroc"].notna().all()
 
@@ -164,3 +176,129 @@ def test_comparison_notebook_runs_on_the_store(pipeline):
         del os.environ["MLFLOW_TRACKING_URI"]
     outputs = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for c in nb.cells for o in c.get("outputs", []))
     assert "gru" in outputs and "attribution_entropy" in outputs
+
+
+def test_realtime_set_reports_bad_articles_and_has_both_labels(pipeline):
+    articles = json.loads((pipeline / "data/articles/articles_report.json").read_text())
+    assert articles["rejected_reasons"] == {"empty text": 1, "duplicate title": 1}
+    report = json.loads((pipeline / "data/realtime/report.json").read_text())
+    assert report["records"] == 50 and report["warnings"] == 1  # the long article was cut
+    frame = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
+    weather = frame[frame["title"] == "Weather"].iloc[0]
+    assert "no entity" in weather["status"]
+    ok = frame[frame["status"] == "ok"]
+    for split in ("train", "val"):
+        tokens = np.concatenate([np.asarray(t) for t in ok.loc[ok["split"] == split, "token_label"]])
+        assert set(tokens) == {-1, 0, 1}, split
+    hidden = load_file(str(pipeline / "data/realtime/hidden.safetensors"))["hidden"]
+    assert hidden.dtype == np.float16 and hidden.shape == (sum(len(g) for g in ok["gen_ids"]), 2 * 64)
+    for row in ok.itertuples():
+        assert len(row.prob) == len(row.entropy) == len(row.token_label) == len(row.gen_ids) <= 6
+        assert row.label == int(any(e["hallucinated"] for e in json.loads(row.entities)))
+
+
+def test_build_realtime_resumes_without_redoing_finished_shards(pipeline):
+    os.chdir(pipeline)
+    shards = sorted((pipeline / "data/realtime/shards").glob("shard-*.parquet"))
+    before = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
+    hidden = load_file(str(pipeline / "data/realtime/hidden.safetensors"))["hidden"]
+    stamps = {p.name: p.stat().st_mtime_ns for p in shards[:-1]}
+    shards[-1].unlink()
+    build_realtime.main(["--params", "params.yaml"])
+    assert {p.name: p.stat().st_mtime_ns for p in shards[:-1]} == stamps
+    after = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
+    pd.testing.assert_frame_equal(before.drop(columns=["prob", "entropy"]), after.drop(columns=["prob", "entropy"]))
+    ok = before["status"] == "ok"
+    np.testing.assert_allclose(np.concatenate(before.loc[ok, "prob"].tolist()), np.concatenate(after.loc[ok, "prob"].tolist()), atol=1e-5)
+    np.testing.assert_allclose(load_file(str(pipeline / "data/realtime/hidden.safetensors"))["hidden"], hidden, atol=1e-2)
+
+
+def test_realtime_evaluation_at_three_levels(pipeline):
+    metrics = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())
+    assert set(metrics) == {"token", "entity", "sentence"}
+    assert {"mlp", "flare", "token_entropy"} <= set(metrics["token"])
+    assert {"mlp", "sit_min", "sit_avg", "sit_norm", "token_entropy"} <= set(metrics["entity"])
+    assert {"mlp", "flare", "sit_min", "sit_avg", "sit_norm", "token_entropy"} <= set(metrics["sentence"])
+    for level in metrics.values():
+        for m in level.values():
+            assert 0 <= m["auroc"] <= 1 and 0 <= m["ece"] <= 1
+    assert {p.stem for p in (pipeline / "data/plots/realtime_roc_entity").glob("*.csv")} == set(metrics["entity"])
+    mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["detector-evaluation"], filter_string="tags.task = 'realtime' and tags.kind != ''")
+    assert set(runs["params.scorer"]) == set(metrics["token"]) | set(metrics["entity"]) | set(metrics["sentence"])
+    mlp = runs[runs["params.scorer"] == "mlp"].iloc[0]
+    assert mlp["metrics.test_auroc"] == pytest.approx(metrics["sentence"]["mlp"]["auroc"])
+    assert mlp["metrics.test_token_auroc"] == pytest.approx(metrics["token"]["mlp"]["auroc"])
+
+
+def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny_llm):
+    out = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
+    assert out["name"] == "dior-realtime" and out["alias_moved"]
+    uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
+    detector = load_detector("dior-realtime", tracking_uri=uri, llm=tiny_llm)
+    frame = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
+    row = frame[frame["status"] == "ok"].iloc[0]
+    text = tiny_llm.tokenizer.decode(row["prompt_ids"])
+    with detector.monitor() as mon:
+        tiny_llm.model.generate(torch.tensor([list(row["prompt_ids"])]), logits_processor=[mon], max_new_tokens=7, do_sample=False)
+    result = detector.result(mon)
+    assert result.text.startswith(row["continuation"]) and text
+    # the tokens the pipeline labelled get the same probability online as in the evaluation
+    scores = pd.read_parquet(pipeline / "data/eval/realtime_scores.parquet")
+    tokens = scores[(scores["level"] == "token") & scores["id"].str.startswith(row["id"] + ":")]
+    for token_id, mlp in zip(tokens["id"], tokens["mlp"]):
+        assert result.probabilities[int(token_id.split(":")[1])] == pytest.approx(mlp, abs=1e-4)
+    model = mlflow.pyfunc.load_model("models:/dior-realtime@champion")
+    pred = model.predict(pd.DataFrame({"title": ["capital of Peru"], "text": ["The capital of Peru is"]}))
+    assert {"text", "probabilities", "trigger", "keywords"} <= set(pred.columns)
+
+
+def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline, tiny_llm, tokenizer):
+    """extract_directions → evaluate_directions → register_ctrla on the tiny Llama, then both served kinds."""
+    from detectors.ctrla import ConfidenceDetector, HonestySteering
+    from pipelines import evaluate_directions, extract_directions, register_ctrla
+
+    os.chdir(pipeline)
+    params = yaml.safe_load((pipeline / "params.yaml").read_text())
+    for concept in ("honesty", "confidence"):
+        params["extract_directions"][concept]["statements"].update(limit=24)
+    params["extract_directions"].update(size_curve=[4, 8], batch_size=8)
+    params["evaluate_directions"]["truthfulqa"].update(limit=3, lambdas=[0.0, 0.05])
+    (pipeline / "params_ctrla.yaml").write_text(yaml.safe_dump(params))
+    task = pipeline / "data/raw/bigbench/truthful_qa/task_mc.json"  # offline stand-in for the bigbench file
+    task.parent.mkdir(parents=True, exist_ok=True)
+    examples = [{"input": f"What is the capital of {c}?", "target_scores": {a: int(a == r) for a in ("Paris", "Lima", "Madrid")}}
+                for c, r in (("France", "Paris"), ("Peru", "Lima"), ("Spain", "Madrid"))]  # fmt: skip
+    task.write_text(json.dumps({"task_prefix": "Q: What is 2+2?\nA: 4\n", "examples": examples}))
+    for stage in (extract_directions, evaluate_directions, register_ctrla):
+        stage.main(["--params", "params_ctrla.yaml"])
+
+    extracted = json.loads((pipeline / "data/metrics/extract_directions.json").read_text())
+    assert extracted["honesty"]["layers"] == [1] and extracted["confidence"]["layers"] == [1, 2]
+    assert set(extracted["honesty"]["size_curve_cosine"]) == {"4", "8"}
+    metrics = json.loads((pipeline / "data/metrics/evaluate_directions.json").read_text())
+    assert len(metrics["honesty"]["auroc_per_layer"]) == 2 and 0 <= metrics["honesty"]["auroc_chosen_layers"] <= 1
+    assert set(metrics["truthfulqa"]["accuracy"]) == {"0.0", "0.05"} and metrics["truthfulqa"]["n"] == 3
+    early = pd.read_parquet(pipeline / "data/early/early.parquet")
+    scores = pd.read_parquet(pipeline / "data/eval/ctrla_early.parquet")
+    assert list(scores["id"]) == list(early.loc[early["status"] == "ok", "id"]) and np.isfinite(scores["ctrla_confidence"]).all()
+    assert (pipeline / "data/plots/ctrla_honesty_layers.csv").exists() and (pipeline / "data/plots/ctrla_truthfulqa.png").exists()
+
+    registered = json.loads((pipeline / "data/registry/ctrla.json").read_text())
+    assert registered["honesty"]["name"] == "ctrla-honesty" and registered["confidence"]["alias_moved"]
+    uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
+    honesty = load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm)
+    confidence = load_detector("ctrla-confidence", tracking_uri=uri, llm=tiny_llm)
+    assert isinstance(honesty, HonestySteering) and isinstance(confidence, ConfidenceDetector)
+    segment = confidence.generate("The capital of Spain is", steering=honesty, max_new_tokens=4)
+    assert len(segment.scores) == len(segment.token_ids) and segment.query.startswith("The capital of Spain is")
+    ids = tiny_llm.tokenizer("The capital of Spain is", return_tensors="pt")["input_ids"]
+    with honesty.steer(), confidence.monitor() as monitor:
+        tiny_llm.model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert monitor.scores().shape[1] >= ids.shape[1]
+    mlflow.set_tracking_uri(uri)
+    out = mlflow.pyfunc.load_model("models:/ctrla-confidence@champion").predict(pd.DataFrame({"question": ["The capital of Peru is"]}))
+    assert {"text", "scores", "retrieve", "refusal", "query"} <= set(out.columns)
+    other = LLM.wrap(build_tiny_llama(tokenizer, seed=1, train_steps=0), tokenizer, "another-tiny-llama")
+    with pytest.raises(LLMMismatchError, match="weights_digest"):
+        load_detector("ctrla-honesty", tracking_uri=uri, llm=other)

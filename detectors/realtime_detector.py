@@ -1,0 +1,285 @@
+"""The trained real-time detector: training from the entity-hallucination set, its artifact, and serving.
+
+The artifact is a directory: ``weights.safetensors`` and ``detector.json`` (network shape,
+standardisation, validation threshold, capture layers, prompt, spaCy model, LLM fingerprint).
+Serving scores tokens with the same ``GenerationRecorder`` and ``token_features`` as build_realtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import StoppingCriteria
+
+from detectors.config import RealtimePromptParams, TrainRealtimeParams, from_dict
+from detectors.llm import LLM, Fingerprint, load_llm
+from detectors.metrics import choose_threshold, require_both_classes
+from detectors.nets import TokenMLP
+from detectors.realtime import (
+    GenerationRecorder,
+    TokenTrace,
+    entity_tokens,
+    eos_ids,
+    generate_traced,
+    render_prompt,
+    token_features,
+    token_offsets,
+)
+from detectors.training import fit, predict
+
+KIND = "dior-realtime"
+CONFIG = "detector.json"
+WEIGHTS = "weights.safetensors"
+
+
+def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+    return {"x": torch.stack([it["x"] for it in items]), "label": torch.tensor([it["label"] for it in items])}
+
+
+def entity_token_table(frame: pd.DataFrame, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+    """Features and labels of every entity token of the ok records, and where each came from."""
+    feats, labels, where = [], [], []
+    for row in frame[frame["status"] == "ok"].itertuples():
+        token_label = np.asarray(row.token_label)
+        idx = np.flatnonzero(token_label >= 0)
+        if not len(idx):
+            continue
+        h = hidden[row.hidden_offset + idx]
+        feats.append(token_features(h, np.asarray(row.prob)[idx], np.asarray(row.entropy)[idx]))
+        labels.append(token_label[idx])
+        where.append(pd.DataFrame({"record": row.id, "split": row.split, "token": idx}))
+    width = hidden.shape[1] + 3
+    if not feats:
+        return np.zeros((0, width), np.float32), np.zeros(0, np.int64), pd.DataFrame(columns=["record", "split", "token"])
+    return np.concatenate(feats), np.concatenate(labels).astype(np.int64), pd.concat(where, ignore_index=True)
+
+
+class TriggerStop(StoppingCriteria):
+    """Stops ``model.generate`` once every sequence has a token at or above the detector's threshold."""
+
+    def __init__(self, recorder: GenerationRecorder, threshold: float):
+        self.recorder, self.threshold = recorder, threshold
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        if not self.recorder.scores:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        hit = (torch.stack(self.recorder.scores, 1) >= self.threshold).any(1)
+        return hit.to(input_ids.device)
+
+
+@dataclasses.dataclass
+class RealtimeResult:
+    """One continuation scored token by token (DioR Definition 2)."""
+
+    text: str
+    tokens: list[str]
+    probabilities: list[float]  # P(hallucination) of each generated token
+    trigger: int | None  # first token at or above the threshold: where retrieval should happen
+    keywords: list[str]  # entity tokens of the text not flagged as hallucinated (DioR §3.2)
+
+
+@dataclasses.dataclass
+class RealtimeDetector:
+    net: TokenMLP
+    mean: np.ndarray
+    std: np.ndarray
+    threshold: float
+    hidden_layers: list[int]
+    positions: list[int]  # hidden_states indices of hidden_layers for this LLM
+    prompt: RealtimePromptParams
+    spacy_model: str
+    fingerprint: Fingerprint
+    llm_ref: dict[str, Any]
+    info: dict[str, Any]
+    llm: LLM | None = None
+    _nlp: Any = None
+
+    # ---- artifact -------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()}, directory / WEIGHTS)
+        config = {
+            "kind": KIND,
+            "net": self.net.config,
+            "mean": self.mean.tolist(),
+            "std": self.std.tolist(),
+            "threshold": self.threshold,
+            "hidden_layers": self.hidden_layers,
+            "positions": self.positions,
+            "prompt": dataclasses.asdict(self.prompt),
+            "spacy_model": self.spacy_model,
+            "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
+            "info": self.info,
+        }
+        (directory / CONFIG).write_text(json.dumps(config, indent=2))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "RealtimeDetector":
+        directory = Path(directory)
+        if not (directory / CONFIG).exists():
+            raise FileNotFoundError(f"{directory} holds no {CONFIG}: not a real-time detector artifact")
+        config = json.loads((directory / CONFIG).read_text())
+        if config.get("kind") != KIND:
+            raise ValueError(f"{directory} holds a {config.get('kind')!r} artifact, not {KIND!r}")
+        net = TokenMLP(**config["net"])
+        net.load_state_dict(load_file(directory / WEIGHTS))
+        net.eval()
+        llm = dict(config["llm"])
+        return cls(
+            net=net,
+            mean=np.asarray(config["mean"], dtype=np.float32),
+            std=np.asarray(config["std"], dtype=np.float32),
+            threshold=float(config["threshold"]),
+            hidden_layers=list(config["hidden_layers"]),
+            positions=list(config["positions"]),
+            prompt=from_dict(RealtimePromptParams, config["prompt"], "detector.prompt"),
+            spacy_model=config["spacy_model"],
+            fingerprint=Fingerprint.from_dict(llm.pop("fingerprint")),
+            llm_ref=llm,
+            info=config["info"],
+        )
+
+    # ---- scoring --------------------------------------------------------------------------------
+    def predict_features(self, features: np.ndarray) -> np.ndarray:
+        """P(hallucination) for rows of ``token_features``."""
+        z = torch.from_numpy(((features - self.mean) / self.std).astype(np.float32))
+        return predict(self.net, [{"x": x, "label": 0} for x in z], collate)
+
+    def score_tokens(self, hidden: torch.Tensor, prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """The recorder's scorer: one batch of freshly generated tokens, scored while generation runs."""
+        return torch.from_numpy(self.predict_features(token_features(hidden.numpy(), prob.numpy(), entropy.numpy())))
+
+    def attach(self, llm: LLM) -> "RealtimeDetector":
+        """Use ``llm`` for generation; it must be the LLM the detector was trained on."""
+        self.fingerprint.require_same(llm.fingerprint, f"detector {KIND!r}")
+        self.llm = llm
+        return self
+
+    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
+        """Load the training LLM from where the artifact says it came from, and attach it."""
+        errors = []
+        for location in (c for c in (self.llm_ref.get("dir"), self.llm_ref.get("source")) if c):
+            try:
+                return self.attach(load_llm(location, dtype, device, self.llm_ref.get("gguf_file")))
+            except (OSError, ValueError) as err:
+                errors.append(f"{location}: {err}")
+        raise RuntimeError(f"could not load the detector's LLM {self.fingerprint.name!r}: " + "; ".join(errors))
+
+    def monitor(self, llm: LLM | None = None) -> GenerationRecorder:
+        """A recorder that scores every generated token of ``model.generate``::
+
+            with det.monitor() as mon:
+                model.generate(**enc, logits_processor=[mon], stopping_criteria=[det.stop_on_trigger(mon)])
+            result = det.result(mon)
+        """
+        llm = llm or self.llm or self.load_llm()
+        if llm is not self.llm:
+            self.attach(llm)
+        return GenerationRecorder(llm.model, self.positions, self.score_tokens)
+
+    def stop_on_trigger(self, recorder: GenerationRecorder) -> TriggerStop:
+        return TriggerStop(recorder, self.threshold)
+
+    def first_trigger(self, probabilities) -> int | None:
+        hits = np.flatnonzero(np.asarray(probabilities) >= self.threshold)
+        return int(hits[0]) if len(hits) else None
+
+    def keywords(self, gen_ids: list[int], probabilities) -> list[str]:
+        """DioR §3.2: the generated text's entities, as tokens, without the tokens flagged as hallucinated."""
+        if self._nlp is None:
+            import spacy
+
+            self._nlp = spacy.load(self.spacy_model)
+        text = self.llm.tokenizer.decode(gen_ids, skip_special_tokens=True)
+        offsets = token_offsets(self.llm, gen_ids)
+        out: list[str] = []
+        for ent in self._nlp(text).ents:
+            for i in entity_tokens(offsets, ent.start_char, ent.end_char):
+                token = self.llm.tokenizer.decode([gen_ids[i]]).strip()
+                if probabilities[i] < self.threshold and token and token not in out:
+                    out.append(token)
+        return out
+
+    def result(self, recorder: GenerationRecorder, row: int = 0) -> RealtimeResult:
+        """What ``recorder`` saw of batch row ``row``: per-token probabilities, trigger and keywords."""
+        return self._result(recorder.traces(eos_ids(self.llm))[row])
+
+    def generate(self, title: str, text: str, max_new_tokens: int = 32) -> RealtimeResult:
+        """Continue ``text`` with the training prompt and score every token (a convenience for the
+        common case; RAG loops with their own prompts use ``monitor``)."""
+        if self.llm is None:
+            self.load_llm()
+        prompt = render_prompt(self.llm, title, text, self.prompt)
+        _, traces = generate_traced(self.llm, [prompt], self.positions, max_new_tokens, self.prompt.chat, self.score_tokens)
+        return self._result(traces[0])
+
+    def _result(self, trace: TokenTrace) -> RealtimeResult:
+        probs = trace.scores.tolist() if trace.scores is not None else []
+        return RealtimeResult(
+            text=self.llm.tokenizer.decode(trace.gen_ids, skip_special_tokens=True),
+            tokens=[self.llm.tokenizer.decode([t]) for t in trace.gen_ids],
+            probabilities=probs,
+            trigger=self.first_trigger(probs),
+            keywords=self.keywords(trace.gen_ids, probs),
+        )
+
+    def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """pyfunc view: ``title`` and ``text`` columns in; continuation, per-token probabilities, trigger, keywords out."""
+        results = [self.generate(str(r["title"]), str(r["text"])) for r in frame.to_dict("records")]
+        return pd.DataFrame([dataclasses.asdict(r) for r in results])
+
+
+def train_realtime_detector(
+    frame: pd.DataFrame,
+    hidden: np.ndarray,
+    params: TrainRealtimeParams,
+    build: Any,
+    positions: list[int],
+    fingerprint: Fingerprint,
+    llm_ref: dict[str, Any],
+    fast_dev_run: bool = False,
+) -> RealtimeDetector:
+    """Train on the entity tokens of ``train``; early-stop and choose the threshold on ``val`` only."""
+    x, y, where = entity_token_table(frame, hidden)
+    train, val = (where["split"] == "train").to_numpy(), (where["split"] == "val").to_numpy()
+    require_both_classes(y[train], "the train split's entity tokens")
+    require_both_classes(y[val], "the validation split's entity tokens")
+    mean, std = x[train].mean(0), x[train].std(0) + 1e-4
+    z = torch.from_numpy(((x - mean) / std).astype(np.float32))
+    items = [{"x": z[i], "label": int(y[i])} for i in range(len(y))]
+    net, summary = fit(
+        lambda: TokenMLP(x.shape[1], params.mlp_hidden, params.dropout),
+        [items[i] for i in np.flatnonzero(train)],
+        [items[i] for i in np.flatnonzero(val)],
+        collate,
+        lr=params.lr,
+        weight_decay=params.weight_decay,
+        batch_size=params.batch_size,
+        max_epochs=params.max_epochs,
+        patience=params.patience,
+        seed=params.seed,
+        accelerator=params.accelerator,
+        fast_dev_run=fast_dev_run,
+    )
+    detector = RealtimeDetector(
+        net, mean, std, 0.5, list(build.hidden_layers), positions, build.prompt, build.spacy_model, fingerprint, llm_ref, {}
+    )
+    detector.threshold = choose_threshold(y[val], detector.predict_features(x[val]), params.threshold)
+    detector.info = {
+        **summary,
+        "threshold_strategy": params.threshold,
+        "n_train_tokens": int(train.sum()),
+        "n_val_tokens": int(val.sum()),
+        "train_hallucination_rate": float(y[train].mean()),
+        "seed": params.seed,
+    }
+    return detector

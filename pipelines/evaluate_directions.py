@@ -1,0 +1,185 @@
+"""Stage evaluate_directions: how good the CtrlA directions are, logged to dvc metrics/plots and MLflow.
+
+- honesty: AUROC of the projection separating held-out true from false statements, per layer and at
+  the steering layers (averaged like the monitor), and its dependence on the number of statements;
+- confidence monitor as a hallucination scorer: ``data/eval/ctrla_early.parquet`` (``id``,
+  ``ctrla_confidence`` = ``-min`` Eq. 2 over the answer's new non-stopword tokens, higher = more
+  likely hallucinated) for every usable early-set row, AUROC on its val/test splits; per-token scores
+  of the real-time set when it exists;
+- honesty steering: TruthfulQA MC1 accuracy for each λ of the grid (CtrlA Fig. 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import mlflow  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from detectors import registry  # noqa: E402
+from detectors.config import load_section  # noqa: E402
+from detectors.ctrla_eval import (  # noqa: E402
+    early_scores, last_token_states, load_truthfulqa, mc_accuracy, projection_scores, realtime_scores,
+)  # fmt: skip
+from detectors.directions import Directions, load_statements  # noqa: E402
+from detectors.llm import load_llm  # noqa: E402
+from detectors.metrics import OneClassError, auroc  # noqa: E402
+from detectors.shards import write_json  # noqa: E402
+from detectors.steering import steering_vectors  # noqa: E402
+from pipelines._stage import stage_params  # noqa: E402
+
+log = logging.getLogger("evaluate_directions")
+
+
+def _auroc(labels, scores) -> float | None:
+    labels = np.asarray(labels)
+    if labels.min() == labels.max():
+        return None
+    return round(auroc(labels, scores), 4)
+
+
+def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements: pd.DataFrame, params, max_tokens) -> dict:
+    """Held-out true-vs-false AUROC per layer, at the chosen layers, and per number of extraction statements."""
+    held = statements[(statements["split"] == "test") & statements["label"].notna()]
+    if held.empty or held["label"].nunique() < 2:
+        log.warning("no held-out statements with both labels: the honesty AUROC is skipped")
+        return {}
+    states = last_token_states(llm, params.eval_instruction, held["statement"].tolist(), params.batch_size, max_tokens)
+    labels = held["label"].astype(int).to_numpy()
+    per_layer = projection_scores(states, honesty.vectors)
+    curve = {str(n): _auroc(labels, projection_scores(states, v, honesty.layers)) for n, v in sorted(honesty.curve.items())}
+    curve[str(honesty.config["n_statements"])] = _auroc(labels, projection_scores(states, honesty.vectors, honesty.layers))
+    return {
+        "n_heldout": int(len(held)),
+        "auroc_per_layer": [_auroc(labels, per_layer[:, i]) for i in range(per_layer.shape[1])],
+        "auroc_chosen_layers": _auroc(labels, projection_scores(states, honesty.vectors, honesty.layers)),
+        "auroc_by_n_statements": curve,
+        "confidence_direction_auroc_chosen_layers": _auroc(labels, projection_scores(states, confidence.vectors, confidence.layers)),
+    }
+
+
+def write_plots(metrics: dict, plots_dir: Path) -> list[Path]:
+    """dvc plot CSVs and PNGs: honesty AUROC per layer, AUROC vs statements, TruthfulQA accuracy vs λ."""
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    pngs = []
+    h = metrics.get("honesty", {})
+    if h:
+        per_layer = pd.DataFrame({"layer": np.arange(1, len(h["auroc_per_layer"]) + 1), "auroc": h["auroc_per_layer"]})
+        per_layer.to_csv(plots_dir / "ctrla_honesty_layers.csv", index=False)
+        sizes = pd.DataFrame([{"n_statements": int(n), "auroc": a} for n, a in h["auroc_by_n_statements"].items()])
+        sizes.to_csv(plots_dir / "ctrla_honesty_size.csv", index=False)
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        ax.plot(per_layer["layer"], per_layer["auroc"], "o-")
+        ax.axhline(0.5, color="k", ls=":", lw=0.8)
+        ax.set(xlabel="layer", ylabel="held-out AUROC (true vs false)", title="Honesty direction per layer")
+        ax2.plot(sizes["n_statements"], sizes["auroc"], "o-")
+        ax2.set(xscale="log", xlabel="statements used for PCA", ylabel="AUROC at the steering layers", title="Dependence on |S|")
+        fig.tight_layout()
+        fig.savefig(plots_dir / "ctrla_honesty.png", dpi=120)
+        pngs.append(plots_dir / "ctrla_honesty.png")
+    t = metrics.get("truthfulqa", {})
+    if t:
+        grid = pd.DataFrame([{"lambda": float(k), "accuracy": v} for k, v in t["accuracy"].items()]).sort_values("lambda")
+        grid.to_csv(plots_dir / "ctrla_truthfulqa.csv", index=False)
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.plot(grid["lambda"], grid["accuracy"], "o-")
+        ax.set(xlabel="λ (fraction of the residual norm)", ylabel="MC1 accuracy", title=f"TruthfulQA under honesty steering (n={t['n']})")
+        fig.tight_layout()
+        fig.savefig(plots_dir / "ctrla_truthfulqa.png", dpi=120)
+        pngs.append(plots_dir / "ctrla_truthfulqa.png")
+    plt.close("all")
+    return pngs
+
+
+def main(argv: list[str] | None = None) -> None:
+    data = stage_params(__doc__, argv)
+    llm_params, qa_params = load_section("llm", data=data), load_section("qa", data=data)
+    build = load_section("build_early", data=data)
+    extract, params = load_section("extract_directions", data=data), load_section("evaluate_directions", data=data)
+    mlflow_params = load_section("mlflow", data=data)
+    honesty = Directions.load(Path(extract.out_dir) / "honesty")
+    confidence = Directions.load(Path(extract.out_dir) / "confidence")
+    statements = load_statements(extract.honesty.statements, qa_params.out)
+    early = pd.read_parquet(build.out)
+    early = early[early["status"] == "ok"].reset_index(drop=True)
+    llm = load_llm(llm_params.dir, llm_params.dtype, llm_params.device)
+    honesty.require_llm(llm)
+    confidence.require_llm(llm)
+    mon = extract.monitor
+    metrics: dict = {}
+    timings: dict[str, float] = {}
+
+    start = time.time()
+    metrics["honesty"] = honesty_metrics(llm, honesty, confidence, statements, params, extract.honesty.statements.max_tokens)
+    timings["honesty"] = time.time() - start
+
+    start = time.time()
+    scores = early_scores(llm, confidence, early, build.features.prompt, mon.tau, mon.clip, params.batch_size)
+    out = pd.DataFrame({"id": early["id"].astype(str), "ctrla_confidence": scores})
+    Path(params.early_out).parent.mkdir(parents=True, exist_ok=True)
+    out.to_parquet(params.early_out, index=False)
+    metrics["confidence_early"] = {
+        f"{split}_auroc": _auroc(early.loc[early["split"] == split, "label"], scores[early["split"] == split]) for split in ("val", "test")
+    }
+    metrics["confidence_early"]["n"] = int(len(early))
+    timings["confidence_early"] = time.time() - start
+
+    realtime = Path(params.realtime) if params.realtime else None
+    if realtime is not None and realtime.exists():
+        start = time.time()
+        frame = pd.read_parquet(realtime)
+        frame = frame[frame["status"] == "ok"].reset_index(drop=True) if "status" in frame else frame
+        per_token = realtime_scores(llm, confidence, frame, mon.tau, mon.clip, params.batch_size)
+        pd.DataFrame({"id": frame["id"].astype(str), "ctrla_confidence": per_token}).to_parquet(params.realtime_out, index=False)
+        metrics["confidence_realtime"] = {"n": int(len(frame))}
+        timings["confidence_realtime"] = time.time() - start
+    else:
+        log.info("no real-time set at %s: its per-token CtrlA scores are skipped", params.realtime)
+
+    start = time.time()
+    prefix, examples = load_truthfulqa(params.truthfulqa, qa_params.raw_dir)
+    accuracy = {}
+    for lam in params.truthfulqa.lambdas:
+        vectors = steering_vectors(honesty, lam, honesty.layers, extract.steering.relative) if lam else {}
+        accuracy[str(lam)], _ = mc_accuracy(llm, prefix, examples, vectors)
+        log.info("TruthfulQA MC1, λ = %g: %.3f", lam, accuracy[str(lam)])
+    metrics["truthfulqa"] = {"n": len(examples), "accuracy": accuracy, "relative": extract.steering.relative}
+    timings["truthfulqa"] = time.time() - start
+    metrics["seconds"] = {k: round(v, 1) for k, v in timings.items()}
+
+    write_json(params.metrics, metrics)
+    pngs = write_plots(metrics, Path(params.plots_dir))
+    log.info("honesty: %s", {k: v for k, v in metrics["honesty"].items() if k != "auroc_per_layer"})
+    log.info("confidence (early set): %s; TruthfulQA: %s", metrics["confidence_early"], accuracy)
+
+    registry.configure(mlflow_params)
+    exp = registry.experiment(params.experiment, mlflow_params)
+    tags = {"task": "ctrla", "llm": llm.fingerprint.name, "llm_digest": llm.fingerprint.weights_digest}
+    with mlflow.start_run(experiment_id=exp, run_name="ctrla directions", tags=tags):
+        mlflow.log_params({"honesty_layers": str(honesty.layers), "confidence_layers": str(confidence.layers),
+                           "n_statements": honesty.config["n_statements"], "lambdas": str(params.truthfulqa.lambdas)})  # fmt: skip
+        flat = {"confidence_test_auroc": metrics["confidence_early"]["test_auroc"], "confidence_val_auroc": metrics["confidence_early"]["val_auroc"]}
+        if metrics["honesty"]:
+            flat["honesty_heldout_auroc"] = metrics["honesty"]["auroc_chosen_layers"]
+            for i, a in enumerate(metrics["honesty"]["auroc_per_layer"], 1):
+                if a is not None:
+                    mlflow.log_metric("honesty_auroc_by_layer", a, step=i)
+        mlflow.log_metrics({k: v for k, v in flat.items() if v is not None})
+        for lam, acc in accuracy.items():
+            mlflow.log_metric("truthfulqa_accuracy", acc, step=int(round(float(lam) * 1000)))
+        for path in pngs:
+            mlflow.log_artifact(str(path))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except OneClassError as err:
+        raise SystemExit(str(err)) from err

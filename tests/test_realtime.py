@@ -1,0 +1,221 @@
+"""Real-time set: entity labelling on hand-made articles (real spaCy and sentence-transformers models),
+the generation recorder on the tiny Llama, and the detector's monitor during ``model.generate``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from detectors.config import BuildRealtimeParams, RealtimePromptParams, TrainRealtimeParams
+from detectors.early import RecordError
+from detectors.llm import Fingerprint
+from detectors.nets import TokenMLP
+from detectors.realtime import (
+    Entity,
+    EntityTools,
+    GenerationRecorder,
+    entity_tokens,
+    generate_traced,
+    label_continuation,
+    label_entities,
+    prepare_article,
+    token_features,
+    token_offsets,
+    truncation_point,
+)
+from detectors.realtime_detector import RealtimeDetector
+
+PARAMS = BuildRealtimeParams(prompt=RealtimePromptParams(template="{text}"), max_new_tokens=8, min_prefix_chars=0)
+
+
+@pytest.fixture(scope="module")
+def tools() -> EntityTools:
+    return EntityTools(PARAMS.spacy_model, PARAMS.embedding_model)
+
+
+def labels_of(tools: EntityTools, generated: list[str], original: list[str], window: int = 1) -> list[int]:
+    gen = [Entity(t, "X", 0, len(t), 0) for t in generated]
+    ref = [Entity(t, "X", 0, len(t), 0) for t in original]
+    sim = tools.similarity(generated, original)
+    return [e["hallucinated"] for e in label_entities(gen, ref, sim, PARAMS.similarity_threshold, window)]
+
+
+def test_paraphrased_names_are_supported_and_wrong_ones_hallucinated(tools):
+    original = ["United States of America", "Georges Bizet", "1875"]
+    assert labels_of(tools, ["USA"], original) == [0]  # paraphrase: the same entity
+    assert labels_of(tools, ["Georges Bizet"], original) == [0]  # known supported
+    assert labels_of(tools, ["Giuseppe Verdi"], original) == [1]  # known hallucinated
+    assert labels_of(tools, ["1876"], original) == [1]  # numbers must agree, however close the embeddings
+    assert labels_of(tools, ["USA"], []) == [1]  # nothing to support it
+
+
+def test_only_entities_at_the_corresponding_place_support(tools):
+    gen = [Entity("Paris", "GPE", 0, 5, 0)]
+    far = [Entity("Paris", "GPE", 0, 5, 3)]  # three sentences further on
+    sim = tools.similarity(["Paris"], ["Paris"])
+    assert label_entities(gen, far, sim, 0.7, window=1)[0]["hallucinated"] == 1
+    assert label_entities(gen, far, sim, 0.7, window=3)[0]["hallucinated"] == 0
+
+
+def test_truncation_is_before_an_entity_never_at_a_sentence_start(tools):
+    text = "Georges Bizet wrote Carmen in Paris in 1875. Bizet died in Bougival."
+    params = BuildRealtimeParams(min_prefix_chars=0)
+    cuts = {truncation_point(tools, f"id{i}", text, params) for i in range(40)}
+    starts = {e.start_char for e in tools.nlp(text).ents}
+    assert cuts <= starts and 0 not in cuts  # before an entity, not the one opening the sentence
+    assert all(c < text.index(". ") for c in cuts)  # inside the first sentence
+    assert len(cuts) > 1  # the entity is picked per article...
+    assert truncation_point(tools, "id3", text, params) == truncation_point(tools, "id3", text, params)  # ...deterministically
+    with pytest.raises(RecordError, match="no entity"):
+        truncation_point(tools, "x", "it rains here and the wind blows.", params)
+
+
+def test_continuation_labels_at_token_entity_and_sentence_level(tools, tiny_llm):
+    text = "The composer of Carmen is Georges Bizet. He lived in France."
+    cut = text.index("Georges")
+    gen_ids = tiny_llm.tokenizer(" Giuseppe Verdi. He lived in France.", add_special_tokens=False)["input_ids"]
+    out = label_continuation(tiny_llm, tools, text, cut, gen_ids, PARAMS)
+    by_text = {e["text"]: e for e in out["entities"]}
+    assert by_text["Giuseppe Verdi"]["hallucinated"] == 1 and by_text["France"]["hallucinated"] == 0
+    assert out["label"] == 1  # a continuation is hallucinated when any entity is
+    verdi = by_text["Giuseppe Verdi"]["tokens"]
+    assert tiny_llm.tokenizer.decode([gen_ids[i] for i in verdi]).strip() == "Giuseppe Verdi"
+    labels = np.asarray(out["token_label"])
+    assert (labels[verdi] == 1).all() and (labels[by_text["France"]["tokens"]] == 0).all()
+    assert (labels == -1).sum() == len(gen_ids) - len(verdi) - len(by_text["France"]["tokens"])
+
+    same = tiny_llm.tokenizer(" Bizet. He lived in France.", add_special_tokens=False)["input_ids"]
+    assert label_continuation(tiny_llm, tools, text, cut, same, PARAMS)["label"] == 0
+    with pytest.raises(RecordError, match="empty continuation"):
+        label_continuation(tiny_llm, tools, text, cut, [], PARAMS)
+    with pytest.raises(RecordError, match="no entity"):
+        label_continuation(tiny_llm, tools, text, cut, tiny_llm.tokenizer(" and then", add_special_tokens=False)["input_ids"], PARAMS)
+
+
+def test_unicode_offsets_and_long_articles(tools, tiny_llm):
+    ids = tiny_llm.tokenizer(" Zürich and São Paulo", add_special_tokens=False)["input_ids"]
+    offsets = token_offsets(tiny_llm, ids)
+    text = tiny_llm.tokenizer.decode(ids)
+    assert offsets[-1] == len(text)
+    span = entity_tokens(offsets, text.index("São"), len(text))
+    assert tiny_llm.tokenizer.decode([ids[i] for i in span]).strip() == "São Paulo"
+    long = "The capital of Peru is Lima. " + "It has old streets. " * 400
+    params = BuildRealtimeParams(prompt=PARAMS.prompt, max_article_chars=500)
+    short, prompt, cut, warnings = prepare_article(tools, tiny_llm, "p", "Peru", long, params)
+    assert len(short) == 500 and warnings and "max_article_chars" in warnings[0]
+    assert prompt == short[:cut].rstrip()
+
+
+def test_recorder_captures_the_generation_itself(tiny_llm):
+    """The hooks see exactly what a teacher-forced pass computes, and do not change the generation."""
+    model, tok = tiny_llm.model, tiny_llm.tokenizer
+    prompt = "The capital of Spain is"
+    enc = tok(prompt, return_tensors="pt")
+    plain = model.generate(**enc, max_new_tokens=6, do_sample=False)
+    positions = [1, 2]  # 2 = the last layer: after the final norm, as in output_hidden_states
+    _, traces = generate_traced(tiny_llm, [prompt], positions, max_new_tokens=6, chat=False)
+    trace = traces[0]
+    n = len(trace.gen_ids)
+    assert trace.gen_ids == plain[0, enc.input_ids.shape[1] :].tolist()[:n] and n > 0
+    full = torch.tensor([enc.input_ids[0].tolist() + trace.gen_ids])
+    with torch.no_grad():
+        ref = model(full, output_hidden_states=True)
+    p0 = enc.input_ids.shape[1]
+    expected = torch.cat([ref.hidden_states[p][0, p0 : p0 + n] for p in positions], -1)
+    assert np.allclose(trace.hidden.astype(np.float32), expected.to(torch.float16).float().numpy(), atol=2e-3)
+    probs = torch.softmax(ref.logits[0, p0 - 1 : p0 - 1 + n], -1)
+    chosen = probs[torch.arange(n), torch.tensor(trace.gen_ids)].numpy()
+    assert np.allclose(trace.prob, chosen, atol=1e-5)
+    entropy = -(probs * probs.log()).sum(-1).numpy()
+    assert np.allclose(trace.entropy, entropy, atol=1e-4)
+
+
+def test_recorder_batches_with_left_padding(tiny_llm):
+    prompts = ["The capital of Spain is", "The author of Hamlet is the famous"]
+    _, batched = generate_traced(tiny_llm, prompts, [1], max_new_tokens=5, chat=False)
+    for prompt, trace in zip(prompts, batched):
+        _, (single,) = generate_traced(tiny_llm, [prompt], [1], max_new_tokens=5, chat=False)
+        assert trace.gen_ids == single.gen_ids
+        assert np.allclose(trace.prob, single.prob, atol=1e-4)
+
+
+def test_hooks_are_removed_even_when_generation_raises(tiny_llm):
+    model = tiny_llm.model
+    recorder = GenerationRecorder(model, [1, 2])
+    before = [len(m._forward_hooks) for m in recorder.modules]
+    with pytest.raises(ValueError):
+        with recorder:
+            assert [len(m._forward_hooks) for m in recorder.modules] == [n + 1 for n in before]
+            model.generate(torch.tensor([[1, 2]]), logits_processor=[recorder], max_new_tokens=-1)
+    assert [len(m._forward_hooks) for m in recorder.modules] == before
+    with pytest.raises(RuntimeError, match="inside `with recorder:`"):
+        model.generate(torch.tensor([[5, 6]]), logits_processor=[recorder], max_new_tokens=3, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def detector(tiny_llm) -> RealtimeDetector:
+    """An untrained MLP with a threshold that some tokens cross: serving must match the stored features."""
+    torch.manual_seed(0)
+    dim = 64 + 3
+    fp = tiny_llm.fingerprint
+    det = RealtimeDetector(
+        TokenMLP(dim, 16, 0.0).eval(), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1],
+        RealtimePromptParams(template="{text}"), PARAMS.spacy_model, fp, {}, {"best_val_auroc": 0.5},
+    )  # fmt: skip
+    return det.attach(tiny_llm)
+
+
+def test_monitor_scores_tokens_as_training_features_would(detector, tiny_llm):
+    prompt = "The capital of Spain is"
+    with detector.monitor() as mon:
+        enc = tiny_llm.tokenizer(prompt, return_tensors="pt")
+        tiny_llm.model.generate(**enc, logits_processor=[mon], max_new_tokens=7, do_sample=False)
+    result = detector.result(mon)
+    trace = mon.traces({tiny_llm.tokenizer.eos_token_id})[0]
+    offline = detector.predict_features(token_features(trace.hidden, trace.prob, trace.entropy))
+    assert np.allclose(result.probabilities, offline, atol=1e-6)  # no training/serving skew
+    assert len(result.probabilities) == len(result.tokens) == len(trace.gen_ids)
+    detector.threshold = float(np.median(result.probabilities))
+    assert detector.first_trigger(result.probabilities) == int(np.argmax(np.asarray(result.probabilities) >= detector.threshold))
+    # stopping on the trigger ends generation right after the flagged token's features exist
+    with detector.monitor() as mon:
+        out = tiny_llm.model.generate(
+            **enc, logits_processor=[mon], stopping_criteria=[detector.stop_on_trigger(mon)], max_new_tokens=7, do_sample=False
+        )
+    stopped = detector.result(mon)
+    assert stopped.trigger == len(stopped.probabilities) - 1 == detector.first_trigger(result.probabilities)
+    assert out.shape[1] - enc.input_ids.shape[1] == stopped.trigger + 2
+
+
+def test_keywords_are_entity_tokens_not_flagged(detector, tiny_llm):
+    ids = tiny_llm.tokenizer(" Paris and Madrid are cities", add_special_tokens=False)["input_ids"]
+    offsets = token_offsets(tiny_llm, ids)
+    text = tiny_llm.tokenizer.decode(ids)
+    madrid = entity_tokens(offsets, text.index("Madrid"), text.index("Madrid") + 6)
+    probs = np.zeros(len(ids))
+    detector.threshold = 0.5
+    assert "Madrid" in "".join(detector.keywords(ids, probs))
+    probs[madrid] = 0.9
+    keywords = detector.keywords(ids, probs)
+    assert "Paris" in "".join(keywords) and "Madrid" not in "".join(keywords)
+
+
+def test_detector_round_trip_and_wrong_llm(detector, tmp_path, tiny_llm):
+    detector.save(tmp_path / "rt")
+    back = RealtimeDetector.load(tmp_path / "rt")
+    x = np.random.default_rng(0).normal(size=(5, 67)).astype(np.float32)
+    assert np.allclose(back.predict_features(x), detector.predict_features(x))
+    other = Fingerprint(**{**tiny_llm.fingerprint.to_dict(), "num_layers": 3})
+    back.fingerprint = other
+    with pytest.raises(Exception, match="num_layers"):
+        back.attach(tiny_llm)
+
+
+def test_train_params_are_validated():
+    from detectors.config import ParamsError, from_dict
+
+    with pytest.raises(ParamsError, match="train_realtime.dropout"):
+        from_dict(TrainRealtimeParams, {"dropout": 1.5}, "train_realtime")
+    with pytest.raises(ParamsError, match="must end with"):
+        from_dict(BuildRealtimeParams, {"prompt": {"template": "{text} please"}}, "build_realtime")
