@@ -54,7 +54,9 @@ def params_error(path: Path) -> str:
 
 def test_shipped_params_validate():
     sections = load_all(SHIPPED)
-    assert set(sections) == {"llm", "qa", "build_early", "train_early", "evaluate", "mlflow", "register_early"}
+    assert {"llm", "qa", "build_early", "train_early", "evaluate", "mlflow", "register_early", "articles", "build_realtime",
+            "train_realtime", "register_realtime"} <= set(sections)
+    assert sections["register_realtime"].name == "dior-realtime"
     qa = sections["qa"]
     assert isinstance(qa, QAParams)
     assert abs(sum(qa.splits.values()) - 1.0) < 1e-9

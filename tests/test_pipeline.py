@@ -176,6 +176,7 @@ def test_comparison_notebook_runs_on_the_store(pipeline):
         del os.environ["MLFLOW_TRACKING_URI"]
     outputs = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for c in nb.cells for o in c.get("outputs", []))
     assert "gru" in outputs and "attribution_entropy" in outputs
+    assert "sit_norm" in outputs and "sentence AUROC" in outputs  # the real-time table
 
 
 def test_realtime_set_reports_bad_articles_and_has_both_labels(pipeline):

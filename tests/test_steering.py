@@ -1,0 +1,153 @@
+"""Honesty steering, the confidence monitor, the retrieval trigger, refusal detection and query masking
+on the tiny Llama."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+from detectors.directions import Directions, LayerTap, decoder_layers
+from detectors.steering import (
+    ConfidenceMonitor, content_mask, detect_refusal, token_words, generate_segment, hallucination_score, masked_query,
+    running_scores, score_sequences, steer, steering_vectors,
+)  # fmt: skip
+
+
+def unit(seed: int, dim: int = 64) -> torch.Tensor:
+    v = torch.randn(dim, generator=torch.Generator().manual_seed(seed))
+    return v / v.norm()
+
+
+@pytest.fixture()
+def directions(tiny_llm) -> Directions:
+    return Directions("confidence", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1, 2],
+                      tiny_llm.fingerprint, {"llm": {}})  # fmt: skip
+
+
+def residuals(llm, ids) -> list[torch.Tensor]:
+    """The residual stream after each decoder layer (what steering and the monitor act on)."""
+    captured = {}
+    with LayerTap(llm.model, [1, 2], lambda layer, h: captured.__setitem__(layer, h.detach().clone())), torch.no_grad():
+        llm.model(ids)
+    return [captured[1], captured[2]]
+
+
+def block_changes(llm, ids, vectors) -> list[torch.Tensor]:
+    """Per layer: the steered model's output of the block minus the same block run on the same input without hooks."""
+    records = []
+
+    def record(module, args, kwargs, output):
+        records.append((module, args, kwargs, output[0] if isinstance(output, tuple) else output))
+
+    handles = [block.register_forward_hook(record, with_kwargs=True) for block in decoder_layers(llm.model)]
+    try:
+        with steer(llm.model, vectors), torch.no_grad():
+            llm.model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    changes = []
+    with torch.no_grad():
+        for module, args, kwargs, output in records:
+            plain = module(*args, **kwargs)
+            changes.append(output - (plain[0] if isinstance(plain, tuple) else plain))
+    return changes
+
+
+def test_steering_adds_exactly_lambda_v_at_the_chosen_layers_and_nowhere_else(tiny_llm, directions):
+    ids = tiny_llm.tokenizer("The capital of France is Paris.", return_tensors="pt")["input_ids"]
+    lam = 0.7
+    # steering layer 2 only: layer 1 untouched, layer 2's residual moved by exactly lam * v at every token
+    vectors = steering_vectors(directions, lam, [2], relative=False)
+    plain = residuals(tiny_llm, ids)
+    with steer(tiny_llm.model, vectors):
+        steered = residuals(tiny_llm, ids)
+    torch.testing.assert_close(steered[0], plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(steered[1] - plain[1], (lam * directions.vectors[1]).expand_as(plain[1]), rtol=0, atol=1e-5)
+    # every block: its output differs from the unhooked block on the same input by lam * v_l where steered, 0 elsewhere
+    changes = block_changes(tiny_llm, ids, steering_vectors(directions, lam, [1], relative=False))
+    torch.testing.assert_close(changes[0], (lam * directions.vectors[0]).expand_as(changes[0]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(changes[1], torch.zeros_like(changes[1]), rtol=0, atol=1e-5)
+    relative = steering_vectors(directions, lam, [1, 2], relative=True)
+    torch.testing.assert_close(relative[2], lam * 5.0 * directions.vectors[1])
+
+
+def test_steering_hooks_are_removed_on_exit_and_when_generation_raises(tiny_llm, directions):
+    blocks = decoder_layers(tiny_llm.model)
+    before = [len(b._forward_hooks) for b in blocks]
+    ids = tiny_llm.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    reference = residuals(tiny_llm, ids)
+    with steer(tiny_llm.model, steering_vectors(directions, 1.0, [1, 2], relative=False)):
+        assert [len(b._forward_hooks) for b in blocks] == [n + 1 for n in before]
+    assert [len(b._forward_hooks) for b in blocks] == before
+    with pytest.raises(ValueError):
+        with steer(tiny_llm.model, steering_vectors(directions, 1.0, [1, 2], relative=False)):
+            tiny_llm.model.generate(ids, max_new_tokens=-1)  # generation raises inside the block
+    assert [len(b._forward_hooks) for b in blocks] == before
+    with pytest.raises(RuntimeError), ConfidenceMonitor(tiny_llm.model, directions):
+        raise RuntimeError("the RAG loop failed")
+    assert [len(b._forward_hooks) for b in blocks] == before
+    for a, b in zip(reference, residuals(tiny_llm, ids)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_running_scores_standardise_over_the_sequence_so_far():
+    x = torch.tensor([[100.0, 1.0, 3.0, 2.0, -10.0]])
+    got = running_scores(x, tau=0.0, clip=1.5, skip=1)[0].numpy()
+    expected = [0.0, 0.0]  # the sink is skipped; one token has no spread
+    for k in range(2, 5):
+        seen = x[0, 1 : k + 1].double().numpy()
+        expected.append(float(np.clip((seen[-1] - seen.mean()) / seen.std(), -1.5, 1.5)))
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    assert running_scores(x, tau=0.5)[0, 0] == pytest.approx(-0.5)
+    padded = torch.cat([x, torch.zeros(1, 3)], dim=1)
+    np.testing.assert_allclose(running_scores(padded)[0, :5].numpy(), running_scores(x)[0].numpy(), atol=1e-6)
+
+
+def test_monitor_during_generation_matches_teacher_forcing(tiny_llm, directions):
+    """One implementation: the served monitor (streamed, steered or not) and the evaluation scorer agree."""
+    ids = tiny_llm.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    for steering in (None, steering_vectors(directions, 0.5, [1], relative=False)):
+        monitor = ConfidenceMonitor(tiny_llm.model, directions)
+        segment = generate_segment(tiny_llm, ids, 5, monitor=monitor, steering=steering, question="The capital of France is")
+        assert 1 <= len(segment.scores) == len(segment.token_ids) <= 5
+        with steer(tiny_llm.model, steering or {}):
+            forced = score_sequences(tiny_llm, directions, [ids[0].tolist() + segment.token_ids], 1)[0]
+        np.testing.assert_allclose(segment.scores, forced[ids.shape[1] :], atol=1e-4)
+    # batched teacher forcing with a shared prefix gives the same scores as one sequence at a time
+    seqs = [tiny_llm.tokenizer(t)["input_ids"] for t in ("The capital of Spain is Madrid", "The capital of Peru is", "The river")]
+    together = score_sequences(tiny_llm, directions, seqs, batch_size=3)
+    for seq, scores in zip(seqs, together):
+        np.testing.assert_allclose(scores, score_sequences(tiny_llm, directions, [seq], 1)[0], atol=1e-4)
+
+
+def test_the_trigger_counts_only_new_non_stopword_tokens(tiny_llm):
+    tok = tiny_llm.tokenizer
+    gen = tok(" is the capital of Paris and Lima", add_special_tokens=False)["input_ids"]
+    mask = content_mask(tok, "The capital of France is", gen)
+    words = {tok.decode([t]).strip(): m for t, m in zip(gen, mask) if tok.decode([t]).strip()}
+    assert words.get("Lima", True) and not words.get("capital", True) and not words.get("the", True) and not words.get("and", True)
+    scores = np.array([-5.0 if m is False else 0.2 for m in mask])
+    assert hallucination_score(scores, mask, fallback=0.0) == pytest.approx(-0.2)  # only new content words count
+    assert hallucination_score(np.array([]), [], fallback=0.3) == 0.3
+
+
+def test_refusal_patterns_from_params_detect_refusals():
+    patterns = yaml.safe_load((ROOT / "params.yaml").read_text())["extract_directions"]["monitor"]["refusal_patterns"]
+    for text in ("I don't know who that is.", "I\u2019m not sure about that.", "I cannot answer that question.",
+                 "The author is not specified in the documents.", "I have no comment."):  # fmt: skip
+        assert detect_refusal(text, patterns), text
+    for text in ("Paris is the capital of France.", "I know that Lima is in Peru."):
+        assert detect_refusal(text, patterns) is None, text
+
+
+def test_query_masking_drops_only_new_unconfident_words(tiny_llm):
+    tok = tiny_llm.tokenizer
+    gen = tok(" Paris is in Spain", add_special_tokens=False)["input_ids"]
+    words = token_words(tok, gen)  # word 0 = Paris (old: in the question), word 3 = Spain (new)
+    scores = np.array([-1.0 if w in (0, 3) else 0.5 for w in words])
+    query = masked_query(tok, "Where is Paris?", "", gen, scores)
+    assert query.startswith("Where is Paris?") and "Spain" not in query and "Paris is in" in query
