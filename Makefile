@@ -26,3 +26,5 @@ bench: setup
 	PATH="$(abspath $(BIN)):$$PATH" dvc repro prepare
 	$(BIN)/python -m benchmarks.ig_speed
 	$(BIN)/python -m benchmarks.ig_speed --prompt plain --out benchmarks/results/ig_speed_plain.json
+	PATH="$(abspath $(BIN)):$$PATH" dvc repro extract_directions
+	$(BIN)/python -m benchmarks.ctrla_overhead

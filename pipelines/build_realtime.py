@@ -70,7 +70,7 @@ def report(frame: pd.DataFrame) -> dict:
         "records": int(len(frame)),
         "ok": int(len(ok)),
         "failed": int(len(failed)),
-        "failure_reasons": failed["status"].str.split(":").str[0].value_counts().to_dict() if len(failed) else {},
+        "failure_reasons": failed["status"].str.replace(r"\d+", "N", regex=True).value_counts().to_dict() if len(failed) else {},
         "failures": failed[["id", "status"]].head(50).to_dict("records"),
         "continuations": {
             split: {"n": int(len(g)), "hallucinated": int(g["label"].sum()), "rate": round(float(g["label"].mean()), 4)}

@@ -1,0 +1,141 @@
+"""The registered CtrlA detectors: ``ctrla-honesty`` (a steering context manager) and ``ctrla-confidence``
+(a monitor a RAG loop attaches to generation). Both load a :class:`~detectors.directions.Directions`
+artifact and refuse an LLM other than the one it was extracted from.
+
+    honesty = load_detector("ctrla-honesty")
+    confidence = load_detector("ctrla-confidence", llm=honesty.llm)
+    with honesty.steer(), confidence.monitor() as monitor:
+        out = honesty.llm.model.generate(ids, max_new_tokens=32)
+    scores = monitor.scores()          # Eq. 2 per position; < 0 = unconfident
+    segment = confidence.generate(question)   # or everything at once: text, scores, retrieve, refusal, query
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+
+from detectors.config import MonitorParams, SteeringParams, from_dict
+from detectors.directions import Directions
+from detectors.llm import LLM, load_llm
+from detectors.steering import (
+    ConfidenceMonitor, Segment, content_mask, generate_segment, hallucination_score, score_sequences, steer, steering_vectors,
+)  # fmt: skip
+
+
+class _CtrlABase:
+    """What both kinds share: the directions artifact, the LLM it needs, loading that LLM."""
+
+    KIND = ""
+
+    def __init__(self, directions: Directions):
+        if f"ctrla-{directions.concept}" != self.KIND:
+            raise ValueError(f"{type(self).__name__} needs a {self.KIND!r} artifact, got ctrla-{directions.concept}")
+        self.directions = directions
+        self.llm: LLM | None = None
+
+    @classmethod
+    def load(cls, directory: str | Path):
+        return cls(Directions.load(directory))
+
+    @property
+    def fingerprint(self):
+        return self.directions.fingerprint
+
+    def attach(self, llm: LLM):
+        """Use ``llm``; it must be the LLM the directions were extracted from."""
+        self.directions.require_llm(llm)
+        self.llm = llm
+        return self
+
+    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
+        ref = self.directions.config.get("llm", {})
+        errors = []
+        for location in (c for c in (ref.get("dir"), ref.get("source")) if c):
+            try:
+                return self.attach(load_llm(location, dtype, device, ref.get("gguf_file"))).llm
+            except (OSError, ValueError) as err:
+                errors.append(f"{location}: {err}")
+        raise RuntimeError(f"could not load the LLM {self.fingerprint.name!r} of {self.KIND}: " + "; ".join(errors))
+
+    def _llm(self) -> LLM:
+        return self.llm if self.llm is not None else self.load_llm()
+
+
+class HonestySteering(_CtrlABase):
+    """Honesty steering (CtrlA Eq. 1) as a context manager over the LLM's generation."""
+
+    KIND = "ctrla-honesty"
+
+    @property
+    def params(self) -> SteeringParams:
+        return from_dict(SteeringParams, self.directions.config["steering"], "ctrla-honesty.steering")
+
+    def vectors(self, lam: float | None = None) -> dict[int, torch.Tensor]:
+        p = self.params
+        return steering_vectors(self.directions, p.lam if lam is None else lam, self.directions.layers, p.relative)
+
+    @contextlib.contextmanager
+    def steer(self, lam: float | None = None) -> Iterator[dict[int, torch.Tensor]]:
+        """Steer every token generated inside the block; hooks are removed on exit, also on errors."""
+        with steer(self._llm().model, self.vectors(lam)) as vectors:
+            yield vectors
+
+    def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """pyfunc view: ``question`` (and optional ``lam``) in; the steered greedy ``answer`` out."""
+        llm, p = self._llm(), self.params
+        prompt = from_dict(MonitorParams, self.directions.config.get("monitor", {}), "ctrla-honesty.monitor").prompt
+        answers = []
+        for i, question in enumerate(frame["question"]):
+            lam = float(frame["lam"].iloc[i]) if "lam" in frame else None
+            ids, _ = llm.encode_prompt(str(question), prompt)
+            answers.append(generate_segment(llm, ids, p.max_new_tokens, steering=self.vectors(lam)).text)
+        return pd.DataFrame({"answer": answers})
+
+
+class ConfidenceDetector(_CtrlABase):
+    """The confidence monitor (CtrlA Eq. 2) with the retrieval trigger, refusal detector and query masking."""
+
+    KIND = "ctrla-confidence"
+
+    @property
+    def params(self) -> MonitorParams:
+        return from_dict(MonitorParams, self.directions.config["monitor"], "ctrla-confidence.monitor")
+
+    def monitor(self) -> ConfidenceMonitor:
+        """A monitor to attach around generation (``with detector.monitor() as m: ...; m.scores()``)."""
+        p = self.params
+        return ConfidenceMonitor(self._llm().model, self.directions, self.directions.layers, p.tau, p.clip)
+
+    def score(self, prompt_ids: list[int], gen_ids: list[int]) -> np.ndarray:
+        """Eq. 2 per generated token, by teacher forcing ``prompt_ids + gen_ids`` (< 0 = unconfident)."""
+        p = self.params
+        scores = score_sequences(self._llm(), self.directions, [list(prompt_ids) + list(gen_ids)], 1, p.tau, p.clip)[0]
+        return scores[len(prompt_ids) :]
+
+    def generate(self, question: str, steering: HonestySteering | None = None, max_new_tokens: int | None = None) -> Segment:
+        """One CtrlA step: generate (steered when ``steering`` is given) with the monitor attached."""
+        llm, p = self._llm(), self.params
+        ids, _ = llm.encode_prompt(question, p.prompt)
+        vectors = steering.vectors() if steering is not None else None
+        return generate_segment(
+            llm, ids, max_new_tokens or p.max_new_tokens, monitor=self.monitor(), steering=vectors, question=question,
+            context_text=llm.tokenizer.decode(ids[0]), refusal_patterns=p.refusal_patterns,
+        )  # fmt: skip
+
+    def hallucination(self, prompt_text: str, prompt_ids: list[int], gen_ids: list[int]) -> float:
+        """A hallucination score of an answer: ``-min`` Eq. 2 over its new non-stopword tokens."""
+        scores = self.score(prompt_ids, gen_ids)
+        return hallucination_score(scores, content_mask(self._llm().tokenizer, prompt_text, gen_ids), 0.0)
+
+    def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """pyfunc view: ``question`` in; the answer, per-token scores, retrieve, refusal and query out."""
+        segments = [self.generate(str(q)) for q in frame["question"]]
+        return pd.DataFrame([{k: v for k, v in dataclasses.asdict(s).items() if k != "token_ids"} for s in segments])
+

@@ -1,0 +1,132 @@
+"""Evaluation of CtrlA directions: held-out statement projections (honesty AUROC per layer), the
+confidence monitor as a hallucination scorer, and TruthfulQA multiple choice under honesty steering."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from detectors.config import PromptParams, TruthfulQAParams
+from detectors.directions import Directions, LayerTap, batches, forward_rows, instruction_prefix, prefix_cache, statement_ids
+from detectors.llm import LLM
+from detectors.qa import fetch_bigbench_task
+from detectors.steering import content_mask, hallucination_score, score_sequences, steer
+
+
+def last_token_states(llm: LLM, instruction: str, statements: list[str], batch_size: int, max_tokens: int | None) -> torch.Tensor:
+    """Residual stream ``[N, L, H]`` at each statement's last token, after a neutral instruction (chat format)."""
+    prefix = instruction_prefix(llm, instruction, chat=bool(getattr(llm.tokenizer, "chat_template", None)))
+    rows = statement_ids(llm, statements, max_tokens, len(prefix))
+    kv = prefix_cache(llm, prefix)
+    n_layers = llm.fingerprint.num_layers
+    out = torch.zeros(len(rows), n_layers, llm.fingerprint.hidden_size)
+    for idx in tqdm(list(batches(rows, batch_size)), desc="held-out statements", unit="batch"):
+        captured: dict[int, torch.Tensor] = {}
+        with LayerTap(llm.model, list(range(1, n_layers + 1)), lambda layer, h: captured.__setitem__(layer, h.detach().float().cpu())):
+            forward_rows(llm, kv, [rows[i] for i in idx])
+        for b, i in enumerate(idx):
+            out[i] = torch.stack([captured[layer][b, len(rows[i]) - 1] for layer in range(1, n_layers + 1)])
+    return out
+
+
+def projection_scores(states: torch.Tensor, vectors: torch.Tensor, layers: list[int] | None = None) -> np.ndarray:
+    """Projections of ``[N, L, H]`` states on per-layer directions ``[L, H]``: ``[N, L]``, or ``[N]`` averaged
+    over ``layers`` (1-based, the monitor's pooling) when given."""
+    proj = torch.einsum("nlh,lh->nl", states, vectors.float())
+    if layers is None:
+        return proj.numpy()
+    return proj[:, [layer - 1 for layer in layers]].mean(1).numpy()
+
+
+def early_sequences(llm: LLM, frame: pd.DataFrame, prompt: PromptParams) -> tuple[list[list[int]], list[int], list[str]]:
+    """Token ids of prompt + answer per early-set row (the prompt build_early used), the prompt lengths and texts.
+
+    The answer is tokenised after the prompt with a separating space unless the prompt ends in whitespace,
+    as the LLM generated it.
+    """
+    sequences, starts, texts = [], [], []
+    for row in frame.itertuples(index=False):
+        ids, _ = llm.encode_prompt(str(row.question), prompt)
+        text = llm.tokenizer.decode(ids[0])
+        answer = str(row.answer or "")
+        spaced = answer if (not answer or text[-1:].isspace()) else " " + answer
+        answer_ids = llm.tokenizer(spaced, add_special_tokens=False)["input_ids"] if answer else []
+        sequences.append(ids[0].tolist() + answer_ids)
+        starts.append(ids.shape[1])
+        texts.append(text)
+    return sequences, starts, texts
+
+
+def early_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: PromptParams, tau: float, clip: float, batch_size: int) -> np.ndarray:
+    """Hallucination score of each early-set answer: ``-min`` Eq. 2 over its new non-stopword tokens."""
+    sequences, starts, texts = early_sequences(llm, frame, prompt)
+    with tqdm(total=len(sequences), desc="confidence (early set)", unit="answer") as bar:
+        scores = score_sequences(llm, directions, sequences, batch_size, tau, clip, progress=bar)
+    out = []
+    for seq, start, text, s in zip(sequences, starts, texts, scores):
+        mask = content_mask(llm.tokenizer, text, seq[start:])
+        out.append(hallucination_score(s[start:], mask, fallback=-float(s[start - 1])))
+    return np.asarray(out, dtype=np.float64)
+
+
+def realtime_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, tau: float, clip: float, batch_size: int) -> list[list[float]]:
+    """Per generated token hallucination score (``-`` Eq. 2 at the token's own position), teacher forcing prompt + generation."""
+    sequences = [list(map(int, p)) + list(map(int, g)) for p, g in zip(frame["prompt_ids"], frame["gen_ids"])]
+    with tqdm(total=len(sequences), desc="confidence (real-time set)", unit="text") as bar:
+        scores = score_sequences(llm, directions, sequences, batch_size, tau, clip, progress=bar)
+    return [(-s[len(p) :]).astype(float).tolist() for s, p in zip(scores, frame["prompt_ids"])]
+
+
+# ---- TruthfulQA multiple choice ------------------------------------------------------------------------
+
+
+def load_truthfulqa(params: TruthfulQAParams, raw_dir: str | Path) -> tuple[str, list[dict[str, Any]]]:
+    """The few-shot prefix (empty unless ``few_shot``) and a deterministic subset of the MC examples."""
+    examples = fetch_bigbench_task(params.task, raw_dir, params.file)
+    task = json.loads((Path(raw_dir) / "bigbench" / params.task / params.file).read_text())
+    usable = [e for e in examples if e.get("input") and sum(e.get("target_scores", {}).values()) == 1 and len(e["target_scores"]) > 1]
+    if not usable:
+        raise ValueError(f"{params.task}/{params.file} holds no multiple-choice example with exactly one correct answer")
+    subset = usable if params.limit is None else usable[:: max(1, len(usable) // params.limit)][: params.limit]
+    return (task.get("task_prefix", "") if params.few_shot else ""), subset
+
+
+def mc_accuracy(
+    llm: LLM, prefix_text: str, examples: list[dict[str, Any]], vectors: dict[int, torch.Tensor], progress: bool = True
+) -> tuple[float, np.ndarray]:
+    """MC1 accuracy: the candidate with the highest summed log-likelihood must be the correct one.
+
+    The whole prompt, few-shot prefix included, runs under the steering ``vectors`` (none for λ = 0).
+    The prefix runs once, each question once, and its candidates together on the question's cache.
+    """
+    from detectors.attribution import as_cache
+
+    prefix = llm.tokenizer(prefix_text)["input_ids"] if prefix_text else []
+    head, decoder = llm.model.get_output_embeddings(), llm.model.get_decoder()
+    pad = llm.tokenizer.pad_token_id or 0
+    hits = []
+    with steer(llm.model, vectors), torch.no_grad():
+        kv = prefix_cache(llm, prefix)
+        for ex in tqdm(examples, desc="TruthfulQA", unit="q", disable=not progress):
+            question = llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"]
+            answers = [llm.tokenizer(f" {a}", add_special_tokens=False)["input_ids"] for a in ex["target_scores"]]
+            out = decoder(torch.tensor([question], device=llm.device), past_key_values=as_cache(kv, 1, llm.model.config), use_cache=True)
+            q_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            width = max(len(a) for a in answers)
+            ids = torch.tensor([a + [pad] * (width - len(a)) for a in answers], device=llm.device)
+            hidden = decoder(ids, past_key_values=as_cache(q_kv, len(answers), llm.model.config), use_cache=True).last_hidden_state
+            last_q = out.last_hidden_state[0, -1:]
+            loglik = []
+            for b, a in enumerate(answers):
+                states = torch.cat([last_q, hidden[b, : len(a) - 1]])  # the state before each answer token
+                logp = torch.log_softmax(head(states).float(), dim=-1)
+                loglik.append(float(logp.gather(1, torch.tensor(a, device=logp.device)[:, None]).sum()))
+            hits.append(bool(list(ex["target_scores"].values())[int(np.argmax(loglik))]))
+    hits_arr = np.array(hits)
+    return float(hits_arr.mean()), hits_arr

@@ -1,0 +1,430 @@
+"""CtrlA feature directions (§3.2.1, App. C.1): statements, contrast pairs, per-layer PCA, the artifact.
+
+Each statement is put after a positive and a negative instruction (Prompt 3.1: honest/dishonest,
+confident/unconfident) in the LLM's chat format and run with teacher forcing. At every layer the
+per-token differences of the statement's hidden states (positive minus negative) are collected; the
+first principal component of those differences is the concept's direction at that layer, oriented
+so that positive-instruction representations project higher.
+
+The artifact is a directory: ``directions.safetensors`` (unit vectors ``[L, H]``, explained variance,
+mean residual norm per layer, the directions refitted on fewer statements) and ``detector.json``
+(kind, chosen layers, instructions, LLM fingerprint). Loading it against another LLM, or a file whose
+layer count or width does not match its fingerprint, is a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from detectors.config import ContrastParams, LayerRangeParams, StatementParams
+from detectors.llm import LLM, Fingerprint, LLMMismatchError
+from detectors.qa import _read_file, normalize_text, split_of, stable_id
+
+log = logging.getLogger(__name__)
+
+CONFIG = "detector.json"
+TENSORS = "directions.safetensors"
+
+
+class StatementError(ValueError):
+    """The statements cannot be used: empty source, missing field, or longer than the LLM's context."""
+
+
+class DirectionsError(ValueError):
+    """A directions file is malformed or does not fit the LLM it is used with."""
+
+
+# ---- statements ------------------------------------------------------------------------------------
+
+
+def _relation(question: str) -> str:
+    """The relation part of a fact opening ("The capital of"), used to pick type-consistent wrong answers."""
+    words = question.split()
+    return " ".join(words[:3]).lower()
+
+
+def _rank(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
+def statements_from_qa(table: pd.DataFrame) -> pd.DataFrame:
+    """A true and a false statement per fact: the opening with its reference answer, and with the
+    answer of another fact of the same relation that is not one of its references."""
+    if table.empty:
+        raise StatementError("the QA table holds no facts to make statements from; run prepare first")
+    by_relation: dict[str, list[str]] = {}
+    for row in table.itertuples(index=False):
+        by_relation.setdefault(_relation(row.question), []).append(str(row.answers[0]))
+    every = sorted({str(r.answers[0]) for r in table.itertuples(index=False)})
+    rows = []
+    for row in table.itertuples(index=False):
+        refs = {normalize_text(a) for a in row.answers}
+        pool = [a for a in by_relation[_relation(row.question)] if normalize_text(a) not in refs]
+        pool = pool or [a for a in every if normalize_text(a) not in refs]
+        rows.append({"id": f"{row.id}:true", "statement": f"{row.question} {row.answers[0]}.", "label": 1, "split": row.split})
+        if pool:
+            wrong = min(pool, key=lambda a: _rank(row.id, a))
+            rows.append({"id": f"{row.id}:false", "statement": f"{row.question} {wrong}.", "label": 0, "split": row.split})
+    return pd.DataFrame(rows)
+
+
+def load_statements(params: StatementParams, qa_table: str | Path) -> pd.DataFrame:
+    """Statements with columns ``id, statement, label, split`` (split ``test`` = held out for evaluation).
+
+    ``source: qa`` makes true/false statements from the QA table (its splits); a file source
+    (``.csv``/``.jsonl``/``.json``/``.parquet``, e.g. ``../shared/data/ctrla/facts_true_false.csv``) is
+    split by id hash, ``heldout`` of it going to ``test``.
+    """
+    if params.source == "qa":
+        if not Path(qa_table).exists():
+            raise StatementError(f"statements.source = 'qa' but the QA table {qa_table} does not exist; run prepare first")
+        frame = statements_from_qa(pd.read_parquet(qa_table))
+        frame["split"] = frame["split"].map(lambda s: "test" if s == "test" else "train")
+        return frame.reset_index(drop=True)
+    path = Path(params.source)
+    if not path.exists():
+        raise StatementError(f"statements.source = {params.source!r}: file not found; use 'qa' or a statements file")
+    records = _read_file(path)
+    if not records:
+        raise StatementError(f"statements.source = {params.source!r} is empty: it must hold at least one statement")
+    if params.text_field not in records[0]:
+        raise StatementError(
+            f"statements.text_field = {params.text_field!r} is not a column of {path} (columns: {sorted(records[0])}); "
+            "set statements.text_field"
+        )
+    splits = {"train": 1 - params.heldout, "val": 0.0, "test": params.heldout}
+    rows = []
+    for rec in records:
+        text = str(rec.get(params.text_field) or "").strip()
+        if not text:
+            continue
+        label = rec.get(params.label_field) if params.label_field else None
+        rid = stable_id(text, str(path.name))
+        split = split_of(rid, splits) if params.heldout > 0 else "train"
+        rows.append({"id": rid, "statement": text, "label": None if label in (None, "") else int(label), "split": split})
+    if not rows:
+        raise StatementError(f"statements.source = {params.source!r}: every {params.text_field!r} is empty")
+    return pd.DataFrame(rows).drop_duplicates("id").reset_index(drop=True)
+
+
+def sample_statements(frame: pd.DataFrame, limit: int | None, salt: str) -> pd.DataFrame:
+    """A deterministic order (by id hash): the first ``n`` rows are the ``n``-statement subset."""
+    order = frame["id"].map(lambda i: _rank(salt, str(i))).sort_values().index
+    frame = frame.loc[order].reset_index(drop=True)
+    return frame if limit is None else frame.head(limit)
+
+
+# ---- prompts and batched forward passes --------------------------------------------------------------
+
+
+def instruction_prefix(llm: LLM, instruction: str, chat: bool) -> list[int]:
+    """Token ids of Prompt 3.1 up to where the statement starts (the assistant's turn in chat format)."""
+    if chat:
+        if not getattr(llm.tokenizer, "chat_template", None):
+            raise StatementError("chat is true but the tokenizer has no chat template; set chat: false")
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True)
+        return llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return llm.tokenizer(f"[INST] {instruction} [/INST] ", add_special_tokens=True)["input_ids"]
+
+
+def statement_ids(llm: LLM, statements: list[str], max_tokens: int | None, prefix_len: int) -> list[list[int]]:
+    """Token ids per statement, truncated to ``max_tokens`` (CtrlA App. C.1); refuses what exceeds the context."""
+    context = getattr(llm.model.config, "max_position_embeddings", None)
+    out = []
+    for text in statements:
+        ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise StatementError(f"statement {text!r} has no tokens")
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        if context is not None and prefix_len + len(ids) > context:
+            raise StatementError(
+                f"statement {text[:80]!r}... has {len(ids)} tokens; with the {prefix_len}-token instruction that exceeds "
+                f"the LLM's context of {context} tokens. Set statements.max_tokens (CtrlA truncates statements) or shorten it."
+            )
+        out.append(ids)
+    return out
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer blocks whose outputs are the residual stream after layer 1..L."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise DirectionsError(f"{type(model).__name__} has no decoder .layers: CtrlA directions need a decoder-only LLM")
+    return layers
+
+
+def layer_output(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+class LayerTap:
+    """Forward hooks on decoder layers (1-based numbers) passing each output to ``fn(layer, hidden)``.
+
+    Removed on exit, also when the forward pass raises. Runs after steering hooks (those are prepended),
+    so it sees the representations the LLM actually continues from.
+    """
+
+    def __init__(self, model: torch.nn.Module, layers: list[int], fn):
+        self.model, self.layers, self.fn, self.handles = model, list(layers), fn, []
+
+    def __enter__(self) -> "LayerTap":
+        blocks = decoder_layers(self.model)
+        for layer in self.layers:
+            self.handles.append(blocks[layer - 1].register_forward_hook(lambda m, a, out, layer=layer: self.fn(layer, layer_output(out))))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def batches(rows: list[list[int]], batch_size: int) -> Iterator[list[int]]:
+    """Indices of ``rows`` in batches of similar length (less padding)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    for k in range(0, len(order), batch_size):
+        yield order[k : k + batch_size]
+
+
+def prefix_cache(llm: LLM, prefix: list[int]):
+    """Key/value states of a prefix shared by many rows (computed once, under whatever hooks are active)."""
+    from detectors.attribution import prefix_states
+
+    return prefix_states(llm.model, torch.tensor([prefix], device=llm.device), len(prefix)) if prefix else None
+
+
+def forward_rows(llm: LLM, kv, rows: list[list[int]], logits: bool = False):
+    """One forward pass of ``prefix + row`` for every row, the prefix given as its cached states ``kv``.
+
+    Rows are right-padded; causal attention keeps real tokens from seeing the padding, so no mask is
+    needed. Positions continue after the prefix. Logits for every row position only when ``logits``.
+    """
+    from detectors.attribution import as_cache
+
+    pad = llm.tokenizer.pad_token_id or 0
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=llm.device)
+    cache = as_cache(kv, len(rows), llm.model.config)
+    with torch.no_grad():
+        return llm.model(ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=0 if logits else 1)
+
+
+# ---- extraction --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ContrastStats:
+    """Per-layer contrast vectors of the statement tokens, grouped by statement."""
+
+    diffs: torch.Tensor  # [L, N_tokens, H] positive minus negative, float32 on CPU
+    owner: np.ndarray  # [N_tokens] statement index of each token
+    norms: torch.Tensor  # [L] mean residual-stream norm of the statement tokens (both instructions)
+
+
+def contrast_differences(
+    llm: LLM, params: ContrastParams, statements: list[str], batch_size: int, desc: str = "contrast", positive_context=None,
+) -> ContrastStats:
+    """Teacher-forced per-token differences of hidden states at every layer (CtrlA §3.2.1).
+
+    ``positive_context`` (a callable returning a context manager) is entered around the positive runs
+    only: tests plant a known direction that way (steering hooks on the positive pass).
+    """
+    n_layers = llm.fingerprint.num_layers
+    pos, neg = (instruction_prefix(llm, text, params.chat) for text in (params.positive, params.negative))
+    rows = statement_ids(llm, statements, params.statements.max_tokens, max(len(pos), len(neg)))
+    plant = positive_context or contextlib.nullcontext
+    with plant():
+        kvs = {"pos": prefix_cache(llm, pos)}
+    kvs["neg"] = prefix_cache(llm, neg)
+    diffs: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+    owners: list[np.ndarray] = []
+    norm_sum, norm_count = torch.zeros(n_layers, dtype=torch.float64), 0
+    with tqdm(total=len(rows), desc=desc, unit="stmt") as bar:
+        for idx in batches(rows, batch_size):
+            batch = [rows[i] for i in idx]
+            states: dict[str, dict[int, torch.Tensor]] = {}
+            for name, kv in kvs.items():
+                captured: dict[int, torch.Tensor] = {}
+                tap = LayerTap(llm.model, list(range(1, n_layers + 1)), lambda layer, h: captured.__setitem__(layer, h.detach().float().cpu()))
+                with plant() if name == "pos" else contextlib.nullcontext(), tap:
+                    forward_rows(llm, kv, batch)
+                states[name] = captured
+            for b, i in enumerate(idx):
+                n = len(rows[i])
+                owners.append(np.full(n, i))
+                for layer in range(1, n_layers + 1):
+                    p, q = states["pos"][layer][b, :n], states["neg"][layer][b, :n]
+                    diffs[layer - 1].append(p - q)
+                    norm_sum[layer - 1] += (p.norm(dim=-1).sum() + q.norm(dim=-1).sum()).double()
+                norm_count += 2 * n
+            bar.update(len(idx))
+    return ContrastStats(
+        diffs=torch.stack([torch.cat(d) for d in diffs]),
+        owner=np.concatenate(owners),
+        norms=(norm_sum / max(norm_count, 1)).float(),
+    )
+
+
+def fit_pca(diffs: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """First principal component per layer of contrast vectors ``[L, N, H]``, oriented positive-up.
+
+    As in RepE (which CtrlA builds on) each contrast vector gets a random sign before centring, so the
+    component follows the positive-negative axis instead of being removed with the mean. Returns unit
+    directions ``[L, H]`` and the explained-variance ratio of the first component ``[L]``.
+    """
+    if diffs.ndim != 3 or diffs.shape[1] < 2:
+        raise StatementError(f"PCA needs at least 2 contrast vectors per layer, got shape {tuple(diffs.shape)}")
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (diffs.shape[1],), generator=gen).float() * 2 - 1
+    directions, explained = [], []
+    for layer in diffs:
+        x = layer.double() * signs[:, None].double()
+        x = x - x.mean(0, keepdim=True)
+        evals, evecs = torch.linalg.eigh(x.T @ x)  # covariance route: [H, H], cheaper than an SVD of [N, H]
+        v = evecs[:, -1]
+        if (layer.double() @ v).mean() < 0:  # positive minus negative should project above zero
+            v = -v
+        directions.append(v.float())
+        total = float(evals.clamp_min(0).sum())
+        explained.append(float(evals[-1]) / total if total > 0 else 0.0)
+    return torch.stack(directions), torch.tensor(explained)
+
+
+def size_curve(stats: ContrastStats, sizes: list[int], seed: int) -> dict[int, torch.Tensor]:
+    """Directions refitted on the first ``n`` statements' contrast vectors, for each ``n`` in ``sizes``."""
+    n_statements = int(stats.owner.max()) + 1
+    out = {}
+    for n in sorted(set(sizes)):
+        if n >= n_statements:
+            continue
+        keep = torch.from_numpy(stats.owner < n)
+        out[n] = fit_pca(stats.diffs[:, keep], seed)[0]
+    return out
+
+
+def resolve_range(spec: LayerRangeParams, num_layers: int) -> list[int]:
+    """CtrlA's layer range (given for a ``reference_layers``-deep LLM) scaled to this LLM's depth, 1-based."""
+    first = min(max(1, round(spec.first * num_layers / spec.reference_layers)), num_layers)
+    last = min(max(first, round(spec.last * num_layers / spec.reference_layers)), num_layers)
+    return list(range(first, last + 1))
+
+
+# ---- the artifact ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Directions:
+    """Per-layer unit directions of one concept, with the layers CtrlA uses them at and the LLM identity."""
+
+    concept: str  # "honesty" | "confidence"
+    vectors: torch.Tensor  # [L, H], row l-1 is layer l's direction (unit norm)
+    explained_variance: torch.Tensor  # [L]
+    norms: torch.Tensor  # [L] mean residual-stream norm (steering strength is relative to it)
+    layers: list[int]  # 1-based layers used for steering (honesty) or monitoring (confidence)
+    fingerprint: Fingerprint
+    config: dict[str, Any]  # instructions, statements, steering/monitor params, llm location
+    curve: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # n statements -> [L, H]
+
+    def __post_init__(self) -> None:
+        expected = (self.fingerprint.num_layers, self.fingerprint.hidden_size)
+        if tuple(self.vectors.shape) != expected:
+            raise DirectionsError(
+                f"{self.concept} directions have shape {tuple(self.vectors.shape)} but their LLM "
+                f"{self.fingerprint.name!r} has {expected[0]} layers of width {expected[1]}: the file is corrupt "
+                "or was edited; rebuild it with `dvc repro extract_directions`"
+            )
+        bad = [layer for layer in self.layers if not 1 <= layer <= expected[0]]
+        if bad or not self.layers:
+            raise DirectionsError(f"{self.concept} directions: layers {self.layers} must be within 1..{expected[0]}")
+
+    def require_llm(self, llm: LLM) -> None:
+        """Refuse an LLM other than the one the directions were extracted from (clear error saying what differs)."""
+        if llm.fingerprint.num_layers != self.fingerprint.num_layers:
+            raise LLMMismatchError(
+                f"ctrla-{self.concept} directions have {self.fingerprint.num_layers} layers but the LLM "
+                f"{llm.fingerprint.name!r} has {llm.fingerprint.num_layers}: extract directions for this LLM with `dvc repro`"
+            )
+        self.fingerprint.require_same(llm.fingerprint, f"ctrla-{self.concept} directions")
+
+    def at(self, layers: list[int], device=None, dtype=None) -> torch.Tensor:
+        """Direction rows of ``layers`` (1-based) as ``[len(layers), H]``."""
+        return self.vectors[[layer - 1 for layer in layers]].to(device=device, dtype=dtype)
+
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {"vectors": self.vectors, "explained_variance": self.explained_variance, "norms": self.norms}
+        tensors.update({f"curve.{n}": v for n, v in self.curve.items()})
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, directory / TENSORS)
+        meta = {
+            "kind": f"ctrla-{self.concept}",
+            "concept": self.concept,
+            "layers": self.layers,
+            "llm": {"fingerprint": self.fingerprint.to_dict(), **self.config.get("llm", {})},
+            "explained_variance": [round(float(x), 6) for x in self.explained_variance],
+            **{k: v for k, v in self.config.items() if k != "llm"},
+        }
+        (directory / CONFIG).write_text(json.dumps(meta, indent=2))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Directions":
+        directory = Path(directory)
+        for name in (CONFIG, TENSORS):
+            if not (directory / name).exists():
+                raise FileNotFoundError(f"{directory} holds no {name}: not a CtrlA directions artifact (run extract_directions)")
+        meta = json.loads((directory / CONFIG).read_text())
+        tensors = load_file(directory / TENSORS)
+        missing = {"vectors", "explained_variance", "norms"} - set(tensors)
+        if missing:
+            raise DirectionsError(f"{directory / TENSORS} lacks {sorted(missing)}: rebuild it with `dvc repro extract_directions`")
+        llm = dict(meta.get("llm", {}))
+        config = {k: v for k, v in meta.items() if k not in ("kind", "concept", "layers", "llm", "explained_variance")}
+        config["llm"] = {k: v for k, v in llm.items() if k != "fingerprint"}
+        return cls(
+            concept=meta["concept"],
+            vectors=tensors["vectors"],
+            explained_variance=tensors["explained_variance"],
+            norms=tensors["norms"],
+            layers=[int(x) for x in meta["layers"]],
+            fingerprint=Fingerprint.from_dict(llm["fingerprint"]),
+            config=config,
+            curve={int(k.split(".", 1)[1]): v for k, v in tensors.items() if k.startswith("curve.")},
+        )
+
+
+def extract(
+    llm: LLM, concept: str, params: ContrastParams, statements: pd.DataFrame, layers: list[int],
+    batch_size: int, seed: int, sizes: list[int], config: dict[str, Any],
+) -> tuple[Directions, ContrastStats]:
+    """Directions of ``concept`` from the ``train`` statements (up to ``statements.limit``)."""  # fmt: skip
+    train = sample_statements(statements[statements["split"] == "train"], params.statements.limit, concept)
+    if len(train) < 2:
+        raise StatementError(f"{concept}: {len(train)} training statement(s); at least 2 are needed (check statements.source)")
+    stats = contrast_differences(llm, params, train["statement"].tolist(), batch_size, desc=f"extract {concept}")
+    vectors, explained = fit_pca(stats.diffs, seed)
+    directions = Directions(
+        concept=concept,
+        vectors=vectors,
+        explained_variance=explained,
+        norms=stats.norms,
+        layers=layers,
+        fingerprint=llm.fingerprint,
+        config={**config, "n_statements": len(train), "n_tokens": int(stats.diffs.shape[1])},
+        curve=size_curve(stats, sizes, seed),
+    )
+    return directions, stats

@@ -1,0 +1,287 @@
+"""CtrlA at generation time: honesty steering (Eq. 1), the confidence monitor (Eq. 2), the retrieval
+trigger on new non-stopword tokens, the refusal detector (App. B.3.1) and query masking (Eq. 3).
+
+The monitor's per-token score is computed by one function, :func:`running_scores`, over projections
+captured by one hook class, whether the tokens are generated (serving) or teacher-forced (evaluation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+from spacy.lang.en.stop_words import STOP_WORDS
+
+from detectors.directions import Directions, LayerTap, batches, decoder_layers, forward_rows, layer_output
+from detectors.llm import LLM
+from detectors.qa import normalize_text
+
+# ---- honesty steering (Eq. 1) ------------------------------------------------------------------------
+
+
+def steering_vectors(directions: Directions, lam: float, layers: list[int], relative: bool) -> dict[int, torch.Tensor]:
+    """The vector added at each layer: ``lam * v_l``, times the layer's mean residual norm when ``relative``."""
+    return {
+        layer: lam * (float(directions.norms[layer - 1]) if relative else 1.0) * directions.vectors[layer - 1].float()
+        for layer in layers
+    }
+
+
+@contextlib.contextmanager
+def steer(model: torch.nn.Module, vectors: dict[int, torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
+    """Add ``vectors[l]`` to the residual stream after layer ``l`` (1-based) at every token, inside the block.
+
+    The hooks are prepended, so hidden-state capture (transformers' own or a monitor's) sees the
+    steered stream; they are removed on exit, also when generation raises.
+    """
+    blocks = decoder_layers(model)
+    handles = []
+
+    def hook(vector: torch.Tensor):
+        def add(module, args, output):
+            h = layer_output(output)
+            h = h + vector.to(device=h.device, dtype=h.dtype)
+            return (h, *output[1:]) if isinstance(output, tuple) else h
+
+        return add
+
+    try:
+        for layer, vector in vectors.items():
+            if not 1 <= layer <= len(blocks):
+                raise ValueError(f"steering layer {layer} is outside 1..{len(blocks)} of this LLM")
+            handles.append(blocks[layer - 1].register_forward_hook(hook(vector), prepend=True))
+        yield vectors
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# ---- confidence monitor (Eq. 2) -----------------------------------------------------------------------
+
+
+def running_scores(projections: torch.Tensor, tau: float = 0.0, clip: float = 3.0, skip: int = 1) -> torch.Tensor:
+    """CtrlA Eq. 2 for every position: ``scale([m_0..m_k])[-1] - tau`` with ``m`` the layer-mean projections.
+
+    ``scale`` standardises a token's projection by the mean and standard deviation of the sequence so
+    far (itself included) and clips it to ``±clip`` (outlier removal). The first ``skip`` positions
+    (the attention sink, whose activations are outliers) stay out of the statistics and score 0 - tau.
+    ``projections`` is ``[B, T]``; right padding does not affect real positions (the statistics are causal).
+    """
+    x = projections.double()
+    pos = torch.arange(x.shape[-1], device=x.device)
+    valid = (pos >= skip).to(x.dtype).expand_as(x)
+    n = valid.cumsum(-1).clamp_min(1)
+    mean = (x * valid).cumsum(-1) / n
+    var = ((x * valid) ** 2).cumsum(-1) / n - mean**2
+    std = var.clamp_min(0).sqrt()
+    z = torch.where(std > 1e-9, (x - mean) / std.clamp_min(1e-9), torch.zeros_like(x))
+    z = z.clamp(-clip, clip) * valid
+    return (z - tau).float()
+
+
+class ConfidenceMonitor:
+    """Projections ``r·v_c`` of every processed token at the monitored layers, averaged over layers.
+
+    Attach it around generation or a teacher-forced forward pass (``with monitor: ...``); hooks are
+    removed on exit. ``scores()`` gives Eq. 2 for every position seen since the last ``reset()``.
+    """
+
+    def __init__(self, model: torch.nn.Module, directions: Directions, layers: list[int] | None = None,
+                 tau: float = 0.0, clip: float = 3.0, skip: int = 1):  # fmt: skip
+        self.model, self.layers = model, list(layers or directions.layers)
+        self.tau, self.clip, self.skip = tau, clip, skip
+        self.vectors = {layer: directions.vectors[layer - 1].float() for layer in self.layers}
+        self._tap = LayerTap(model, self.layers, self._record)
+        self.reset()
+
+    def reset(self) -> None:
+        self._chunks: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+
+    def _record(self, layer: int, hidden: torch.Tensor) -> None:
+        v = self.vectors[layer]
+        if v.device != hidden.device:
+            v = self.vectors[layer] = v.to(hidden.device)
+        self._chunks[layer].append((hidden.detach().float() @ v))
+
+    def __enter__(self) -> "ConfidenceMonitor":
+        self._tap.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tap.__exit__(*exc)
+
+    def projections(self) -> torch.Tensor:
+        """``[B, T]`` layer-mean projections of all positions recorded so far."""
+        if not self._chunks[self.layers[0]]:
+            raise RuntimeError("the confidence monitor has seen no tokens: run the LLM inside `with monitor:`")
+        return torch.stack([torch.cat(self._chunks[layer], dim=-1) for layer in self.layers]).mean(0)
+
+    def scores(self, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 2 scores ``[B, T]`` (< 0: unconfident); ``prefix`` holds projections of cached positions before them."""
+        proj = self.projections()
+        if prefix is not None:
+            proj = torch.cat([prefix.to(proj.device).expand(proj.shape[0], -1), proj], dim=-1)
+        return running_scores(proj, self.tau, self.clip, self.skip)
+
+
+def score_sequences(
+    llm: LLM, directions: Directions, sequences: list[list[int]], batch_size: int = 16,
+    tau: float = 0.0, clip: float = 3.0, layers: list[int] | None = None, progress=None,
+) -> list[np.ndarray]:
+    """Eq. 2 score of every position of each token sequence, by teacher forcing (the served monitor's code).
+
+    The token prefix shared by all sequences (a chat header, a few-shot prompt) runs once.
+    """  # fmt: skip
+    from detectors.attribution import prefix_states
+
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("score_sequences needs non-empty token sequences")
+    shared = min(len(s) for s in sequences) - 1
+    first = sequences[0]
+    common = next((i for i in range(shared) if any(s[i] != first[i] for s in sequences)), shared)
+    monitor = ConfidenceMonitor(llm.model, directions, layers, tau, clip)
+    kv, prefix_proj = None, None
+    if common:
+        with monitor:
+            kv = prefix_states(llm.model, torch.tensor([first[:common]], device=llm.device), common)
+        prefix_proj = monitor.projections()
+    rows = [s[common:] for s in sequences]
+    out: list[np.ndarray] = [np.zeros(0)] * len(rows)
+    for idx in batches(rows, batch_size):
+        monitor.reset()
+        with monitor:
+            forward_rows(llm, kv, [rows[i] for i in idx])
+        scores = monitor.scores(prefix_proj).cpu().numpy()
+        for b, i in enumerate(idx):
+            out[i] = scores[b, : len(sequences[i])]
+        if progress is not None:
+            progress.update(len(idx))
+    return out
+
+
+# ---- the retrieval trigger: new, non-stopword tokens ------------------------------------------------
+
+
+def token_words(tokenizer, ids: list[int]) -> list[int]:
+    """The word index of each token: a token starting with whitespace, or a punctuation token, starts a word."""
+    word, out, prev_punct = -1, [], True
+    for t in ids:
+        piece = tokenizer.decode([t], skip_special_tokens=True)
+        punct = not any(c.isalnum() for c in piece)
+        if word < 0 or piece[:1].isspace() or punct or prev_punct:
+            word += 1
+        out.append(word)
+        prev_punct = punct
+    return out
+
+
+def content_mask(tokenizer, context_text: str, ids: list[int], stopwords: frozenset[str] = frozenset(STOP_WORDS)) -> list[bool]:
+    """Which tokens carry new information (CtrlA §3.2.3, App. B.2): their word is not a stopword or
+    punctuation, and does not occur in the context (the input and the preceding generation)."""
+    seen = set(normalize_text(context_text).split())
+    words = token_words(tokenizer, ids)
+    texts: dict[int, str] = {}
+    for t, w in zip(ids, words):
+        texts[w] = texts.get(w, "") + tokenizer.decode([t], skip_special_tokens=True)
+    flags = {}
+    for w, text in texts.items():
+        norm = normalize_text(text)
+        flags[w] = bool(norm) and all(part not in stopwords for part in norm.split()) and norm not in seen
+        if flags[w]:
+            seen.add(norm)  # a word is new only the first time it appears
+    return [flags[w] for w in words]
+
+
+def hallucination_score(scores: np.ndarray, mask: list[bool], fallback: float) -> float:
+    """A sequence's hallucination score: ``-min`` of Eq. 2 over the new non-stopword tokens (the token that
+    fires CtrlA's trigger first), over all tokens when none is new, ``fallback`` when there are none."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if len(scores) == 0:
+        return float(fallback)
+    picked = scores[np.asarray(mask, dtype=bool)] if any(mask) else scores
+    return float(-picked.min())
+
+
+# ---- refusal detector (App. B.3.1) and query masking (Eq. 3) ----------------------------------------
+
+
+def detect_refusal(text: str, patterns: list[str]) -> str | None:
+    """The first refusal pattern (case-insensitive regex) found in ``text``, or None."""
+    text = text.replace("\u2019", "'").replace("\u2018", "'")
+    for pattern in patterns:
+        if re.search(pattern, text, flags=re.IGNORECASE):
+            return pattern
+    return None
+
+
+def masked_query(tokenizer, question: str, context_text: str, ids: list[int], scores: np.ndarray) -> str:
+    """Context-augmented query (Eq. 3): the question plus the segment without its words that are both new
+    (not in the question or earlier generation) and unconfident (Eq. 2 score < 0)."""
+    seen = set(normalize_text(f"{question} {context_text}").split())
+    words = token_words(tokenizer, ids)
+    kept: list[int] = []
+    for w in sorted(set(words)):
+        members = [i for i, x in enumerate(words) if x == w]
+        text = tokenizer.decode([ids[i] for i in members], skip_special_tokens=True)
+        new = normalize_text(text) not in seen if normalize_text(text) else False
+        if not (new and min(float(scores[i]) for i in members) < 0):
+            kept.extend(ids[i] for i in members)
+    segment = tokenizer.decode(kept, skip_special_tokens=True).strip()
+    return f"{question} {segment}".strip()
+
+
+# ---- one generation step of a CtrlA loop ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Segment:
+    """A generated segment with CtrlA's signals: what a RAG loop needs to decide on retrieval."""
+
+    text: str
+    token_ids: list[int]
+    scores: list[float]  # Eq. 2 per generated token (< 0: unconfident)
+    new_content: list[bool]  # the trigger looks only at these tokens
+    retrieve: bool  # some new non-stopword token is unconfident (trigger T)
+    refusal: str | None  # the refusal pattern found (f_d), if any
+    query: str  # the context-augmented query (Eq. 3)
+
+
+def generate_segment(
+    llm: LLM, prompt_ids: torch.Tensor, max_new_tokens: int, monitor: ConfidenceMonitor | None = None,
+    steering: dict[int, torch.Tensor] | None = None, question: str = "", context_text: str = "",
+    refusal_patterns: list[str] = (),
+) -> Segment:
+    """Greedy generation with honesty steering and the confidence monitor attached (CtrlA Alg. 1/3, lines 4-5).
+
+    The last generated token is run once more so that it, too, gets its own hidden state and score.
+    """  # fmt: skip
+    steer_ctx = steer(llm.model, steering) if steering else contextlib.nullcontext()
+    mon_ctx = monitor if monitor is not None else contextlib.nullcontext()
+    if monitor is not None:
+        monitor.reset()
+    with torch.no_grad(), steer_ctx, mon_ctx:
+        out = llm.model.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+            pad_token_id=llm.tokenizer.pad_token_id, attention_mask=torch.ones_like(prompt_ids),
+        )  # fmt: skip
+        gen = out.sequences[0, prompt_ids.shape[1] :].tolist()
+        if monitor is not None and gen:
+            llm.model(out.sequences[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+    text = llm.tokenizer.decode(gen, skip_special_tokens=True)
+    if monitor is None or not gen:
+        return Segment(text, gen, [], [], False, detect_refusal(text, list(refusal_patterns)), question)
+    scores = monitor.scores()[0, prompt_ids.shape[1] :].cpu().numpy()
+    mask = content_mask(llm.tokenizer, context_text or llm.tokenizer.decode(prompt_ids[0]), gen)
+    return Segment(
+        text=text,
+        token_ids=gen,
+        scores=scores.tolist(),
+        new_content=mask,
+        retrieve=bool(any(m and s < 0 for m, s in zip(mask, scores))),
+        refusal=detect_refusal(text, list(refusal_patterns)),
+        query=masked_query(llm.tokenizer, question, context_text, gen, scores),
+    )
