@@ -28,3 +28,5 @@ bench: setup
 	$(BIN)/python -m benchmarks.ig_speed --prompt plain --out benchmarks/results/ig_speed_plain.json
 	PATH="$(abspath $(BIN)):$$PATH" dvc repro extract_directions
 	$(BIN)/python -m benchmarks.ctrla_overhead
+	PATH="$(abspath $(BIN)):$$PATH" dvc repro train_realtime
+	$(BIN)/python -m benchmarks.realtime_overhead

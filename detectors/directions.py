@@ -81,18 +81,17 @@ def statements_from_qa(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_statements(params: StatementParams, qa_table: str | Path) -> pd.DataFrame:
-    """Statements with columns ``id, statement, label, split`` (split ``test`` = held out for evaluation).
+    """Statements with columns ``id, statement, label, split`` (``val`` and ``test`` are held out of extraction).
 
     ``source: qa`` makes true/false statements from the QA table (its splits); a file source
     (``.csv``/``.jsonl``/``.json``/``.parquet``, e.g. ``../shared/data/ctrla/facts_true_false.csv``) is
-    split by id hash, ``heldout`` of it going to ``test``.
+    split by id hash, ``heldout`` of it shared equally by ``val`` and ``test``.
     """
     if params.source == "qa":
         if not Path(qa_table).exists():
             raise StatementError(f"statements.source = 'qa' but the QA table {qa_table} does not exist; run prepare first")
         frame = statements_from_qa(pd.read_parquet(qa_table))
-        frame["split"] = frame["split"].map(lambda s: "test" if s == "test" else "train")
-        return frame.reset_index(drop=True)
+        return frame.reset_index(drop=True)  # the QA splits: extraction on train, selection on val, report on test
     path = Path(params.source)
     if not path.exists():
         raise StatementError(f"statements.source = {params.source!r}: file not found; use 'qa' or a statements file")
@@ -104,7 +103,7 @@ def load_statements(params: StatementParams, qa_table: str | Path) -> pd.DataFra
             f"statements.text_field = {params.text_field!r} is not a column of {path} (columns: {sorted(records[0])}); "
             "set statements.text_field"
         )
-    splits = {"train": 1 - params.heldout, "val": 0.0, "test": params.heldout}
+    splits = {"train": 1 - params.heldout, "val": params.heldout / 2, "test": params.heldout / 2}
     rows = []
     for rec in records:
         text = str(rec.get(params.text_field) or "").strip()

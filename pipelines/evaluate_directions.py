@@ -46,11 +46,17 @@ def _auroc(labels, scores) -> float | None:
 
 
 def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements: pd.DataFrame, params, max_tokens) -> dict:
-    """Held-out true-vs-false AUROC per layer, at the chosen layers, and per number of extraction statements."""
+    """Held-out (test) true-vs-false AUROC per layer, at the chosen layers, and per number of extraction
+    statements; the chosen layers' AUROC on the val statements too (the registry's alias rule uses that)."""
     held = statements[(statements["split"] == "test") & statements["label"].notna()]
     if held.empty or held["label"].nunique() < 2:
         log.warning("no held-out statements with both labels: the honesty AUROC is skipped")
         return {}
+    val = statements[(statements["split"] == "val") & statements["label"].notna()]
+    val_auroc = None
+    if val["label"].nunique() == 2:
+        val_states = last_token_states(llm, params.eval_instruction, val["statement"].tolist(), params.batch_size, max_tokens)
+        val_auroc = _auroc(val["label"].astype(int).to_numpy(), projection_scores(val_states, honesty.vectors, honesty.layers))
     states = last_token_states(llm, params.eval_instruction, held["statement"].tolist(), params.batch_size, max_tokens)
     labels = held["label"].astype(int).to_numpy()
     per_layer = projection_scores(states, honesty.vectors)
@@ -60,6 +66,7 @@ def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements
         "n_heldout": int(len(held)),
         "auroc_per_layer": [_auroc(labels, per_layer[:, i]) for i in range(per_layer.shape[1])],
         "auroc_chosen_layers": _auroc(labels, projection_scores(states, honesty.vectors, honesty.layers)),
+        "val_auroc_chosen_layers": val_auroc,
         "auroc_by_n_statements": curve,
         "confidence_direction_auroc_chosen_layers": _auroc(labels, projection_scores(states, confidence.vectors, confidence.layers)),
     }

@@ -1,7 +1,7 @@
 """Stage register_ctrla: log the CtrlA directions as MLflow models (``ctrla-honesty``, ``ctrla-confidence``),
 register them, and move the champion alias only when the validation AUROC did not get worse.
 
-Validation AUROC: held-out true-vs-false statements for honesty; the early set's validation split
+Validation AUROC: the val split's true-vs-false statements for honesty (never the test split); the early set's validation split
 (the monitor as a hallucination scorer) for confidence.
 """
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     params, mlflow_params = load_section("register_ctrla", data=data), load_section("mlflow", data=data)
     metrics = json.loads(Path(evaluate.metrics).read_text())
     val = {
-        "honesty": (metrics.get("honesty") or {}).get("auroc_chosen_layers"),
+        "honesty": (metrics.get("honesty") or {}).get("val_auroc_chosen_layers"),
         "confidence": metrics["confidence_early"].get("val_auroc"),
     }
     registry.configure(mlflow_params)

@@ -88,10 +88,14 @@ def test_statements_from_qa_pair_each_fact_with_a_wrong_answer_of_its_relation()
 
 
 def test_the_papers_statement_files_load_through_the_same_params():
-    facts = load_statements(StatementParams(source=str(ROOT.parent / "shared/data/ctrla/facts_true_false.csv")), "unused")
+    shared = ROOT.parent / "shared/data/ctrla"
+    if not shared.exists():
+        pytest.skip(f"the paper's statement files are not on this machine ({shared})")
+    facts = load_statements(StatementParams(source=str(shared / "facts_true_false.csv")), "unused")
     assert len(facts) > 550 and set(facts["label"]) == {0, 1}  # 612 rows, a few duplicates
-    assert 0.1 < (facts["split"] == "test").mean() < 0.3  # held out by id hash
-    confident = load_statements(StatementParams(source=str(ROOT.parent / "shared/data/ctrla/confidence_statements.csv")), "unused")
+    for split in ("val", "test"):  # held out by id hash, 10 % each
+        assert 0.05 < (facts["split"] == split).mean() < 0.15
+    confident = load_statements(StatementParams(source=str(shared / "confidence_statements.csv")), "unused")
     assert len(confident) > 500 and confident["statement"].str.len().min() > 0
 
 
