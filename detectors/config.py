@@ -215,6 +215,16 @@ def _check_features(key: str, features: list[str]) -> None:
         fail(key, features, "a feature group is listed twice")
 
 
+def check_training(where: str, params: Any, size_key: str) -> None:
+    """The optimisation knobs every trained detector shares."""
+    for key in (size_key, "lr", "batch_size", "max_epochs", "patience"):
+        positive(f"{where}.{key}", getattr(params, key))
+    if not 0 <= params.dropout < 1:
+        fail(f"{where}.dropout", params.dropout, "must be in [0, 1)")
+    if not params.weight_decay >= 0:
+        fail(f"{where}.weight_decay", params.weight_decay, "must be >= 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainEarlyParams:
     features: list[str] = dataclasses.field(default_factory=lambda: list(FEATURE_GROUPS))
@@ -236,12 +246,7 @@ class TrainEarlyParams:
         _check_features(f"{where}.features", self.features)
         for i, feats in enumerate(self.ablation):
             _check_features(f"{where}.ablation[{i}]", feats)
-        for key in ("rnn_hidden", "lr", "batch_size", "max_epochs", "patience"):
-            positive(f"{where}.{key}", getattr(self, key))
-        if not 0 <= self.dropout < 1:
-            fail(f"{where}.dropout", self.dropout, "must be in [0, 1)")
-        if not self.weight_decay >= 0:
-            fail(f"{where}.weight_decay", self.weight_decay, "must be >= 0")
+        check_training(where, self, "rnn_hidden")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,12 +329,7 @@ class TrainRealtimeParams:
     metrics: str = "data/metrics/train_realtime.json"
 
     def check(self, where: str) -> None:
-        for key in ("mlp_hidden", "lr", "batch_size", "max_epochs", "patience"):
-            positive(f"{where}.{key}", getattr(self, key))
-        if not 0 <= self.dropout < 1:
-            fail(f"{where}.dropout", self.dropout, "must be in [0, 1)")
-        if not self.weight_decay >= 0:
-            fail(f"{where}.weight_decay", self.weight_decay, "must be >= 0")
+        check_training(where, self, "mlp_hidden")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from detectors.config import MonitorParams, SteeringParams, from_dict
 from detectors.directions import Directions
-from detectors.llm import LLM, load_llm
+from detectors.llm import LLM, load_recorded
 from detectors.steering import (
     ConfidenceMonitor, Segment, content_mask, generate_segment, hallucination_score, score_sequences, steer, steering_vectors,
 )  # fmt: skip
@@ -55,14 +55,7 @@ class _CtrlABase:
         return self
 
     def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
-        ref = self.directions.config.get("llm", {})
-        errors = []
-        for location in (c for c in (ref.get("dir"), ref.get("source")) if c):
-            try:
-                return self.attach(load_llm(location, dtype, device, ref.get("gguf_file"))).llm
-            except (OSError, ValueError) as err:
-                errors.append(f"{location}: {err}")
-        raise RuntimeError(f"could not load the LLM {self.fingerprint.name!r} of {self.KIND}: " + "; ".join(errors))
+        return self.attach(load_recorded(self.directions.config.get("llm", {}), self.KIND, dtype, device)).llm
 
     def _llm(self) -> LLM:
         return self.llm if self.llm is not None else self.load_llm()

@@ -8,26 +8,23 @@ the LLM fingerprint). Serving computes features with the same ``question_feature
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from safetensors.torch import load_file, save_file
 from torch.nn.utils.rnn import pad_sequence
 
 from detectors.config import EarlyFeatureParams, TrainEarlyParams, from_dict
 from detectors.early import SEQUENCE_DIM, features_to_row, question_features, scalar_features, sequence_features, vector_features
-from detectors.llm import LLM, Fingerprint, load_llm
+from detectors.artifact import read_artifact, write_artifact
+from detectors.llm import LLM, Fingerprint, load_recorded
 from detectors.metrics import choose_threshold, require_both_classes
 from detectors.nets import EarlyGRU
 from detectors.training import fit, predict
 
 KIND = "dior-early"
-CONFIG = "detector.json"
-WEIGHTS = "weights.safetensors"
 
 
 @dataclasses.dataclass
@@ -82,11 +79,7 @@ class EarlyDetector:
 
     # ---- artifact -------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()}, directory / WEIGHTS)
         config = {
-            "kind": KIND,
             "net": self.net.config,
             "groups": self.groups,
             "static_mean": self.static_mean.tolist(),
@@ -96,19 +89,13 @@ class EarlyDetector:
             "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
             "info": self.info,
         }
-        (directory / CONFIG).write_text(json.dumps(config, indent=2))
-        return directory
+        return write_artifact(directory, KIND, self.net, config)
 
     @classmethod
     def load(cls, directory: str | Path) -> "EarlyDetector":
-        directory = Path(directory)
-        if not (directory / CONFIG).exists():
-            raise FileNotFoundError(f"{directory} holds no {CONFIG}: not an early-detector artifact")
-        config = json.loads((directory / CONFIG).read_text())
-        if config.get("kind") != KIND:
-            raise ValueError(f"{directory} holds a {config.get('kind')!r} artifact, not {KIND!r}")
+        config, weights = read_artifact(directory, KIND)
         net = EarlyGRU(**config["net"])
-        net.load_state_dict(load_file(directory / WEIGHTS))
+        net.load_state_dict(weights)
         net.eval()
         llm = dict(config["llm"])
         return cls(
@@ -137,14 +124,8 @@ class EarlyDetector:
 
     def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
         """Load the training LLM from where the artifact says it came from, and attach it."""
-        candidates = [self.llm_ref.get("dir"), self.llm_ref.get("source")]
-        errors = []
-        for location in (c for c in candidates if c):
-            try:
-                return self.attach(load_llm(location, dtype, device, self.llm_ref.get("gguf_file")))
-            except (OSError, ValueError) as err:
-                errors.append(f"{location}: {err}")
-        raise RuntimeError(f"could not load the detector's LLM {self.fingerprint.name!r}: " + "; ".join(errors))
+        self.attach(load_recorded(self.llm_ref, f"detector {KIND!r}", dtype, device))
+        return self.llm
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: a ``question`` column in; probability, retrieve and keywords out."""

@@ -287,3 +287,14 @@ def prepared_reference(directory: str | Path) -> tuple[Fingerprint, dict[str, An
     ref = {"dir": str(Path(directory).resolve()), "source": manifest["source"], "gguf_file": manifest["gguf_file"]}
     return Fingerprint.from_dict(manifest["fingerprint"]), ref
 
+
+def load_recorded(ref: dict[str, Any], what: str, dtype: str = "auto", device: str = "auto") -> LLM:
+    """Load the LLM an artifact recorded (``prepared_reference``): its prepared directory, else its source."""
+    errors = []
+    for location in (c for c in (ref.get("dir"), ref.get("source")) if c):
+        try:
+            return load_llm(location, dtype, device, ref.get("gguf_file"))
+        except (OSError, ValueError) as err:
+            errors.append(f"{location}: {err}")
+    raise RuntimeError(f"could not load the LLM of {what}: " + ("; ".join(errors) or "the artifact records no location"))
+

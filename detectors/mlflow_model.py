@@ -7,11 +7,12 @@ that loads it. Every such class has ``load(directory)`` and ``predict_frame(fram
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
 import mlflow
 import pandas as pd
+
+from detectors.artifact import read_config
 
 KINDS = {
     "dior-early": "detectors.early_detector:EarlyDetector",
@@ -23,10 +24,7 @@ KINDS = {
 
 def load_artifact(directory: str | Path):
     """The detector stored in ``directory``, whatever its kind."""
-    config = Path(directory) / "detector.json"
-    if not config.exists():
-        raise FileNotFoundError(f"{directory} holds no detector.json: not a detector artifact")
-    kind = json.loads(config.read_text()).get("kind")
+    kind = read_config(directory).get("kind")
     if kind not in KINDS:
         raise ValueError(f"{directory} holds a detector of kind {kind!r}; known kinds: {sorted(KINDS)}")
     module, cls = KINDS[kind].split(":")

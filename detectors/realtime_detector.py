@@ -8,18 +8,17 @@ Serving scores tokens with the same ``GenerationRecorder`` and ``token_features`
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import StoppingCriteria
 
 from detectors.config import RealtimePromptParams, TrainRealtimeParams, from_dict
-from detectors.llm import LLM, Fingerprint, load_llm
+from detectors.artifact import read_artifact, write_artifact
+from detectors.llm import LLM, Fingerprint, load_recorded
 from detectors.metrics import choose_threshold, require_both_classes
 from detectors.nets import TokenMLP
 from detectors.realtime import (
@@ -35,8 +34,6 @@ from detectors.realtime import (
 from detectors.training import fit, predict
 
 KIND = "dior-realtime"
-CONFIG = "detector.json"
-WEIGHTS = "weights.safetensors"
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -103,11 +100,7 @@ class RealtimeDetector:
 
     # ---- artifact -------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.net.state_dict().items()}, directory / WEIGHTS)
         config = {
-            "kind": KIND,
             "net": self.net.config,
             "mean": self.mean.tolist(),
             "std": self.std.tolist(),
@@ -119,19 +112,13 @@ class RealtimeDetector:
             "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
             "info": self.info,
         }
-        (directory / CONFIG).write_text(json.dumps(config, indent=2))
-        return directory
+        return write_artifact(directory, KIND, self.net, config)
 
     @classmethod
     def load(cls, directory: str | Path) -> "RealtimeDetector":
-        directory = Path(directory)
-        if not (directory / CONFIG).exists():
-            raise FileNotFoundError(f"{directory} holds no {CONFIG}: not a real-time detector artifact")
-        config = json.loads((directory / CONFIG).read_text())
-        if config.get("kind") != KIND:
-            raise ValueError(f"{directory} holds a {config.get('kind')!r} artifact, not {KIND!r}")
+        config, weights = read_artifact(directory, KIND)
         net = TokenMLP(**config["net"])
-        net.load_state_dict(load_file(directory / WEIGHTS))
+        net.load_state_dict(weights)
         net.eval()
         llm = dict(config["llm"])
         return cls(
@@ -166,13 +153,8 @@ class RealtimeDetector:
 
     def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
         """Load the training LLM from where the artifact says it came from, and attach it."""
-        errors = []
-        for location in (c for c in (self.llm_ref.get("dir"), self.llm_ref.get("source")) if c):
-            try:
-                return self.attach(load_llm(location, dtype, device, self.llm_ref.get("gguf_file")))
-            except (OSError, ValueError) as err:
-                errors.append(f"{location}: {err}")
-        raise RuntimeError(f"could not load the detector's LLM {self.fingerprint.name!r}: " + "; ".join(errors))
+        self.attach(load_recorded(self.llm_ref, f"detector {KIND!r}", dtype, device))
+        return self.llm
 
     def monitor(self, llm: LLM | None = None) -> GenerationRecorder:
         """A recorder that scores every generated token of ``model.generate``::

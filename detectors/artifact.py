@@ -1,0 +1,37 @@
+"""The files of a trained detector: ``weights.safetensors`` (no pickle) and ``detector.json`` (its kind,
+everything needed to rebuild and serve it, and the fingerprint of its LLM)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CONFIG = "detector.json"
+WEIGHTS = "weights.safetensors"
+
+
+def write_artifact(directory: str | Path, kind: str, net: torch.nn.Module, config: dict[str, Any]) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, directory / WEIGHTS)
+    (directory / CONFIG).write_text(json.dumps({"kind": kind, **config}, indent=2))
+    return directory
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG
+    if not path.exists():
+        raise FileNotFoundError(f"{directory} holds no {CONFIG}: not a detector artifact")
+    return json.loads(path.read_text())
+
+
+def read_artifact(directory: str | Path, kind: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config and weights of a ``kind`` artifact; another kind is a clear error."""
+    config = read_config(directory)
+    if config.get("kind") != kind:
+        raise ValueError(f"{directory} holds a {config.get('kind')!r} artifact, not {kind!r}")
+    return config, load_file(Path(directory) / WEIGHTS)
