@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from detectors.config import ContrastParams, LayerRangeParams, StatementParams
-from detectors.llm import LLM, Fingerprint, LLMMismatchError
+from detectors.llm import LLM, Fingerprint, LLMMismatchError, decoder_layers, layer_output
 from detectors.qa import _read_file, normalize_text, split_of, stable_id
 
 log = logging.getLogger(__name__)
@@ -155,19 +155,6 @@ def statement_ids(llm: LLM, statements: list[str], max_tokens: int | None, prefi
             )
         out.append(ids)
     return out
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The transformer blocks whose outputs are the residual stream after layer 1..L."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise DirectionsError(f"{type(model).__name__} has no decoder .layers: CtrlA directions need a decoder-only LLM")
-    return layers
-
-
-def layer_output(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
 
 
 class LayerTap:

@@ -298,3 +298,16 @@ def load_recorded(ref: dict[str, Any], what: str, dtype: str = "auto", device: s
             errors.append(f"{location}: {err}")
     raise RuntimeError(f"could not load the LLM of {what}: " + ("; ".join(errors) or "the artifact records no location"))
 
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer blocks whose outputs are the residual stream after layer 1..L."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a decoder-only LLM")
+    return layers
+
+
+def layer_output(output: Any) -> torch.Tensor:
+    """The hidden states in a decoder block's output (a tensor, or a tuple starting with one)."""
+    return output[0] if isinstance(output, tuple) else output

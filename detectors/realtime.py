@@ -19,7 +19,7 @@ from transformers import LogitsProcessor
 
 from detectors.config import BuildRealtimeParams, RealtimePromptParams
 from detectors.early import RecordError, resolve_layers
-from detectors.llm import LLM
+from detectors.llm import LLM, decoder_layers, layer_output
 from detectors.qa import normalize_text
 
 # ---- capture during generation ------------------------------------------------------------------
@@ -27,9 +27,8 @@ from detectors.qa import normalize_text
 
 def layer_modules(model: torch.nn.Module, positions: list[int]) -> list[torch.nn.Module]:
     """The module whose output is ``hidden_states[p]`` for each position p (1..L; L is the final norm)."""
-    decoder = model.get_decoder()
-    layers, n = decoder.layers, len(decoder.layers)
-    return [decoder.norm if p == n else layers[p - 1] for p in positions]
+    layers = decoder_layers(model)
+    return [model.get_decoder().norm if p == len(layers) else layers[p - 1] for p in positions]
 
 
 @dataclasses.dataclass
@@ -74,8 +73,7 @@ class GenerationRecorder(LogitsProcessor):
     def _hook(self, index: int):
         def hook(module, args, output):
             if self.calls > 0:  # not the prompt's prefill: the last position is the token just generated
-                hidden = output[0] if isinstance(output, tuple) else output
-                self._caught[index] = hidden[:, -1].detach()
+                self._caught[index] = layer_output(output)[:, -1].detach()
 
         return hook
 

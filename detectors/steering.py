@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from spacy.lang.en.stop_words import STOP_WORDS
 
-from detectors.directions import Directions, LayerTap, batches, decoder_layers, forward_rows, layer_output
-from detectors.llm import LLM
+from detectors.directions import Directions, LayerTap, batches, forward_rows
+from detectors.llm import LLM, decoder_layers, layer_output
 from detectors.qa import normalize_text
 
 # ---- honesty steering (Eq. 1) ------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import torch
 import yaml
 
 from conftest import ROOT
-from detectors.directions import Directions, LayerTap, decoder_layers
+from detectors.directions import Directions, LayerTap
+from detectors.llm import decoder_layers
 from detectors.steering import (
     ConfidenceMonitor, content_mask, detect_refusal, token_words, generate_segment, hallucination_score, masked_query,
     running_scores, score_sequences, steer, steering_vectors,
