@@ -47,6 +47,10 @@ class ShardStore:
         """A file that belongs to shard ``index``; write it before the shard, which marks it done."""
         return self.dir / f"shard-{index:05d}{suffix}"
 
+    def items_done(self, n_items: int, size: int) -> int:
+        """How many of ``n_items`` (in shards of ``size``) finished shards hold: where progress resumes."""
+        return sum(min(size, n_items - k * size) for k in range((n_items + size - 1) // size) if self.done(k))
+
     def done(self, index: int) -> bool:
         return self.path(index).exists()
 

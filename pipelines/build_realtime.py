@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     n_shards = (len(table) + params.shard_size - 1) // params.shard_size
     todo = [k for k in range(n_shards) if not store.done(k)]
     log.info("%d articles in %d shards, %d to do (%s)", len(table), n_shards, len(todo), llm.fingerprint.name)
-    with tqdm(total=len(table), initial=(n_shards - len(todo)) * params.shard_size, desc="build_realtime", unit="article") as bar:
+    with tqdm(total=len(table), initial=store.items_done(len(table), params.shard_size), desc="build_realtime", unit="article") as bar:
         for k in todo:
             chunk = table.iloc[k * params.shard_size : (k + 1) * params.shard_size]
             with torch.no_grad():
