@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     def ours(ids):
         with detector.monitor() as mon:
             model.generate(ids, logits_processor=[mon], max_new_tokens=n_new + 1, do_sample=False)
-        trace = mon.traces(eos)[0]
-        return trace.gen_ids[:n_new], trace.scores[:n_new]
+        trace = mon.traces(eos, limit=n_new)[0]
+        return trace.gen_ids, trace.scores
 
     def posthoc(ids):
         gen = model.generate(ids, max_new_tokens=n_new, do_sample=False)[0, ids.shape[1] :].tolist()

@@ -108,8 +108,8 @@ class GenerationRecorder(LogitsProcessor):
         self.calls += 1
         return scores
 
-    def traces(self, eos_ids: set[int]) -> list[TokenTrace]:
-        """One trace per batch row, cut before the row's first end-of-sequence token."""
+    def traces(self, eos_ids: set[int], limit: int | None = None) -> list[TokenTrace]:
+        """One trace per batch row, cut before the row's first end-of-sequence token (and at ``limit``)."""
         if not self.tokens:
             return []
         tokens = torch.stack(self.tokens, 1)
@@ -118,7 +118,7 @@ class GenerationRecorder(LogitsProcessor):
         out = []
         for b in range(tokens.shape[0]):
             ids = tokens[b].tolist()
-            n = next((i for i, t in enumerate(ids) if t in eos_ids), len(ids))
+            n = min(next((i for i, t in enumerate(ids) if t in eos_ids), len(ids)), limit if limit is not None else len(ids))
             out.append(
                 TokenTrace(
                     gen_ids=ids[:n],
@@ -174,12 +174,7 @@ def generate_traced(
             do_sample=False,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else min(eos),
         )
-    traces = recorder.traces(eos)
-    for t in traces:
-        if len(t.gen_ids) > max_new_tokens:
-            t.gen_ids, t.hidden, t.prob, t.entropy = t.gen_ids[:max_new_tokens], t.hidden[:max_new_tokens], t.prob[:max_new_tokens], t.entropy[:max_new_tokens]
-            t.scores = None if t.scores is None else t.scores[:max_new_tokens]
-    return prompt_ids, traces
+    return prompt_ids, recorder.traces(eos, limit=max_new_tokens)
 
 
 def token_features(hidden: np.ndarray, prob: np.ndarray, entropy: np.ndarray) -> np.ndarray:

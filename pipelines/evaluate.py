@@ -140,7 +140,7 @@ def evaluate_realtime(build, train, params) -> tuple[dict, list, Path]:
     """Metrics per level (``{level: {scorer: metrics}}``), the scorers, and the ROC figure."""
     frame = pd.read_parquet(build.out)
     detector = RealtimeDetector.load(train.out_dir)
-    frame, ctrla = with_ctrla(frame, Path(params.ctrla_realtime))
+    frame, _ = with_ctrla(frame, Path(params.ctrla_realtime))  # its column becomes a score at every level
     tables = level_tables(frame, realtime_token_scores(frame, load_file(build.hidden_out)["hidden"], detector))
     results, all_scores, scorers = {}, [], {}
     fig, axes = plt.subplots(1, 3, figsize=(15, 5))
