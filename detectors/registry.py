@@ -85,3 +85,24 @@ def register(model_uri: str, name: str, alias: str, val_auroc: float) -> dict[st
         "val_auroc": val_auroc,
         "previous_champion_val_auroc": None if current is None else current_auroc,
     }
+
+
+def log_and_register(
+    artifact_dir: str | Path,
+    name: str,
+    alias: str,
+    experiment_id: str,
+    val_auroc: float,
+    metrics: dict[str, float],
+    params: dict[str, Any],
+    metadata: dict[str, Any],
+) -> dict[str, Any]:
+    """One run that logs a detector directory with its params and metrics, registers it as ``name``
+    and applies the champion rule; returns :func:`register`'s result with the run id and model URI."""
+    with mlflow.start_run(experiment_id=experiment_id, run_name=name) as run:
+        mlflow.log_params(params)
+        mlflow.log_metrics({"val_auroc": val_auroc, **metrics})
+        info = log_detector(artifact_dir, metadata)
+        result = register(info.model_uri, name, alias, val_auroc)
+    return {**result, "run_id": run.info.run_id, "model_uri": info.model_uri}
+

@@ -9,8 +9,6 @@ import json
 import logging
 from pathlib import Path
 
-import mlflow
-
 from detectors import registry
 from detectors.config import load_section
 from detectors.mlflow_model import load_artifact
@@ -27,12 +25,10 @@ def register_detector(artifact_dir: str, test: dict, params, mlflow_params, extr
     registry.configure(mlflow_params)
     exp = registry.experiment(params.experiment, mlflow_params)
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
-    with mlflow.start_run(experiment_id=exp, run_name=params.name) as run:
-        mlflow.log_params({"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params})
-        mlflow.log_metrics({"val_auroc": val_auroc, **{f"test_{k}": v for k, v in test.items() if k != "kind"}})
-        info = registry.log_detector(artifact_dir, metadata)
-        result = registry.register(info.model_uri, params.name, params.alias, val_auroc)
-    result.update({"run_id": run.info.run_id, "model_uri": info.model_uri, "test_auroc": test["auroc"]})
+    run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
+    test_metrics = {f"test_{k}": v for k, v in test.items() if k != "kind"}
+    result = registry.log_and_register(artifact_dir, params.name, params.alias, exp, val_auroc, test_metrics, run_params, metadata)
+    result["test_auroc"] = test["auroc"]
     write_json(params.out, result)
     log.info("%s", result)
     return result

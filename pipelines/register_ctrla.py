@@ -11,8 +11,6 @@ import json
 import logging
 from pathlib import Path
 
-import mlflow
-
 from detectors import registry
 from detectors.config import load_section
 from detectors.ctrla import ConfidenceDetector, HonestySteering
@@ -40,14 +38,11 @@ def main(argv: list[str] | None = None) -> None:
         d = detector.directions
         val_auroc = float(val[concept]) if val[concept] is not None else float("nan")
         metadata = {"llm": d.fingerprint.to_dict(), "kind": cls.KIND, "layers": d.layers}
-        with mlflow.start_run(experiment_id=exp, run_name=name) as run:
-            mlflow.log_params({"kind": cls.KIND, "layers": str(d.layers), "llm": d.fingerprint.name, "n_statements": d.config["n_statements"]})
-            mlflow.log_metric("val_auroc", val_auroc)
-            if concept == "confidence" and metrics["confidence_early"].get("test_auroc") is not None:
-                mlflow.log_metric("test_auroc", metrics["confidence_early"]["test_auroc"])
-            info = registry.log_detector(directory, metadata)
-            result = registry.register(info.model_uri, name, params.alias, val_auroc)
-        results[concept] = {**result, "run_id": run.info.run_id, "model_uri": info.model_uri}
+        run_params = {"kind": cls.KIND, "layers": str(d.layers), "llm": d.fingerprint.name, "n_statements": d.config["n_statements"]}
+        test = metrics["confidence_early"].get("test_auroc") if concept == "confidence" else None
+        results[concept] = registry.log_and_register(
+            directory, name, params.alias, exp, val_auroc, {} if test is None else {"test_auroc": test}, run_params, metadata
+        )
         log.info("%s", results[concept])
     write_json(params.out, results)
 
