@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from detectors.config import load_section
-from detectors.ctrla import ConfidenceDetector, HonestySteering
-from detectors.llm import load_llm
-from detectors.shards import write_json
+from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
+from detectors.io import write_json
+from detectors.llm.loading import load_llm
 
 PROMPTS = [
     "Who wrote the novel Moby-Dick?", "What is the capital of Australia?", "How does a telescope work?",
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/ctrla_overhead.json")
     args = parser.parse_args(argv)
-    llm_params, extract = load_section("llm", args.params), load_section("extract_directions", args.params)
-    llm = load_llm(llm_params.dir, llm_params.dtype, llm_params.device)
-    honesty = HonestySteering.load(Path(extract.out_dir) / "honesty").attach(llm)
-    confidence = ConfidenceDetector.load(Path(extract.out_dir) / "confidence").attach(llm)
+    llm_params, paths = load_section("llm", args.params), load_section("paths", args.params)
+    llm = load_llm(paths.llm, llm_params.dtype, llm_params.device)
+    honesty = HonestySteering.load(Path(paths.directions) / "honesty").attach(llm)
+    confidence = ConfidenceDetector.load(Path(paths.directions) / "confidence").attach(llm)
     prompts = [llm.encode_prompt(p, extract.monitor.prompt)[0] for p in PROMPTS]
     _generate(llm, prompts[0], 4)  # warm-up
     plain, ctrla = [], []

@@ -57,9 +57,10 @@ import torch
 from captum.attr import IntegratedGradients
 from transformers import PreTrainedModel
 
-from detectors.attribution import attribution_distribution, attribution_entropy, token_attributions
-from detectors.config import PromptParams, load_section
-from detectors.llm import LLM, load_llm
+from detectors.config import load_section
+from detectors.config.schema import PromptParams
+from detectors.dior.attribution import attribution_distribution, attribution_entropy, token_attributions
+from detectors.llm.loading import LLM, load_llm
 
 DEFAULT_LLM = "data/llm"
 DEFAULT_OUT = "benchmarks/results/ig_speed.json"

@@ -19,7 +19,7 @@ The three produce the same tokens (checked), and ours and post-hoc the same per-
 ``--repeats R`` each call is made R times keeping the fastest, so a burst of load on a busy machine
 does not land on one method only. Timings are reported, never asserted.
 
-The detector is the trained one in ``train_realtime.out_dir`` when it exists; otherwise an untrained
+The detector is the trained one in ``paths.realtime_model`` when it exists; otherwise an untrained
 MLP of the same shape (the cost is the same).
 
 Run: ``python -m benchmarks.realtime_overhead [--n-prompts N] [--max-new-tokens T] [--repeats R] [--out PATH]``
@@ -40,21 +40,22 @@ import pandas as pd
 import torch
 
 from detectors.config import load_section
-from detectors.early import resolve_layers
-from detectors.llm import load_llm
-from detectors.nets import TokenMLP
-from detectors.realtime import EntityTools, eos_ids, prepare_article, token_features
-from detectors.realtime_detector import RealtimeDetector
+from detectors.dior.entities import EntityTools, prepare_article
+from detectors.dior.nets import TokenMLP
+from detectors.dior.realtime_detector import RealtimeDetector
+from detectors.dior.recorder import eos_ids, token_features
+from detectors.llm.layers import hidden_state_indices
+from detectors.llm.loading import load_llm
 
 
-def detector_for(llm, build, train) -> RealtimeDetector:
-    if (Path(train.out_dir) / "detector.json").exists():
-        return RealtimeDetector.load(train.out_dir).attach(llm)
-    positions = resolve_layers(build.hidden_layers, llm.fingerprint.num_layers, "build_realtime.hidden_layers")
-    dim = len(positions) * llm.fingerprint.hidden_size + 3
-    net = TokenMLP(dim, train.mlp_hidden, 0.0).eval()
+def detector_for(llm, build, train, model_dir: str) -> RealtimeDetector:
+    if (Path(model_dir) / "detector.json").exists():
+        return RealtimeDetector.load(model_dir).attach(llm)
+    indices = hidden_state_indices(build.hidden_layers, llm.fingerprint.num_layers, "build_realtime.hidden_layers")
+    dim = len(indices) * llm.fingerprint.hidden_size + 3
+    net = TokenMLP(dim, train.training.hidden, 0.0).eval()
     ones = np.ones(dim, np.float32)
-    return RealtimeDetector(net, 0 * ones, ones, 0.5, build.hidden_layers, positions, build.prompt, build.spacy_model,
+    return RealtimeDetector(net, 0 * ones, ones, 0.5, build.hidden_layers, indices, build.prompt, build.spacy_model,
                             llm.fingerprint, {}, {}).attach(llm)  # fmt: skip
 
 
@@ -75,15 +76,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/realtime_overhead.json")
     args = parser.parse_args(argv)
-    llm_params, articles = load_section("llm", args.params), load_section("articles", args.params)
+    llm_params, paths = load_section("llm", args.params), load_section("paths", args.params)
     build, train = load_section("build_realtime", args.params), load_section("train_realtime", args.params)
-    llm = load_llm(llm_params.dir, llm_params.dtype, llm_params.device)
-    detector = detector_for(llm, build, train)
+    llm = load_llm(paths.llm, llm_params.dtype, llm_params.device)
+    detector = detector_for(llm, build, train, paths.realtime_model)
     tools = EntityTools(build.spacy_model, build.embedding_model)
     prompts = []
-    for art in pd.read_parquet(articles.out).itertuples():
+    for art in pd.read_parquet(paths.articles).itertuples():
         try:
-            prompts.append(prepare_article(tools, llm, art.id, art.title, art.text, build)[1])
+            prompts.append(prepare_article(
+                tools, llm, art.id, art.title, art.text, build.prompt, max_new_tokens=build.max_new_tokens,
+                max_article_chars=build.max_article_chars, prefix_sentences=build.prefix_sentences,
+                min_prefix_chars=build.min_prefix_chars,
+            )[1])  # fmt: skip
         except ValueError:
             continue
         if len(prompts) == args.n_prompts:
@@ -105,12 +110,12 @@ def main(argv: list[str] | None = None) -> None:
         full = torch.tensor([ids[0].tolist() + gen], device=llm.device)
         out = model(full, output_hidden_states=True)
         p0 = ids.shape[1]
-        hidden = torch.cat([out.hidden_states[p][0, p0 : p0 + len(gen)] for p in detector.positions], -1)
+        hidden = torch.cat([out.hidden_states[p][0, p0 : p0 + len(gen)] for p in detector.state_indices], -1)
         logp = torch.log_softmax(out.logits[0, p0 - 1 : p0 - 1 + len(gen)].float(), -1)
         prob = logp[torch.arange(len(gen)), torch.tensor(gen)].exp()
         entropy = -(logp.exp() * logp).sum(-1)
         x = token_features(hidden.to(torch.float16).cpu().numpy(), prob.cpu().numpy(), entropy.cpu().numpy())
-        return gen, detector.predict_features(x)
+        return gen, detector.predict_proba(x)
 
     totals = {"plain": 0.0, "ours": 0.0, "posthoc": 0.0}
     same_tokens, max_diff = True, 0.0

@@ -5,7 +5,8 @@
     decision = det.assess("The capital of Occitania is")
     decision.retrieve, decision.probability, decision.keywords
 
-Every registered kind loads the same way (see ``detectors.mlflow_model.KINDS``).
+Every registered kind loads the same way (see ``detectors.registry.kinds``) and is a
+:class:`detectors.interfaces.Detector`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 import mlflow
 
 from detectors.config import load_section
-from detectors.llm import LLM
-from detectors.registry import configure
+from detectors.interfaces import Detector
+from detectors.llm.loading import LLM
+from detectors.registry.store import configure
 
 
 def load_detector(
@@ -27,7 +29,7 @@ def load_detector(
     tracking_uri: str | None = None,
     params: str | Path = "params.yaml",
     llm: LLM | None = None,
-):
+) -> Detector:
     """The detector registered as ``models:/<name>@<alias>``.
 
     The tracking store is ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section
@@ -38,7 +40,7 @@ def load_detector(
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
     else:
-        configure(load_section("mlflow", params), Path(params).parent)
+        configure(load_section("mlflow", params).tracking_uri, Path(params).parent)
     try:
         model = mlflow.pyfunc.load_model(f"models:/{name}@{alias}")
     except mlflow.exceptions.MlflowException as err:

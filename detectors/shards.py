@@ -8,27 +8,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pandas as pd
+from tqdm import tqdm
+
+from detectors.io import write_json
+
+log = logging.getLogger(__name__)
 
 
 def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def write_json(path: str | Path, data: Any) -> None:
-    """Write JSON atomically (a crash never leaves half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 class ShardStore:
+    """Shards ``shard-NNNNN.parquet`` of a table processed ``size`` rows at a time, under one configuration."""
+
     def __init__(self, directory: str | Path, config: dict[str, Any]):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -62,3 +61,25 @@ class ShardStore:
     def read(self, indices: range) -> pd.DataFrame:
         frames = [pd.read_parquet(self.path(i)) for i in indices]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    @staticmethod
+    def count(n_items: int, size: int) -> int:
+        return (n_items + size - 1) // size
+
+    def pending(self, table: pd.DataFrame, size: int, desc: str, unit: str) -> Iterator[tuple[int, pd.DataFrame]]:
+        """The unfinished shards of ``table`` as ``(index, rows)``, with a progress bar that starts at the
+        items finished shards hold. The caller writes shard ``index`` before asking for the next one."""
+        n_shards = self.count(len(table), size)
+        todo = [k for k in range(n_shards) if not self.done(k)]
+        log.info("%s: %d %s in %d shards, %d to do", desc, len(table), unit, n_shards, len(todo))
+        with tqdm(total=len(table), initial=self.items_done(len(table), size), desc=desc, unit=unit) as bar:
+            for k in todo:
+                chunk = table.iloc[k * size : (k + 1) * size]
+                yield k, chunk
+                if not self.done(k):
+                    raise RuntimeError(f"shard {k} of {self.dir} was not written before the next one was asked for")
+                bar.update(len(chunk))
+
+    def read_all(self, n_items: int, size: int) -> pd.DataFrame:
+        """Every shard of a table of ``n_items`` rows, in order (all must be done)."""
+        return self.read(range(self.count(n_items, size)))

@@ -18,6 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import BinaryAUROC
 
+from detectors.config.schema import TrainingParams
+
 
 class ListDataset(Dataset):
     def __init__(self, items: list[dict]):
@@ -63,18 +65,13 @@ def fit(
     train: list[dict],
     val: list[dict],
     collate: Callable[[list[dict]], dict],
+    params: TrainingParams,
     *,
-    lr: float,
-    weight_decay: float,
-    batch_size: int,
-    max_epochs: int,
-    patience: int,
-    seed: int,
-    accelerator: str = "auto",
     fast_dev_run: bool = False,
 ) -> tuple[nn.Module, dict]:
     """Build the net after seeding (so its initial weights are seeded too) and train it; keeps the
     weights of the best validation-AUROC epoch. Returns the net and a summary."""
+    seed, batch_size = params.seed, params.batch_size
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)  # no banner per trained variant
     pl.seed_everything(seed, workers=True, verbose=False)
@@ -82,14 +79,14 @@ def fit(
     gen = torch.Generator().manual_seed(seed)
     train_loader = DataLoader(ListDataset(train), batch_size=batch_size, shuffle=True, collate_fn=collate, generator=gen)
     val_loader = DataLoader(ListDataset(val), batch_size=max(batch_size, 256), collate_fn=collate)
-    module = BinaryDetector(net, lr, weight_decay)
+    module = BinaryDetector(net, params.lr, params.weight_decay)
     with tempfile.TemporaryDirectory() as tmp:
         best = ModelCheckpoint(dirpath=tmp, monitor="val_auroc", mode="max", save_top_k=1, save_weights_only=True)
         trainer = pl.Trainer(
-            accelerator=accelerator,
+            accelerator=params.accelerator,
             devices=1,
-            max_epochs=max_epochs,
-            callbacks=[EarlyStopping(monitor="val_auroc", mode="max", patience=patience), best],
+            max_epochs=params.max_epochs,
+            callbacks=[EarlyStopping(monitor="val_auroc", mode="max", patience=params.patience), best],
             deterministic=True,
             logger=False,
             enable_progress_bar=False,
@@ -115,3 +112,8 @@ def predict(net: nn.Module, items: list[dict], collate: Callable[[list[dict]], d
     net = net.to("cpu").eval()
     out = [torch.sigmoid(net(collate(items[i : i + batch_size]))) for i in range(0, len(items), batch_size)]
     return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+
+
+def training_info(summary: dict, params: TrainingParams, **counts) -> dict:
+    """What a trained detector records about its training: the fit summary, the threshold rule, counts."""
+    return {**summary, "threshold_strategy": params.threshold, **counts, "seed": params.seed}

@@ -8,7 +8,6 @@ against the original's. Work is written in shards; a killed run resumes at the f
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -17,16 +16,21 @@ import numpy as np
 import pandas as pd
 import torch
 from safetensors.numpy import load_file, save_file
-from tqdm import tqdm
 
-from detectors.config import load_section
-from detectors.early import RecordError
-from detectors.llm import load_llm
-from detectors.realtime import EntityTools, generate_traced, label_continuation, prepare_article, realtime_positions
-from detectors.shards import ShardStore, write_json
+from detectors.dior.entities import EntityTools, label_continuation, prepare_article
+from detectors.dior.recorder import generate_traced
+from detectors.errors import RecordError
+from detectors.io import file_digest, write_json
+from detectors.llm.layers import hidden_state_indices
+from detectors.llm.loading import load_llm
+from detectors.shards import ShardStore
 from pipelines._stage import stage_params
 
 log = logging.getLogger("build_realtime")
+READS = (
+    "llm", "build_realtime", "paths.llm", "paths.articles", "paths.realtime_shards", "paths.realtime",
+    "paths.realtime_hidden", "paths.realtime_report",
+)  # fmt: skip
 HIDDEN = ".hidden.safetensors"
 
 
@@ -34,24 +38,28 @@ def _failure(base: dict, err: Exception) -> dict:
     return {**base, "status": f"{type(err).__name__}: {err}"}
 
 
-def build_shard(llm, tools, chunk: pd.DataFrame, positions: list[int], params) -> tuple[list[dict], dict[str, np.ndarray]]:
+def build_shard(llm, tools, chunk: pd.DataFrame, state_indices: list[int], params) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Records of one shard and the hidden states of their generated tokens (by record id)."""
     rows, ready = [], []
     for art in chunk.itertuples(index=False):
         base = {"id": art.id, "split": art.split, "title": art.title}
         try:
-            text, prompt, cut, warnings = prepare_article(tools, llm, art.id, art.title, art.text, params)
+            text, prompt, cut, warnings = prepare_article(
+                tools, llm, art.id, art.title, art.text, params.prompt, max_new_tokens=params.max_new_tokens,
+                max_article_chars=params.max_article_chars, prefix_sentences=params.prefix_sentences,
+                min_prefix_chars=params.min_prefix_chars,
+            )  # fmt: skip
             ready.append((base, text, prompt, cut, warnings))
         except RecordError as err:
             rows.append(_failure(base, err))
     hidden: dict[str, np.ndarray] = {}
     for i in range(0, len(ready), params.batch_size):
         batch = ready[i : i + params.batch_size]
-        prompt_ids, traces = generate_traced(llm, [b[2] for b in batch], positions, params.max_new_tokens, params.prompt.chat)
+        prompt_ids, traces = generate_traced(llm, [b[2] for b in batch], state_indices, params.max_new_tokens, params.prompt.chat)
         for (base, text, _, cut, warnings), ids, trace in zip(batch, prompt_ids, traces):
             record = {**base, "cut": cut, "prompt_ids": ids, "gen_ids": trace.gen_ids, "warnings": warnings}
             try:
-                labels = label_continuation(llm, tools, text, cut, trace.gen_ids, params)
+                labels = label_continuation(llm, tools, text, cut, trace.gen_ids, params.similarity_threshold, params.sentence_window)
             except RecordError as err:
                 rows.append(_failure(record, err))
                 continue
@@ -88,31 +96,24 @@ def report(frame: pd.DataFrame) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    data = stage_params(__doc__, argv)
-    llm_params, articles = load_section("llm", data=data), load_section("articles", data=data)
-    params = load_section("build_realtime", data=data)
-    table = pd.read_parquet(articles.out)
-    llm = load_llm(llm_params.dir, llm_params.dtype, llm_params.device)
-    positions = realtime_positions(llm, params.hidden_layers)
+    p = stage_params(__doc__, argv, READS, "build_realtime")
+    llm_params, params = p["llm"], p["build_realtime"]
+    table = pd.read_parquet(p["paths.articles"])
+    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
+    state_indices = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_realtime.hidden_layers")
     tools = EntityTools(params.spacy_model, params.embedding_model)
-    config = {k: v for k, v in dataclasses.asdict(params).items() if k not in ("shard_dir", "out", "hidden_out", "report")}
-    config |= {"llm": llm.fingerprint.to_dict(), "articles": hashlib.sha256(Path(articles.out).read_bytes()).hexdigest()[:16]}
-    store = ShardStore(params.shard_dir, config)
-    n_shards = (len(table) + params.shard_size - 1) // params.shard_size
-    todo = [k for k in range(n_shards) if not store.done(k)]
-    log.info("%d articles in %d shards, %d to do (%s)", len(table), n_shards, len(todo), llm.fingerprint.name)
-    with tqdm(total=len(table), initial=store.items_done(len(table), params.shard_size), desc="build_realtime", unit="article") as bar:
-        for k in todo:
-            chunk = table.iloc[k * params.shard_size : (k + 1) * params.shard_size]
-            with torch.no_grad():
-                rows, hidden = build_shard(llm, tools, chunk, positions, params)
-            save_file(hidden, str(store.sidecar(k, HIDDEN)))
-            store.write(k, pd.DataFrame(rows))
-            bar.update(len(chunk))
-    write_outputs(store, n_shards, params)
+    config = dataclasses.asdict(params) | {"llm": llm.fingerprint.to_dict(), "articles": file_digest(p["paths.articles"])}
+    store = ShardStore(p["paths.realtime_shards"], config)
+    log.info("LLM %s", llm.fingerprint.name)
+    for k, chunk in store.pending(table, params.shard_size, "build_realtime", "article"):
+        with torch.no_grad():
+            rows, hidden = build_shard(llm, tools, chunk, state_indices, params)
+        save_file(hidden, str(store.sidecar(k, HIDDEN)))
+        store.write(k, pd.DataFrame(rows))
+    write_outputs(store, ShardStore.count(len(table), params.shard_size), p["paths.realtime"], p["paths.realtime_hidden"], p["paths.realtime_report"])
 
 
-def write_outputs(store: ShardStore, n_shards: int, params) -> None:
+def write_outputs(store: ShardStore, n_shards: int, out: str, hidden_out: str, report_path: str) -> None:
     """One table and one float16 tensor of all generated tokens' hidden states (rows ``hidden_offset`` on)."""
     frames, blocks, offset = [], [], 0
     for k in range(n_shards):
@@ -125,13 +126,13 @@ def write_outputs(store: ShardStore, n_shards: int, params) -> None:
                 offset += len(hidden[row.id])
         frames.append(shard.assign(hidden_offset=offsets))
     frame = pd.concat(frames, ignore_index=True)
-    for path in (params.out, params.hidden_out):
+    for path in (out, hidden_out):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    frame.to_parquet(params.out, index=False)
+    frame.to_parquet(out, index=False)
     width = blocks[0].shape[1] if blocks else 0
-    save_file({"hidden": np.concatenate(blocks) if blocks else np.zeros((0, width), np.float16)}, params.hidden_out)
+    save_file({"hidden": np.concatenate(blocks) if blocks else np.zeros((0, width), np.float16)}, hidden_out)
     summary = report(frame)
-    write_json(params.report, summary)
+    write_json(report_path, summary)
     log.info("done: %s", {k: v for k, v in summary.items() if k != "failures"})
 
 

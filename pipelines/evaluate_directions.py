@@ -23,19 +23,25 @@ import mlflow  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from detectors import registry  # noqa: E402
-from detectors.config import load_section  # noqa: E402
-from detectors.ctrla_eval import (  # noqa: E402
+from detectors.ctrla import SCORE_COLUMN as CTRLA  # noqa: E402
+from detectors.ctrla.directions import Directions  # noqa: E402
+from detectors.ctrla.evaluation import (  # noqa: E402
     early_scores, last_token_states, load_truthfulqa, mc_accuracy, projection_scores, realtime_scores,
 )  # fmt: skip
-from detectors.directions import Directions, load_statements  # noqa: E402
-from detectors.llm import load_llm  # noqa: E402
-from detectors.metrics import OneClassError, auroc  # noqa: E402
-from detectors.shards import write_json  # noqa: E402
-from detectors.steering import steering_vectors  # noqa: E402
+from detectors.ctrla.statements import load_statements  # noqa: E402
+from detectors.ctrla.steering import steering_vectors  # noqa: E402
+from detectors.evaluation.metrics import OneClassError, auroc  # noqa: E402
+from detectors.io import write_json  # noqa: E402
+from detectors.llm.loading import load_llm  # noqa: E402
+from detectors.registry import store  # noqa: E402
 from pipelines._stage import stage_params  # noqa: E402
 
 log = logging.getLogger("evaluate_directions")
+READS = (
+    "llm", "build_early.features.prompt", "extract_directions", "evaluate_directions", "mlflow",
+    "paths.llm", "paths.raw", "paths.qa", "paths.early", "paths.realtime", "paths.directions",
+    "paths.ctrla_early", "paths.ctrla_realtime", "paths.evaluate_directions_metrics", "paths.plots",
+)  # fmt: skip
 
 
 def _auroc(labels, scores) -> float | None:
@@ -106,17 +112,15 @@ def write_plots(metrics: dict, plots_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    data = stage_params(__doc__, argv)
-    llm_params, qa_params = load_section("llm", data=data), load_section("qa", data=data)
-    build = load_section("build_early", data=data)
-    extract, params = load_section("extract_directions", data=data), load_section("evaluate_directions", data=data)
-    mlflow_params = load_section("mlflow", data=data)
-    honesty = Directions.load(Path(extract.out_dir) / "honesty")
-    confidence = Directions.load(Path(extract.out_dir) / "confidence")
-    statements = load_statements(extract.honesty.statements, qa_params.out)
-    early = pd.read_parquet(build.out)
+    p = stage_params(__doc__, argv, READS, "evaluate_directions")
+    llm_params, extract, params = p["llm"], p["extract_directions"], p["evaluate_directions"]
+    mlflow_params = p["mlflow"]
+    honesty = Directions.load(Path(p["paths.directions"]) / "honesty")
+    confidence = Directions.load(Path(p["paths.directions"]) / "confidence")
+    statements = load_statements(extract.honesty.statements, p["paths.qa"])
+    early = pd.read_parquet(p["paths.early"])
     early = early[early["status"] == "ok"].reset_index(drop=True)
-    llm = load_llm(llm_params.dir, llm_params.dtype, llm_params.device)
+    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
     honesty.require_llm(llm)
     confidence.require_llm(llm)
     mon = extract.monitor
@@ -128,30 +132,31 @@ def main(argv: list[str] | None = None) -> None:
     timings["honesty"] = time.time() - start
 
     start = time.time()
-    scores = early_scores(llm, confidence, early, build.features.prompt, mon.tau, mon.clip, params.batch_size)
-    out = pd.DataFrame({"id": early["id"].astype(str), "ctrla_confidence": scores})
-    Path(params.early_out).parent.mkdir(parents=True, exist_ok=True)
-    out.to_parquet(params.early_out, index=False)
+    scores = early_scores(llm, confidence, early, p["build_early.features.prompt"], mon.tau, mon.clip, params.batch_size)
+    out = pd.DataFrame({"id": early["id"].astype(str), CTRLA: scores})
+    Path(p["paths.ctrla_early"]).parent.mkdir(parents=True, exist_ok=True)
+    out.to_parquet(p["paths.ctrla_early"], index=False)
     metrics["confidence_early"] = {
         f"{split}_auroc": _auroc(early.loc[early["split"] == split, "label"], scores[early["split"] == split]) for split in ("val", "test")
     }
     metrics["confidence_early"]["n"] = int(len(early))
     timings["confidence_early"] = time.time() - start
 
-    realtime = Path(params.realtime) if params.realtime else None
-    if realtime is not None and realtime.exists():
+    realtime = Path(p["paths.realtime"])
+    if params.score_realtime and realtime.exists():
         start = time.time()
         frame = pd.read_parquet(realtime)
         frame = frame[frame["status"] == "ok"].reset_index(drop=True) if "status" in frame else frame
         per_token = realtime_scores(llm, confidence, frame, mon.tau, mon.clip, params.batch_size)
-        pd.DataFrame({"id": frame["id"].astype(str), "ctrla_confidence": per_token}).to_parquet(params.realtime_out, index=False)
+        pd.DataFrame({"id": frame["id"].astype(str), CTRLA: per_token}).to_parquet(p["paths.ctrla_realtime"], index=False)
         metrics["confidence_realtime"] = {"n": int(len(frame))}
         timings["confidence_realtime"] = time.time() - start
     else:
-        log.info("no real-time set at %s: its per-token CtrlA scores are skipped", params.realtime)
+        log.info("real-time set not scored (score_realtime: %s, %s exists: %s)", params.score_realtime, realtime, realtime.exists())
 
     start = time.time()
-    prefix, examples = load_truthfulqa(params.truthfulqa, qa_params.raw_dir)
+    tqa = params.truthfulqa
+    prefix, examples = load_truthfulqa(p["paths.raw"], tqa.task, tqa.file, tqa.limit, tqa.few_shot)
     accuracy = {}
     for lam in params.truthfulqa.lambdas:
         vectors = steering_vectors(honesty, lam, honesty.layers, extract.steering.relative) if lam else {}
@@ -161,13 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     timings["truthfulqa"] = time.time() - start
     metrics["seconds"] = {k: round(v, 1) for k, v in timings.items()}
 
-    write_json(params.metrics, metrics)
-    pngs = write_plots(metrics, Path(params.plots_dir))
+    write_json(p["paths.evaluate_directions_metrics"], metrics)
+    pngs = write_plots(metrics, Path(p["paths.plots"]))
     log.info("honesty: %s", {k: v for k, v in metrics["honesty"].items() if k != "auroc_per_layer"})
     log.info("confidence (early set): %s; TruthfulQA: %s", metrics["confidence_early"], accuracy)
 
-    registry.configure(mlflow_params)
-    exp = registry.experiment(params.experiment, mlflow_params)
+    store.configure(mlflow_params.tracking_uri)
+    exp = store.experiment(params.experiment, mlflow_params.artifact_root)
     tags = {"task": "ctrla", "llm": llm.fingerprint.name, "llm_digest": llm.fingerprint.weights_digest}
     with mlflow.start_run(experiment_id=exp, run_name="ctrla directions", tags=tags):
         mlflow.log_params({"honesty_layers": str(honesty.layers), "confidence_layers": str(confidence.layers),

@@ -15,13 +15,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from detectors.config import load_section
-from detectors.directions import extract, load_statements, resolve_range
-from detectors.llm import load_llm
-from detectors.shards import write_json
+from detectors.ctrla.directions import extract, resolve_range
+from detectors.ctrla.statements import load_statements
+from detectors.io import write_json
+from detectors.llm.loading import load_llm
 from pipelines._stage import stage_params
 
 log = logging.getLogger("extract_directions")
+READS = ("llm", "extract_directions", "paths.llm", "paths.qa", "paths.directions", "paths.extract_directions_metrics")
 CONCEPTS = ("honesty", "confidence")
 
 
@@ -33,13 +34,12 @@ def curve_similarity(directions, layers: list[int]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    data = stage_params(__doc__, argv)
-    llm_params, qa_params = load_section("llm", data=data), load_section("qa", data=data)
-    params = load_section("extract_directions", data=data)
-    statements = {c: load_statements(getattr(params, c).statements, qa_params.out) for c in CONCEPTS}  # fail early
-    llm = load_llm(llm_params.dir, llm_params.dtype, llm_params.device)
+    p = stage_params(__doc__, argv, READS, "extract_directions")
+    llm_params, params = p["llm"], p["extract_directions"]
+    statements = {c: load_statements(getattr(params, c).statements, p["paths.qa"]) for c in CONCEPTS}  # fail early
+    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
     torch.manual_seed(params.seed)
-    llm_ref = {"dir": llm_params.dir, "source": llm_params.source, "gguf_file": llm_params.gguf_file}
+    llm_ref = {"dir": p["paths.llm"], "source": llm_params.source, "gguf_file": llm_params.gguf_file}
     layers = {
         "honesty": resolve_range(params.steering.layers, llm.fingerprint.num_layers),
         "confidence": resolve_range(params.monitor.layers, llm.fingerprint.num_layers),
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         directions, stats = extract(
             llm, concept, contrast, statements[concept], layers[concept], params.batch_size, params.seed, params.size_curve, config
         )
-        directions.save(Path(params.out_dir) / concept)
+        directions.save(Path(p["paths.directions"]) / concept)
         ev = directions.explained_variance.numpy()
         chosen = np.array(layers[concept]) - 1
         metrics[concept] = {
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         log.info("%s: %s", concept, {k: v for k, v in metrics[concept].items() if k != "explained_variance_per_layer"})
         del stats
-    write_json(params.metrics, metrics)
+    write_json(p["paths.extract_directions_metrics"], metrics)
 
 
 if __name__ == "__main__":

@@ -5,22 +5,23 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from detectors.articles import load_articles
-from detectors.config import load_section
-from detectors.qa import sample, split_of
-from detectors.shards import write_json
+from detectors.io import write_json
+from detectors.sources.articles import load_articles
+from detectors.sources.ids import sample, split_of
 from pipelines._stage import stage_params
 
 log = logging.getLogger("prepare_articles")
+READS = ("articles", "paths.articles", "paths.articles_report")
 
 
 def main(argv: list[str] | None = None) -> None:
-    params = load_section("articles", data=stage_params(__doc__, argv))
+    p = stage_params(__doc__, argv, READS, "prepare_articles")
+    params = p["articles"]
     table, rejected = load_articles(params.source)
     total = len(table)
     table = sample(table, params.limit)
     table["split"] = table["id"].map(lambda i: split_of(i, params.splits))
-    out = Path(params.out)
+    out = Path(p["paths.articles"])
     out.parent.mkdir(parents=True, exist_ok=True)
     table.to_parquet(out, index=False)
     report = {
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         "rejected": int(len(rejected)),
         "rejected_reasons": rejected["reason"].value_counts().to_dict(),
     }
-    write_json(out.with_name("articles_report.json"), report)
+    write_json(p["paths.articles_report"], report)
     log.info("%s", report)
 
 

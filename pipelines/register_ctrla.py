@@ -11,40 +11,39 @@ import json
 import logging
 from pathlib import Path
 
-from detectors import registry
-from detectors.config import load_section
-from detectors.ctrla import ConfidenceDetector, HonestySteering
-from detectors.shards import write_json
+from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
+from detectors.io import write_json
+from detectors.registry import store
 from pipelines._stage import stage_params
 
 log = logging.getLogger("register_ctrla")
+READS = ("register_ctrla", "mlflow", "paths.directions", "paths.evaluate_directions_metrics", "paths.registry_ctrla")
 
 
 def main(argv: list[str] | None = None) -> None:
-    data = stage_params(__doc__, argv)
-    extract, evaluate = load_section("extract_directions", data=data), load_section("evaluate_directions", data=data)
-    params, mlflow_params = load_section("register_ctrla", data=data), load_section("mlflow", data=data)
-    metrics = json.loads(Path(evaluate.metrics).read_text())
+    p = stage_params(__doc__, argv, READS, "register_ctrla")
+    params, mlflow_params = p["register_ctrla"], p["mlflow"]
+    metrics = json.loads(Path(p["paths.evaluate_directions_metrics"]).read_text())
     val = {
         "honesty": (metrics.get("honesty") or {}).get("val_auroc_chosen_layers"),
         "confidence": metrics["confidence_early"].get("val_auroc"),
     }
-    registry.configure(mlflow_params)
-    exp = registry.experiment(params.experiment, mlflow_params)
+    store.configure(mlflow_params.tracking_uri)
+    exp = store.experiment(params.experiment, mlflow_params.artifact_root)
     results = {}
     for concept, cls, name in (("honesty", HonestySteering, params.honesty_name), ("confidence", ConfidenceDetector, params.confidence_name)):
-        directory = Path(extract.out_dir) / concept
+        directory = Path(p["paths.directions"]) / concept
         detector = cls.load(directory)  # refuses a malformed artifact before anything is logged
         d = detector.directions
         val_auroc = float(val[concept]) if val[concept] is not None else float("nan")
         metadata = {"llm": d.fingerprint.to_dict(), "kind": cls.KIND, "layers": d.layers}
         run_params = {"kind": cls.KIND, "layers": str(d.layers), "llm": d.fingerprint.name, "n_statements": d.config["n_statements"]}
         test = metrics["confidence_early"].get("test_auroc") if concept == "confidence" else None
-        results[concept] = registry.log_and_register(
+        results[concept] = store.log_and_register(
             directory, name, params.alias, exp, val_auroc, {} if test is None else {"test_auroc": test}, run_params, metadata
         )
         log.info("%s", results[concept])
-    write_json(params.out, results)
+    write_json(p["paths.registry_ctrla"], results)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from detectors.config import load_section
-from detectors.early_detector import train_early_detector
-from detectors.llm import prepared_reference
-from detectors.shards import write_json
+from detectors.dior.early_detector import train_early_detector
+from detectors.io import write_json
+from detectors.llm.loading import prepared_reference
 from pipelines._stage import stage_params
 
 log = logging.getLogger("train_early")
+READS = ("build_early.features", "train_early", "paths.llm", "paths.early", "paths.early_model", "paths.train_early_metrics")
 
 
 def variant_name(groups: list[str]) -> str:
@@ -21,20 +21,19 @@ def variant_name(groups: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    data = stage_params(__doc__, argv)
-    llm_params, build = load_section("llm", data=data), load_section("build_early", data=data)
-    params = load_section("train_early", data=data)
-    fingerprint, llm_ref = prepared_reference(llm_params.dir)
-    frame = pd.read_parquet(build.out)
-    out = Path(params.out_dir)
+    p = stage_params(__doc__, argv, READS, "train_early")
+    params, features = p["train_early"], p["build_early.features"]
+    fingerprint, llm_ref = prepared_reference(p["paths.llm"])
+    frame = pd.read_parquet(p["paths.early"])
+    out = Path(p["paths.early_model"])
     variants = {"gru": params.features, **{variant_name(g): g for g in params.ablation}}
     metrics = {}
     for name, groups in variants.items():
-        detector = train_early_detector(frame, groups, params, build.features, fingerprint, llm_ref)
+        detector = train_early_detector(frame, groups, params.training, features, fingerprint, llm_ref)
         detector.save(out if name == "gru" else out / "ablation" / name)
         metrics[name] = {"features": groups, "threshold": detector.threshold, **detector.info}
         log.info("%s: %s", name, metrics[name])
-    write_json(params.metrics, metrics)
+    write_json(p["paths.train_early_metrics"], metrics)
 
 
 if __name__ == "__main__":

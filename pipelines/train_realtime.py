@@ -7,28 +7,35 @@ import logging
 import pandas as pd
 from safetensors.numpy import load_file
 
-from detectors.config import load_section
-from detectors.early import resolve_layers
-from detectors.llm import prepared_reference
-from detectors.realtime_detector import train_realtime_detector
-from detectors.shards import write_json
+from detectors.dior.realtime_detector import train_realtime_detector
+from detectors.io import write_json
+from detectors.llm.layers import hidden_state_indices
+from detectors.llm.loading import prepared_reference
 from pipelines._stage import stage_params
 
 log = logging.getLogger("train_realtime")
+READS = (
+    "build_realtime.hidden_layers", "build_realtime.prompt", "build_realtime.spacy_model", "train_realtime",
+    "paths.llm", "paths.realtime", "paths.realtime_hidden", "paths.realtime_model", "paths.train_realtime_metrics",
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    data = stage_params(__doc__, argv)
-    llm_params, build = load_section("llm", data=data), load_section("build_realtime", data=data)
-    params = load_section("train_realtime", data=data)
-    fingerprint, llm_ref = prepared_reference(llm_params.dir)
-    positions = resolve_layers(build.hidden_layers, fingerprint.num_layers, "build_realtime.hidden_layers")
-    frame = pd.read_parquet(build.out)
-    hidden = load_file(build.hidden_out)["hidden"]
-    detector = train_realtime_detector(frame, hidden, params, build, positions, fingerprint, llm_ref)
-    detector.save(params.out_dir)
+    p = stage_params(__doc__, argv, READS, "train_realtime")
+    fingerprint, llm_ref = prepared_reference(p["paths.llm"])
+    layers = p["build_realtime.hidden_layers"]
+    frame = pd.read_parquet(p["paths.realtime"])
+    hidden = load_file(p["paths.realtime_hidden"])["hidden"]
+    detector = train_realtime_detector(
+        frame, hidden, p["train_realtime"].training,
+        hidden_layers=layers,
+        state_indices=hidden_state_indices(layers, fingerprint.num_layers, "build_realtime.hidden_layers"),
+        prompt=p["build_realtime.prompt"], spacy_model=p["build_realtime.spacy_model"],
+        fingerprint=fingerprint, llm_ref=llm_ref,
+    )  # fmt: skip
+    detector.save(p["paths.realtime_model"])
     metrics = {"mlp": {"threshold": detector.threshold, **detector.info}}
-    write_json(params.metrics, metrics)
+    write_json(p["paths.train_realtime_metrics"], metrics)
     log.info("%s", metrics)
 
 

@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from detectors.llm import LLM
+from detectors.llm.loading import LLM
 
 ROOT = Path(__file__).resolve().parents[1]
 QA_FIXTURE = ROOT / "data" / "fixtures" / "qa_small.jsonl"

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from detectors.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
-from detectors.config import PromptParams
+from detectors.dior.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
+from detectors.config.schema import PromptParams
 
 
 def naive_ig(model, ids, mask, target, n_steps):

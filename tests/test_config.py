@@ -1,4 +1,4 @@
-"""params.yaml validation (detectors.config) and LLM source resolution (detectors.llm.resolve_source)."""
+"""params.yaml validation (detectors.config) and LLM source resolution (detectors.llm.loading.resolve_source)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from detectors.config import (
-    BuildEarlyParams,
-    LLMParams,
-    QAParams,
-    TrainEarlyParams,
-    ParamsError,
-    from_dict,
-    load_all,
-    load_section,
-)
+from detectors.config import ParamsError, from_dict, load_all, load_section
+from detectors.config.sections import BuildEarlyParams, LLMParams, QAParams, TrainEarlyParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = REPO_ROOT / "params.yaml"
@@ -71,18 +63,51 @@ def test_shipped_params_values_are_typed(shipped):
     feats = sections["build_early"].features
     assert feats.n_steps == shipped["build_early"]["features"]["n_steps"]
     assert feats.hidden_layers == shipped["build_early"]["features"]["hidden_layers"]
-    assert isinstance(sections["train_early"].lr, float)
+    assert isinstance(sections["train_early"].training.lr, float)
     assert sections["train_early"].ablation == shipped["train_early"]["ablation"]
 
 
-def test_load_section_reads_one_section_and_defaults_missing_ones(tmp_path):
-    path = write_params(tmp_path, {"qa": {"source": "data/q.jsonl", "limit": 10}})
-    qa = load_section("qa", path)
-    assert qa.source == "data/q.jsonl" and qa.limit == 10
-    assert qa.splits == {"train": 0.7, "val": 0.15, "test": 0.15}  # the dataclass default
-    assert load_section("evaluate", path).ece_bins == 10  # absent section -> defaults
+def test_a_missing_key_or_section_is_an_error_naming_it(shipped, tmp_path):
+    """params.yaml is the single source of truth: stage sections have no defaults, at any depth."""
+    data = copy.deepcopy(shipped)
+    del data["build_early"]["features"]["prompt"]["system"]
+    with pytest.raises(ParamsError, match=r"build_early\.features\.prompt\.system = None: required key is missing"):
+        load_section("build_early", write_params(tmp_path, data))
+    data = copy.deepcopy(shipped)
+    del data["register_realtime"]
+    with pytest.raises(ParamsError, match="register_realtime = None: required section is missing"):
+        load_section("register_realtime", write_params(tmp_path, data))
     with pytest.raises(ParamsError, match="no params section named 'nope'"):
-        load_section("nope", path)
+        load_section("nope", SHIPPED)
+
+
+def test_artifact_schema_types_keep_their_defaults_outside_params():
+    from detectors.config.schema import EarlyFeatureParams
+
+    feats = from_dict(EarlyFeatureParams, {"n_steps": 4}, "detector.features")  # an artifact written before a key existed
+    assert feats.n_steps == 4 and feats.prompt.template == "{question}"
+    with pytest.raises(ParamsError, match="build_early.features.prompt = None: required key is missing"):
+        from_dict(EarlyFeatureParams, {"n_steps": 4}, "build_early.features", strict=True)
+
+
+def test_stage_params_hand_out_only_declared_keys(shipped):
+    from detectors.config import StageParams
+
+    p = StageParams(shipped, ("build_early.features", "paths.qa"), "build_early")
+    assert p["build_early.features.n_steps"] == shipped["build_early"]["features"]["n_steps"]
+    assert p["paths.qa"] == shipped["paths"]["qa"]
+    for undeclared in ("build_early", "build_early.stop", "paths.early", "qa"):
+        with pytest.raises(ParamsError, match=f"build_early reads params key '{re.escape(undeclared)}' but does not declare it"):
+            p[undeclared]
+
+
+def test_declared_sections_are_validated_before_any_work(shipped):
+    from detectors.config import StageParams
+
+    data = copy.deepcopy(shipped)
+    data["train_early"]["training"]["lr"] = -1.0
+    with pytest.raises(ParamsError, match=r"train_early\.training\.lr = -1\.0"):
+        StageParams(data, ("train_early.training.threshold",), "evaluate")
 
 
 def test_missing_params_file_is_a_params_error(tmp_path):
@@ -98,8 +123,8 @@ def test_negative_n_steps_names_key_and_value(shipped, tmp_path):
 
 
 def test_unknown_key_in_a_section_names_key_and_value(shipped, tmp_path):
-    msg = params_error(edited(shipped, tmp_path, "train_early.learning_rate", 0.01))
-    assert "train_early.learning_rate" in msg
+    msg = params_error(edited(shipped, tmp_path, "train_early.training.learning_rate", 0.01))
+    assert "train_early.training.learning_rate" in msg
     assert "0.01" in msg
     assert "unknown key" in msg
     assert "'lr'" in msg  # lists the known keys
@@ -156,13 +181,13 @@ def test_string_for_an_int(shipped, tmp_path):
 
 
 def test_float_for_an_int(shipped, tmp_path):
-    msg = params_error(edited(shipped, tmp_path, "train_early.batch_size", 32.5))
-    assert "train_early.batch_size" in msg and "32.5" in msg
+    msg = params_error(edited(shipped, tmp_path, "train_early.training.batch_size", 32.5))
+    assert "train_early.training.batch_size" in msg and "32.5" in msg
 
 
 @pytest.mark.parametrize(
     "dotted",
-    ["build_early.features.n_steps", "train_early.max_epochs", "qa.limit", "evaluate.ece_bins"],
+    ["build_early.features.n_steps", "train_early.training.max_epochs", "qa.limit", "evaluate.ece_bins"],
 )
 def test_bools_are_not_accepted_as_ints(shipped, tmp_path, dotted):
     msg = params_error(edited(shipped, tmp_path, dotted, True))
@@ -171,19 +196,19 @@ def test_bools_are_not_accepted_as_ints(shipped, tmp_path, dotted):
 
 
 def test_bool_is_not_accepted_as_a_float(shipped, tmp_path):
-    msg = params_error(edited(shipped, tmp_path, "train_early.dropout", False))
-    assert "train_early.dropout" in msg and "False" in msg
+    msg = params_error(edited(shipped, tmp_path, "train_early.training.dropout", False))
+    assert "train_early.training.dropout" in msg and "False" in msg
 
 
 def test_int_is_accepted_for_a_float(shipped, tmp_path):
-    path = edited(shipped, tmp_path, "train_early.lr", 1)
-    lr = load_section("train_early", path).lr
+    path = edited(shipped, tmp_path, "train_early.training.lr", 1)
+    lr = load_section("train_early", path).training.lr
     assert lr == 1.0 and isinstance(lr, float)
 
 
 def test_literal_value_outside_its_choices(shipped, tmp_path):
-    msg = params_error(edited(shipped, tmp_path, "train_early.threshold", "median"))
-    assert "train_early.threshold" in msg
+    msg = params_error(edited(shipped, tmp_path, "train_early.training.threshold", "median"))
+    assert "train_early.training.threshold" in msg
     assert "'median'" in msg
     assert "youden" in msg
 
@@ -229,17 +254,17 @@ def test_params_file_that_is_not_a_mapping(tmp_path):
         load_all(path)
 
 
-def test_from_dict_checks_llm_device():
-    assert from_dict(LLMParams, {"device": "cuda:1"}, "llm").device == "cuda:1"
+def test_from_dict_checks_llm_device(shipped):
+    assert from_dict(LLMParams, {**shipped["llm"], "device": "cuda:1"}, "llm").device == "cuda:1"
     with pytest.raises(ParamsError, match=r"llm\.device = 'gpu'"):
-        from_dict(LLMParams, {"device": "gpu"}, "llm")
+        from_dict(LLMParams, {**shipped["llm"], "device": "gpu"}, "llm")
 
 
 # --- llm.source resolution (no model is loaded) ---------------------------------------------------
 
 @pytest.fixture(scope="module")
 def llm():
-    from detectors import llm as module
+    from detectors.llm import loading as module
 
     return module
 
@@ -318,13 +343,13 @@ def test_existing_relative_path_wins_over_hub_id(llm, tmp_path, monkeypatch):
     assert llm.resolve_source("org/name").kind == "checkpoint"
 
 
-@pytest.mark.parametrize("dotted", ["train_early.lr", "train_early.weight_decay"])
+@pytest.mark.parametrize("dotted", ["train_early.training.lr", "train_early.training.weight_decay"])
 def test_nan_is_not_an_acceptable_number(shipped, tmp_path, dotted):
     msg = params_error(edited(shipped, tmp_path, dotted, float("nan")))
     assert dotted in msg and "nan" in msg
 
 
-def test_empty_stop_string_is_refused():
+def test_empty_stop_string_is_refused(shipped):
     with pytest.raises(ParamsError, match=r"build_early\.stop\[1\] = ''"):
-        from_dict(BuildEarlyParams, {"stop": ["\n", ""]}, "build_early")
-    assert from_dict(BuildEarlyParams, {"stop": []}, "build_early").stop == []
+        from_dict(BuildEarlyParams, {**shipped["build_early"], "stop": ["\n", ""]}, "build_early")
+    assert from_dict(BuildEarlyParams, {**shipped["build_early"], "stop": []}, "build_early").stop == []

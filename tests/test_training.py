@@ -9,13 +9,15 @@ import pandas as pd
 import pytest
 import torch
 
-from detectors.config import EarlyFeatureParams, TrainEarlyParams
-from detectors.early_detector import EarlyDetector, train_early_detector
-from detectors.llm import Fingerprint
-from detectors.metrics import OneClassError, auroc
+from detectors.config.schema import EarlyFeatureParams, TrainingParams
+from detectors.dior.early_detector import EarlyDetector, train_early_detector
+from detectors.llm.fingerprint import Fingerprint
+from detectors.evaluation.metrics import OneClassError, auroc
 
 FP = Fingerprint("synthetic", "0" * 16, 8, 2, 100)
-PARAMS = TrainEarlyParams(max_epochs=30, patience=8, batch_size=16, accelerator="cpu", rnn_hidden=8)
+PARAMS = TrainingParams(
+    hidden=8, dropout=0.2, lr=3e-3, weight_decay=1e-2, batch_size=16, max_epochs=30, patience=8, threshold="youden", seed=0, accelerator="cpu"
+)
 
 
 def synthetic_rows(n: int, seed: int = 0) -> pd.DataFrame:
@@ -44,7 +46,7 @@ def test_gru_learns_attribution_shape_and_threshold_comes_from_validation():
     frame = synthetic_rows(240)
     det = train(frame, ["attribution"])
     test = frame[frame["split"] == "test"]
-    assert auroc(test["label"], det.predict_rows(test.to_dict("records"))) > 0.85
+    assert auroc(test["label"], det.predict_proba(test.to_dict("records"))) > 0.85
     assert det.info["n_val"] == (frame["split"] == "val").sum() and 0 < det.threshold < 1
 
 
@@ -67,7 +69,7 @@ def test_artifact_round_trip_gives_identical_scores(tmp_path):
     det = train(frame, ["attribution", "entropy", "first_token", "hidden"], dataclasses.replace(PARAMS, max_epochs=3))
     loaded = EarlyDetector.load(det.save(tmp_path / "det"))
     rows = frame.to_dict("records")
-    np.testing.assert_array_equal(det.predict_rows(rows), loaded.predict_rows(rows))
+    np.testing.assert_array_equal(det.predict_proba(rows), loaded.predict_proba(rows))
     assert (loaded.threshold, loaded.groups, loaded.fingerprint) == (det.threshold, det.groups, det.fingerprint)
     assert not list(tmp_path.glob("det/*.pkl")) and (tmp_path / "det" / "weights.safetensors").exists()
 

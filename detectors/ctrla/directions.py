@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -28,9 +27,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from detectors.config import ContrastParams, LayerRangeParams, StatementParams
-from detectors.llm import LLM, Fingerprint, LLMMismatchError, decoder_layers, layer_output
-from detectors.qa import _read_file, normalize_text, split_of, stable_id
+from detectors.config.schema import ContrastParams, LayerRangeParams
+from detectors.ctrla.statements import StatementError, instruction_prefix, sample_statements, statement_ids
+from detectors.llm.fingerprint import Fingerprint, LLMMismatchError
+from detectors.llm.kv import batches, forward_rows, prefix_cache
+from detectors.llm.layers import LayerTap
+from detectors.llm.loading import LLM
 
 log = logging.getLogger(__name__)
 
@@ -38,175 +40,8 @@ CONFIG = "detector.json"
 TENSORS = "directions.safetensors"
 
 
-class StatementError(ValueError):
-    """The statements cannot be used: empty source, missing field, or longer than the LLM's context."""
-
-
 class DirectionsError(ValueError):
     """A directions file is malformed or does not fit the LLM it is used with."""
-
-
-# ---- statements ------------------------------------------------------------------------------------
-
-
-def _relation(question: str) -> str:
-    """The relation part of a fact opening ("The capital of"), used to pick type-consistent wrong answers."""
-    words = question.split()
-    return " ".join(words[:3]).lower()
-
-
-def _rank(*parts: str) -> str:
-    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
-
-
-def statements_from_qa(table: pd.DataFrame) -> pd.DataFrame:
-    """A true and a false statement per fact: the opening with its reference answer, and with the
-    answer of another fact of the same relation that is not one of its references."""
-    if table.empty:
-        raise StatementError("the QA table holds no facts to make statements from; run prepare first")
-    by_relation: dict[str, list[str]] = {}
-    for row in table.itertuples(index=False):
-        by_relation.setdefault(_relation(row.question), []).append(str(row.answers[0]))
-    every = sorted({str(r.answers[0]) for r in table.itertuples(index=False)})
-    rows = []
-    for row in table.itertuples(index=False):
-        refs = {normalize_text(a) for a in row.answers}
-        pool = [a for a in by_relation[_relation(row.question)] if normalize_text(a) not in refs]
-        pool = pool or [a for a in every if normalize_text(a) not in refs]
-        rows.append({"id": f"{row.id}:true", "statement": f"{row.question} {row.answers[0]}.", "label": 1, "split": row.split})
-        if pool:
-            wrong = min(pool, key=lambda a: _rank(row.id, a))
-            rows.append({"id": f"{row.id}:false", "statement": f"{row.question} {wrong}.", "label": 0, "split": row.split})
-    return pd.DataFrame(rows)
-
-
-def load_statements(params: StatementParams, qa_table: str | Path) -> pd.DataFrame:
-    """Statements with columns ``id, statement, label, split`` (``val`` and ``test`` are held out of extraction).
-
-    ``source: qa`` makes true/false statements from the QA table (its splits); a file source
-    (``.csv``/``.jsonl``/``.json``/``.parquet``, e.g. ``../shared/data/ctrla/facts_true_false.csv``) is
-    split by id hash, ``heldout`` of it shared equally by ``val`` and ``test``.
-    """
-    if params.source == "qa":
-        if not Path(qa_table).exists():
-            raise StatementError(f"statements.source = 'qa' but the QA table {qa_table} does not exist; run prepare first")
-        frame = statements_from_qa(pd.read_parquet(qa_table))
-        return frame.reset_index(drop=True)  # the QA splits: extraction on train, selection on val, report on test
-    path = Path(params.source)
-    if not path.exists():
-        raise StatementError(f"statements.source = {params.source!r}: file not found; use 'qa' or a statements file")
-    records = _read_file(path)
-    if not records:
-        raise StatementError(f"statements.source = {params.source!r} is empty: it must hold at least one statement")
-    if params.text_field not in records[0]:
-        raise StatementError(
-            f"statements.text_field = {params.text_field!r} is not a column of {path} (columns: {sorted(records[0])}); "
-            "set statements.text_field"
-        )
-    splits = {"train": 1 - params.heldout, "val": params.heldout / 2, "test": params.heldout / 2}
-    rows = []
-    for rec in records:
-        text = str(rec.get(params.text_field) or "").strip()
-        if not text:
-            continue
-        label = rec.get(params.label_field) if params.label_field else None
-        rid = stable_id(text, str(path.name))
-        split = split_of(rid, splits) if params.heldout > 0 else "train"
-        rows.append({"id": rid, "statement": text, "label": None if label in (None, "") else int(label), "split": split})
-    if not rows:
-        raise StatementError(f"statements.source = {params.source!r}: every {params.text_field!r} is empty")
-    return pd.DataFrame(rows).drop_duplicates("id").reset_index(drop=True)
-
-
-def sample_statements(frame: pd.DataFrame, limit: int | None, salt: str) -> pd.DataFrame:
-    """A deterministic order (by id hash): the first ``n`` rows are the ``n``-statement subset."""
-    order = frame["id"].map(lambda i: _rank(salt, str(i))).sort_values().index
-    frame = frame.loc[order].reset_index(drop=True)
-    return frame if limit is None else frame.head(limit)
-
-
-# ---- prompts and batched forward passes --------------------------------------------------------------
-
-
-def instruction_prefix(llm: LLM, instruction: str, chat: bool) -> list[int]:
-    """Token ids of Prompt 3.1 up to where the statement starts (the assistant's turn in chat format)."""
-    if chat:
-        if not getattr(llm.tokenizer, "chat_template", None):
-            raise StatementError("chat is true but the tokenizer has no chat template; set chat: false")
-        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True)
-        return llm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return llm.tokenizer(f"[INST] {instruction} [/INST] ", add_special_tokens=True)["input_ids"]
-
-
-def statement_ids(llm: LLM, statements: list[str], max_tokens: int | None, prefix_len: int) -> list[list[int]]:
-    """Token ids per statement, truncated to ``max_tokens`` (CtrlA App. C.1); refuses what exceeds the context."""
-    context = getattr(llm.model.config, "max_position_embeddings", None)
-    out = []
-    for text in statements:
-        ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise StatementError(f"statement {text!r} has no tokens")
-        if max_tokens is not None:
-            ids = ids[:max_tokens]
-        if context is not None and prefix_len + len(ids) > context:
-            raise StatementError(
-                f"statement {text[:80]!r}... has {len(ids)} tokens; with the {prefix_len}-token instruction that exceeds "
-                f"the LLM's context of {context} tokens. Set statements.max_tokens (CtrlA truncates statements) or shorten it."
-            )
-        out.append(ids)
-    return out
-
-
-class LayerTap:
-    """Forward hooks on decoder layers (1-based numbers) passing each output to ``fn(layer, hidden)``.
-
-    Removed on exit, also when the forward pass raises. Runs after steering hooks (those are prepended),
-    so it sees the representations the LLM actually continues from.
-    """
-
-    def __init__(self, model: torch.nn.Module, layers: list[int], fn):
-        self.model, self.layers, self.fn, self.handles = model, list(layers), fn, []
-
-    def __enter__(self) -> "LayerTap":
-        blocks = decoder_layers(self.model)
-        for layer in self.layers:
-            self.handles.append(blocks[layer - 1].register_forward_hook(lambda m, a, out, layer=layer: self.fn(layer, layer_output(out))))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
-def batches(rows: list[list[int]], batch_size: int) -> Iterator[list[int]]:
-    """Indices of ``rows`` in batches of similar length (less padding)."""
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    for k in range(0, len(order), batch_size):
-        yield order[k : k + batch_size]
-
-
-def prefix_cache(llm: LLM, prefix: list[int]):
-    """Key/value states of a prefix shared by many rows (computed once, under whatever hooks are active)."""
-    from detectors.attribution import prefix_states
-
-    return prefix_states(llm.model, torch.tensor([prefix], device=llm.device), len(prefix)) if prefix else None
-
-
-def forward_rows(llm: LLM, kv, rows: list[list[int]], logits: bool = False):
-    """One forward pass of ``prefix + row`` for every row, the prefix given as its cached states ``kv``.
-
-    Rows are right-padded; causal attention keeps real tokens from seeing the padding, so no mask is
-    needed. Positions continue after the prefix. Logits for every row position only when ``logits``.
-    """
-    from detectors.attribution import as_cache
-
-    pad = llm.tokenizer.pad_token_id or 0
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=llm.device)
-    cache = as_cache(kv, len(rows), llm.model.config)
-    with torch.no_grad():
-        return llm.model(ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=0 if logits else 1)
 
 
 # ---- extraction --------------------------------------------------------------------------------------

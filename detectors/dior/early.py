@@ -8,21 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from detectors.attribution import (
-    as_cache,
-    attribution_distribution,
-    attribution_entropy,
-    keyword_candidates,
-    prefix_states,
-    token_attributions,
-)
-from detectors.config import BuildEarlyParams, EarlyFeatureParams
-from detectors.llm import LLM
-from detectors.qa import contains_reference
-
-
-class RecordError(ValueError):
-    """One record cannot be processed; the reason is reported and the run goes on."""
+from detectors.config.schema import EarlyFeatureParams
+from detectors.dior.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
+from detectors.errors import RecordError
+from detectors.llm.kv import as_cache, prefix_states
+from detectors.llm.layers import hidden_state_indices
+from detectors.llm.loading import LLM
+from detectors.sources.text import contains_reference
 
 
 @dataclasses.dataclass
@@ -39,24 +31,11 @@ class QuestionFeatures:
     cache: Any  # key/value cache of the whole prompt, to continue generation from
 
 
-def resolve_layers(layers: list[int], num_layers: int, key: str = "build_early.features.hidden_layers") -> list[int]:
-    """Map layer indices (1..L, or negative from the last) to ``hidden_states`` positions."""
-    out = []
-    for layer in layers:
-        if not (-num_layers <= layer <= num_layers) or layer == 0:
-            raise ValueError(
-                f"{key} has {layer}, but the LLM has {num_layers} layers: "
-                f"use 1..{num_layers} or -1..-{num_layers}"
-            )
-        out.append(layer if layer > 0 else num_layers + 1 + layer)
-    return out
-
-
 def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> QuestionFeatures:
     """Features of ``question`` before any answer token is generated."""
     if not question or not question.strip():
         raise RecordError("empty question")
-    layers = resolve_layers(params.hidden_layers, llm.fingerprint.num_layers)
+    layers = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_early.features.hidden_layers")
     ids, mask = llm.encode_prompt(question, params.prompt)
     n_question = int(mask.sum())
     if n_question == 0:
@@ -120,13 +99,15 @@ def greedy_answer(llm: LLM, f: QuestionFeatures, max_new_tokens: int, stop: list
     return text.strip()
 
 
-def early_record(llm: LLM, question: str, answers: list[str], params: BuildEarlyParams) -> dict:
+def early_record(
+    llm: LLM, question: str, answers: list[str], features: EarlyFeatureParams, max_new_tokens: int, stop: list[str]
+) -> dict:
     """One row of the early-detection set: features, greedy answer and the containment label.
 
     ``label`` is 1 for a hallucination (no reference answer contained in the answer), 0 otherwise.
     """
-    f = question_features(llm, question, params.features)
-    answer = greedy_answer(llm, f, params.max_new_tokens, params.stop)
+    f = question_features(llm, question, features)
+    answer = greedy_answer(llm, f, max_new_tokens, stop)
     return {"answer": answer, "label": int(not contains_reference(answer, answers)), **features_to_row(f)}
 
 

@@ -12,11 +12,15 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from detectors.config import PromptParams, TruthfulQAParams
-from detectors.directions import Directions, LayerTap, batches, forward_rows, instruction_prefix, prefix_cache, statement_ids
-from detectors.llm import LLM
-from detectors.qa import fetch_bigbench_task
-from detectors.steering import content_mask, hallucination_score, score_sequences, steer
+from detectors.config.schema import PromptParams
+from detectors.ctrla.directions import Directions
+from detectors.ctrla.monitor import content_mask, hallucination_score, score_sequences
+from detectors.ctrla.statements import instruction_prefix, statement_ids
+from detectors.ctrla.steering import steer
+from detectors.llm.kv import as_cache, batches, cache_states, forward_rows, prefix_cache
+from detectors.llm.layers import LayerTap
+from detectors.llm.loading import LLM
+from detectors.sources.bigbench import fetch_bigbench_task
 
 
 def last_token_states(llm: LLM, instruction: str, statements: list[str], batch_size: int, max_tokens: int | None) -> torch.Tensor:
@@ -86,15 +90,17 @@ def realtime_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, tau: 
 # ---- TruthfulQA multiple choice ------------------------------------------------------------------------
 
 
-def load_truthfulqa(params: TruthfulQAParams, raw_dir: str | Path) -> tuple[str, list[dict[str, Any]]]:
-    """The few-shot prefix (empty unless ``few_shot``) and a deterministic subset of the MC examples."""
-    examples = fetch_bigbench_task(params.task, raw_dir, params.file)
-    task = json.loads((Path(raw_dir) / "bigbench" / params.task / params.file).read_text())
+def load_truthfulqa(
+    raw_dir: str | Path, task: str = "truthful_qa", file: str = "task_mc.json", limit: int | None = None, few_shot: bool = True
+) -> tuple[str, list[dict[str, Any]]]:
+    """The few-shot prefix (empty unless ``few_shot``) and a deterministic subset of ``limit`` MC examples."""
+    examples = fetch_bigbench_task(task, raw_dir, file)
+    spec = json.loads((Path(raw_dir) / "bigbench" / task / file).read_text())
     usable = [e for e in examples if e.get("input") and sum(e.get("target_scores", {}).values()) == 1 and len(e["target_scores"]) > 1]
     if not usable:
-        raise ValueError(f"{params.task}/{params.file} holds no multiple-choice example with exactly one correct answer")
-    subset = usable if params.limit is None else usable[:: max(1, len(usable) // params.limit)][: params.limit]
-    return (task.get("task_prefix", "") if params.few_shot else ""), subset
+        raise ValueError(f"{task}/{file} holds no multiple-choice example with exactly one correct answer")
+    subset = usable if limit is None else usable[:: max(1, len(usable) // limit)][:limit]
+    return (spec.get("task_prefix", "") if few_shot else ""), subset
 
 
 def mc_accuracy(
@@ -105,8 +111,6 @@ def mc_accuracy(
     The whole prompt, few-shot prefix included, runs under the steering ``vectors`` (none for λ = 0).
     The prefix runs once, each question once, and its candidates together on the question's cache.
     """
-    from detectors.attribution import as_cache
-
     prefix = llm.tokenizer(prefix_text)["input_ids"] if prefix_text else []
     head, decoder = llm.model.get_output_embeddings(), llm.model.get_decoder()
     pad = llm.tokenizer.pad_token_id or 0
@@ -117,7 +121,7 @@ def mc_accuracy(
             question = llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"]
             answers = [llm.tokenizer(f" {a}", add_special_tokens=False)["input_ids"] for a in ex["target_scores"]]
             out = decoder(torch.tensor([question], device=llm.device), past_key_values=as_cache(kv, 1, llm.model.config), use_cache=True)
-            q_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+            q_kv = cache_states(out.past_key_values)
             width = max(len(a) for a in answers)
             ids = torch.tensor([a + [pad] * (width - len(a)) for a in answers], device=llm.device)
             hidden = decoder(ids, past_key_values=as_cache(q_kv, len(answers), llm.model.config), use_cache=True).last_hidden_state

@@ -16,24 +16,17 @@ import pandas as pd
 import torch
 from transformers import StoppingCriteria
 
-from detectors.config import RealtimePromptParams, TrainRealtimeParams, from_dict
-from detectors.artifact import read_artifact, write_artifact
-from detectors.llm import LLM, Fingerprint, load_recorded
-from detectors.metrics import choose_threshold, require_both_classes
-from detectors.nets import TokenMLP
-from detectors.realtime import (
-    GenerationRecorder,
-    TokenTrace,
-    entity_tokens,
-    eos_ids,
-    generate_traced,
-    render_prompt,
-    token_features,
-    token_offsets,
-)
-from detectors.training import fit, predict
-
-KIND = "dior-realtime"
+from detectors.config.core import from_dict
+from detectors.config.schema import RealtimePromptParams, TrainingParams
+from detectors.dior.entities import entity_tokens, token_offsets
+from detectors.dior.nets import TokenMLP
+from detectors.dior.recorder import GenerationRecorder, TokenTrace, eos_ids, generate_traced, render_prompt, token_features
+from detectors.evaluation.metrics import choose_threshold, require_both_classes
+from detectors.interfaces import Detector
+from detectors.llm.fingerprint import Fingerprint
+from detectors.llm.loading import LLM
+from detectors.registry.artifact import read_artifact, write_artifact
+from detectors.training import fit, predict, training_info
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -83,13 +76,17 @@ class RealtimeResult:
 
 
 @dataclasses.dataclass
-class RealtimeDetector:
+class RealtimeDetector(Detector):
+    """The MLP over a generated token's hidden states, probability and entropy: retrieve at this token?"""
+
+    KIND = "dior-realtime"
+
     net: TokenMLP
     mean: np.ndarray
     std: np.ndarray
     threshold: float
-    hidden_layers: list[int]
-    positions: list[int]  # hidden_states indices of hidden_layers for this LLM
+    hidden_layers: list[int]  # as named in params (1..L or negative)
+    state_indices: list[int]  # their hidden_states indices for this LLM (see detectors.llm.layers)
     prompt: RealtimePromptParams
     spacy_model: str
     fingerprint: Fingerprint
@@ -106,17 +103,17 @@ class RealtimeDetector:
             "std": self.std.tolist(),
             "threshold": self.threshold,
             "hidden_layers": self.hidden_layers,
-            "positions": self.positions,
+            "state_indices": self.state_indices,
             "prompt": dataclasses.asdict(self.prompt),
             "spacy_model": self.spacy_model,
             "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
             "info": self.info,
         }
-        return write_artifact(directory, KIND, self.net, config)
+        return write_artifact(directory, self.KIND, self.net, config)
 
     @classmethod
     def load(cls, directory: str | Path) -> "RealtimeDetector":
-        config, weights = read_artifact(directory, KIND)
+        config, weights = read_artifact(directory, cls.KIND)
         net = TokenMLP(**config["net"])
         net.load_state_dict(weights)
         net.eval()
@@ -127,7 +124,7 @@ class RealtimeDetector:
             std=np.asarray(config["std"], dtype=np.float32),
             threshold=float(config["threshold"]),
             hidden_layers=list(config["hidden_layers"]),
-            positions=list(config["positions"]),
+            state_indices=list(config["state_indices"] if "state_indices" in config else config["positions"]),
             prompt=from_dict(RealtimePromptParams, config["prompt"], "detector.prompt"),
             spacy_model=config["spacy_model"],
             fingerprint=Fingerprint.from_dict(llm.pop("fingerprint")),
@@ -136,25 +133,14 @@ class RealtimeDetector:
         )
 
     # ---- scoring --------------------------------------------------------------------------------
-    def predict_features(self, features: np.ndarray) -> np.ndarray:
+    def predict_proba(self, features: np.ndarray) -> np.ndarray:
         """P(hallucination) for rows of ``token_features``."""
         z = torch.from_numpy(((features - self.mean) / self.std).astype(np.float32))
         return predict(self.net, [{"x": x, "label": 0} for x in z], collate)
 
     def score_tokens(self, hidden: torch.Tensor, prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """The recorder's scorer: one batch of freshly generated tokens, scored while generation runs."""
-        return torch.from_numpy(self.predict_features(token_features(hidden.numpy(), prob.numpy(), entropy.numpy())))
-
-    def attach(self, llm: LLM) -> "RealtimeDetector":
-        """Use ``llm`` for generation; it must be the LLM the detector was trained on."""
-        self.fingerprint.require_same(llm.fingerprint, f"detector {KIND!r}")
-        self.llm = llm
-        return self
-
-    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
-        """Load the training LLM from where the artifact says it came from, and attach it."""
-        self.attach(load_recorded(self.llm_ref, f"detector {KIND!r}", dtype, device))
-        return self.llm
+        return torch.from_numpy(self.predict_proba(token_features(hidden.numpy(), prob.numpy(), entropy.numpy())))
 
     def monitor(self, llm: LLM | None = None) -> GenerationRecorder:
         """A recorder that scores every generated token of ``model.generate``::
@@ -163,10 +149,9 @@ class RealtimeDetector:
                 model.generate(**enc, logits_processor=[mon], stopping_criteria=[det.stop_on_trigger(mon)])
             result = det.result(mon)
         """
-        llm = llm or self.llm or self.load_llm()
-        if llm is not self.llm:
+        if llm is not None and llm is not self.llm:
             self.attach(llm)
-        return GenerationRecorder(llm.model, self.positions, self.score_tokens)
+        return GenerationRecorder(self.require_llm().model, self.state_indices, self.score_tokens)
 
     def stop_on_trigger(self, recorder: GenerationRecorder) -> TriggerStop:
         return TriggerStop(recorder, self.threshold)
@@ -198,10 +183,8 @@ class RealtimeDetector:
     def generate(self, title: str, text: str, max_new_tokens: int = 32) -> RealtimeResult:
         """Continue ``text`` with the training prompt and score every token (a convenience for the
         common case; RAG loops with their own prompts use ``monitor``)."""
-        if self.llm is None:
-            self.load_llm()
-        prompt = render_prompt(self.llm, title, text, self.prompt)
-        _, traces = generate_traced(self.llm, [prompt], self.positions, max_new_tokens, self.prompt.chat, self.score_tokens)
+        prompt = render_prompt(self.require_llm(), title, text, self.prompt)
+        _, traces = generate_traced(self.llm, [prompt], self.state_indices, max_new_tokens, self.prompt.chat, self.score_tokens)
         return self._result(traces[0])
 
     def _result(self, trace: TokenTrace) -> RealtimeResult:
@@ -223,14 +206,21 @@ class RealtimeDetector:
 def train_realtime_detector(
     frame: pd.DataFrame,
     hidden: np.ndarray,
-    params: TrainRealtimeParams,
-    build: Any,
-    positions: list[int],
+    params: TrainingParams,
+    *,
+    hidden_layers: list[int],
+    state_indices: list[int],
+    prompt: RealtimePromptParams,
+    spacy_model: str,
     fingerprint: Fingerprint,
     llm_ref: dict[str, Any],
     fast_dev_run: bool = False,
 ) -> RealtimeDetector:
-    """Train on the entity tokens of ``train``; early-stop and choose the threshold on ``val`` only."""
+    """Train on the entity tokens of ``train``; early-stop and choose the threshold on ``val`` only.
+
+    ``hidden_layers``/``state_indices``, ``prompt`` and ``spacy_model`` are how the set was recorded:
+    the detector stores them so that serving captures the same features.
+    """
     x, y, where = entity_token_table(frame, hidden)
     train, val = (where["split"] == "train").to_numpy(), (where["split"] == "val").to_numpy()
     require_both_classes(y[train], "the train split's entity tokens")
@@ -239,29 +229,18 @@ def train_realtime_detector(
     z = torch.from_numpy(((x - mean) / std).astype(np.float32))
     items = [{"x": z[i], "label": int(y[i])} for i in range(len(y))]
     net, summary = fit(
-        lambda: TokenMLP(x.shape[1], params.mlp_hidden, params.dropout),
+        lambda: TokenMLP(x.shape[1], params.hidden, params.dropout),
         [items[i] for i in np.flatnonzero(train)],
         [items[i] for i in np.flatnonzero(val)],
         collate,
-        lr=params.lr,
-        weight_decay=params.weight_decay,
-        batch_size=params.batch_size,
-        max_epochs=params.max_epochs,
-        patience=params.patience,
-        seed=params.seed,
-        accelerator=params.accelerator,
+        params,
         fast_dev_run=fast_dev_run,
     )
     detector = RealtimeDetector(
-        net, mean, std, 0.5, list(build.hidden_layers), positions, build.prompt, build.spacy_model, fingerprint, llm_ref, {}
+        net, mean, std, 0.5, list(hidden_layers), list(state_indices), prompt, spacy_model, fingerprint, llm_ref, {}
     )
-    detector.threshold = choose_threshold(y[val], detector.predict_features(x[val]), params.threshold)
-    detector.info = {
-        **summary,
-        "threshold_strategy": params.threshold,
-        "n_train_tokens": int(train.sum()),
-        "n_val_tokens": int(val.sum()),
-        "train_hallucination_rate": float(y[train].mean()),
-        "seed": params.seed,
-    }
+    detector.threshold = choose_threshold(y[val], detector.predict_proba(x[val]), params.threshold)
+    detector.info = training_info(
+        summary, params, n_train_tokens=int(train.sum()), n_val_tokens=int(val.sum()), train_hallucination_rate=float(y[train].mean())
+    )
     return detector

@@ -8,7 +8,6 @@ transformers checkpoint directory, or a hub id (loaded by transformers where the
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import logging
@@ -19,78 +18,17 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from detectors.config import LLMParams, PromptParams
+from detectors.config.schema import PromptParams
+from detectors.llm.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "llm.json"
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-_DIGEST_SAMPLES = 4096
 
 
 class LLMSourceError(ValueError):
     """``llm.source`` names nothing that can be loaded."""
-
-
-class LLMMismatchError(RuntimeError):
-    """An artifact was made with a different LLM than the one it is used with."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
-    """Identity of an LLM's weights, recorded in every artifact built from it."""
-
-    name: str
-    weights_digest: str
-    hidden_size: int
-    num_layers: int
-    vocab_size: int
-
-    @classmethod
-    def of(cls, model: PreTrainedModel, name: str) -> "Fingerprint":
-        cfg = model.config.get_text_config()
-        return cls(
-            name=name,
-            weights_digest=weights_digest(model),
-            hidden_size=int(cfg.hidden_size),
-            num_layers=int(cfg.num_hidden_layers),
-            vocab_size=int(cfg.vocab_size),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Fingerprint":
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
-
-    def require_same(self, other: "Fingerprint", what: str) -> None:
-        """Raise if ``other`` (the LLM in hand) is not the LLM that ``what`` was built with."""
-        keys = ("weights_digest", "hidden_size", "num_layers", "vocab_size")
-        diff = {k: (getattr(self, k), getattr(other, k)) for k in keys if getattr(self, k) != getattr(other, k)}
-        if diff:
-            details = ", ".join(f"{k}: built with {a!r}, given {b!r}" for k, (a, b) in diff.items())
-            raise LLMMismatchError(
-                f"{what} was built with LLM {self.name!r} but is used with {other.name!r} ({details}). "
-                f"Load the LLM it was trained on, or rebuild {what} for this LLM with `dvc repro`."
-            )
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's name, shape and a strided sample of its values.
-
-    Values are rounded to bfloat16 first so the same weights loaded in fp32, bf16 or fp16 agree;
-    sampling keeps this cheap for 7B models while any real change of weights changes the digest.
-    """
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // _DIGEST_SAMPLES)
-        sample = flat[::step][:_DIGEST_SAMPLES].to(torch.float32).to(torch.bfloat16).view(torch.int16)
-        h.update(name.encode())
-        h.update(str(tuple(tensor.shape)).encode())
-        h.update(sample.cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,17 +121,17 @@ def _clean_copy(model: PreTrainedModel) -> PreTrainedModel:
     return clean
 
 
-def prepare_llm(params: LLMParams) -> dict[str, Any]:
-    """Materialise ``params.source`` at ``params.dir``: a converted checkpoint (GGUF) or a pointer.
+def prepare_llm(source: str, directory: str | Path, gguf_file: str | None = None) -> dict[str, Any]:
+    """Materialise ``source`` at ``directory``: a converted checkpoint (GGUF) or a pointer.
 
-    Returns the manifest written to ``<dir>/llm.json`` (source, weights location, fingerprint).
+    Returns the manifest written to ``<directory>/llm.json`` (source, weights location, fingerprint).
     """
-    src = resolve_source(params.source, params.gguf_file)
+    src = resolve_source(source, gguf_file)
     if src.kind == "prepared":
-        raise LLMSourceError(f"llm.source = {params.source!r} is itself a prepared directory; point at the original source")
-    out = Path(params.dir)
+        raise LLMSourceError(f"llm.source = {source!r} is itself a prepared directory; point at the original source")
+    out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{params.source}/{src.gguf_file}" if src.gguf_file else params.source
+    name = f"{source}/{src.gguf_file}" if src.gguf_file else source
     model, tokenizer = _load_raw(src, torch.float32)
     fingerprint = Fingerprint.of(model, name)
     if src.kind == "gguf":
@@ -208,7 +146,7 @@ def prepare_llm(params: LLMParams) -> dict[str, Any]:
     else:
         weights = str(Path(src.location).resolve()) if src.kind == "checkpoint" else src.location
     manifest = {
-        "source": params.source,
+        "source": source,
         "kind": src.kind,
         "gguf_file": src.gguf_file,
         "weights": weights,
@@ -297,17 +235,3 @@ def load_recorded(ref: dict[str, Any], what: str, dtype: str = "auto", device: s
         except (OSError, ValueError) as err:
             errors.append(f"{location}: {err}")
     raise RuntimeError(f"could not load the LLM of {what}: " + ("; ".join(errors) or "the artifact records no location"))
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The transformer blocks whose outputs are the residual stream after layer 1..L."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a decoder-only LLM")
-    return layers
-
-
-def layer_output(output: Any) -> torch.Tensor:
-    """The hidden states in a decoder block's output (a tensor, or a tuple starting with one)."""
-    return output[0] if isinstance(output, tuple) else output

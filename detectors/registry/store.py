@@ -9,18 +9,15 @@ from typing import Any
 import mlflow
 from mlflow.tracking import MlflowClient
 
-from detectors.config import MLflowParams
-
-PYFUNC_MODEL = Path(__file__).with_name("mlflow_model.py")
+PYFUNC_MODEL = Path(__file__).with_name("pyfunc.py")
 REQUIREMENTS = (
     "torch", "transformers", "accelerate", "gguf", "captum", "safetensors", "numpy", "pandas", "pyyaml", "mlflow",
     "pytorch-lightning", "torchmetrics",
 )  # fmt: skip
 
 
-def tracking_uri(params: MLflowParams, root: str | Path = ".") -> str:
+def tracking_uri(uri: str, root: str | Path = ".") -> str:
     """The tracking URI with a relative sqlite path made absolute (stages and the UI then agree)."""
-    uri = params.tracking_uri
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         db = (Path(root) / uri[len("sqlite:///"):]).resolve()
         db.parent.mkdir(parents=True, exist_ok=True)
@@ -28,19 +25,20 @@ def tracking_uri(params: MLflowParams, root: str | Path = ".") -> str:
     return uri
 
 
-def configure(params: MLflowParams, root: str | Path = ".") -> str:
-    uri = tracking_uri(params, root)
+def configure(uri: str, root: str | Path = ".") -> str:
+    """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``)."""
+    uri = tracking_uri(uri, root)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return uri
 
 
-def experiment(name: str, params: MLflowParams, root: str | Path = ".") -> str:
+def experiment(name: str, artifact_root: str | Path, root: str | Path = ".") -> str:
     """The id of experiment ``name``, created with an explicit artifact location under ``artifact_root``."""
     found = mlflow.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    location = (Path(root) / params.artifact_root / name).resolve()
+    location = (Path(root) / artifact_root / name).resolve()
     location.mkdir(parents=True, exist_ok=True)
     return mlflow.create_experiment(name, artifact_location=location.as_uri())
 
@@ -56,7 +54,7 @@ def log_detector(artifact_dir: str | Path, metadata: dict[str, Any]) -> Any:
         name="model",
         python_model=str(PYFUNC_MODEL),
         artifacts={"detector": str(artifact_dir)},
-        code_paths=[str(Path(__file__).parent)],
+        code_paths=[str(Path(__file__).parents[1])],  # the detectors package
         pip_requirements=pip_requirements(),
         metadata=metadata,
     )

@@ -1,5 +1,5 @@
-"""CtrlA at generation time: honesty steering (Eq. 1), the confidence monitor (Eq. 2), the retrieval
-trigger on new non-stopword tokens, the refusal detector (App. B.3.1) and query masking (Eq. 3).
+"""CtrlA at generation time: the confidence monitor (Eq. 2), the retrieval trigger on new non-stopword
+tokens, the refusal detector (App. B.3.1), query masking (Eq. 3) and one steered, monitored generation step.
 
 The monitor's per-token score is computed by one function, :func:`running_scores`, over projections
 captured by one hook class, whether the tokens are generated (serving) or teacher-forced (evaluation).
@@ -10,55 +10,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from typing import Iterator
 
 import numpy as np
 import torch
 from spacy.lang.en.stop_words import STOP_WORDS
 
-from detectors.directions import Directions, LayerTap, batches, forward_rows
-from detectors.llm import LLM, decoder_layers, layer_output
-from detectors.qa import normalize_text
-
-# ---- honesty steering (Eq. 1) ------------------------------------------------------------------------
-
-
-def steering_vectors(directions: Directions, lam: float, layers: list[int], relative: bool) -> dict[int, torch.Tensor]:
-    """The vector added at each layer: ``lam * v_l``, times the layer's mean residual norm when ``relative``."""
-    return {
-        layer: lam * (float(directions.norms[layer - 1]) if relative else 1.0) * directions.vectors[layer - 1].float()
-        for layer in layers
-    }
-
-
-@contextlib.contextmanager
-def steer(model: torch.nn.Module, vectors: dict[int, torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
-    """Add ``vectors[l]`` to the residual stream after layer ``l`` (1-based) at every token, inside the block.
-
-    The hooks are prepended, so hidden-state capture (transformers' own or a monitor's) sees the
-    steered stream; they are removed on exit, also when generation raises.
-    """
-    blocks = decoder_layers(model)
-    handles = []
-
-    def hook(vector: torch.Tensor):
-        def add(module, args, output):
-            h = layer_output(output)
-            h = h + vector.to(device=h.device, dtype=h.dtype)
-            return (h, *output[1:]) if isinstance(output, tuple) else h
-
-        return add
-
-    try:
-        for layer, vector in vectors.items():
-            if not 1 <= layer <= len(blocks):
-                raise ValueError(f"steering layer {layer} is outside 1..{len(blocks)} of this LLM")
-            handles.append(blocks[layer - 1].register_forward_hook(hook(vector), prepend=True))
-        yield vectors
-    finally:
-        for handle in handles:
-            handle.remove()
-
+from detectors.ctrla.directions import Directions
+from detectors.ctrla.steering import steer
+from detectors.llm.kv import batches, forward_rows, prefix_states
+from detectors.llm.layers import LayerTap
+from detectors.llm.loading import LLM
+from detectors.sources.text import normalize_text
 
 # ---- confidence monitor (Eq. 2) -----------------------------------------------------------------------
 
@@ -136,8 +98,6 @@ def score_sequences(
 
     The token prefix shared by all sequences (a chat header, a few-shot prompt) runs once.
     """  # fmt: skip
-    from detectors.attribution import prefix_states
-
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("score_sequences needs non-empty token sequences")
     shared = min(len(s) for s in sequences) - 1

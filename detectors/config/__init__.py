@@ -1,0 +1,65 @@
+"""``params.yaml``: validated stage sections (:mod:`.sections`), the artifact schema types that library
+functions take (:mod:`.schema`), and the reading machinery (:mod:`.core`).
+
+A stage reads its params through :class:`StageParams`, which hands out only the keys the stage
+declared (the same keys ``dvc.yaml`` lists as its params), so a stage cannot read a value that DVC
+does not track for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from detectors.config.core import ParamsError, fail, from_dict, read_params
+from detectors.config.sections import SECTIONS
+
+
+def load_section(name: str, path: str | Path = "params.yaml", data: dict[str, Any] | None = None) -> Any:
+    """Validate and return section ``name`` of the params file as its dataclass (every key required)."""
+    if name not in SECTIONS:
+        raise ParamsError(f"no params section named {name!r}; known: {sorted(SECTIONS)}")
+    data = read_params(path) if data is None else data
+    if name not in data:
+        fail(name, None, "required section is missing: add it to params.yaml")
+    return from_dict(SECTIONS[name], data.get(name), name, strict=True)
+
+
+def load_all(path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Validate every section (unknown top-level sections are an error too)."""
+    data = read_params(path)
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        fail(unknown[0], data[unknown[0]], f"unknown params section; known: {sorted(SECTIONS)}")
+    return {name: load_section(name, data=data) for name in SECTIONS}
+
+
+class StageParams:
+    """The params of one stage: only the declared keys (``section`` or ``section.key.subkey``) can be read.
+
+    ``params["paths.qa"]`` returns that value; ``params["build_early"]`` the whole validated section.
+    Reading an undeclared key is an error: declare it in the stage's ``READS`` and in ``dvc.yaml``.
+    """
+
+    def __init__(self, data: dict[str, Any], reads: Iterable[str], stage: str = "this stage"):
+        self.data, self.reads, self.stage = data, tuple(reads), stage
+        self._sections: dict[str, Any] = {}
+        for key in self.reads:  # validate every declared section before any heavy work
+            self._section(key.split(".")[0])
+
+    def _section(self, name: str) -> Any:
+        if name not in self._sections:
+            self._sections[name] = load_section(name, data=self.data)
+        return self._sections[name]
+
+    def __getitem__(self, key: str) -> Any:
+        if not any(key == r or key.startswith(r + ".") for r in self.reads):
+            raise ParamsError(
+                f"{self.stage} reads params key {key!r} but does not declare it: add it to the stage's READS "
+                "and to its params in dvc.yaml, so DVC reruns the stage when it changes"
+            )
+        section, *rest = key.split(".")
+        value = self._section(section)
+        for part in rest:
+            value = getattr(value, part)
+        return value

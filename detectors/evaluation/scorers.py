@@ -1,0 +1,112 @@
+"""Scorer building blocks (the interface is :class:`detectors.interfaces.Scorer`): a stored column, a trained
+detector, and scores computed from per-token statistics at the token, entity or continuation level."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from detectors.interfaces import Level
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnScorer:
+    """A training-free score read from one stored feature column, negated when low means hallucinated."""
+
+    name: str
+    column: str
+    higher_is_hallucinated: bool = True
+    level: Level = Level.QUESTION
+    kind: str = "baseline"
+    is_probability: bool = False
+    threshold: float | None = None  # None: chosen on validation by the evaluation
+
+    @property
+    def features(self) -> str:
+        return self.column
+
+    def score(self, units: pd.DataFrame) -> np.ndarray:
+        values = units[self.column].to_numpy(dtype=np.float64)
+        return values if self.higher_is_hallucinated else -values
+
+
+@dataclasses.dataclass
+class DetectorScorer:
+    """A trained question-level detector scoring stored feature rows, with its own threshold."""
+
+    name: str
+    detector: Any  # anything with predict_proba(frame), threshold and groups (EarlyDetector)
+    level: Level = Level.QUESTION
+    kind: str = "detector"
+    is_probability: bool = True
+
+    @property
+    def features(self) -> str:
+        return ",".join(self.detector.groups)
+
+    @property
+    def threshold(self) -> float:
+        return self.detector.threshold
+
+    def score(self, units: pd.DataFrame) -> np.ndarray:
+        return self.detector.predict_proba(units)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStatScorer:
+    """A score from one per-token statistic (``stat``) at the token, entity or continuation level.
+
+    Subclasses say how a token scores (:meth:`token`) and how an entity's tokens combine (:meth:`entity`);
+    a continuation scores its most suspicious entity unless :meth:`continuation` says otherwise.
+    ``levels`` lists where the score is defined. A unit whose record lacks ``stat`` scores NaN.
+    """
+
+    level: Level
+    name: str = ""
+    stat: str = ""
+    levels: tuple[Level, ...] = (Level.TOKEN, Level.ENTITY, Level.CONTINUATION)
+    kind: str = "baseline"
+    is_probability: bool = False
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.level not in self.levels:
+            raise ValueError(f"scorer {self.name!r} is not defined at the {self.level.value} level; levels: {[x.value for x in self.levels]}")
+
+    @property
+    def features(self) -> str:
+        return self.stat
+
+    def token(self, values: np.ndarray) -> np.ndarray:
+        return values
+
+    def entity(self, values: np.ndarray) -> float:
+        return float(np.max(self.token(values)))
+
+    def continuation(self, stats: dict[str, np.ndarray], entities: list[np.ndarray]) -> float:
+        return max(self.entity(stats[self.stat][idx]) for idx in entities)
+
+    def score(self, units: pd.DataFrame) -> np.ndarray:
+        out = np.full(len(units), np.nan)
+        for i, row in enumerate(units.itertuples(index=False)):
+            if self.stat not in row.stats:
+                continue
+            values = row.stats[self.stat]
+            if self.level is Level.TOKEN:
+                out[i] = float(self.token(values)[0])
+            elif self.level is Level.ENTITY:
+                out[i] = float(self.entity(values))
+            else:
+                out[i] = float(self.continuation(row.stats, row.entities))
+        return out
+
+
+def realtime_detector_scorer(threshold: float, level: Level, name: str = "mlp") -> TokenStatScorer:
+    """The real-time detector's probabilities (stat ``mlp``) at ``level``: at the token level, where it was
+    trained, they are probabilities with the detector's own threshold; entities take the max over their
+    tokens, continuations the max over their entities, with thresholds chosen on validation."""
+    token = level is Level.TOKEN
+    return TokenStatScorer(level, name=name, stat="mlp", kind="detector", is_probability=token, threshold=threshold if token else None)

@@ -1,0 +1,56 @@
+"""The units each level scores, as tables: questions (the early set itself), and the real-time set's
+entity tokens, entities and continuations.
+
+A real-time unit row carries ``stats``: for every per-token statistic (``prob``, ``entropy``, the
+detector's ``mlp`` probability, ``ctrla_confidence``) the values of the unit's tokens; a continuation
+also carries ``entities``, the token indices of each of its entities. Scorers at these levels read
+only ``stats`` (and ``entities``), so a new token-level baseline needs no change here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+
+from detectors.dior.realtime_detector import RealtimeDetector, entity_token_table
+from detectors.interfaces import Level
+
+
+def realtime_token_stats(frame: pd.DataFrame, hidden: np.ndarray, detector: RealtimeDetector | None) -> dict[str, dict[str, np.ndarray]]:
+    """Per record, per generated token: probability, entropy, CtrlA's score when the frame has it, and the
+    detector's probability on entity tokens (NaN elsewhere: it was trained on entity tokens)."""
+    out = {}
+    for row in frame[frame["status"] == "ok"].itertuples():
+        stats = {"prob": np.asarray(row.prob, dtype=np.float64), "entropy": np.asarray(row.entropy, dtype=np.float64)}
+        if isinstance(getattr(row, "ctrla_confidence", None), (list, np.ndarray)):
+            stats["ctrla_confidence"] = np.asarray(row.ctrla_confidence, dtype=np.float64)
+        if detector is not None:
+            stats["mlp"] = np.full(len(row.gen_ids), np.nan)
+        out[row.id] = stats
+    if detector is not None:
+        x, _, where = entity_token_table(frame, hidden)
+        mlp = detector.predict_proba(x) if len(x) else np.zeros(0)
+        for (record, token), p in zip(where[["record", "token"]].itertuples(index=False), mlp):
+            out[record]["mlp"][token] = p
+    return out
+
+
+def realtime_units(frame: pd.DataFrame, token_stats: dict[str, dict[str, np.ndarray]]) -> dict[Level, pd.DataFrame]:
+    """The token, entity and continuation tables of the ok records (columns ``id, split, label, status,
+    stats``; continuations also ``entities``). A continuation is hallucinated when any of its entities is."""
+    tokens, entities, continuations = [], [], []
+    for row in frame[frame["status"] == "ok"].itertuples():
+        stats = token_stats[row.id]
+        base = {"split": row.split, "status": "ok"}
+        labels = np.asarray(row.token_label)
+        for i in np.flatnonzero(labels >= 0):
+            tokens.append({"id": f"{row.id}:{i}", **base, "label": int(labels[i]), "stats": {k: v[i : i + 1] for k, v in stats.items()}})
+        spans = []
+        for j, ent in enumerate(json.loads(row.entities)):
+            idx = np.asarray(ent["tokens"])
+            spans.append(idx)
+            entities.append({"id": f"{row.id}:e{j}", **base, "label": int(ent["hallucinated"]), "stats": {k: v[idx] for k, v in stats.items()}})
+        continuations.append({"id": row.id, **base, "label": int(row.label), "stats": stats, "entities": spans})
+    return {Level.TOKEN: pd.DataFrame(tokens), Level.ENTITY: pd.DataFrame(entities), Level.CONTINUATION: pd.DataFrame(continuations)}

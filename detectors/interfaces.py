@@ -1,0 +1,92 @@
+"""The two interfaces every part shares.
+
+- :class:`Detector` — a registered artifact (``dior-early``, ``dior-realtime``, ``ctrla-honesty``,
+  ``ctrla-confidence``): its kind, load/save, the fingerprint of the LLM it was built with, attaching
+  (or loading) that LLM, and ``predict_frame``, the MLflow pyfunc view.
+- :class:`Scorer` — anything that gives each unit of a :class:`Level` a hallucination score (higher =
+  more likely hallucinated): trained detectors and training-free baselines alike. The comparison
+  iterates scorers; a RAG loop wraps them as retrieval triggers.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import pandas as pd
+
+from detectors.llm.fingerprint import Fingerprint
+from detectors.llm.loading import LLM, load_recorded
+
+
+class Detector(abc.ABC):
+    """A trained or extracted detector as stored in the registry.
+
+    Subclasses set ``KIND`` and provide ``fingerprint`` (the LLM it was built with), ``llm_ref`` (where
+    that LLM came from: ``{"dir", "source", "gguf_file"}``) and an ``llm`` attribute (None until attached).
+    """
+
+    KIND: ClassVar[str]
+    fingerprint: Fingerprint
+    llm_ref: dict[str, Any]
+    llm: LLM | None
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, directory: str | Path) -> "Detector":
+        """The detector stored in ``directory`` (written by :meth:`save`)."""
+
+    @abc.abstractmethod
+    def save(self, directory: str | Path) -> Path:
+        """Write the artifact (``detector.json`` naming ``KIND``, tensors as safetensors, never pickle)."""
+
+    @abc.abstractmethod
+    def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """The MLflow pyfunc view: one row of outputs per input row."""
+
+    def check_llm(self, llm: LLM) -> None:
+        """Refuse an LLM other than the one the detector was built with (an error saying what differs)."""
+        self.fingerprint.require_same(llm.fingerprint, f"detector {self.KIND!r}")
+
+    def attach(self, llm: LLM) -> "Detector":
+        """Use ``llm`` (already in memory) from now on; it must be the detector's LLM."""
+        self.check_llm(llm)
+        self.llm = llm
+        return self
+
+    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
+        """Load the LLM from where the artifact says it came from, and attach it."""
+        self.attach(load_recorded(self.llm_ref, f"detector {self.KIND!r}", dtype, device))
+        return self.llm
+
+    def require_llm(self) -> LLM:
+        """The attached LLM, loaded first if none is attached."""
+        return self.llm if self.llm is not None else self.load_llm()
+
+
+class Level(str, enum.Enum):
+    """The unit a score is given to."""
+
+    QUESTION = "question"  # a question, before any answer token (early detection)
+    TOKEN = "token"  # one generated token (an entity's token in the real-time set)
+    ENTITY = "entity"  # one entity of a continuation, from its tokens
+    CONTINUATION = "sentence"  # a whole continuation (DioR's "sentence level"; the key in metrics files)
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """A hallucination score per unit of ``level``; the comparison treats every scorer the same way."""
+
+    name: str
+    kind: str  # "detector" | "baseline"
+    level: Level
+    is_probability: bool  # False: the evaluation maps scores to probabilities by a Platt fit on validation
+    threshold: float | None  # its own decision threshold; None: chosen on validation by the evaluation
+    features: str  # what the score is computed from, for the MLflow run
+
+    def score(self, units: pd.DataFrame) -> np.ndarray:
+        """One score per row of ``units`` (the level's unit table, see :mod:`detectors.evaluation.units`)."""
+        ...

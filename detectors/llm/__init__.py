@@ -1,0 +1,2 @@
+"""The LLM: loading and preparing it (:mod:`.loading`), its fingerprint (:mod:`.fingerprint`), layer
+numbering and hooks (:mod:`.layers`), key/value-prefix reuse and batched forward passes (:mod:`.kv`)."""

@@ -1,0 +1,72 @@
+"""Where an LLM's layers are, and the two ways of numbering them.
+
+- a **block** is a decoder block numbered 1..L; its output is the residual stream after block l
+  (CtrlA's steering and monitoring layers, forward hooks);
+- a **hidden-state index** is a position in transformers' ``hidden_states`` tuple, 0..L: 0 is the
+  embedding output, l < L is block l's output, and L is the output of the final norm (DioR's
+  captured layers; what ``output_hidden_states`` returns).
+
+Params name layers as block numbers 1..L or negative counts from the last (-1 = the last);
+:func:`hidden_state_indices` maps them to hidden-state indices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer blocks whose outputs are the residual stream after layer 1..L."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a decoder-only LLM")
+    return layers
+
+
+def layer_output(output: Any) -> torch.Tensor:
+    """The hidden states in a decoder block's output (a tensor, or a tuple starting with one)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def hidden_state_indices(layers: list[int], num_layers: int, key: str) -> list[int]:
+    """``hidden_states`` indices of layers named 1..L or -1..-L (``key`` names the setting in errors)."""
+    out = []
+    for layer in layers:
+        if not (-num_layers <= layer <= num_layers) or layer == 0:
+            raise ValueError(
+                f"{key} has {layer}, but the LLM has {num_layers} layers: "
+                f"use 1..{num_layers} or -1..-{num_layers}"
+            )
+        out.append(layer if layer > 0 else num_layers + 1 + layer)
+    return out
+
+
+def state_modules(model: torch.nn.Module, indices: list[int]) -> list[torch.nn.Module]:
+    """The module whose output is ``hidden_states[i]`` for each index i in 1..L (L is the final norm)."""
+    blocks = decoder_layers(model)
+    return [model.get_decoder().norm if i == len(blocks) else blocks[i - 1] for i in indices]
+
+
+class LayerTap:
+    """Forward hooks on decoder blocks (1-based numbers) passing each output to ``fn(block, hidden)``.
+
+    Removed on exit, also when the forward pass raises. Runs after steering hooks (those are prepended),
+    so it sees the representations the LLM actually continues from.
+    """
+
+    def __init__(self, model: torch.nn.Module, blocks: list[int], fn: Callable[[int, torch.Tensor], Any]):
+        self.model, self.blocks, self.fn, self.handles = model, list(blocks), fn, []
+
+    def __enter__(self) -> "LayerTap":
+        modules = decoder_layers(self.model)
+        for block in self.blocks:
+            self.handles.append(modules[block - 1].register_forward_hook(lambda m, a, out, block=block: self.fn(block, layer_output(out))))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

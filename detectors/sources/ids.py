@@ -1,0 +1,30 @@
+"""Stable ids, splits and samples by id hash: the same record lands in the same split on every machine."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pandas as pd
+
+
+def stable_id(question: str, source: str) -> str:
+    return hashlib.sha1(f"{source}\x1f{question.strip()}".encode()).hexdigest()[:16]
+
+
+def split_of(record_id: str, ratios: dict[str, float]) -> str:
+    """Deterministic split from the id's hash: the same id lands in the same split on every machine."""
+    u = int(hashlib.sha256(record_id.encode()).hexdigest()[:12], 16) / float(16**12)
+    edge = 0.0
+    for name in ("train", "val", "test"):
+        edge += ratios[name]
+        if u < edge:
+            return name
+    return "test"
+
+
+def sample(df: pd.DataFrame, limit: int | None) -> pd.DataFrame:
+    """A deterministic subset of ``limit`` records (by id hash), independent of the source's order."""
+    if limit is None or limit >= len(df):
+        return df
+    keys = df["id"].map(lambda i: hashlib.sha256(f"sample\x1f{i}".encode()).hexdigest())
+    return df.loc[keys.sort_values().index[:limit]].sort_index().reset_index(drop=True)

@@ -1,0 +1,108 @@
+"""The DAG is honest: every stage depends on every project file it imports (transitively) and on
+exactly the params it reads, so no edit of code or params can leave a stale output behind."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+PACKAGES = ("detectors", "pipelines")
+
+
+def module_file(module: str) -> Path | None:
+    path = ROOT.joinpath(*module.split("."))
+    if (path / "__init__.py").exists():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an import statement of ``path`` names, wherever the statement is (functions included).
+
+    Imports inside a module-level ``__getattr__`` are lazy attribute loads (``detectors.load_detector``)
+    that run only when the attribute is used, so they are not imports of the module.
+    """
+    tree = ast.parse(path.read_text())
+    lazy = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__" for n in ast.walk(f)}
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in lazy:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:
+                raise AssertionError(f"{path}: use absolute imports (the closure is computed from module names)")
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules imported by name
+    return out
+
+
+def import_closure(module: str) -> set[Path]:
+    """The project files Python loads for ``import module``: the module, its packages' ``__init__``
+    files, and the same for everything they import, transitively."""
+    seen: set[Path] = set()
+    todo = [module]
+    while todo:
+        parts = todo.pop().split(".")
+        if parts[0] not in PACKAGES:
+            continue
+        for i in range(1, len(parts) + 1):
+            path = module_file(".".join(parts[:i]))
+            if path is not None and path not in seen:
+                seen.add(path)
+                todo.extend(imported_modules(path))
+    return {p.relative_to(ROOT) for p in seen}
+
+
+def stages() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def stage_module(stage: dict) -> str:
+    cmd = stage["cmd"].split()
+    assert cmd[:3] == ["python", "-m", cmd[2]] and cmd[2].startswith("pipelines."), f"unexpected cmd {stage['cmd']!r}"
+    return cmd[2]
+
+
+def code_deps(stage: dict) -> list[Path]:
+    return [Path(d) for d in stage["deps"] if Path(d).parts[0] in PACKAGES]
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_stage_depends_on_exactly_the_code_it_imports(name):
+    stage = stages()[name]
+    closure = import_closure(stage_module(stage))
+    deps = code_deps(stage)
+    missing = sorted(str(f) for f in closure if not any(f == d or d in f.parents for d in deps))
+    assert not missing, f"dvc.yaml stage {name} misses deps on files it imports: {missing}"
+    for dep in deps:
+        files = {p.relative_to(ROOT) for p in (ROOT / dep).rglob("*.py")} if (ROOT / dep).is_dir() else {dep}
+        assert files, f"stage {name}: dep {dep} does not exist"
+        unused = sorted(str(f) for f in files - closure)
+        assert not unused, f"stage {name}: dep {dep} covers files the stage never imports {unused} (they would rerun it)"
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_stage_declares_exactly_the_params_it_reads(name):
+    stage = stages()[name]
+    reads = importlib.import_module(stage_module(stage)).READS
+    assert sorted(stage.get("params", [])) == sorted(reads), f"dvc.yaml params of {name} differ from {stage_module(stage)}.READS"
+
+
+def test_closure_follows_imports_inside_functions_but_not_lazy_package_attributes():
+    closure = import_closure("detectors.registry.kinds")
+    assert Path("detectors/ctrla/detectors.py") in closure  # imported inside detector_class()
+    assert Path("detectors/inference.py") not in import_closure("pipelines.prepare")  # detectors.__getattr__ only
+
+
+def test_every_stage_module_is_in_the_dag():
+    modules = {stage_module(s) for s in stages().values()}
+    on_disk = {f"pipelines.{p.stem}" for p in (ROOT / "pipelines").glob("*.py") if not p.stem.startswith("_")}
+    assert on_disk == modules
