@@ -36,12 +36,13 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     params["build_early"]["features"].update(n_steps=4, ig_batch_size=4, hidden_layers=[1, -1])
     params["build_early"]["features"]["prompt"].update(template="{question}", chat=False)  # as the tiny Llama learnt them
     params["build_early"].update(max_new_tokens=4, shard_size=8)
-    params["train_early"].update(ablation=[["attribution"]], max_epochs=15, patience=5, batch_size=8, accelerator="cpu")
+    params["train_early"].update(ablation=[["attribution"]])
+    params["train_early"]["training"].update(max_epochs=15, patience=5, batch_size=8, accelerator="cpu")
     params["articles"].update(source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
     params["build_realtime"].update(
-        hidden_layers=[1, -1], max_new_tokens=6, batch_size=4, shard_size=8, max_article_chars=400, prompt={"template": "{text}"}
+        hidden_layers=[1, -1], max_new_tokens=6, batch_size=4, shard_size=8, max_article_chars=400, prompt={"template": "{text}", "chat": False}
     )
-    params["train_realtime"].update(mlp_hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator="cpu")
+    params["train_realtime"]["training"].update(hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator="cpu")
     path = workdir / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
@@ -134,7 +135,7 @@ def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tin
     decision = detector.assess("The capital of Spain is")
     # serving recomputes the features with the same code: same attribution, same probability
     np.testing.assert_allclose(decision.attribution, row["attribution"], atol=1e-5)
-    stored = detector.predict_rows([row.to_dict()])[0]
+    stored = detector.predict_proba([row.to_dict()])[0]
     assert decision.probability == pytest.approx(float(stored), abs=1e-5)
     assert decision.retrieve == (decision.probability >= detector.threshold)
     assert set(decision.keywords) <= {"The", "capital", "of", "Spain", "is"} and decision.keywords
