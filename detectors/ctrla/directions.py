@@ -33,6 +33,7 @@ from detectors.llm.fingerprint import Fingerprint, LLMMismatchError
 from detectors.llm.kv import batches, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
+from detectors.registry.artifact import llm_section, read_llm_section
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class Directions:
             "kind": f"ctrla-{self.concept}",
             "concept": self.concept,
             "layers": self.layers,
-            "llm": {"fingerprint": self.fingerprint.to_dict(), **self.config.get("llm", {})},
+            "llm": llm_section(self.fingerprint, self.config.get("llm", {})),
             "explained_variance": [round(float(x), 6) for x in self.explained_variance],
             **{k: v for k, v in self.config.items() if k != "llm"},
         }
@@ -213,16 +214,16 @@ class Directions:
         missing = {"vectors", "explained_variance", "norms"} - set(tensors)
         if missing:
             raise DirectionsError(f"{directory / TENSORS} lacks {sorted(missing)}: rebuild it with `dvc repro extract_directions`")
-        llm = dict(meta.get("llm", {}))
+        fingerprint, llm_ref = read_llm_section(meta.get("llm", {}))
         config = {k: v for k, v in meta.items() if k not in ("kind", "concept", "layers", "llm", "explained_variance")}
-        config["llm"] = {k: v for k, v in llm.items() if k != "fingerprint"}
+        config["llm"] = llm_ref
         return cls(
             concept=meta["concept"],
             vectors=tensors["vectors"],
             explained_variance=tensors["explained_variance"],
             norms=tensors["norms"],
             layers=[int(x) for x in meta["layers"]],
-            fingerprint=Fingerprint.from_dict(llm["fingerprint"]),
+            fingerprint=fingerprint,
             config=config,
             curve={int(k.split(".", 1)[1]): v for k, v in tensors.items() if k.startswith("curve.")},
         )

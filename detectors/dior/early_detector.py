@@ -24,7 +24,7 @@ from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import read_artifact, write_artifact
+from detectors.registry.artifact import llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
 
 
@@ -91,18 +91,14 @@ class EarlyDetector(Detector):
             "static_std": self.static_std.tolist(),
             "threshold": self.threshold,
             "features": dataclasses.asdict(self.features),
-            "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
+            "llm": llm_section(self.fingerprint, self.llm_ref),
             "info": self.info,
         }
         return write_artifact(directory, self.KIND, self.net, config)
 
     @classmethod
     def load(cls, directory: str | Path) -> "EarlyDetector":
-        config, weights = read_artifact(directory, cls.KIND)
-        net = EarlyGRU(**config["net"])
-        net.load_state_dict(weights)
-        net.eval()
-        llm = dict(config["llm"])
+        config, net, fingerprint, llm_ref = read_net(directory, cls.KIND, EarlyGRU)
         return cls(
             net=net,
             groups=config["groups"],
@@ -110,8 +106,8 @@ class EarlyDetector(Detector):
             static_std=np.asarray(config["static_std"], dtype=np.float32),
             threshold=float(config["threshold"]),
             features=from_dict(EarlyFeatureParams, config["features"], "detector.features"),
-            fingerprint=Fingerprint.from_dict(llm.pop("fingerprint")),
-            llm_ref=llm,
+            fingerprint=fingerprint,
+            llm_ref=llm_ref,
             info=config["info"],
         )
 

@@ -25,7 +25,7 @@ from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import read_artifact, write_artifact
+from detectors.registry.artifact import llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
 
 
@@ -106,18 +106,14 @@ class RealtimeDetector(Detector):
             "state_indices": self.state_indices,
             "prompt": dataclasses.asdict(self.prompt),
             "spacy_model": self.spacy_model,
-            "llm": {"fingerprint": self.fingerprint.to_dict(), **self.llm_ref},
+            "llm": llm_section(self.fingerprint, self.llm_ref),
             "info": self.info,
         }
         return write_artifact(directory, self.KIND, self.net, config)
 
     @classmethod
     def load(cls, directory: str | Path) -> "RealtimeDetector":
-        config, weights = read_artifact(directory, cls.KIND)
-        net = TokenMLP(**config["net"])
-        net.load_state_dict(weights)
-        net.eval()
-        llm = dict(config["llm"])
+        config, net, fingerprint, llm_ref = read_net(directory, cls.KIND, TokenMLP)
         return cls(
             net=net,
             mean=np.asarray(config["mean"], dtype=np.float32),
@@ -127,8 +123,8 @@ class RealtimeDetector(Detector):
             state_indices=list(config["state_indices"] if "state_indices" in config else config["positions"]),
             prompt=from_dict(RealtimePromptParams, config["prompt"], "detector.prompt"),
             spacy_model=config["spacy_model"],
-            fingerprint=Fingerprint.from_dict(llm.pop("fingerprint")),
-            llm_ref=llm,
+            fingerprint=fingerprint,
+            llm_ref=llm_ref,
             info=config["info"],
         )
 

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from detectors.llm.fingerprint import Fingerprint
+
 CONFIG = "detector.json"
 WEIGHTS = "weights.safetensors"
 
@@ -35,3 +37,22 @@ def read_artifact(directory: str | Path, kind: str) -> tuple[dict[str, Any], dic
     if config.get("kind") != kind:
         raise ValueError(f"{directory} holds a {config.get('kind')!r} artifact, not {kind!r}")
     return config, load_file(Path(directory) / WEIGHTS)
+
+
+def llm_section(fingerprint: Fingerprint, llm_ref: dict[str, Any]) -> dict[str, Any]:
+    """The ``llm`` entry of ``detector.json``: the fingerprint and where the LLM came from."""
+    return {"fingerprint": fingerprint.to_dict(), **llm_ref}
+
+
+def read_llm_section(section: dict[str, Any]) -> tuple[Fingerprint, dict[str, Any]]:
+    ref = dict(section)
+    return Fingerprint.from_dict(ref.pop("fingerprint")), ref
+
+
+def read_net(directory: str | Path, kind: str, net_class: type[torch.nn.Module]):
+    """A trained detector's config, its network (weights loaded, eval mode), LLM fingerprint and LLM reference."""
+    config, weights = read_artifact(directory, kind)
+    net = net_class(**config["net"])
+    net.load_state_dict(weights)
+    net.eval()
+    return (config, net, *read_llm_section(config["llm"]))

@@ -1,0 +1,115 @@
+"""One Scorer interface for every level: the real-time baselines and the detector's scores on hand-made
+records, computed by hand; the four registered kinds share one Detector interface."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from detectors.baselines import question_baselines, realtime_baselines
+from detectors.baselines.flare import Flare
+from detectors.evaluation.compare import compare
+from detectors.evaluation.scorers import realtime_detector_scorer
+from detectors.evaluation.units import realtime_units
+from detectors.interfaces import Detector, Level, Scorer
+
+# two continuations: r1 has tokens 0..3, entity A = tokens [0, 1] (hallucinated), entity B = token [3] (supported);
+# r2 has tokens 0..2, entity C = tokens [1, 2] (supported)
+PROB = {"r1": [0.5, 0.2, 0.9, 0.8], "r2": [0.6, 0.9, 0.7]}
+ENTROPY = {"r1": [1.0, 2.0, 0.1, 0.5], "r2": [0.3, 0.2, 0.4]}
+MLP = {"r1": [0.9, 0.7, np.nan, 0.1], "r2": [np.nan, 0.3, 0.2]}
+
+
+def frame() -> pd.DataFrame:
+    rows = [
+        {"id": "r1", "split": "test", "status": "ok", "label": 1, "token_label": [1, 1, -1, 0],
+         "entities": json.dumps([{"tokens": [0, 1], "hallucinated": 1}, {"tokens": [3], "hallucinated": 0}])},
+        {"id": "r2", "split": "test", "status": "ok", "label": 0, "token_label": [-1, 0, 0],
+         "entities": json.dumps([{"tokens": [1, 2], "hallucinated": 0}])},
+        {"id": "r3", "split": "test", "status": "ValueError: no entity", "label": None, "token_label": None, "entities": None},
+    ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def units() -> dict[Level, pd.DataFrame]:
+    stats = {r: {"prob": np.array(PROB[r]), "entropy": np.array(ENTROPY[r]), "mlp": np.array(MLP[r])} for r in PROB}
+    return realtime_units(frame(), stats)
+
+
+def scores(level: Level) -> dict[str, list[float]]:
+    table = units()[level]
+    scorers = [realtime_detector_scorer(0.5, level)] + realtime_baselines(level)
+    assert all(isinstance(s, Scorer) and s.level is level for s in scorers)
+    return {s.name: np.round(s.score(table), 6).tolist() for s in scorers}
+
+
+def test_unit_tables_hold_each_level_s_units_and_labels():
+    u = units()
+    assert u[Level.TOKEN]["id"].tolist() == ["r1:0", "r1:1", "r1:3", "r2:1", "r2:2"]
+    assert u[Level.TOKEN]["label"].tolist() == [1, 1, 0, 0, 0]
+    assert u[Level.ENTITY]["id"].tolist() == ["r1:e0", "r1:e1", "r2:e0"] and u[Level.ENTITY]["label"].tolist() == [1, 0, 0]
+    assert u[Level.CONTINUATION]["id"].tolist() == ["r1", "r2"]  # the failed record is no unit
+
+
+def test_token_level_scores():
+    assert scores(Level.TOKEN) == {
+        "mlp": [0.9, 0.7, 0.1, 0.3, 0.2],
+        "flare": [0.5, 0.8, 0.2, 0.1, 0.3],  # 1 - p
+        "token_entropy": [1.0, 2.0, 0.5, 0.2, 0.4],
+    }
+
+
+def test_entity_level_scores_follow_stitch_in_time():
+    got = scores(Level.ENTITY)
+    assert got["mlp"] == [0.9, 0.1, 0.3]  # max over the entity's tokens
+    assert got["sit_min"] == [0.8, 0.2, 0.3]  # 1 - min p
+    assert got["sit_avg"] == [0.65, 0.2, 0.2]  # 1 - mean p
+    assert got["sit_norm"] == pytest.approx([1 - np.sqrt(0.1), 0.2, 1 - np.sqrt(0.63)], abs=1e-6)  # 1 - geometric mean
+    assert got["token_entropy"] == [2.0, 0.5, 0.4]
+    assert "flare" not in got  # FLARE is a token and continuation score
+
+
+def test_continuation_level_takes_the_worst_entity_and_flare_its_least_probable_token():
+    got = scores(Level.CONTINUATION)
+    assert got["flare"] == [0.8, 0.4]  # over every generated token, entity or not
+    assert got["sit_min"] == [0.8, 0.3] and got["mlp"] == [0.9, 0.3] and got["token_entropy"] == [2.0, 0.4]
+
+
+def test_detector_threshold_and_probabilities_only_where_it_was_trained():
+    token, entity = realtime_detector_scorer(0.42, Level.TOKEN), realtime_detector_scorer(0.42, Level.ENTITY)
+    assert (token.threshold, token.is_probability, token.kind) == (0.42, True, "detector")
+    assert (entity.threshold, entity.is_probability) == (None, False)  # chosen and calibrated on validation
+
+
+def test_a_scorer_at_a_level_it_does_not_define_is_refused():
+    with pytest.raises(ValueError, match="'flare' is not defined at the entity level"):
+        Flare(Level.ENTITY)
+
+
+def test_compare_refuses_scorers_of_different_levels():
+    mixed = [Flare(Level.TOKEN), Flare(Level.CONTINUATION)]
+    with pytest.raises(ValueError, match="one level at a time"):
+        compare(units()[Level.TOKEN], mixed, "youden", 10)
+
+
+def test_question_baselines_add_ctrla_only_when_its_scores_exist():
+    names = [s.name for s in question_baselines()]
+    assert names == ["logreg[attribution+first_token]", "attribution_entropy", "first_token_prob", "first_token_entropy"]
+    assert question_baselines(with_ctrla=True)[-1].name == "ctrla_confidence"
+    assert all(s.level is Level.QUESTION for s in question_baselines(with_ctrla=True))
+    assert [s.name for s in realtime_baselines(Level.TOKEN, with_ctrla=True)][-1] == "ctrla_confidence"
+
+
+def test_every_registered_kind_is_a_detector_with_one_llm_attachment():
+    from detectors.registry.kinds import KINDS, detector_class
+
+    for kind in KINDS:
+        cls = detector_class(kind)
+        assert issubclass(cls, Detector) and cls.KIND == kind
+        assert not getattr(cls, "__abstractmethods__", None), f"{kind} leaves {cls.__abstractmethods__} unimplemented"
+        assert cls.load_llm is Detector.load_llm and cls.attach is Detector.attach  # written once
+    with pytest.raises(ValueError, match="no detector kind 'dior-late'"):
+        detector_class("dior-late")
