@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = load_llm(paths.llm, llm_params.dtype, llm_params.device)
     honesty = HonestySteering.load(Path(paths.directions) / "honesty").attach(llm)
     confidence = ConfidenceDetector.load(Path(paths.directions) / "confidence").attach(llm)
-    prompts = [llm.encode_prompt(p, extract.monitor.prompt)[0] for p in PROMPTS]
+    prompts = [llm.encode_prompt(p, confidence.params.prompt)[0] for p in PROMPTS]  # the served monitor prompt
     _generate(llm, prompts[0], 4)  # warm-up
     plain, ctrla = [], []
     for _ in range(args.repeats):  # interleaved so drifts in machine load hit both alike

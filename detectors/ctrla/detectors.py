@@ -17,7 +17,6 @@ import dataclasses
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import pandas as pd
 import torch
 

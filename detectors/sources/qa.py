@@ -14,7 +14,6 @@ from typing import Any
 
 import pandas as pd
 
-from detectors.errors import SourceError
 from detectors.sources.bigbench import fetch_bigbench_task
 from detectors.sources.files import read_records
 from detectors.sources.ids import stable_id
