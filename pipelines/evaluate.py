@@ -119,7 +119,8 @@ def evaluate_realtime(p, strategy: str, ece_bins: int) -> tuple[dict, list, Path
     frame = pd.read_parquet(p["paths.realtime"])
     detector = RealtimeDetector.load(p["paths.realtime_model"])
     frame, has_ctrla = with_ctrla(frame, Path(p["paths.ctrla_realtime"]))  # its column becomes a score at every level
-    units = realtime_units(frame, realtime_token_stats(frame, load_file(p["paths.realtime_hidden"])["hidden"], detector))
+    mlp = detector.record_scores(frame, load_file(p["paths.realtime_hidden"])["hidden"])
+    units = realtime_units(frame, realtime_token_stats(frame, mlp))
     results, all_scores, scorers = {}, [], []
     plots = Path(p["paths.plots"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 5))

@@ -134,6 +134,16 @@ class RealtimeDetector(Detector):
         z = torch.from_numpy(((features - self.mean) / self.std).astype(np.float32))
         return predict(self.net, [{"x": x, "label": 0} for x in z], collate)
 
+    def record_scores(self, frame: pd.DataFrame, hidden: np.ndarray) -> dict[str, np.ndarray]:
+        """P(hallucination) of every generated token of the set's ok records, from the stored features: the
+        entity tokens it was trained on get a probability, the other tokens NaN."""
+        x, _, where = entity_token_table(frame, hidden)
+        probs = self.predict_proba(x) if len(x) else np.zeros(0)
+        out = {row.id: np.full(len(row.gen_ids), np.nan) for row in frame[frame["status"] == "ok"].itertuples()}
+        for (record, token), p in zip(where[["record", "token"]].itertuples(index=False), probs):
+            out[record][token] = p
+        return out
+
     def score_tokens(self, hidden: torch.Tensor, prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """The recorder's scorer: one batch of freshly generated tokens, scored while generation runs."""
         return torch.from_numpy(self.predict_proba(token_features(hidden.numpy(), prob.numpy(), entropy.numpy())))

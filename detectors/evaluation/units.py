@@ -14,26 +14,21 @@ import json
 import numpy as np
 import pandas as pd
 
-from detectors.dior.realtime_detector import RealtimeDetector, entity_token_table
 from detectors.interfaces import Level
 
 
-def realtime_token_stats(frame: pd.DataFrame, hidden: np.ndarray, detector: RealtimeDetector | None) -> dict[str, dict[str, np.ndarray]]:
-    """Per record, per generated token: probability, entropy, CtrlA's score when the frame has it, and the
-    detector's probability on entity tokens (NaN elsewhere: it was trained on entity tokens)."""
+def realtime_token_stats(frame: pd.DataFrame, detector_scores: dict[str, np.ndarray] | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """Per record, per generated token: probability, entropy, CtrlA's score when the frame has it, and
+    ``mlp``, the real-time detector's probability (``detector_scores``, from
+    :meth:`~detectors.dior.realtime_detector.RealtimeDetector.record_scores`) when given."""
     out = {}
     for row in frame[frame["status"] == "ok"].itertuples():
         stats = {"prob": np.asarray(row.prob, dtype=np.float64), "entropy": np.asarray(row.entropy, dtype=np.float64)}
         if isinstance(getattr(row, "ctrla_confidence", None), (list, np.ndarray)):
             stats["ctrla_confidence"] = np.asarray(row.ctrla_confidence, dtype=np.float64)
-        if detector is not None:
-            stats["mlp"] = np.full(len(row.gen_ids), np.nan)
+        if detector_scores is not None:
+            stats["mlp"] = detector_scores[row.id]
         out[row.id] = stats
-    if detector is not None:
-        x, _, where = entity_token_table(frame, hidden)
-        mlp = detector.predict_proba(x) if len(x) else np.zeros(0)
-        for (record, token), p in zip(where[["record", "token"]].itertuples(index=False), mlp):
-            out[record]["mlp"][token] = p
     return out
 
 
