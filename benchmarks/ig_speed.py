@@ -62,7 +62,6 @@ from detectors.config.schema import PromptParams
 from detectors.dior.attribution import attribution_distribution, attribution_entropy, token_attributions
 from detectors.llm.loading import LLM, load_llm
 
-DEFAULT_LLM = "data/llm"
 DEFAULT_OUT = "benchmarks/results/ig_speed.json"
 METHOD = "gausslegendre"
 REFERENCE_BATCH_SIZE = 4
@@ -210,13 +209,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--n-questions", type=int, default=8, help="first N built-in questions, cycling past the list (default 8)")
     parser.add_argument("--n-steps", type=int, default=16, help="IG interpolation steps (default 16)")
     parser.add_argument("--repeats", type=int, default=1, help="time each call this many times, keep the fastest (default 1)")
-    parser.add_argument("--llm", default=DEFAULT_LLM, help=f"prepared LLM directory (default {DEFAULT_LLM}: run the prepare stage first)")
+    parser.add_argument("--llm", default=None, help="prepared LLM directory (default: paths.llm of params.yaml; run the prepare stage first)")
     parser.add_argument("--prompt", choices=["params", "plain"], default="params", help="the pipeline's prompt (default) or the bare question")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if min(args.n_questions, args.n_steps, args.repeats) < 1:
         parser.error("--n-questions, --n-steps and --repeats must be positive")
 
+    args.llm = args.llm or load_section("paths").llm
     if not Path(args.llm).exists():
         parser.error(f"LLM directory {args.llm!r} does not exist: run `dvc repro prepare` first (make bench does)")
     llm = load_llm(args.llm)
