@@ -101,6 +101,13 @@ def test_stage_params_hand_out_only_declared_keys(shipped):
             p[undeclared]
 
 
+def test_a_declared_key_that_params_does_not_have_is_refused(shipped):
+    from detectors.config import StageParams
+
+    with pytest.raises(ParamsError, match=r"paths\.qaa = None: build_early declares this params key but params.yaml has no such key"):
+        StageParams(shipped, ("paths.qaa",), "build_early")
+
+
 def test_declared_sections_are_validated_before_any_work(shipped):
     from detectors.config import StageParams
 

@@ -44,8 +44,8 @@ class StageParams:
     def __init__(self, data: dict[str, Any], reads: Iterable[str], stage: str = "this stage"):
         self.data, self.reads, self.stage = data, tuple(reads), stage
         self._sections: dict[str, Any] = {}
-        for key in self.reads:  # validate every declared section before any heavy work
-            self._section(key.split(".")[0])
+        for key in self.reads:  # validate every declared section, and that each key exists, before any heavy work
+            self._resolve(key)
 
     def _section(self, name: str) -> Any:
         if name not in self._sections:
@@ -58,8 +58,13 @@ class StageParams:
                 f"{self.stage} reads params key {key!r} but does not declare it: add it to the stage's READS "
                 "and to its params in dvc.yaml, so DVC reruns the stage when it changes"
             )
+        return self._resolve(key)
+
+    def _resolve(self, key: str) -> Any:
         section, *rest = key.split(".")
         value = self._section(section)
-        for part in rest:
+        for i, part in enumerate(rest):
+            if not hasattr(value, part):
+                fail(".".join([section, *rest[: i + 1]]), None, f"{self.stage} declares this params key but params.yaml has no such key")
             value = getattr(value, part)
         return value
