@@ -106,3 +106,27 @@ def test_every_stage_module_is_in_the_dag():
     modules = {stage_module(s) for s in stages().values()}
     on_disk = {f"pipelines.{p.stem}" for p in (ROOT / "pipelines").glob("*.py") if not p.stem.startswith("_")}
     assert on_disk == modules
+
+
+def _declared_files(stage: dict) -> set[str]:
+    """Every path a stage names as a dep, out, metric or plot (templated, e.g. ``${paths.qa}``)."""
+    names = set(stage.get("deps", []))
+    for key in ("outs", "metrics", "plots"):
+        names |= {next(iter(e)) if isinstance(e, dict) else e for e in stage.get(key, [])}
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(stages()))
+def test_every_path_a_stage_reads_is_a_dep_or_an_out(name):
+    """A path key in READS is data the stage reads or writes: dvc.yaml must name it, or DVC cannot see it.
+
+    ``paths.raw`` is the exception: a download cache whose content is fixed by the pinned archive version
+    in ``detectors/sources/bigbench.py`` (a code dep of the stages that read it); prepare and
+    evaluate_directions each unpack the task files they need into it, so it cannot be one stage's out.
+    """
+    stage = stages()[name]
+    reads = importlib.import_module(stage_module(stage)).READS
+    named = _declared_files(stage)
+    paths = [key for key in reads if key.startswith("paths.") and key != "paths.raw"]
+    missing = [key for key in paths if not any(n.startswith("${" + key + "}") for n in named)]
+    assert not missing, f"dvc.yaml stage {name} reads {missing} but names them in no dep, out, metric or plot"
