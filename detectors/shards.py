@@ -48,7 +48,7 @@ class ShardStore:
 
     def items_done(self, n_items: int, size: int) -> int:
         """How many of ``n_items`` (in shards of ``size``) finished shards hold: where progress resumes."""
-        return sum(min(size, n_items - k * size) for k in range((n_items + size - 1) // size) if self.done(k))
+        return sum(min(size, n_items - k * size) for k in range(self.count(n_items, size)) if self.done(k))
 
     def done(self, index: int) -> bool:
         return self.path(index).exists()

@@ -9,7 +9,6 @@ from safetensors.numpy import load_file
 
 from detectors.dior.realtime_detector import train_realtime_detector
 from detectors.io import write_json
-from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import prepared_reference
 from pipelines._stage import stage_params
 
@@ -23,14 +22,11 @@ READS = (
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "train_realtime")
     fingerprint, llm_ref = prepared_reference(p["paths.llm"])
-    layers = p["build_realtime.hidden_layers"]
     frame = pd.read_parquet(p["paths.realtime"])
     hidden = load_file(p["paths.realtime_hidden"])["hidden"]
     detector = train_realtime_detector(
         frame, hidden, p["train_realtime"].training,
-        hidden_layers=layers,
-        state_indices=hidden_state_indices(layers, fingerprint.num_layers, "build_realtime.hidden_layers"),
-        prompt=p["build_realtime.prompt"], spacy_model=p["build_realtime.spacy_model"],
+        hidden_layers=p["build_realtime.hidden_layers"], prompt=p["build_realtime.prompt"], spacy_model=p["build_realtime.spacy_model"],
         fingerprint=fingerprint, llm_ref=llm_ref,
     )  # fmt: skip
     detector.save(p["paths.realtime_model"])

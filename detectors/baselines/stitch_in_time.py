@@ -11,34 +11,34 @@ import numpy as np
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.interfaces import Level
 
-_LEVELS = (Level.ENTITY, Level.CONTINUATION)
+
+@dataclasses.dataclass(frozen=True)
+class _StitchInTime(TokenStatScorer):
+    """An entity's score from its tokens' probabilities; defined for entities and continuations."""
+
+    stat: str = "prob"
+    levels: tuple[Level, ...] = (Level.ENTITY, Level.CONTINUATION)
 
 
 @dataclasses.dataclass(frozen=True)
-class SitMin(TokenStatScorer):
+class SitMin(_StitchInTime):
     name: str = "sit_min"
-    stat: str = "prob"
-    levels: tuple[Level, ...] = _LEVELS
 
     def entity(self, values: np.ndarray) -> float:
         return float(1 - values.min())
 
 
 @dataclasses.dataclass(frozen=True)
-class SitAvg(TokenStatScorer):
+class SitAvg(_StitchInTime):
     name: str = "sit_avg"
-    stat: str = "prob"
-    levels: tuple[Level, ...] = _LEVELS
 
     def entity(self, values: np.ndarray) -> float:
         return float(1 - values.mean())
 
 
 @dataclasses.dataclass(frozen=True)
-class SitNorm(TokenStatScorer):
+class SitNorm(_StitchInTime):
     name: str = "sit_norm"
-    stat: str = "prob"
-    levels: tuple[Level, ...] = _LEVELS
 
     def entity(self, values: np.ndarray) -> float:
         return float(1 - np.exp(np.log(np.clip(values, 1e-12, None)).mean()))

@@ -156,8 +156,9 @@ def train_early_detector(
     ok = frame[frame["status"] == "ok"]
     train = ok[ok["split"] == "train"].to_dict("records")
     val = ok[ok["split"] == "val"].to_dict("records")
-    for name, rows in (("the train split", train), ("the validation split", val)):
-        require_both_classes(np.array([r["label"] for r in rows]), name)
+    train_labels, val_labels = (np.array([r["label"] for r in rows]) for rows in (train, val))
+    require_both_classes(train_labels, "the train split")
+    require_both_classes(val_labels, "the validation split")
     raw = np.stack([per_question(r, groups) for r in train])
     mean, std = raw.mean(axis=0), raw.std(axis=0) + 1e-6
     n_scalars = len(scalar_features(train[0], groups))
@@ -172,8 +173,6 @@ def train_early_detector(
         fast_dev_run=fast_dev_run,
     )
     detector = EarlyDetector(net, list(groups), mean, std, 0.5, features, fingerprint, llm_ref, {})
-    val_labels = np.array([r["label"] for r in val])
     detector.threshold = choose_threshold(val_labels, detector.predict_proba(val), params.threshold)
-    train_labels = np.array([r["label"] for r in train])
     detector.info = training_info(summary, params, n_train=len(train), n_val=len(val), train_hallucination_rate=float(train_labels.mean()))
     return detector

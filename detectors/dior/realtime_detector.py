@@ -24,6 +24,7 @@ from detectors.dior.recorder import GenerationRecorder, TokenTrace, eos_ids, gen
 from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
+from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.registry.artifact import llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
@@ -215,7 +216,6 @@ def train_realtime_detector(
     params: TrainingParams,
     *,
     hidden_layers: list[int],
-    state_indices: list[int],
     prompt: RealtimePromptParams,
     spacy_model: str,
     fingerprint: Fingerprint,
@@ -224,8 +224,9 @@ def train_realtime_detector(
 ) -> RealtimeDetector:
     """Train on the entity tokens of ``train``; early-stop and choose the threshold on ``val`` only.
 
-    ``hidden_layers``/``state_indices``, ``prompt`` and ``spacy_model`` are how the set was recorded:
-    the detector stores them so that serving captures the same features.
+    ``hidden_layers``, ``prompt`` and ``spacy_model`` are how the set was recorded: the detector stores
+    them (and the layers' hidden-state indices for ``fingerprint``'s depth) so that serving captures the
+    same features.
     """
     x, y, where = entity_token_table(frame, hidden)
     train, val = (where["split"] == "train").to_numpy(), (where["split"] == "val").to_numpy()
@@ -243,7 +244,9 @@ def train_realtime_detector(
         fast_dev_run=fast_dev_run,
     )
     detector = RealtimeDetector(
-        net, mean, std, 0.5, list(hidden_layers), list(state_indices), prompt, spacy_model, fingerprint, llm_ref, {}
+        net, mean, std, 0.5, list(hidden_layers),
+        hidden_state_indices(hidden_layers, fingerprint.num_layers, "build_realtime.hidden_layers"),
+        prompt, spacy_model, fingerprint, llm_ref, {},
     )
     detector.threshold = choose_threshold(y[val], detector.predict_proba(x[val]), params.threshold)
     detector.info = training_info(
