@@ -23,7 +23,7 @@ READS = ("llm", "build_early", "paths.llm", "paths.qa", "paths.early_shards", "p
 
 
 def _record(llm, row, params) -> dict:
-    base = {"id": row.id, "split": row.split, "question": row.question, "answers": list(row.answers)}
+    base = {"id": row.id, "split": row.split, "question": row.question, "answers": list(row.answers), "feature_dtype": llm.dtype_name}
     try:
         record = early_record(llm, row.question, list(row.answers), params.features, params.max_new_tokens, params.stop)
         return {**base, "status": "ok", **record}

@@ -42,7 +42,7 @@ def build_shard(llm, tools, chunk: pd.DataFrame, state_indices: list[int], param
     """Records of one shard and the hidden states of their generated tokens (by record id)."""
     rows, ready = [], []
     for art in chunk.itertuples(index=False):
-        base = {"id": art.id, "split": art.split, "title": art.title}
+        base = {"id": art.id, "split": art.split, "title": art.title, "feature_dtype": llm.dtype_name}
         try:
             text, prompt, cut, warnings = prepare_article(
                 tools, llm, art.id, art.title, art.text, params.prompt, max_new_tokens=params.max_new_tokens,

@@ -168,6 +168,11 @@ class LLM:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def dtype_name(self) -> str:
+        """The dtype features are computed in (``"float32"``, ``"bfloat16"``, ...)."""
+        return str(self.model.dtype).removeprefix("torch.")
+
     @classmethod
     def wrap(cls, model: PreTrainedModel, tokenizer: Any, name: str | None = None) -> "LLM":
         """Wrap a model the caller loaded itself (its fingerprint is computed from its weights)."""
