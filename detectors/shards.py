@@ -1,7 +1,12 @@
 """Resumable work in fixed-size shards: finished shards survive a crash and are skipped on restart.
 
-The directory remembers the configuration it was built with; a different configuration (other
-params, another LLM, another input table) clears it, so stale shards are never mixed in.
+The directory remembers the configuration it was built with (the stage's key: params, LLM, inputs,
+code); a different configuration clears it, so stale shards are never mixed in.
+
+Every record has an ``id`` and a ``status``: ``ok``; ``skipped: <why>`` when the record cannot be used
+(a :class:`RecordError`: deterministic, final, reported); or ``error: <what>`` for anything else (a
+transient I/O or device error, a bug). Errors are never final: the next run computes those records
+again, and a stage stops once errors exceed its allowed share (:class:`FailureBudget`).
 """
 
 from __future__ import annotations
@@ -14,15 +19,69 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pandas as pd
+import torch
 from tqdm import tqdm
 
+from detectors.errors import RecordError
 from detectors.io import write_json
 
 log = logging.getLogger(__name__)
 
+OK = "ok"
+SKIPPED = "skipped: "
+ERROR = "error: "
+
 
 def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def failure_status(err: Exception) -> str:
+    """The status of a record that raised ``err``: skipped for a :class:`RecordError`, else an error.
+    Running out of device memory is re-raised: it is the batch size's problem, not the record's."""
+    if isinstance(err, torch.OutOfMemoryError):
+        raise err
+    return SKIPPED + str(err) if isinstance(err, RecordError) else f"{ERROR}{type(err).__name__}: {err}"
+
+
+def is_error(status: pd.Series) -> pd.Series:
+    return status.str.startswith(ERROR)
+
+
+def status_counts(frame: pd.DataFrame) -> dict[str, Any]:
+    """The skipped and failed records of a stage's output, for its report (reasons with numbers masked)."""
+    skipped, failed = frame[frame["status"].str.startswith(SKIPPED)], frame[is_error(frame["status"])]
+    return {
+        "skipped": int(len(skipped)),
+        "skip_reasons": skipped["status"].str.removeprefix(SKIPPED).str.replace(r"\d+", "N", regex=True).value_counts().to_dict(),
+        "failed": int(len(failed)),
+        "failures": failed[["id", "status"]].head(50).to_dict("records"),
+    }
+
+
+class FailedRecordsError(RuntimeError):
+    """More records failed than a stage allows; the finished ones are kept and the failed ones retried."""
+
+
+class FailureBudget:
+    """Stops a stage as soon as its errors exceed ``max_share`` of its ``total`` records (the final share
+    can then no longer be under it), so a sticky error (a broken GPU, a full disk) ends the run early
+    instead of turning the rest of it into error rows."""
+
+    def __init__(self, total: int, max_share: float, key: str, directory: str | Path):
+        self.total, self.max_share, self.key, self.dir = total, max_share, key, directory
+        self.errors: list[tuple[str, str]] = []
+
+    def add(self, rows: pd.DataFrame) -> None:
+        failed = rows[is_error(rows["status"])]
+        self.errors += list(zip(failed["id"], failed["status"]))
+        if len(self.errors) > self.max_share * self.total:
+            first = "; ".join(f"{i}: {s.removeprefix(ERROR)}" for i, s in self.errors[:3])
+            raise FailedRecordsError(
+                f"{len(self.errors)} of {self.total} records failed, more than {self.key} = {self.max_share} allows; "
+                f"first errors: {first}. Finished records are kept in {self.dir}: fix the cause and rerun, "
+                "which computes only the failed and missing records"
+            )
 
 
 class ShardStore:
@@ -31,12 +90,18 @@ class ShardStore:
     def __init__(self, directory: str | Path, config: dict[str, Any]):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._written: set[int] = set()
         digest = config_hash(config)
         manifest = self.dir / "manifest.json"
-        previous = json.loads(manifest.read_text()).get("config_hash") if manifest.exists() else None
-        if previous != digest:
-            for stale in self.dir.glob("shard-*"):
-                stale.unlink()
+        previous = json.loads(manifest.read_text()) if manifest.exists() else {}
+        if previous.get("config_hash") != digest:
+            stale = list(self.dir.glob("shard-*"))
+            if stale:
+                old = previous.get("config", {})
+                changed = sorted(k for k in config.keys() | old.keys() if config.get(k) != old.get(k))
+                log.info("%s: %s changed since the shards were written: %d stale files removed", self.dir, changed, len(stale))
+            for path in stale:
+                path.unlink()
             write_json(manifest, {"config_hash": digest, "config": config})
 
     def path(self, index: int) -> Path:
@@ -46,17 +111,20 @@ class ShardStore:
         """A file that belongs to shard ``index``; write it before the shard, which marks it done."""
         return self.dir / f"shard-{index:05d}{suffix}"
 
-    def items_done(self, n_items: int, size: int) -> int:
-        """How many of ``n_items`` (in shards of ``size``) finished shards hold: where progress resumes."""
-        return sum(min(size, n_items - k * size) for k in range(self.count(n_items, size)) if self.done(k))
-
     def done(self, index: int) -> bool:
         return self.path(index).exists()
 
     def write(self, index: int, frame: pd.DataFrame) -> None:
+        """Write shard ``index``; when it exists already (a retry of its errors), ``frame``'s records
+        replace those with the same ids and the others are kept, in their order."""
+        if self.done(index):
+            old = self.read(range(index, index + 1))
+            merged = pd.concat([old[~old["id"].isin(frame["id"])], frame], ignore_index=True)
+            frame = merged.set_index("id").loc[old["id"]].reset_index()
         tmp = self.dir / f".shard-{index:05d}.parquet.part"
         frame.to_parquet(tmp, index=False)
         os.replace(tmp, self.path(index))
+        self._written.add(index)
 
     def read(self, indices: range) -> pd.DataFrame:
         frames = [pd.read_parquet(self.path(i)) for i in indices]
@@ -66,19 +134,27 @@ class ShardStore:
     def count(n_items: int, size: int) -> int:
         return (n_items + size - 1) // size
 
+    def _todo(self, index: int, chunk: pd.DataFrame) -> pd.DataFrame:
+        """The rows of shard ``index`` to compute: all of an unfinished shard, the errors of a finished one."""
+        if not self.done(index):
+            return chunk
+        stored = pd.read_parquet(self.path(index), columns=["id", "status"])
+        return chunk[chunk["id"].isin(stored.loc[is_error(stored["status"]), "id"])]
+
     def pending(self, table: pd.DataFrame, size: int, desc: str, unit: str) -> Iterator[tuple[int, pd.DataFrame]]:
-        """The unfinished shards of ``table`` as ``(index, rows)``, with a progress bar that starts at the
-        items finished shards hold. The caller writes shard ``index`` before asking for the next one."""
-        n_shards = self.count(len(table), size)
-        todo = [k for k in range(n_shards) if not self.done(k)]
-        log.info("%s: %d %s in %d shards, %d to do", desc, len(table), unit, n_shards, len(todo))
-        with tqdm(total=len(table), initial=self.items_done(len(table), size), desc=desc, unit=unit) as bar:
-            for k in todo:
-                chunk = table.iloc[k * size : (k + 1) * size]
-                yield k, chunk
-                if not self.done(k):
+        """The work left in ``table`` (which has an ``id`` column) as ``(shard index, rows)``: every row of
+        an unfinished shard and the error records of a finished one, with a progress bar over those rows.
+        The caller writes shard ``index`` before asking for the next one."""
+        chunks = [(k, self._todo(k, table.iloc[k * size : (k + 1) * size])) for k in range(self.count(len(table), size))]
+        todo = [(k, rows) for k, rows in chunks if len(rows)]
+        n_todo = sum(len(rows) for _, rows in todo)
+        log.info("%s: %d %s in %d shards, %d %s to compute", desc, len(table), unit, len(chunks), n_todo, unit)
+        with tqdm(total=len(table), initial=len(table) - n_todo, desc=desc, unit=unit) as bar:
+            for k, rows in todo:
+                yield k, rows
+                if k not in self._written:
                     raise RuntimeError(f"shard {k} of {self.dir} was not written before the next one was asked for")
-                bar.update(len(chunk))
+                bar.update(len(rows))
 
     def read_all(self, n_items: int, size: int) -> pd.DataFrame:
         """Every shard of a table of ``n_items`` rows, in order (all must be done)."""

@@ -1,6 +1,6 @@
 """Stage build_early: the early-detection set (DioR Alg. 1): answer, label and IG features per question.
 
-Work is written in shards; a killed run resumes at the first unfinished shard.
+Work is written in shards; a rerun computes only the unfinished shards and the records that failed.
 """
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ import logging
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from detectors.dior.early import early_record
-from detectors.io import file_digest, write_json
+from detectors.io import write_json
 from detectors.llm.loading import load_llm
-from detectors.shards import ShardStore
+from detectors.shards import OK, FailureBudget, ShardStore, failure_status, status_counts
+from pipelines._provenance import record_key
 from pipelines._stage import stage_params
 
 log = logging.getLogger("build_early")
+LIBRARIES = ("torch", "transformers", "tokenizers", "captum")  # their versions are part of the shard key
 READS = ("llm", "build_early", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report")
 
 
@@ -26,25 +27,21 @@ def _record(llm, row, params) -> dict:
     base = {"id": row.id, "split": row.split, "question": row.question, "answers": list(row.answers), "feature_dtype": llm.dtype_name}
     try:
         record = early_record(llm, row.question, list(row.answers), params.features, params.max_new_tokens, params.stop)
-        return {**base, "status": "ok", **record}
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:  # one bad record is reported, never the end of the run
-        return {**base, "status": f"{type(err).__name__}: {err}"}
+        return {**base, "status": OK, **record}
+    except Exception as err:  # one bad record is reported (an error is retried on the next run), never the end of the run
+        return {**base, "status": failure_status(err)}
 
 
 def report(frame: pd.DataFrame) -> dict:
-    ok = frame[frame["status"] == "ok"]
+    ok = frame[frame["status"] == OK]
     by_split = {
         split: {"n": int(len(g)), "hallucinated": int(g["label"].sum()), "rate": round(float(g["label"].mean()), 4)}
         for split, g in ok.groupby("split")
     }
-    failed = frame[frame["status"] != "ok"]
     return {
         "records": int(len(frame)),
         "ok": int(len(ok)),
-        "failed": int(len(failed)),
-        "failures": failed[["id", "status"]].head(50).to_dict("records"),
+        **status_counts(frame),
         "label_balance": by_split,
         "hallucination_rate": round(float(ok["label"].mean()), 4) if len(ok) else None,
     }
@@ -55,19 +52,15 @@ def main(argv: list[str] | None = None) -> None:
     llm_params, params = p["llm"], p["build_early"]
     table = pd.read_parquet(p["paths.qa"])
     llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
-    store = ShardStore(
-        p["paths.early_shards"],
-        {
-            "features": dataclasses.asdict(params.features),
-            "max_new_tokens": params.max_new_tokens,
-            "shard_size": params.shard_size,
-            "llm": llm.fingerprint.to_dict(),
-            "qa_table": file_digest(p["paths.qa"]),
-        },
-    )
-    log.info("LLM %s", llm.fingerprint.name)
-    for k, chunk in store.pending(table, params.shard_size, "build_early", "q"):
-        store.write(k, pd.DataFrame([_record(llm, row, params) for row in chunk.itertuples(index=False)]))
+    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"}
+    key = record_key("pipelines.build_early", shaping, llm, {"qa": p["paths.qa"]}, LIBRARIES)
+    store = ShardStore(p["paths.early_shards"], key)
+    budget = FailureBudget(len(table), params.max_failed_share, "build_early.max_failed_share", store.dir)
+    log.info("LLM %s (%s on %s)", llm.fingerprint.name, llm.dtype_name, llm.device)
+    for k, rows in store.pending(table, params.shard_size, "build_early", "q"):
+        records = pd.DataFrame([_record(llm, row, params) for row in rows.itertuples(index=False)])
+        store.write(k, records)
+        budget.add(records)
     frame = store.read_all(len(table), params.shard_size)
     out = Path(p["paths.early"])
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 Each article is truncated before an entity, continued by the LLM (hidden states of every generated
 token captured by the recorder while it generates), and its continuation's entities are labelled
-against the original's. Work is written in shards; a killed run resumes at the first unfinished shard.
+against the original's. Work is written in shards; a rerun computes only the unfinished shards and the
+records that failed.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from safetensors.numpy import load_file, save_file
 
 from detectors.dior.entities import EntityTools, label_continuation, prepare_article
 from detectors.dior.recorder import generate_traced
-from detectors.errors import RecordError
-from detectors.io import file_digest, write_json
+from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import load_llm
-from detectors.shards import ShardStore
+from detectors.shards import OK, FailureBudget, ShardStore, failure_status, status_counts
+from pipelines._provenance import record_key
 from pipelines._stage import stage_params
 
 log = logging.getLogger("build_realtime")
@@ -32,14 +33,17 @@ READS = (
     "paths.realtime_hidden", "paths.realtime_report",
 )  # fmt: skip
 HIDDEN = ".hidden.safetensors"
+LIBRARIES = ("torch", "transformers", "tokenizers", "spacy", "sentence-transformers")  # versions in the shard key
 
 
 def _failure(base: dict, err: Exception) -> dict:
-    return {**base, "status": f"{type(err).__name__}: {err}"}
+    return {**base, "status": failure_status(err)}
 
 
 def build_shard(llm, tools, chunk: pd.DataFrame, state_indices: list[int], params) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """Records of one shard and the hidden states of their generated tokens (by record id)."""
+    """Records of one shard and the hidden states of their generated tokens (by record id). A record that
+    raises becomes a skipped or error row (see :mod:`detectors.shards`); a batch whose generation raises
+    makes an error row of each of its records."""
     rows, ready = [], []
     for art in chunk.itertuples(index=False):
         base = {"id": art.id, "split": art.split, "title": art.title, "feature_dtype": llm.dtype_name}
@@ -50,36 +54,37 @@ def build_shard(llm, tools, chunk: pd.DataFrame, state_indices: list[int], param
                 min_prefix_chars=params.min_prefix_chars,
             )  # fmt: skip
             ready.append((base, text, prompt, cut, warnings))
-        except RecordError as err:
+        except Exception as err:
             rows.append(_failure(base, err))
     hidden: dict[str, np.ndarray] = {}
     for i in range(0, len(ready), params.batch_size):
         batch = ready[i : i + params.batch_size]
-        prompt_ids, traces = generate_traced(llm, [b[2] for b in batch], state_indices, params.max_new_tokens, params.prompt.chat)
+        try:
+            prompt_ids, traces = generate_traced(llm, [b[2] for b in batch], state_indices, params.max_new_tokens, params.prompt.chat)
+        except Exception as err:
+            rows.extend(_failure(b[0], err) for b in batch)
+            continue
         for (base, text, _, cut, warnings), ids, trace in zip(batch, prompt_ids, traces):
             record = {**base, "cut": cut, "prompt_ids": ids, "gen_ids": trace.gen_ids, "warnings": warnings}
             try:
                 labels = label_continuation(llm, tools, text, cut, trace.gen_ids, params.similarity_threshold, params.sentence_window)
-            except RecordError as err:
+            except Exception as err:
                 rows.append(_failure(record, err))
                 continue
             labels["entities"] = json.dumps(labels["entities"])
-            rows.append({**record, **labels, "status": "ok", "prob": trace.prob.tolist(), "entropy": trace.entropy.tolist()})
+            rows.append({**record, **labels, "status": OK, "prob": trace.prob.tolist(), "entropy": trace.entropy.tolist()})
             hidden[base["id"]] = trace.hidden
     return rows, hidden
 
 
 def report(frame: pd.DataFrame) -> dict:
-    ok = frame[frame["status"] == "ok"]
+    ok = frame[frame["status"] == OK]
     entities = [e for row in ok.itertuples() for e in json.loads(row.entities)]
     token_labels = np.concatenate([np.asarray(t) for t in ok["token_label"]]) if len(ok) else np.zeros(0)
-    failed = frame[frame["status"] != "ok"]
     return {
         "records": int(len(frame)),
         "ok": int(len(ok)),
-        "failed": int(len(failed)),
-        "failure_reasons": failed["status"].str.replace(r"\d+", "N", regex=True).value_counts().to_dict() if len(failed) else {},
-        "failures": failed[["id", "status"]].head(50).to_dict("records"),
+        **status_counts(frame),
         "continuations": {
             split: {"n": int(len(g)), "hallucinated": int(g["label"].sum()), "rate": round(float(g["label"].mean()), 4)}
             for split, g in ok.groupby("split")
@@ -102,14 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
     state_indices = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_realtime.hidden_layers")
     tools = EntityTools(params.spacy_model, params.embedding_model)
-    config = dataclasses.asdict(params) | {"llm": llm.fingerprint.to_dict(), "articles": file_digest(p["paths.articles"])}
-    store = ShardStore(p["paths.realtime_shards"], config)
-    log.info("LLM %s", llm.fingerprint.name)
+    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"}
+    key = record_key("pipelines.build_realtime", shaping, llm, {"articles": p["paths.articles"]}, LIBRARIES)
+    store = ShardStore(p["paths.realtime_shards"], key)
+    budget = FailureBudget(len(table), params.max_failed_share, "build_realtime.max_failed_share", store.dir)
+    log.info("LLM %s (%s on %s)", llm.fingerprint.name, llm.dtype_name, llm.device)
     for k, chunk in store.pending(table, params.shard_size, "build_realtime", "article"):
         with torch.no_grad():
             rows, hidden = build_shard(llm, tools, chunk, state_indices, params)
-        save_file(hidden, str(store.sidecar(k, HIDDEN)))
-        store.write(k, pd.DataFrame(rows))
+        sidecar = store.sidecar(k, HIDDEN)
+        kept = load_file(str(sidecar)) if store.done(k) else {}  # a retry adds to the shard's finished records
+        save_file(kept | hidden, str(sidecar))
+        records = pd.DataFrame(rows)
+        store.write(k, records)
+        budget.add(records)
     write_outputs(store, ShardStore.count(len(table), params.shard_size), p["paths.realtime"], p["paths.realtime_hidden"], p["paths.realtime_report"])
 
 
@@ -120,8 +131,8 @@ def write_outputs(store: ShardStore, n_shards: int, out: str, hidden_out: str, r
         shard, hidden = store.read(range(k, k + 1)), load_file(str(store.sidecar(k, HIDDEN)))
         offsets = []
         for row in shard.itertuples():
-            offsets.append(offset if row.status == "ok" else -1)
-            if row.status == "ok":
+            offsets.append(offset if row.status == OK else -1)
+            if row.status == OK:
                 blocks.append(hidden[row.id])
                 offset += len(hidden[row.id])
         frames.append(shard.assign(hidden_offset=offsets))

@@ -3,7 +3,6 @@ exactly the params it reads, so no edit of code or params can leave a stale outp
 
 from __future__ import annotations
 
-import ast
 import importlib
 from pathlib import Path
 
@@ -11,54 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-
-PACKAGES = ("detectors", "pipelines")
-
-
-def module_file(module: str) -> Path | None:
-    path = ROOT.joinpath(*module.split("."))
-    if (path / "__init__.py").exists():
-        return path / "__init__.py"
-    return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every module an import statement of ``path`` names, wherever the statement is (functions included).
-
-    Imports inside a module-level ``__getattr__`` are lazy attribute loads (``detectors.load_detector``)
-    that run only when the attribute is used, so they are not imports of the module.
-    """
-    tree = ast.parse(path.read_text())
-    lazy = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__" for n in ast.walk(f)}
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in lazy:
-            continue
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.level:
-                raise AssertionError(f"{path}: use absolute imports (the closure is computed from module names)")
-            out.add(node.module)
-            out.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules imported by name
-    return out
-
-
-def import_closure(module: str) -> set[Path]:
-    """The project files Python loads for ``import module``: the module, its packages' ``__init__``
-    files, and the same for everything they import, transitively."""
-    seen: set[Path] = set()
-    todo = [module]
-    while todo:
-        parts = todo.pop().split(".")
-        if parts[0] not in PACKAGES:
-            continue
-        for i in range(1, len(parts) + 1):
-            path = module_file(".".join(parts[:i]))
-            if path is not None and path not in seen:
-                seen.add(path)
-                todo.extend(imported_modules(path))
-    return {p.relative_to(ROOT) for p in seen}
+from pipelines._provenance import PACKAGES, import_closure
 
 
 def stages() -> dict[str, dict]:

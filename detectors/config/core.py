@@ -107,6 +107,11 @@ def positive(key: str, value: float | int) -> None:
         fail(key, value, "must be positive")
 
 
+def check_share(key: str, value: float) -> None:
+    if not 0 <= value < 1:  # also refuses NaN
+        fail(key, value, "a share of records must be in [0, 1)")
+
+
 def check_splits(key: str, splits: dict[str, float]) -> None:
     """Train/val/test ratios: exactly those keys, each in (0, 1), summing to 1."""
     if set(splits) != {"train", "val", "test"}:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from detectors.config.core import check_splits, fail, positive
+from detectors.config.core import check_share, check_splits, fail, positive
 from detectors.config.schema import (
     ContrastParams,
     EarlyFeatureParams,
@@ -108,10 +108,12 @@ class BuildEarlyParams:
     max_new_tokens: int
     stop: list[str]
     shard_size: int
+    max_failed_share: float
 
     def check(self, where: str) -> None:
         positive(f"{where}.max_new_tokens", self.max_new_tokens)
         positive(f"{where}.shard_size", self.shard_size)
+        check_share(f"{where}.max_failed_share", self.max_failed_share)
         for i, stop in enumerate(self.stop):
             if not stop:
                 fail(f"{where}.stop[{i}]", stop, "stop strings must be non-empty (use [] for no stop string)")
@@ -155,8 +157,10 @@ class BuildRealtimeParams:
     spacy_model: str
     embedding_model: str
     shard_size: int
+    max_failed_share: float
 
     def check(self, where: str) -> None:
+        check_share(f"{where}.max_failed_share", self.max_failed_share)
         if not self.hidden_layers:
             fail(f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)")
         for key in ("max_new_tokens", "batch_size", "prefix_sentences", "max_article_chars", "shard_size"):

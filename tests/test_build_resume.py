@@ -1,0 +1,141 @@
+"""Resuming a build stage is only ever resuming the same computation: a change of any param that shapes
+a record, of the LLM's dtype or of the code clears the shards; records that failed are computed again
+on the next run; too many failures stop the stage, keeping what is finished."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from detectors.shards import FailedRecordsError
+from pipelines import build_early, build_realtime, prepare, prepare_articles
+from pipelines._provenance import code_digest, import_closure
+from test_pipeline import write_params
+
+
+@pytest.fixture()
+def project(tmp_path, tiny_checkpoint):
+    previous = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        write_params(tmp_path, tiny_checkpoint)
+        edit_params(tmp_path, "qa", limit=24)  # three shards of 8 questions
+        prepare.main(["--params", "params.yaml"])
+        yield tmp_path
+    finally:
+        os.chdir(previous)
+
+
+def edit_params(project: Path, section: str, **values) -> None:
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params[section].update(values)
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def early(project: Path) -> pd.DataFrame:
+    build_early.main(["--params", "params.yaml"])
+    return pd.read_parquet(project / "data/early/early.parquet")
+
+
+def inject_errors(monkeypatch, module, name: str, failing: set[str], id_of) -> list[str]:
+    """Make ``module.name`` raise a transient error for the records whose id is in ``failing`` (shrunk
+    by the caller to simulate the error going away); returns the ids it was called for."""
+    real, calls = getattr(module, name), []
+
+    def flaky(*args, **kwargs):
+        calls.append(id_of(args))
+        if calls[-1] in failing:
+            raise OSError(f"transient failure of {calls[-1]}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, flaky)
+    return calls
+
+
+def test_changing_the_stop_strings_or_the_dtype_recomputes_every_record(project):
+    first = early(project)
+    assert first["answer"].str.contains(r"\.").any() and set(first["feature_dtype"]) == {"float32"}
+    edit_params(project, "build_early", stop=["."])  # changes the answers, hence the labels
+    stopped = early(project)
+    assert not stopped["answer"].str.contains(r"\.").any()
+    edit_params(project, "llm", dtype="bfloat16")  # another dtype computes other features
+    assert set(early(project)["feature_dtype"]) == {"bfloat16"}
+
+
+def test_the_code_digest_covers_the_import_closure_and_nothing_else(tmp_path):
+    for name, text in {
+        "pipelines/__init__.py": "",
+        "pipelines/stage.py": "from detectors.used import f\n",
+        "detectors/__init__.py": "",
+        "detectors/used.py": "def f():\n    return 1\n",
+        "detectors/unused.py": "",
+    }.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert {p.as_posix() for p in import_closure("pipelines.stage", tmp_path)} == {
+        "pipelines/__init__.py", "pipelines/stage.py", "detectors/__init__.py", "detectors/used.py",
+    }  # fmt: skip
+    before = code_digest("pipelines.stage", tmp_path)
+    (tmp_path / "detectors/unused.py").write_text("x = 2\n")
+    assert code_digest("pipelines.stage", tmp_path) == before
+    (tmp_path / "detectors/used.py").write_text("def f():\n    return 2\n")  # a fix to the labelling rule, say
+    assert code_digest("pipelines.stage", tmp_path) != before
+
+
+def test_failed_early_records_are_retried_and_too_many_stop_the_stage(project, monkeypatch):
+    clean = early(project)
+    (project / "data/early/shards/manifest.json").unlink()  # start over (as after a code change)
+    ids = clean["id"].tolist()
+    failing = {ids[5]}  # 1 of 24 records hits a transient error: within max_failed_share = 0.05
+    calls = inject_errors(monkeypatch, build_early, "early_record", failing, lambda args: ids[clean["question"].tolist().index(args[1])])
+    flaky = early(project)
+    assert set(flaky.loc[flaky["status"].str.startswith("error: OSError"), "id"]) == failing
+    failing.clear()  # the error went away: the next run computes exactly the failed record
+    calls.clear()
+    retried = early(project)
+    assert calls == [ids[5]]
+    pd.testing.assert_frame_equal(
+        retried.drop(columns=["attribution", "hidden"]), clean.drop(columns=["attribution", "hidden"]), check_like=True,
+        check_dtype=False,  # labels of a shard that held an error row are floats
+    )
+    (project / "data/early/shards/manifest.json").unlink()
+    failing.update(ids[10:])  # a sticky error from the 11th record on: the stage stops after the second shard
+    calls.clear()
+    with pytest.raises(FailedRecordsError, match=r"6 of 24 records failed.*build_early.max_failed_share = 0.05"):
+        early(project)
+    assert len(calls) < len(ids)  # stopped early, with the finished shard kept for the next run
+    assert pd.read_parquet(project / "data/early/shards/shard-00000.parquet")["status"].eq("ok").all()
+
+
+def test_failed_realtime_records_are_retried_with_their_hidden_states(project, monkeypatch):
+    prepare_articles.main(["--params", "params.yaml"])
+    edit_params(project, "build_realtime", max_failed_share=0.5)
+
+    def run() -> tuple[pd.DataFrame, dict]:
+        build_realtime.main(["--params", "params.yaml"])
+        return pd.read_parquet(project / "data/realtime/realtime.parquet"), load_file(project / "data/realtime/hidden.safetensors")
+
+    clean, clean_hidden = run()
+    ok_ids = clean.loc[clean["status"] == "ok", "id"].tolist()
+    (project / "data/realtime/shards/manifest.json").unlink()
+    failing = {ok_ids[0], ok_ids[-1]}
+    inject_errors(monkeypatch, build_realtime, "prepare_article", failing, lambda args: args[2])
+    flaky, _ = run()
+    assert set(flaky.loc[flaky["status"].str.startswith("error: "), "id"]) == failing
+    failing.clear()
+    retried, hidden = run()
+    same = ["id", "status", "gen_ids", "label", "token_label"]  # the retried records generate in a smaller batch
+    pd.testing.assert_frame_equal(retried[same], clean[same], check_dtype=False)
+    for row in retried[retried["status"] == "ok"].itertuples():  # each record's hidden states, wherever they now sit
+        ref = clean.set_index("id").loc[row.id]
+        n = len(row.gen_ids)
+        got = hidden["hidden"][row.hidden_offset : row.hidden_offset + n]
+        want = clean_hidden["hidden"][ref.hidden_offset : ref.hidden_offset + n]
+        np.testing.assert_allclose(got, want, atol=2e-2, err_msg=row.id)
+
