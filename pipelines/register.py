@@ -23,7 +23,8 @@ from pipelines._stage import stage_params
 log = logging.getLogger("register")
 READS = (
     "train_early.features", "build_realtime.hidden_layers", "register_early", "register_realtime", "mlflow",
-    "paths.early", "paths.realtime", "paths.early_model", "paths.realtime_model", "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
+    "paths.early", "paths.realtime", "paths.early_model", "paths.realtime_model",
+    "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
     "paths.registry_early", "paths.registry_realtime",
 )  # fmt: skip
 
@@ -48,8 +49,9 @@ def register_detector(artifact_dir: str, val_ids: list[str], test: dict, params,
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
     run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
     test_metrics = {f"test_{k}": v for k, v in test.items() if k != "kind"}
+    digest = store.validation_digest(val_ids)
     result = store.log_and_register(
-        detector, artifact_dir, params.name, params.alias, experiment_id, val_auroc, store.validation_digest(val_ids), test_metrics, run_params, metadata
+        detector, artifact_dir, params.name, params.alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata
     )
     result["test_auroc"] = test["auroc"]
     write_json(out, result)

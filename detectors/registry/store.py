@@ -173,7 +173,8 @@ def promote(name: str, version: int | str, alias: str = "champion") -> dict[str,
     challenger = alias_version(client, name, CHALLENGER)
     if alias != CHALLENGER and challenger is not None and challenger.version == target.version:
         client.delete_registered_model_alias(name, CHALLENGER)
-    return {"name": name, "version": int(target.version), "alias": alias, "previous_version": None if previous is None else int(previous.version)}
+    before = None if previous is None else int(previous.version)
+    return {"name": name, "version": int(target.version), "alias": alias, "previous_version": before}
 
 
 def log_and_register(
