@@ -27,20 +27,23 @@ def load_detector(
     alias: str = "champion",
     *,
     tracking_uri: str | None = None,
-    params: str | Path = "params.yaml",
+    params: str | Path | None = None,
     llm: LLM | None = None,
 ) -> Detector:
     """The detector registered as ``models:/<name>@<alias>``.
 
-    The tracking store is ``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section
-    of ``params``. Pass ``llm`` to reuse an LLM already in memory; it must be the detector's LLM.
+    The tracking store is ``tracking_uri``, else the ``mlflow`` section of ``params`` when given, else
+    ``$MLFLOW_TRACKING_URI`` (which ``mlflow.set_tracking_uri`` also sets, so an explicit ``params`` must win
+    over it), else the ``mlflow`` section of ``params.yaml``; a sqlite store that was moved or cloned is re-anchored where it is now (see
+    :func:`detectors.registry.store.configure`). Pass ``llm`` to reuse an LLM already in memory; it must be
+    the detector's LLM.
     """
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = tracking_uri or (None if params is not None else os.environ.get("MLFLOW_TRACKING_URI"))
     if uri:
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_registry_uri(uri)
+        configure(uri)
     else:
-        configure(load_section("mlflow", params).tracking_uri, Path(params).parent)
+        params = Path(params or "params.yaml")
+        configure(load_section("mlflow", params).tracking_uri, params.parent)
     try:
         model = mlflow.pyfunc.load_model(f"models:/{name}@{alias}")
     except mlflow.exceptions.MlflowException as err:

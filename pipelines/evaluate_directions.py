@@ -59,8 +59,9 @@ def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements
         log.warning("no held-out statements with both labels: the honesty AUROC is skipped")
         return {}
     val = statements[(statements["split"] == "val") & statements["label"].notna()]
-    val_auroc = None
+    val_auroc, val_digest = None, None
     if val["label"].nunique() == 2:
+        val_digest = store.validation_digest(val["id"])
         val_states = last_token_states(llm, params.eval_instruction, val["statement"].tolist(), params.batch_size, max_tokens)
         val_auroc = _auroc(val["label"].astype(int).to_numpy(), projection_scores(val_states, honesty.vectors, honesty.layers))
     states = last_token_states(llm, params.eval_instruction, held["statement"].tolist(), params.batch_size, max_tokens)
@@ -73,6 +74,7 @@ def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements
         "auroc_per_layer": [_auroc(labels, per_layer[:, i]) for i in range(per_layer.shape[1])],
         "auroc_chosen_layers": _auroc(labels, projection_scores(states, honesty.vectors, honesty.layers)),
         "val_auroc_chosen_layers": val_auroc,
+        "val_digest": val_digest,  # the val statements' ids: the registry compares only versions evaluated on the same ones
         "auroc_by_n_statements": curve,
         "confidence_direction_auroc_chosen_layers": _auroc(labels, projection_scores(states, confidence.vectors, confidence.layers)),
     }
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{split}_auroc": _auroc(early.loc[early["split"] == split, "label"], scores[early["split"] == split]) for split in ("val", "test")
     }
     metrics["confidence_early"]["n"] = int(len(early))
+    metrics["confidence_early"]["val_digest"] = store.validation_digest(early.loc[early["split"] == "val", "id"])
     timings["confidence_early"] = time.time() - start
 
     realtime = Path(p["paths.realtime"])

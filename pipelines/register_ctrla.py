@@ -1,8 +1,9 @@
 """Stage register_ctrla: log the CtrlA directions as MLflow models (``ctrla-honesty``, ``ctrla-confidence``),
-register them, and move the champion alias only when the validation AUROC did not get worse.
+register them, and apply the champion rule.
 
 Validation AUROC: the val split's true-vs-false statements for honesty (never the test split); the early set's validation split
-(the monitor as a hallucination scorer) for confidence.
+(the monitor as a hallucination scorer) for confidence. evaluate_directions records the digest of the ids of each (``val_digest``),
+so only versions evaluated on the same validation set compete.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "register_ctrla")
     params, mlflow_params = p["register_ctrla"], p["mlflow"]
     metrics = json.loads(Path(p["paths.evaluate_directions_metrics"]).read_text())
-    val = {
-        "honesty": (metrics.get("honesty") or {}).get("val_auroc_chosen_layers"),
-        "confidence": metrics["confidence_early"].get("val_auroc"),
-    }
+    honesty, confidence = metrics.get("honesty") or {}, metrics["confidence_early"]
+    val = {"honesty": honesty.get("val_auroc_chosen_layers"), "confidence": confidence.get("val_auroc")}
+    digests = {"honesty": honesty.get("val_digest"), "confidence": confidence.get("val_digest")}
     store.configure(mlflow_params.tracking_uri)
     exp = store.experiment(params.experiment, mlflow_params.artifact_root)
     results = {}
@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         run_params = {"kind": cls.KIND, "layers": str(d.layers), "llm": d.fingerprint.name, "n_statements": d.config["n_statements"]}
         test = metrics["confidence_early"].get("test_auroc") if concept == "confidence" else None
         results[concept] = store.log_and_register(
-            directory, name, params.alias, exp, val_auroc, {} if test is None else {"test_auroc": test}, run_params, metadata
-        )
+            detector, directory, name, params.alias, exp, val_auroc, digests[concept], {} if test is None else {"test_auroc": test},
+            run_params, metadata,
+        )  # fmt: skip
         log.info("%s", results[concept])
     write_json(p["paths.registry_ctrla"], results)
 

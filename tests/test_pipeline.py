@@ -21,7 +21,7 @@ from conftest import QA_FIXTURE, ROOT, build_tiny_llama
 from detectors import load_detector
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
-from detectors.registry.store import register
+from detectors.registry.store import register, validation_digest
 from pipelines import build_early, build_realtime, evaluate, prepare, prepare_articles, train_early, train_realtime
 from pipelines import register as register_stage
 
@@ -127,7 +127,10 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
 
 def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tiny_llm):
     registry_out = json.loads((pipeline / "data/registry/dior-early.json").read_text())
-    assert registry_out["version"] == 1 and registry_out["alias_moved"]
+    assert registry_out["version"] == 1 and registry_out["alias_moved"] and registry_out["decision"] == "champion"
+    early = pd.read_parquet(pipeline / "data/early/early.parquet")
+    val_ids = early.loc[(early["status"] == "ok") & (early["split"] == "val"), "id"]
+    assert registry_out["val_digest"] == validation_digest(val_ids)
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     detector = load_detector("dior-early", alias="champion", tracking_uri=uri, llm=tiny_llm)
     frame = pd.read_parquet(pipeline / "data/early/early.parquet")
@@ -161,7 +164,7 @@ def test_champion_alias_moves_only_when_not_worse(pipeline):
     register_stage.main(["--params", "params.yaml"])  # same detector again: equal AUROC → alias moves
     second = json.loads((pipeline / "data/registry/dior-early.json").read_text())
     assert second["version"] == 2 and second["alias_moved"] and second["champion_version"] == 2
-    worse = register(second["model_uri"], "dior-early", "champion", val_auroc=second["val_auroc"] - 0.1)
+    worse = register(second["model_uri"], "dior-early", "champion", second["val_auroc"] - 0.1, second["val_digest"], second["llm_digest"])
     assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 2
     client = mlflow.MlflowClient()
     assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 2
