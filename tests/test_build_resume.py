@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from detectors.shards import FailedRecordsError
 from pipelines import build_early, build_realtime, prepare, prepare_articles
-from pipelines._provenance import code_digest, import_closure
+from pipelines._provenance import code_digest, stage_closure
 from test_pipeline import write_params
 
 
@@ -68,7 +68,7 @@ def test_changing_the_stop_strings_or_the_dtype_recomputes_every_record(project)
     assert set(early(project)["feature_dtype"]) == {"bfloat16"}
 
 
-def test_the_code_digest_covers_the_import_closure_and_nothing_else(tmp_path):
+def test_the_code_digest_covers_the_stage_closure_and_nothing_else(tmp_path):
     for name, text in {
         "pipelines/__init__.py": "",
         "pipelines/stage.py": "from detectors.used import f\n",
@@ -78,7 +78,7 @@ def test_the_code_digest_covers_the_import_closure_and_nothing_else(tmp_path):
     }.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert {p.as_posix() for p in import_closure("pipelines.stage", tmp_path)} == {
+    assert {p.as_posix() for p in stage_closure("pipelines.stage", tmp_path)} == {
         "pipelines/__init__.py", "pipelines/stage.py", "detectors/__init__.py", "detectors/used.py",
     }  # fmt: skip
     before = code_digest("pipelines.stage", tmp_path)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from pipelines._provenance import PACKAGES, import_closure
+from pipelines._provenance import PACKAGES, stage_closure
 
 
 def stages() -> dict[str, dict]:
@@ -30,7 +30,7 @@ def code_deps(stage: dict) -> list[Path]:
 @pytest.mark.parametrize("name", sorted(stages()))
 def test_stage_depends_on_exactly_the_code_it_imports(name):
     stage = stages()[name]
-    closure = import_closure(stage_module(stage))
+    closure = stage_closure(stage_module(stage))
     deps = code_deps(stage)
     missing = sorted(str(f) for f in closure if not any(f == d or d in f.parents for d in deps))
     assert not missing, f"dvc.yaml stage {name} misses deps on files it imports: {missing}"
@@ -49,9 +49,9 @@ def test_stage_declares_exactly_the_params_it_reads(name):
 
 
 def test_closure_follows_imports_inside_functions_but_not_lazy_package_attributes():
-    closure = import_closure("detectors.registry.kinds")
+    closure = stage_closure("detectors.registry.kinds")
     assert Path("detectors/ctrla/detectors.py") in closure  # imported inside detector_class()
-    assert Path("detectors/inference.py") not in import_closure("pipelines.prepare")  # detectors.__getattr__ only
+    assert Path("detectors/inference.py") not in stage_closure("pipelines.prepare")  # detectors.__getattr__ only
 
 
 def test_every_stage_module_is_in_the_dag():
