@@ -16,7 +16,7 @@ from detectors.dior.early import early_record
 from detectors.io import file_digest, write_json
 from detectors.llm.loading import load_llm
 from detectors.shards import ShardStore
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_early")
 READS = ("llm", "build_early", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report")
@@ -78,4 +78,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

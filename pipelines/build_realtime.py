@@ -24,7 +24,7 @@ from detectors.io import file_digest, write_json
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import load_llm
 from detectors.shards import ShardStore
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_realtime")
 READS = (
@@ -137,4 +137,4 @@ def write_outputs(store: ShardStore, n_shards: int, out: str, hidden_out: str, r
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from detectors.config.schema import ContrastParams, LayerRangeParams
 from detectors.ctrla.statements import StatementError, instruction_prefix, sample_statements, statement_ids
+from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint, LLMMismatchError
 from detectors.llm.kv import batches, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
@@ -41,7 +42,7 @@ CONFIG = "detector.json"
 TENSORS = "directions.safetensors"
 
 
-class DirectionsError(ValueError):
+class DirectionsError(InputError, ValueError):
     """A directions file is malformed or does not fit the LLM it is used with."""
 
 
