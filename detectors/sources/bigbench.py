@@ -54,7 +54,8 @@ def _download_archive(raw: Path) -> Path:
             raise SourceError(f"could not download bigbench=={BIGBENCH_VERSION}: {done.stderr.strip()[-500:]}")
         downloaded = Path(tmp) / ARCHIVE
         if not downloaded.exists():
-            raise SourceError(f"pip download bigbench=={BIGBENCH_VERSION} wrote no {ARCHIVE} (got {sorted(p.name for p in Path(tmp).iterdir())})")
+            got = sorted(p.name for p in Path(tmp).iterdir())
+            raise SourceError(f"pip download bigbench=={BIGBENCH_VERSION} wrote no {ARCHIVE} (got {got})")
         verify_archive(downloaded)  # before it takes the archive's place in raw_dir
         archive = raw / ARCHIVE
         downloaded.replace(archive)
