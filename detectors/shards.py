@@ -20,10 +20,10 @@ from typing import Any, Iterator
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from detectors.errors import RecordError
 from detectors.io import write_json
+from detectors.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class ShardStore:
         todo = [(k, rows) for k, rows in chunks if len(rows)]
         n_todo = sum(len(rows) for _, rows in todo)
         log.info("%s: %d %s in %d shards, %d %s to compute", desc, len(table), unit, len(chunks), n_todo, unit)
-        with tqdm(total=len(table), initial=len(table) - n_todo, desc=desc, unit=unit) as bar:
+        with progress(total=len(table), initial=len(table) - n_todo, desc=desc, unit=unit) as bar:
             for k, rows in todo:
                 yield k, rows
                 if k not in self._written:

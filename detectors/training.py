@@ -1,14 +1,16 @@
 """Lightning training of a binary detector: BCE, AUROC per split, early stopping on validation AUROC.
 
-Seeded and deterministic; ``accelerator="auto"`` takes the GPU when there is one.
+Seeded and deterministic (only while training: the process's torch flags are restored afterwards);
+``accelerator="auto"`` takes the GPU when there is one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytorch_lightning as pl
@@ -60,6 +62,28 @@ class BinaryDetector(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
 
+@contextlib.contextmanager
+def deterministic_training() -> Iterator[None]:
+    """Deterministic algorithms (and deterministic cuBLAS) for the duration of the block only.
+
+    Lightning's ``Trainer(deterministic=True)`` switches them on for the whole process, turns cuDNN
+    benchmarking off and sets ``CUBLAS_WORKSPACE_CONFIG``; all of it is put back as it was when the block
+    ends, also when training raises, so a notebook or a test session that trains keeps its own settings.
+    """
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = benchmark
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
+
+
 def fit(
     make_net: Callable[[], nn.Module],
     train: list[dict],
@@ -72,7 +96,6 @@ def fit(
     """Build the net after seeding (so its initial weights are seeded too) and train it; keeps the
     weights of the best validation-AUROC epoch. Returns the net and a summary."""
     seed, batch_size = params.seed, params.batch_size
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)  # no banner per trained variant
     pl.seed_everything(seed, workers=True, verbose=False)
     net = make_net()
@@ -80,7 +103,7 @@ def fit(
     train_loader = DataLoader(ListDataset(train), batch_size=batch_size, shuffle=True, collate_fn=collate, generator=gen)
     val_loader = DataLoader(ListDataset(val), batch_size=max(batch_size, 256), collate_fn=collate)
     module = BinaryDetector(net, params.lr, params.weight_decay)
-    with tempfile.TemporaryDirectory() as tmp:
+    with deterministic_training(), tempfile.TemporaryDirectory() as tmp:
         best = ModelCheckpoint(dirpath=tmp, monitor="val_auroc", mode="max", save_top_k=1, save_weights_only=True)
         trainer = pl.Trainer(
             accelerator=params.accelerator,

@@ -1,12 +1,18 @@
-"""What every stage's entry point shares: the ``--params`` option, logging, and the declared params."""
+"""What every stage's entry point shares: the ``--params`` option, logging, the declared params, and how
+a stage stops on bad params or bad input (:func:`run`)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import Iterable
+import os
+import sys
+from typing import Callable, Iterable
 
 from detectors.config import StageParams, read_params
+from detectors.errors import InputError
+
+TRACEBACK_ENV = "DETECTORS_TRACEBACK"
 
 
 def stage_params(description: str | None, argv: list[str] | None, reads: Iterable[str], stage: str) -> StageParams:
@@ -20,3 +26,20 @@ def stage_params(description: str | None, argv: list[str] | None, reads: Iterabl
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     return StageParams(read_params(args.params), reads, stage)
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a stage's ``main`` from the command line (``if __name__ == "__main__": run(main)``).
+
+    Bad params or bad input (:class:`~detectors.errors.InputError`: the message names the key or file, the
+    value and what to do) end the stage with that message as one line on stderr and exit status 1, without
+    a traceback; ``DETECTORS_TRACEBACK=1`` shows the traceback too. Any other error keeps its traceback.
+    """
+    try:
+        main()
+    except InputError as err:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"{type(err).__name__}: {message} (set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -16,7 +16,7 @@ from detectors.io import write_json
 from detectors.llm.loading import load_llm
 from detectors.shards import OK, FailureBudget, ShardStore, failure_status, status_counts
 from pipelines._provenance import record_key
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_early")
 LIBRARIES = ("torch", "transformers", "tokenizers", "captum")  # their versions are part of the shard key
@@ -71,4 +71,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -25,7 +25,7 @@ from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import load_llm
 from detectors.shards import OK, FailureBudget, ShardStore, failure_status, status_counts
 from pipelines._provenance import record_key
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_realtime")
 READS = (
@@ -148,4 +148,4 @@ def write_outputs(store: ShardStore, n_shards: int, out: str, hidden_out: str, r
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

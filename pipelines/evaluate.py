@@ -33,7 +33,7 @@ from detectors.evaluation.units import realtime_token_stats, realtime_units  # n
 from detectors.interfaces import Level  # noqa: E402
 from detectors.io import file_digest, write_json  # noqa: E402
 from detectors.registry import store  # noqa: E402
-from pipelines._stage import stage_params  # noqa: E402
+from pipelines._stage import run, stage_params  # noqa: E402
 
 log = logging.getLogger("evaluate")
 READS = (
@@ -185,4 +185,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -30,11 +30,11 @@ from detectors.ctrla.evaluation import (  # noqa: E402
 )  # fmt: skip
 from detectors.ctrla.statements import load_statements  # noqa: E402
 from detectors.ctrla.steering import steering_vectors  # noqa: E402
-from detectors.evaluation.metrics import OneClassError, auroc  # noqa: E402
+from detectors.evaluation.metrics import auroc  # noqa: E402
 from detectors.io import write_json  # noqa: E402
 from detectors.llm.loading import load_llm  # noqa: E402
 from detectors.registry import store  # noqa: E402
-from pipelines._stage import stage_params  # noqa: E402
+from pipelines._stage import run, stage_params  # noqa: E402
 
 log = logging.getLogger("evaluate_directions")
 READS = (
@@ -194,7 +194,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except OneClassError as err:
-        raise SystemExit(str(err)) from err
+    run(main)

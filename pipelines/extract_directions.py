@@ -19,7 +19,7 @@ from detectors.ctrla.directions import extract, resolve_range
 from detectors.ctrla.statements import load_statements
 from detectors.io import write_json
 from detectors.llm.loading import load_llm
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("extract_directions")
 READS = ("llm", "extract_directions", "paths.llm", "paths.qa", "paths.directions", "paths.extract_directions_metrics")
@@ -77,4 +77,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -10,7 +10,7 @@ from detectors.io import write_json
 from detectors.llm.loading import prepare_llm, resolve_source
 from detectors.sources.ids import sample, split_of
 from detectors.sources.qa import load_raw, normalize_records
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("prepare")
 READS = ("llm", "qa", "paths.llm", "paths.raw", "paths.qa", "paths.qa_report")
@@ -47,4 +47,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -8,7 +8,7 @@ from pathlib import Path
 from detectors.io import write_json
 from detectors.sources.articles import load_articles
 from detectors.sources.ids import sample, split_of
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("prepare_articles")
 READS = ("articles", "paths.articles", "paths.articles_report")
@@ -37,4 +37,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,7 +18,7 @@ from detectors.interfaces import Level
 from detectors.io import write_json
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register")
 READS = (
@@ -78,4 +78,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -15,7 +15,7 @@ from pathlib import Path
 from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
 from detectors.io import write_json
 from detectors.registry import store
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register_ctrla")
 READS = ("register_ctrla", "mlflow", "paths.directions", "paths.evaluate_directions_metrics", "paths.registry_ctrla")
@@ -48,4 +48,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

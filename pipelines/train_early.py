@@ -10,7 +10,7 @@ import pandas as pd
 from detectors.dior.early_detector import train_early_detector
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("train_early")
 READS = ("build_early.features", "train_early", "paths.llm", "paths.early", "paths.early_model", "paths.train_early_metrics")
@@ -37,4 +37,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

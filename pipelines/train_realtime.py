@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 from detectors.dior.realtime_detector import train_realtime_detector
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
-from pipelines._stage import stage_params
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("train_realtime")
 READS = (
@@ -36,4 +36,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

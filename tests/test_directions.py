@@ -42,7 +42,8 @@ def test_pca_recovers_a_planted_direction_and_orients_it_positive():
     assert float(vectors[0] @ u) > 0.99  # positive instruction projects higher
     assert float(vectors[1] @ u) < -0.99  # the reversed contrast is oriented the other way
     assert torch.allclose(vectors.norm(dim=-1), torch.ones(2))
-    assert 0.5 < float(explained[0]) <= 1
+    # the planted share of the variance: E[(3(1+U))^2] = 21 along u against 64 * 0.3^2 of noise (measured 0.784-0.793 over seeds)
+    assert float(explained[0]) == pytest.approx(21 / (21 + 64 * 0.09), abs=0.03) and float(explained[1]) == float(explained[0])
 
 
 def test_extraction_on_the_tiny_llama_finds_a_direction_planted_in_the_positive_pass(tiny_llm):
@@ -57,7 +58,7 @@ def test_extraction_on_the_tiny_llama_finds_a_direction_planted_in_the_positive_
     for layer in range(2):
         proj = (held.diffs[layer] @ vectors[layer]).numpy()
         assert (proj > 0).mean() > 0.9, layer
-    assert torch.all(explained > 0) and torch.all(explained <= 1)
+    assert float(explained[0]) > 0.9  # at layer 1 the planted shift carries almost all the variance (measured 0.986; 0.64 unplanted)
 
 
 def test_extracted_directions_separate_positive_from_negative_representations(tiny_llm):

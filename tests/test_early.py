@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from detectors.config.schema import EarlyFeatureParams, PromptParams
 from detectors.dior.early import features_to_row, question_features, scalar_features, vector_features
@@ -20,7 +21,13 @@ def test_features_of_a_question(tiny_llm):
     assert f.attribution.sum() == pytest.approx(1.0, abs=1e-5)
     assert 0 <= f.entropy <= np.log(len(f.attribution)) + 1e-9
     assert f.keywords and set(f.keywords) <= {"The", "capital", "of", "Egypt", "is"}
-    assert 0 < f.first_token_prob <= 1 and 0 <= f.first_token_margin <= f.first_token_prob
+    # Egypt is a memorised fact (conftest.known_facts): the next-token distribution is sure of Cairo's first token
+    with torch.no_grad():
+        logits = tiny_llm.model(tiny_llm.encode_prompt("The capital of Egypt is", PARAMS.prompt)[0]).logits[0, -1]
+    top2 = torch.softmax(logits, -1).topk(2)
+    assert f.first_token_id == int(top2.indices[0]) and "Cairo".startswith(tiny_llm.tokenizer.decode([f.first_token_id]).strip())
+    assert f.first_token_prob == pytest.approx(float(top2.values[0]), abs=1e-5) and f.first_token_prob > 0.9
+    assert f.first_token_margin == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-5)
     assert f.hidden.shape == (2 * 64,)
     again = question_features(tiny_llm, "The capital of Egypt is", PARAMS)
     np.testing.assert_array_equal(f.attribution, again.attribution)

@@ -17,8 +17,9 @@ import yaml
 
 from safetensors.numpy import load_file
 
-from conftest import QA_FIXTURE, ROOT, build_tiny_llama
+from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
 from detectors import load_detector
+from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
 from detectors.registry.store import register, validation_digest
@@ -91,7 +92,9 @@ def test_early_set_has_both_labels_and_valid_features(pipeline):
         assert len(row.hidden) == 2 * 64
     # memorised facts are answered correctly far more often than the others
     report = json.loads((pipeline / "data/early/report.json").read_text())
-    assert 0 < report["hallucination_rate"] < 1
+    assert report["hallucination_rate"] == pytest.approx(frame["label"].mean(), abs=1e-3)
+    memorised, correct = frame["question"].isin({r["question"] for r in known_facts()}), 1 - frame["label"]
+    assert correct[memorised].mean() >= correct[~memorised].mean() + 0.4  # measured: 0.58 vs 0.0
 
 
 def test_build_early_resumes_without_redoing_finished_shards(pipeline):
@@ -113,9 +116,16 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     assert {"gru", "gru[attribution]", "logreg[attribution+first_token]", "attribution_entropy", "first_token_prob",
             "first_token_entropy"} <= set(metrics)
     keys = {"auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1", "ece", "threshold"}
+    scores = pd.read_parquet(pipeline / "data/eval/early_scores.parquet")
+    test = scores[scores["split"] == "test"]
     for name, m in metrics.items():
         assert keys <= set(m), name
-        assert 0 <= m["auroc_ci_low"] <= m["auroc"] <= m["auroc_ci_high"] <= 1 and 0 <= m["ece"] <= 1
+        assert m["auroc_ci_low"] <= m["auroc"] <= m["auroc_ci_high"], name
+        assert m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), name  # of the stored test-split scores
+    # what the tiny Llama planted (memorised facts answered right) is learnt: above chance on the 13 test questions
+    # (measured 0.80 for training seeds 0-3, 0.575 when trained on shuffled labels; the GRU's AUROC here swings with the
+    # seed, 0.6-0.975, as 5 validation questions pick its epoch, so test_training checks that it learns)
+    assert metrics["logreg[attribution+first_token]"]["auroc"] > 0.7
     assert (pipeline / "data/plots/early_roc.png").stat().st_size > 0
     assert (pipeline / "data/plots/early_roc/gru.csv").exists()
     assert {p.name for p in (pipeline / "data/plots/early_entropy_ecdf").glob("*.csv")} == {"correct.csv", "hallucinated.csv"}
@@ -147,9 +157,14 @@ def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tin
 def test_pyfunc_model_predicts_from_questions(pipeline):
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     model = mlflow.pyfunc.load_model("models:/dior-early@champion")
-    out = model.predict(pd.DataFrame({"question": ["The capital of Peru is", "The river of Paris is"]}))
+    questions = ["The capital of Peru is", "The river of Paris is"]
+    out = model.predict(pd.DataFrame({"question": questions}))
     assert list(out.columns) == ["probability", "retrieve", "keywords"]
-    assert out["probability"].between(0, 1).all()
+    # the served model is the evaluated "gru": same probabilities as the evaluation stored for these questions
+    early = pd.read_parquet(pipeline / "data/early/early.parquet")
+    early = early.merge(pd.read_parquet(pipeline / "data/eval/early_scores.parquet"), on="id")
+    stored = early.set_index("question").loc[questions, "gru"].to_numpy()
+    np.testing.assert_allclose(out["probability"].to_numpy(), stored, atol=1e-5)
 
 
 def test_detector_refuses_a_different_llm(pipeline, tokenizer):
@@ -225,9 +240,11 @@ def test_realtime_evaluation_at_three_levels(pipeline):
     assert {"mlp", "flare", "token_entropy"} <= set(metrics["token"])
     assert {"mlp", "sit_min", "sit_avg", "sit_norm", "token_entropy"} <= set(metrics["entity"])
     assert {"mlp", "flare", "sit_min", "sit_avg", "sit_norm", "token_entropy"} <= set(metrics["sentence"])
-    for level in metrics.values():
-        for m in level.values():
-            assert 0 <= m["auroc"] <= 1 and 0 <= m["ece"] <= 1
+    scores = pd.read_parquet(pipeline / "data/eval/realtime_scores.parquet")
+    for level, by_scorer in metrics.items():
+        test = scores[(scores["level"] == level) & (scores["split"] == "test")]
+        for name, m in by_scorer.items():  # the metrics are those of the stored test-split scores at that level
+            assert m["n"] == len(test) and m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), (level, name)
     assert {p.stem for p in (pipeline / "data/plots/realtime_roc_entity").glob("*.csv")} == set(metrics["entity"])
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["detector-evaluation"], filter_string="tags.task = 'realtime' and tags.kind != ''")
@@ -283,7 +300,8 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     assert extracted["honesty"]["layers"] == [1] and extracted["confidence"]["layers"] == [1, 2]
     assert set(extracted["honesty"]["size_curve_cosine"]) == {"4", "8"}
     metrics = json.loads((pipeline / "data/metrics/evaluate_directions.json").read_text())
-    assert len(metrics["honesty"]["auroc_per_layer"]) == 2 and 0 <= metrics["honesty"]["auroc_chosen_layers"] <= 1
+    assert len(metrics["honesty"]["auroc_per_layer"]) == 2
+    assert metrics["honesty"]["auroc_chosen_layers"] == metrics["honesty"]["auroc_per_layer"][0]  # the chosen layer is layer 1
     assert set(metrics["truthfulqa"]["accuracy"]) == {"0.0", "0.05"} and metrics["truthfulqa"]["n"] == 3
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     scores = pd.read_parquet(pipeline / "data/eval/ctrla_early.parquet")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pandas as pd
@@ -13,6 +14,7 @@ from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early_detector import EarlyDetector, train_early_detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.evaluation.metrics import OneClassError, auroc
+from detectors.training import fit
 
 FP = Fingerprint("synthetic", "0" * 16, 8, 2, 100)
 PARAMS = TrainingParams(
@@ -47,7 +49,11 @@ def test_gru_learns_attribution_shape_and_threshold_comes_from_validation():
     det = train(frame, ["attribution"])
     test = frame[frame["split"] == "test"]
     assert auroc(test["label"], det.predict_proba(test.to_dict("records"))) > 0.85
-    assert det.info["n_val"] == (frame["split"] == "val").sum() and 0 < det.threshold < 1
+    assert det.info["n_val"] == (frame["split"] == "val").sum()
+    val = frame[frame["split"] == "val"]
+    p, y = det.predict_proba(val.to_dict("records")), val["label"].to_numpy()
+    youden = lambda t: ((p >= t) & (y == 1)).sum() / (y == 1).sum() - ((p >= t) & (y == 0)).sum() / (y == 0).sum()  # noqa: E731
+    assert det.threshold in p and youden(det.threshold) == max(youden(t) for t in p)  # the best Youden J on validation
 
 
 def test_training_is_deterministic():
@@ -55,6 +61,33 @@ def test_training_is_deterministic():
     a, b = train(frame, ["attribution", "hidden"]), train(frame, ["attribution", "hidden"])
     for (name, x), (_, y) in zip(a.net.state_dict().items(), b.net.state_dict().items()):
         assert torch.equal(x, y), name
+
+
+class Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, batch):
+        raise RuntimeError("broken net")
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_training_leaves_the_process_torch_flags_as_they_were(before, monkeypatch):
+    """Deterministic algorithms are on while training only; the process's setting is back afterwards, also after an error."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(before)
+    try:
+        frame = synthetic_rows(30)
+        train(frame, ["entropy"], dataclasses.replace(PARAMS, max_epochs=2))
+        assert torch.are_deterministic_algorithms_enabled() is before and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        items = [{"label": torch.tensor(i % 2)} for i in range(8)]
+        collate = lambda rows: {"label": torch.stack([r["label"] for r in rows])}  # noqa: E731
+        with pytest.raises(RuntimeError, match="broken net"):
+            fit(Broken, items, items, collate, PARAMS)
+        assert torch.are_deterministic_algorithms_enabled() is before and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_one_class_split_is_refused():

@@ -16,10 +16,12 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from detectors.errors import InputError
+
 T = TypeVar("T")
 
 
-class ParamsError(ValueError):
+class ParamsError(InputError, ValueError):
     """A value in params.yaml is missing, unknown or invalid."""
 
 

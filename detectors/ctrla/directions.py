@@ -25,14 +25,15 @@ import numpy as np
 import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from detectors.config.schema import ContrastParams, LayerRangeParams
 from detectors.ctrla.statements import StatementError, instruction_prefix, sample_statements, statement_ids
+from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint, LLMMismatchError
 from detectors.llm.kv import batches, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
+from detectors.progress import progress
 from detectors.registry.artifact import llm_section, read_llm_section
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ CONFIG = "detector.json"
 TENSORS = "directions.safetensors"
 
 
-class DirectionsError(ValueError):
+class DirectionsError(InputError, ValueError):
     """A directions file is malformed or does not fit the LLM it is used with."""
 
 
@@ -75,7 +76,7 @@ def contrast_differences(
     diffs: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
     owners: list[np.ndarray] = []
     norm_sum, norm_count = torch.zeros(n_layers, dtype=torch.float64), 0
-    with tqdm(total=len(rows), desc=desc, unit="stmt") as bar:
+    with progress(total=len(rows), desc=desc, unit="stmt") as bar:
         for idx in batches(rows, batch_size):
             batch = [rows[i] for i in idx]
             states: dict[str, dict[int, torch.Tensor]] = {}

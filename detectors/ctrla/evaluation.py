@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from detectors.config.schema import PromptParams
 from detectors.ctrla.directions import Directions
@@ -20,6 +19,7 @@ from detectors.ctrla.steering import steer
 from detectors.llm.kv import as_cache, batches, cache_states, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
+from detectors.progress import progress as progress_bar  # (mc_accuracy has a flag named progress)
 from detectors.sources.bigbench import fetch_bigbench_task
 
 
@@ -30,7 +30,7 @@ def last_token_states(llm: LLM, instruction: str, statements: list[str], batch_s
     kv = prefix_cache(llm, prefix)
     n_layers = llm.fingerprint.num_layers
     out = torch.zeros(len(rows), n_layers, llm.fingerprint.hidden_size)
-    for idx in tqdm(list(batches(rows, batch_size)), desc="held-out statements", unit="batch"):
+    for idx in progress_bar(list(batches(rows, batch_size)), desc="held-out statements", unit="batch"):
         captured: dict[int, torch.Tensor] = {}
         with LayerTap(llm.model, list(range(1, n_layers + 1)), lambda layer, h: captured.__setitem__(layer, h.detach().float().cpu())):
             forward_rows(llm, kv, [rows[i] for i in idx])
@@ -70,7 +70,7 @@ def early_sequences(llm: LLM, frame: pd.DataFrame, prompt: PromptParams) -> tupl
 def early_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: PromptParams, tau: float, clip: float, batch_size: int) -> np.ndarray:
     """Hallucination score of each early-set answer: ``-min`` Eq. 2 over its new non-stopword tokens."""
     sequences, starts, texts = early_sequences(llm, frame, prompt)
-    with tqdm(total=len(sequences), desc="confidence (early set)", unit="answer") as bar:
+    with progress_bar(total=len(sequences), desc="confidence (early set)", unit="answer") as bar:
         scores = score_sequences(llm, directions, sequences, batch_size, tau, clip, progress=bar)
     out = []
     for seq, start, text, s in zip(sequences, starts, texts, scores):
@@ -82,7 +82,7 @@ def early_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: 
 def realtime_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, tau: float, clip: float, batch_size: int) -> list[list[float]]:
     """Per generated token hallucination score (``-`` Eq. 2 at the token's own position), teacher forcing prompt + generation."""
     sequences = [list(map(int, p)) + list(map(int, g)) for p, g in zip(frame["prompt_ids"], frame["gen_ids"])]
-    with tqdm(total=len(sequences), desc="confidence (real-time set)", unit="text") as bar:
+    with progress_bar(total=len(sequences), desc="confidence (real-time set)", unit="text") as bar:
         scores = score_sequences(llm, directions, sequences, batch_size, tau, clip, progress=bar)
     return [(-s[len(p) :]).astype(float).tolist() for s, p in zip(scores, frame["prompt_ids"])]
 
@@ -117,7 +117,7 @@ def mc_accuracy(
     hits = []
     with steer(llm.model, vectors), torch.no_grad():
         kv = prefix_cache(llm, prefix)
-        for ex in tqdm(examples, desc="TruthfulQA", unit="q", disable=not progress):
+        for ex in progress_bar(examples, desc="TruthfulQA", unit="q", disable=not progress):
             question = llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"]
             answers = [llm.tokenizer(f" {a}", add_special_tokens=False)["input_ids"] for a in ex["target_scores"]]
             out = decoder(torch.tensor([question], device=llm.device), past_key_values=as_cache(kv, 1, llm.model.config), use_cache=True)

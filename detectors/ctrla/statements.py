@@ -9,13 +9,14 @@ from pathlib import Path
 import pandas as pd
 
 from detectors.config.schema import StatementParams
+from detectors.errors import InputError
 from detectors.llm.loading import LLM
 from detectors.sources.files import read_records
 from detectors.sources.ids import split_of, stable_id
 from detectors.sources.text import normalize_text
 
 
-class StatementError(ValueError):
+class StatementError(InputError, ValueError):
     """The statements cannot be used: empty source, missing field, or longer than the LLM's context."""
 
 

@@ -10,8 +10,10 @@ import numpy as np
 import torch
 from torchmetrics.functional.classification import binary_calibration_error
 
+from detectors.errors import InputError
 
-class OneClassError(ValueError):
+
+class OneClassError(InputError, ValueError):
     """A split holds only one class: AUROC and thresholds are undefined."""
 
 

@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from detectors.errors import InputError
+
 _DIGEST_SAMPLES = 4096
 
 
-class LLMMismatchError(RuntimeError):
+class LLMMismatchError(InputError, RuntimeError):
     """An artifact was made with a different LLM than the one it is used with."""
 
 

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from detectors.config.schema import PromptParams
+from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ MANIFEST = "llm.json"
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-class LLMSourceError(ValueError):
+class LLMSourceError(InputError, ValueError):
     """``llm.source`` names nothing that can be loaded."""
 
 

@@ -1,0 +1,70 @@
+"""What Python loads for an import, read from the source (never by importing): the project files of an
+import closure and the other modules it needs. The DAG's code deps, the build stages' code digest and a
+logged detector's pip requirements are all computed from it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterable
+
+ROOT = Path(__file__).resolve().parents[1]  # the directory holding the detectors package
+
+
+def module_file(module: str, root: Path = ROOT) -> Path | None:
+    path = root.joinpath(*module.split("."))
+    if (path / "__init__.py").exists():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
+
+
+def imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
+    """Every module an import statement of ``path`` names (inside functions too unless ``top_level_only``).
+
+    Imports inside a module-level ``__getattr__`` are lazy attribute loads (``detectors.load_detector``) that
+    run only when the attribute is used, so they are not imports of the module.
+    """
+    tree = ast.parse(path.read_text())
+    lazy = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "__getattr__" for n in ast.walk(f)}
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out: set[str] = set()
+    for node in nodes:
+        if id(node) in lazy:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.level:
+                raise ValueError(f"{path}: use absolute imports (the import closure is computed from module names)")
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules imported by name
+    return out
+
+
+def import_closure(
+    modules: Iterable[str], packages: Iterable[str] = ("detectors",), root: Path = ROOT, lazy: Iterable[str] = ()
+) -> tuple[set[Path], set[str]]:
+    """The files of ``packages`` (relative to ``root``) that importing ``modules`` loads (each module, its
+    packages' ``__init__`` files, and what they import, transitively), and every other module they import.
+    The function-level imports of the ``lazy`` modules are not followed."""
+    packages, lazy = tuple(packages), set(lazy)
+    files: set[Path] = set()
+    external: set[str] = set()
+    todo, done = list(modules), set()
+    while todo:
+        name = todo.pop()
+        if name in done:
+            continue
+        done.add(name)
+        parts = name.split(".")
+        if parts[0] not in packages:
+            external.add(name)
+            continue
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            path = module_file(prefix, root)
+            if path is not None and path not in files:
+                files.add(path)
+                todo.extend(imported_modules(path, top_level_only=prefix in lazy))
+    return {p.relative_to(root) for p in files}, external

@@ -1,0 +1,32 @@
+"""Progress bars: live on a terminal, a line every :data:`LOG_INTERVAL` seconds in a log file.
+
+tqdm's default (a refresh every 0.1 s) suits a terminal, but when stderr goes to a file (``dvc repro >
+log``, a batch job) it writes one update per item: hundreds of lines that bury the log messages.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterable
+
+from tqdm import tqdm
+
+LOG_INTERVAL = 30.0  # seconds between two updates of a bar when stderr is not a terminal
+
+
+def progress(
+    iterable: Iterable | None = None,
+    *,
+    total: int | None = None,
+    initial: int = 0,
+    desc: str | None = None,
+    unit: str = "it",
+    disable: bool = False,
+) -> tqdm:
+    """A tqdm bar on stderr (iterate over it, or ``update`` it in a ``with`` block): refreshed as usual on a
+    terminal; otherwise at most every :data:`LOG_INTERVAL` seconds, plus its first and last state."""
+    stream = sys.stderr
+    interactive = stream is not None and hasattr(stream, "isatty") and stream.isatty()
+    # maxinterval too: tqdm's monitor thread would otherwise force a refresh every 10 s
+    pace = {} if interactive else {"mininterval": LOG_INTERVAL, "maxinterval": LOG_INTERVAL}
+    return tqdm(iterable, total=total, initial=initial, desc=desc, unit=unit, disable=disable, file=stream, **pace)
