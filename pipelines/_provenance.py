@@ -6,14 +6,19 @@ resuming the same computation.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
+import logging
 from pathlib import Path
 from typing import Any, Iterable
 
 from detectors.imports import ROOT, import_closure
 from detectors.io import file_digest
 from detectors.llm.loading import LLM
+from detectors.shards import FailureBudget, ShardStore
+
+log = logging.getLogger(__name__)
 
 PACKAGES = ("detectors", "pipelines")
 
@@ -47,3 +52,12 @@ def record_key(module: str, params: dict[str, Any], llm: LLM, inputs: dict[str, 
         "code": code_digest(module),
         "libraries": library_versions(libraries),
     }
+
+
+def open_shards(stage: str, params: Any, llm: LLM, inputs: dict[str, str], libraries: Iterable[str], directory: str, n_records: int):
+    """The shard store of build stage ``stage`` (section ``params``), keyed on what shapes its records
+    (every key of the section but ``max_failed_share``), and the failure budget of its ``n_records``."""
+    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"}
+    store = ShardStore(directory, record_key(f"pipelines.{stage}", shaping, llm, inputs, libraries))
+    log.info("%s: LLM %s (%s on %s)", stage, llm.fingerprint.name, llm.dtype_name, llm.device)
+    return store, FailureBudget(n_records, params.max_failed_share, f"{stage}.max_failed_share", store.dir)

@@ -5,7 +5,6 @@ Work is written in shards; a rerun computes only the unfinished shards and the r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import pandas as pd
 from detectors.dior.early import early_record
 from detectors.io import write_json
 from detectors.llm.loading import load_llm
-from detectors.shards import OK, FailureBudget, ShardStore, failure_status, status_counts
-from pipelines._provenance import record_key
+from detectors.shards import OK, failure_status, status_counts
+from pipelines._provenance import open_shards
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_early")
@@ -52,11 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     llm_params, params = p["llm"], p["build_early"]
     table = pd.read_parquet(p["paths.qa"])
     llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
-    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"}
-    key = record_key("pipelines.build_early", shaping, llm, {"qa": p["paths.qa"]}, LIBRARIES)
-    store = ShardStore(p["paths.early_shards"], key)
-    budget = FailureBudget(len(table), params.max_failed_share, "build_early.max_failed_share", store.dir)
-    log.info("LLM %s (%s on %s)", llm.fingerprint.name, llm.dtype_name, llm.device)
+    store, budget = open_shards("build_early", params, llm, {"qa": p["paths.qa"]}, LIBRARIES, p["paths.early_shards"], len(table))
     for k, rows in store.pending(table, params.shard_size, "build_early", "q"):
         records = pd.DataFrame([_record(llm, row, params) for row in rows.itertuples(index=False)])
         store.write(k, records)

@@ -8,7 +8,6 @@ records that failed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -23,8 +22,8 @@ from detectors.dior.recorder import generate_traced
 from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import load_llm
-from detectors.shards import OK, FailureBudget, ShardStore, failure_status, status_counts
-from pipelines._provenance import record_key
+from detectors.shards import OK, ShardStore, failure_status, status_counts
+from pipelines._provenance import open_shards
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_realtime")
@@ -107,11 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
     state_indices = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_realtime.hidden_layers")
     tools = EntityTools(params.spacy_model, params.embedding_model)
-    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"}
-    key = record_key("pipelines.build_realtime", shaping, llm, {"articles": p["paths.articles"]}, LIBRARIES)
-    store = ShardStore(p["paths.realtime_shards"], key)
-    budget = FailureBudget(len(table), params.max_failed_share, "build_realtime.max_failed_share", store.dir)
-    log.info("LLM %s (%s on %s)", llm.fingerprint.name, llm.dtype_name, llm.device)
+    inputs = {"articles": p["paths.articles"]}
+    store, budget = open_shards("build_realtime", params, llm, inputs, LIBRARIES, p["paths.realtime_shards"], len(table))
     for k, chunk in store.pending(table, params.shard_size, "build_realtime", "article"):
         with torch.no_grad():
             rows, hidden = build_shard(llm, tools, chunk, state_indices, params)
