@@ -68,7 +68,8 @@ class Detector(abc.ABC):
         return self
 
     def load_llm(
-        self, dtype: str | None = None, device: str = "auto", *, root: str | Path | None = None, allow_dtype_mismatch: bool = False
+        self, dtype: str | None = None, device: str = "auto", *, root: str | Path | None = None,
+        allow_dtype_mismatch: bool = False,
     ) -> LLM:
         """Load the LLM from where the artifact says it came from (relative locations against ``root``, default
         the working directory), in the recorded feature dtype unless ``dtype`` is given, and attach it."""

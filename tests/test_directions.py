@@ -127,7 +127,10 @@ def test_layer_ranges_scale_to_the_llms_depth():
 
 def _directions(llm: LLM) -> Directions:
     fp = llm.fingerprint
-    return Directions("honesty", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fp, {"llm": {"dir": "x", "dtype": "float32"}})
+    return Directions(
+        "honesty", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fp,
+        {"llm": {"dir": "x", "dtype": "float32"}},
+    )  # fmt: skip
 
 
 def test_artifact_round_trip_and_refusal_of_another_llm(tmp_path, tiny_llm, tokenizer):
@@ -159,7 +162,8 @@ def test_directions_refuse_an_llm_in_another_dtype_unless_allowed(tmp_path, tiny
     from detectors.ctrla.detectors import HonestySteering
 
     loaded = Directions.load(_directions(tiny_llm).save(tmp_path / "honesty"))
-    assert loaded.dtype == "float32" and json.loads((tmp_path / "honesty" / "detector.json").read_text())["llm"]["dtype"] == "float32"
+    assert loaded.dtype == "float32"
+    assert json.loads((tmp_path / "honesty" / "detector.json").read_text())["llm"]["dtype"] == "float32"
     bf16 = LLM.wrap(copy.deepcopy(tiny_llm.model).to(torch.bfloat16), tiny_llm.tokenizer, "tiny-llama")
     with pytest.raises(DtypeMismatchError, match="ctrla-honesty directions: built from float32 features, .* computes bfloat16"):
         loaded.require_llm(bf16)

@@ -23,10 +23,13 @@ from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.llm.fingerprint import DtypeMismatchError
 from detectors.llm.loading import LLM, prepare_llm, prepared_reference
 
-FEATURES = EarlyFeatureParams(prompt=PromptParams(template="{question}", chat=False), n_steps=4, ig_batch_size=4, hidden_layers=[1, -1])
-TRAINING = TrainingParams(
-    hidden=8, dropout=0.0, lr=3e-3, weight_decay=1e-2, batch_size=8, max_epochs=8, patience=4, threshold="youden", seed=0, accelerator="cpu"
+FEATURES = EarlyFeatureParams(
+    prompt=PromptParams(template="{question}", chat=False), n_steps=4, ig_batch_size=4, hidden_layers=[1, -1]
 )
+TRAINING = TrainingParams(
+    hidden=8, dropout=0.0, lr=3e-3, weight_decay=1e-2, batch_size=8, max_epochs=8, patience=4, threshold="youden", seed=0,
+    accelerator="cpu",
+)  # fmt: skip
 
 
 def in_bfloat16(llm: LLM) -> LLM:
@@ -39,7 +42,8 @@ def early(tiny_llm) -> EarlyDetector:
     rows = []
     for i, r in enumerate(qa_rows()):
         record = early_record(tiny_llm, r["question"], r["answers"], FEATURES, 4, [])
-        rows.append({"id": f"q{i}", "split": ("train", "val", "test")[i % 3], "status": "ok", "feature_dtype": tiny_llm.dtype_name, **record})
+        split = ("train", "val", "test")[i % 3]
+        rows.append({"id": f"q{i}", "split": split, "status": "ok", "feature_dtype": tiny_llm.dtype_name, **record})
     return train_early_detector(pd.DataFrame(rows), ["attribution", "entropy", "first_token", "hidden"], TRAINING, FEATURES,
                                 tiny_llm.fingerprint, {"source": "tiny"})  # fmt: skip
 
@@ -50,7 +54,8 @@ def test_serving_in_another_dtype_is_refused_unless_allowed(early, tiny_llm, tmp
     assert json.loads((tmp_path / "early" / "detector.json").read_text())["llm"]["dtype"] == "float32"
     bf16 = in_bfloat16(tiny_llm)
     assert bf16.fingerprint == tiny_llm.fingerprint  # the fingerprint cannot tell: it rounds weights to bf16 on purpose
-    with pytest.raises(DtypeMismatchError, match=r"'dior-early': built from float32 features, .* computes bfloat16 .* dtype='float32'.*allow_dtype_mismatch=True"):
+    refused = r"'dior-early': built from float32 features, .* computes bfloat16 .* dtype='float32'.*allow_dtype_mismatch=True"
+    with pytest.raises(DtypeMismatchError, match=refused):
         loaded.attach(bf16)
     assert loaded.llm is None
     questions = [r["question"] for r in qa_rows()]

@@ -93,11 +93,11 @@ def test_the_artifact_records_the_sets_feature_dtype(tmp_path):
     "change, message",
     [
         (lambda f: f.drop(columns="feature_dtype"), "has no feature_dtype column: it was built before"),
-        (lambda f: f.assign(feature_dtype=["float32", "bfloat16"] * 15), r"has feature_dtype values \{'float32': 15, 'bfloat16': 15\}"),
+        (lambda f: f.assign(feature_dtype=["float32", "bfloat16"] * 15), r"values \{'float32': 15, 'bfloat16': 15\}"),
         (lambda f: f.assign(feature_dtype=[None] + ["float32"] * 29), r"has feature_dtype values \{'float32': 29, None: 1\}"),
         (lambda f: f.assign(feature_dtype="fp32"), "has feature_dtype = 'fp32', not a torch dtype"),
     ],
 )
 def test_a_set_without_exactly_one_feature_dtype_is_refused(change, message):
-    with pytest.raises(ValueError, match=f"the early-detection set {message}.*rebuild"):
+    with pytest.raises(ValueError, match=f"the early-detection set .*{message}.*rebuild"):
         train(change(synthetic_rows(30)), ["entropy"])

@@ -2,7 +2,8 @@
 
 The artifact is a directory: ``weights.safetensors`` (no pickle) and ``detector.json`` (network
 shape, feature groups, standardisation, validation threshold, feature params incl. the prompt, the
-LLM fingerprint and the dtype the features were computed in). Serving computes features with the same ``question_features`` as build_early.
+LLM fingerprint and the dtype the features were computed in). Serving computes features with the same
+``question_features`` as build_early.
 """
 
 from __future__ import annotations
