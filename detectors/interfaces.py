@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
-from detectors.llm.fingerprint import Fingerprint
+from detectors.llm.fingerprint import Fingerprint, require_dtype
 from detectors.llm.loading import LLM, load_recorded
 
 
@@ -26,7 +26,8 @@ class Detector(abc.ABC):
     """A trained or extracted detector as stored in the registry.
 
     Subclasses set ``KIND`` and provide ``fingerprint`` (the LLM it was built with), ``llm_ref`` (where
-    that LLM came from: ``{"dir", "source", "gguf_file"}``) and an ``llm`` attribute (None until attached).
+    that LLM came from and the dtype its features were computed in: ``{"dir", "source", "gguf_file",
+    "dtype"}``) and an ``llm`` attribute (None until attached).
     """
 
     KIND: ClassVar[str]
@@ -47,19 +48,33 @@ class Detector(abc.ABC):
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """The MLflow pyfunc view: one row of outputs per input row."""
 
-    def check_llm(self, llm: LLM) -> None:
-        """Refuse an LLM other than the one the detector was built with (an error saying what differs)."""
-        self.fingerprint.require_same(llm.fingerprint, f"detector {self.KIND!r}")
+    @property
+    def feature_dtype(self) -> str | None:
+        """The dtype of the LLM the detector's features were computed in (None: not recorded, an older artifact)."""
+        return self.llm_ref.get("dtype")
 
-    def attach(self, llm: LLM) -> "Detector":
-        """Use ``llm`` (already in memory) from now on; it must be the detector's LLM."""
-        self.check_llm(llm)
+    def check_llm(self, llm: LLM, allow_dtype_mismatch: bool = False) -> None:
+        """Refuse an LLM other than the one the detector was built with, or one running in another dtype
+        unless ``allow_dtype_mismatch`` (an error saying what differs)."""
+        what = f"detector {self.KIND!r}"
+        self.fingerprint.require_same(llm.fingerprint, what)
+        require_dtype(self.feature_dtype, llm.dtype_name, what, allow_dtype_mismatch)
+
+    def attach(self, llm: LLM, allow_dtype_mismatch: bool = False) -> "Detector":
+        """Use ``llm`` (already in memory) from now on; it must be the detector's LLM, in the dtype its
+        features were computed in unless ``allow_dtype_mismatch``."""
+        self.check_llm(llm, allow_dtype_mismatch)
         self.llm = llm
         return self
 
-    def load_llm(self, dtype: str = "auto", device: str = "auto") -> LLM:
-        """Load the LLM from where the artifact says it came from, and attach it."""
-        self.attach(load_recorded(self.llm_ref, f"detector {self.KIND!r}", dtype, device))
+    def load_llm(
+        self, dtype: str | None = None, device: str = "auto", *, root: str | Path | None = None,
+        allow_dtype_mismatch: bool = False,
+    ) -> LLM:
+        """Load the LLM from where the artifact says it came from (relative locations against ``root``, default
+        the working directory), in the recorded feature dtype unless ``dtype`` is given, and attach it."""
+        llm = load_recorded(self.llm_ref, f"detector {self.KIND!r}", dtype, device, root)
+        self.attach(llm, allow_dtype_mismatch)
         return self.llm
 
     def require_llm(self) -> LLM:

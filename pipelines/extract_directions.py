@@ -1,8 +1,8 @@
 """Stage extract_directions: CtrlA honesty and confidence directions (§3.2.1) from contrast pairs, per layer.
 
 Writes ``<out_dir>/honesty`` and ``<out_dir>/confidence`` (safetensors + detector.json with the layer
-indices and the LLM fingerprint) and a metrics JSON: explained variance per layer and how close
-directions fitted on fewer statements come to the full one.
+indices, the LLM fingerprint and the dtype they were extracted in) and a metrics JSON: explained variance
+per layer and how close directions fitted on fewer statements come to the full one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from detectors.ctrla.directions import extract, resolve_range
 from detectors.ctrla.statements import load_statements
 from detectors.io import write_json
-from detectors.llm.loading import load_llm
+from detectors.llm.loading import load_llm, prepared_reference
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("extract_directions")
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     statements = {c: load_statements(getattr(params, c).statements, p["paths.qa"]) for c in CONCEPTS}  # fail early
     llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
     torch.manual_seed(params.seed)
-    llm_ref = {"dir": p["paths.llm"], "source": llm_params.source, "gguf_file": llm_params.gguf_file}
+    _, llm_ref = prepared_reference(p["paths.llm"])  # extract() adds the dtype the directions are extracted in
     layers = {
         "honesty": resolve_range(params.steering.layers, llm.fingerprint.num_layers),
         "confidence": resolve_range(params.monitor.layers, llm.fingerprint.num_layers),

@@ -3,6 +3,7 @@ artifacts fail clearly on bad input."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -14,7 +15,7 @@ from conftest import ROOT, build_tiny_llama
 from detectors.config.schema import ContrastParams, LayerRangeParams, StatementParams
 from detectors.ctrla.directions import Directions, DirectionsError, contrast_differences, extract, fit_pca, resolve_range
 from detectors.ctrla.statements import StatementError, load_statements, statements_from_qa
-from detectors.llm.fingerprint import LLMMismatchError
+from detectors.llm.fingerprint import DtypeMismatchError, LLMMismatchError
 from detectors.llm.loading import LLM
 from detectors.evaluation.metrics import auroc
 from detectors.ctrla.steering import steer
@@ -72,6 +73,7 @@ def test_extracted_directions_separate_positive_from_negative_representations(ti
         labels = np.r_[np.ones(len(proj)), np.zeros(len(proj))]
         assert auroc(labels, np.r_[proj, -proj]) > 0.9
     assert set(directions.curve) == {2, 4} and directions.config["n_statements"] == 8
+    assert directions.dtype == "float32"  # the dtype they were extracted in, recorded with the LLM's location
 
 
 def test_statements_from_qa_pair_each_fact_with_a_wrong_answer_of_its_relation():
@@ -126,7 +128,10 @@ def test_layer_ranges_scale_to_the_llms_depth():
 
 def _directions(llm: LLM) -> Directions:
     fp = llm.fingerprint
-    return Directions("honesty", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fp, {"llm": {"dir": "x"}})
+    return Directions(
+        "honesty", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fp,
+        {"llm": {"dir": "x", "dtype": "float32"}},
+    )  # fmt: skip
 
 
 def test_artifact_round_trip_and_refusal_of_another_llm(tmp_path, tiny_llm, tokenizer):
@@ -152,3 +157,19 @@ def test_directions_for_a_different_layer_count_are_refused(tmp_path, tiny_llm, 
     deeper.config.num_hidden_layers = 3
     with pytest.raises(LLMMismatchError, match="2 layers but the LLM .* has 3"):
         _directions(tiny_llm).require_llm(LLM.wrap(deeper, tokenizer, "deeper"))
+
+
+def test_directions_refuse_an_llm_in_another_dtype_unless_allowed(tmp_path, tiny_llm):
+    from detectors.ctrla.detectors import HonestySteering
+
+    loaded = Directions.load(_directions(tiny_llm).save(tmp_path / "honesty"))
+    assert loaded.dtype == "float32"
+    assert json.loads((tmp_path / "honesty" / "detector.json").read_text())["llm"]["dtype"] == "float32"
+    bf16 = LLM.wrap(copy.deepcopy(tiny_llm.model).to(torch.bfloat16), tiny_llm.tokenizer, "tiny-llama")
+    with pytest.raises(DtypeMismatchError, match="ctrla-honesty directions: built from float32 features, .* computes bfloat16"):
+        loaded.require_llm(bf16)
+    loaded.require_llm(bf16, allow_dtype_mismatch=True)
+    honesty = HonestySteering(loaded)
+    with pytest.raises(DtypeMismatchError, match="dtype='float32'"):
+        honesty.attach(bf16)
+    assert honesty.attach(bf16, allow_dtype_mismatch=True).llm is bf16

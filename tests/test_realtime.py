@@ -152,7 +152,7 @@ def detector(tiny_llm) -> RealtimeDetector:
     fp = tiny_llm.fingerprint
     det = RealtimeDetector(
         TokenMLP(dim, 16, 0.0).eval(), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1],
-        PROMPT, SPACY, fp, {}, {"best_val_auroc": 0.5},
+        PROMPT, SPACY, fp, {"dtype": "float32"}, {"best_val_auroc": 0.5},
     )  # fmt: skip
     return det.attach(tiny_llm)
 

@@ -24,7 +24,7 @@ def unit(seed: int, dim: int = 64) -> torch.Tensor:
 @pytest.fixture()
 def directions(tiny_llm) -> Directions:
     return Directions("confidence", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1, 2],
-                      tiny_llm.fingerprint, {"llm": {}})  # fmt: skip
+                      tiny_llm.fingerprint, {"llm": {"dtype": "float32"}})  # fmt: skip
 
 
 def residuals(llm, ids) -> list[torch.Tensor]:

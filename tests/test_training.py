@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -36,6 +37,7 @@ def synthetic_rows(n: int, seed: int = 0) -> pd.DataFrame:
             "attribution": p.tolist(), "entropy": float(-(p * np.log(p)).sum()),
             "first_token_prob": float(rng.uniform(0.1, 0.9)), "first_token_entropy": float(rng.uniform(0, 3)),
             "first_token_margin": float(rng.uniform(0, 0.5)), "hidden": (rng.normal(0, 1, 8) + label).tolist(),
+            "feature_dtype": "float32",
         })
     return pd.DataFrame(rows)
 
@@ -110,3 +112,25 @@ def test_artifact_round_trip_gives_identical_scores(tmp_path):
 def test_fast_dev_run_smoke():
     det = train_early_detector(synthetic_rows(30), ["attribution"], PARAMS, EarlyFeatureParams(), FP, {}, fast_dev_run=True)
     assert det.info["n_train"] == 10
+
+
+def test_the_artifact_records_the_sets_feature_dtype(tmp_path):
+    det = train(synthetic_rows(30), ["entropy"], dataclasses.replace(PARAMS, max_epochs=1))
+    assert det.feature_dtype == "float32" and det.llm_ref == {"source": "synthetic", "dtype": "float32"}
+    det.save(tmp_path / "det")
+    assert json.loads((tmp_path / "det" / "detector.json").read_text())["llm"]["dtype"] == "float32"
+    assert EarlyDetector.load(tmp_path / "det").feature_dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda f: f.drop(columns="feature_dtype"), "has no feature_dtype column: it was built before"),
+        (lambda f: f.assign(feature_dtype=["float32", "bfloat16"] * 15), r"values \{'float32': 15, 'bfloat16': 15\}"),
+        (lambda f: f.assign(feature_dtype=[None] + ["float32"] * 29), r"has feature_dtype values \{'float32': 29, None: 1\}"),
+        (lambda f: f.assign(feature_dtype="fp32"), "has feature_dtype = 'fp32', not a torch dtype"),
+    ],
+)
+def test_a_set_without_exactly_one_feature_dtype_is_refused(change, message):
+    with pytest.raises(ValueError, match=f"the early-detection set .*{message}.*rebuild"):
+        train(change(synthetic_rows(30)), ["entropy"])

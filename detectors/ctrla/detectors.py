@@ -1,6 +1,6 @@
 """The registered CtrlA detectors: ``ctrla-honesty`` (a steering context manager) and ``ctrla-confidence``
 (a monitor a RAG loop attaches to generation). Both load a :class:`~detectors.ctrla.directions.Directions`
-artifact and refuse an LLM other than the one it was extracted from.
+artifact and refuse an LLM other than the one it was extracted from (or in another dtype, unless allowed).
 
     honesty = load_detector("ctrla-honesty")
     confidence = load_detector("ctrla-confidence", llm=honesty.llm)
@@ -54,8 +54,8 @@ class _CtrlADetector(Detector):
     def llm_ref(self) -> dict:
         return self.directions.config.get("llm", {})
 
-    def check_llm(self, llm: LLM) -> None:
-        self.directions.require_llm(llm)
+    def check_llm(self, llm: LLM, allow_dtype_mismatch: bool = False) -> None:
+        self.directions.require_llm(llm, allow_dtype_mismatch)
 
 
 class HonestySteering(_CtrlADetector):

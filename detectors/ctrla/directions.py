@@ -8,8 +8,9 @@ so that positive-instruction representations project higher.
 
 The artifact is a directory: ``directions.safetensors`` (unit vectors ``[L, H]``, explained variance,
 mean residual norm per layer, the directions refitted on fewer statements) and ``detector.json``
-(kind, chosen layers, instructions, LLM fingerprint). Loading it against another LLM, or a file whose
-layer count or width does not match its fingerprint, is a clear error.
+(kind, chosen layers, instructions, LLM fingerprint and the dtype they were extracted in). Loading it
+against another LLM (or one running in another dtype), or a file whose layer count or width does not
+match its fingerprint, is a clear error.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from detectors.config.schema import ContrastParams, LayerRangeParams
 from detectors.ctrla.statements import StatementError, instruction_prefix, sample_statements, statement_ids
 from detectors.errors import InputError
-from detectors.llm.fingerprint import Fingerprint, LLMMismatchError
+from detectors.llm.fingerprint import Fingerprint, LLMMismatchError, require_dtype
 from detectors.llm.kv import batches, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
@@ -174,14 +175,21 @@ class Directions:
         if bad or not self.layers:
             raise DirectionsError(f"{self.concept} directions: layers {self.layers} must be within 1..{expected[0]}")
 
-    def require_llm(self, llm: LLM) -> None:
-        """Refuse an LLM other than the one the directions were extracted from (clear error saying what differs)."""
+    @property
+    def dtype(self) -> str | None:
+        """The dtype of the LLM the directions were extracted in (None: not recorded, an older artifact)."""
+        return self.config.get("llm", {}).get("dtype")
+
+    def require_llm(self, llm: LLM, allow_dtype_mismatch: bool = False) -> None:
+        """Refuse an LLM other than the one the directions were extracted from, or one running in another
+        dtype unless ``allow_dtype_mismatch`` (clear error saying what differs)."""
         if llm.fingerprint.num_layers != self.fingerprint.num_layers:
             raise LLMMismatchError(
                 f"ctrla-{self.concept} directions have {self.fingerprint.num_layers} layers but the LLM "
                 f"{llm.fingerprint.name!r} has {llm.fingerprint.num_layers}: extract directions for this LLM with `dvc repro`"
             )
         self.fingerprint.require_same(llm.fingerprint, f"ctrla-{self.concept} directions")
+        require_dtype(self.dtype, llm.dtype_name, f"ctrla-{self.concept} directions", allow_dtype_mismatch)
 
     def at(self, layers: list[int], device=None, dtype=None) -> torch.Tensor:
         """Direction rows of ``layers`` (1-based) as ``[len(layers), H]``."""
@@ -234,7 +242,8 @@ def extract(
     llm: LLM, concept: str, params: ContrastParams, statements: pd.DataFrame, layers: list[int],
     batch_size: int, seed: int, sizes: list[int], config: dict[str, Any],
 ) -> tuple[Directions, ContrastStats]:
-    """Directions of ``concept`` from the ``train`` statements (up to ``statements.limit``)."""  # fmt: skip
+    """Directions of ``concept`` from the ``train`` statements (up to ``statements.limit``); ``config["llm"]``
+    (where the LLM came from) gets the dtype they are extracted in."""  # fmt: skip
     train = sample_statements(statements[statements["split"] == "train"], params.statements.limit, concept)
     if len(train) < 2:
         raise StatementError(f"{concept}: {len(train)} training statement(s); at least 2 are needed (check statements.source)")
@@ -247,7 +256,10 @@ def extract(
         norms=stats.norms,
         layers=layers,
         fingerprint=llm.fingerprint,
-        config={**config, "n_statements": len(train), "n_tokens": int(stats.diffs.shape[1])},
+        config={
+            **config, "llm": {**config.get("llm", {}), "dtype": llm.dtype_name},
+            "n_statements": len(train), "n_tokens": int(stats.diffs.shape[1]),
+        },  # fmt: skip
         curve=size_curve(stats, sizes, seed),
     )
     return directions, stats

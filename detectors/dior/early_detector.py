@@ -1,8 +1,9 @@
 """The trained early detector: training from the early-detection set, its artifact, and serving.
 
 The artifact is a directory: ``weights.safetensors`` (no pickle) and ``detector.json`` (network
-shape, feature groups, standardisation, validation threshold, feature params incl. the prompt, and
-the LLM fingerprint). Serving computes features with the same ``question_features`` as build_early.
+shape, feature groups, standardisation, validation threshold, feature params incl. the prompt, the
+LLM fingerprint and the dtype the features were computed in). Serving computes features with the same
+``question_features`` as build_early.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import llm_section, read_net, write_artifact
+from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
 
 
@@ -78,7 +79,7 @@ class EarlyDetector(Detector):
     threshold: float
     features: EarlyFeatureParams
     fingerprint: Fingerprint
-    llm_ref: dict[str, Any]  # where the training LLM came from: {"dir", "source", "gguf_file"}
+    llm_ref: dict[str, Any]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
     info: dict[str, Any]
     llm: LLM | None = None
 
@@ -152,7 +153,12 @@ def train_early_detector(
     llm_ref: dict[str, Any],
     fast_dev_run: bool = False,
 ) -> EarlyDetector:
-    """Train on the ``train`` split, early-stop and choose the threshold on ``val`` (never on test)."""
+    """Train on the ``train`` split, early-stop and choose the threshold on ``val`` (never on test).
+
+    The detector records the dtype the set's features were computed in (its ``feature_dtype`` column) in
+    ``llm_ref``, so that serving in another dtype is refused.
+    """
+    llm_ref = {**llm_ref, "dtype": frame_dtype(frame, "the early-detection set")}
     ok = frame[frame["status"] == "ok"]
     train = ok[ok["split"] == "train"].to_dict("records")
     val = ok[ok["split"] == "val"].to_dict("records")

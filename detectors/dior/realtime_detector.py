@@ -1,7 +1,8 @@
 """The trained real-time detector: training from the entity-hallucination set, its artifact, and serving.
 
 The artifact is a directory: ``weights.safetensors`` and ``detector.json`` (network shape,
-standardisation, validation threshold, capture layers, prompt, spaCy model, LLM fingerprint).
+standardisation, validation threshold, capture layers, prompt, spaCy model, LLM fingerprint and the
+dtype the features were computed in).
 Serving scores tokens with the same ``GenerationRecorder`` and ``token_features`` as build_realtime.
 """
 
@@ -26,7 +27,7 @@ from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import llm_section, read_net, write_artifact
+from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
 
 
@@ -91,7 +92,7 @@ class RealtimeDetector(Detector):
     prompt: RealtimePromptParams
     spacy_model: str
     fingerprint: Fingerprint
-    llm_ref: dict[str, Any]
+    llm_ref: dict[str, Any]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
     info: dict[str, Any]
     llm: LLM | None = None
     _nlp: Any = None
@@ -226,8 +227,9 @@ def train_realtime_detector(
 
     ``hidden_layers``, ``prompt`` and ``spacy_model`` are how the set was recorded: the detector stores
     them (and the layers' hidden-state indices for ``fingerprint``'s depth) so that serving captures the
-    same features.
+    same features, and the dtype they were computed in (the set's ``feature_dtype`` column) in ``llm_ref``.
     """
+    llm_ref = {**llm_ref, "dtype": frame_dtype(frame, "the real-time set")}
     x, y, where = entity_token_table(frame, hidden)
     train, val = (where["split"] == "train").to_numpy(), (where["split"] == "val").to_numpy()
     require_both_classes(y[train], "the train split's entity tokens")

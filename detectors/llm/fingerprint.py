@@ -1,9 +1,12 @@
-"""The identity of an LLM's weights, recorded in every artifact built from it, and the error when they differ."""
+"""The identity of an LLM's weights, recorded in every artifact built from it, and the error when they differ;
+the dtype its features were computed in, and the error when an artifact is served in another one."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+import warnings
 from typing import Any
 
 import torch
@@ -11,11 +14,39 @@ from transformers import PreTrainedModel
 
 from detectors.errors import InputError
 
+log = logging.getLogger(__name__)
+
 _DIGEST_SAMPLES = 4096
 
 
 class LLMMismatchError(InputError, RuntimeError):
     """An artifact was made with a different LLM than the one it is used with."""
+
+
+class DtypeMismatchError(LLMMismatchError):
+    """An artifact's features were computed in another dtype than the LLM it is used with computes them in."""
+
+
+def require_dtype(recorded: str | None, given: str, what: str, allow_dtype_mismatch: bool = False) -> None:
+    """Refuse to serve ``what`` (whose features were computed in ``recorded``) with an LLM that runs in ``given``.
+
+    The fingerprint rounds weights to bfloat16 on purpose, so it cannot tell fp32 from bf16 features; this
+    check does. ``recorded`` None is an artifact made before dtypes were recorded: served with a warning.
+    """
+    if recorded is None:
+        warnings.warn(
+            f"{what} records no feature dtype (it was built before dtypes were recorded); it is served with {given} "
+            "features, which may differ from those it was built from. Rebuild it with `dvc repro` to record the dtype.",
+            stacklevel=3,
+        )
+    elif recorded != given:
+        if not allow_dtype_mismatch:
+            raise DtypeMismatchError(
+                f"{what}: built from {recorded} features, but the LLM given computes {given} features, which shifts "
+                f"its scores. Load the LLM with dtype={recorded!r} (the detector's `load_llm()` does by default), or pass "
+                "allow_dtype_mismatch=True to accept the difference."
+            )
+        log.warning("%s: serving %s features to a detector built from %s features (allowed)", what, given, recorded)
 
 
 @dataclasses.dataclass(frozen=True)

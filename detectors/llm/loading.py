@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -125,13 +126,16 @@ def _clean_copy(model: PreTrainedModel) -> PreTrainedModel:
 def prepare_llm(source: str, directory: str | Path, gguf_file: str | None = None) -> dict[str, Any]:
     """Materialise ``source`` at ``directory``: a converted checkpoint (GGUF) or a pointer.
 
-    Returns the manifest written to ``<directory>/llm.json`` (source, weights location, fingerprint).
+    Returns the manifest written to ``<directory>/llm.json`` (source, weights location, fingerprint). A
+    checkpoint inside the project is pointed at relative to ``directory``, so the project can move.
     """
     src = resolve_source(source, gguf_file)
     if src.kind == "prepared":
         raise LLMSourceError(f"llm.source = {source!r} is itself a prepared directory; point at the original source")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if Path(source).expanduser().exists():
+        source = portable_path(source)  # the fingerprint's name is stored in every artifact
     name = f"{source}/{src.gguf_file}" if src.gguf_file else source
     model, tokenizer = _load_raw(src, torch.float32)
     fingerprint = Fingerprint.of(model, name)
@@ -145,7 +149,7 @@ def prepare_llm(source: str, directory: str | Path, gguf_file: str | None = None
         tokenizer.save_pretrained(out)
         weights = "."
     else:
-        weights = str(Path(src.location).resolve()) if src.kind == "checkpoint" else src.location
+        weights = portable_path(src.location, base=out) if src.kind == "checkpoint" else src.location
     manifest = {
         "source": source,
         "kind": src.kind,
@@ -219,25 +223,67 @@ def load_llm(location: str, dtype: str = "auto", device: str = "auto", gguf_file
         manifest = json.loads((Path(location) / MANIFEST).read_text())
         weights = manifest["weights"]
         name = manifest["fingerprint"]["name"]
-        src = Source("checkpoint", location) if weights == "." else resolve_source(weights, manifest["gguf_file"])
+        if weights == ".":
+            src = Source("checkpoint", location)
+        elif manifest["kind"] == "checkpoint":  # relative to the prepared directory (older manifests: absolute)
+            src = resolve_source(str(Path(location) / weights))
+        else:
+            src = resolve_source(weights, manifest["gguf_file"])
     model, tokenizer = _load_raw(src, torch_dtype)
     model.to(dev)
     return LLM.wrap(model, tokenizer, name)
 
 
+def portable_path(path: str | Path, base: str | Path = ".") -> str:
+    """``path`` as an artifact records it: relative to ``base`` (itself relative to the working directory, the
+    project root where stages run) when given relative or inside the project, else absolute as given. Never
+    an absolute path into the project, so moving or cloning the project keeps the record valid."""
+    given = Path(path).expanduser()
+    if given.is_absolute():
+        project, full = Path.cwd().resolve(), given.resolve()
+        if full != project and project not in full.parents:
+            return str(path)
+        given = full.relative_to(project)
+    return Path(os.path.relpath(given, base)).as_posix()
+
+
 def prepared_reference(directory: str | Path) -> tuple[Fingerprint, dict[str, Any]]:
-    """The fingerprint of the LLM prepared in ``directory`` and where it came from (stored in detectors)."""
+    """The fingerprint of the LLM prepared in ``directory`` and where it came from (stored in detectors):
+    the directory relative to the project (see ``portable_path``), the source and the GGUF file."""
     manifest = json.loads((Path(directory) / MANIFEST).read_text())
-    ref = {"dir": str(Path(directory).resolve()), "source": manifest["source"], "gguf_file": manifest["gguf_file"]}
+    ref = {"dir": portable_path(directory), "source": manifest["source"], "gguf_file": manifest["gguf_file"]}
     return Fingerprint.from_dict(manifest["fingerprint"]), ref
 
 
-def load_recorded(ref: dict[str, Any], what: str, dtype: str = "auto", device: str = "auto") -> LLM:
-    """Load the LLM an artifact recorded (``prepared_reference``): its prepared directory, else its source."""
+def load_recorded(
+    ref: dict[str, Any], what: str, dtype: str | None = None, device: str = "auto", root: str | Path | None = None
+) -> LLM:
+    """Load the LLM an artifact recorded (``prepared_reference``): its prepared directory, else its source.
+
+    Relative locations are resolved against ``root`` (default: the working directory, i.e. the project
+    root). ``dtype`` None loads in the dtype the artifact's features were computed in (``ref["dtype"]``),
+    else ``auto`` for artifacts that record none.
+    """
+    dtype = dtype or ref.get("dtype") or "auto"
+    base = Path(root if root is not None else Path.cwd())
     errors = []
-    for location in (c for c in (ref.get("dir"), ref.get("source")) if c):
+    if ref.get("dir"):
+        directory = base / ref["dir"]
+        if (directory / MANIFEST).exists():
+            try:
+                return load_llm(str(directory), dtype, device, ref.get("gguf_file"))
+            except (OSError, ValueError) as err:
+                errors.append(f"{directory}: {err}")
+        else:
+            errors.append(f"{directory}: no prepared LLM ({MANIFEST}) there")
+    if ref.get("source"):
+        source = ref["source"]
+        location = str(base / source) if not Path(source).is_absolute() and (base / source).exists() else source
         try:
             return load_llm(location, dtype, device, ref.get("gguf_file"))
         except (OSError, ValueError) as err:
             errors.append(f"{location}: {err}")
-    raise RuntimeError(f"could not load the LLM of {what}: " + ("; ".join(errors) or "the artifact records no location"))
+    raise RuntimeError(
+        f"could not load the LLM of {what}: " + ("; ".join(errors) or "the artifact records no location")
+        + f". Relative locations are resolved against {base}: run from the project root or pass root=<project dir>."
+    )

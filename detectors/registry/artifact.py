@@ -1,5 +1,6 @@
 """The files of a trained detector: ``weights.safetensors`` (no pickle) and ``detector.json`` (its kind,
-everything needed to rebuild and serve it, and the fingerprint of its LLM)."""
+everything needed to rebuild and serve it, the fingerprint of its LLM and the dtype its features were
+computed in)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -40,8 +42,24 @@ def read_artifact(directory: str | Path, kind: str) -> tuple[dict[str, Any], dic
 
 
 def llm_section(fingerprint: Fingerprint, llm_ref: dict[str, Any]) -> dict[str, Any]:
-    """The ``llm`` entry of ``detector.json``: the fingerprint and where the LLM came from."""
+    """The ``llm`` entry of ``detector.json``: the fingerprint, where the LLM came from and its feature dtype."""
     return {"fingerprint": fingerprint.to_dict(), **llm_ref}
+
+
+def frame_dtype(frame: pd.DataFrame, what: str) -> str:
+    """The one dtype the features of ``frame`` were computed in (its ``feature_dtype`` column); a set built
+    without it, or partly in another dtype (e.g. shards resumed on another device), is a clear error."""
+    rebuild = f"rebuild {what} with `dvc repro` (delete its shards first) so that all records share one LLM dtype"
+    if "feature_dtype" not in frame.columns:
+        raise ValueError(f"{what} has no feature_dtype column: it was built before feature dtypes were recorded; {rebuild}")
+    column = frame["feature_dtype"]
+    found = sorted({None if pd.isna(v) else str(v) for v in column}, key=str)  # a record without one counts as None
+    if len(found) != 1 or found[0] is None:
+        counts = {(None if pd.isna(k) else str(k)): int(n) for k, n in column.value_counts(dropna=False).items()}
+        raise ValueError(f"{what} has feature_dtype values {counts} (dtype: records), not exactly one; {rebuild}")
+    if not isinstance(getattr(torch, found[0], None), torch.dtype):
+        raise ValueError(f"{what} has feature_dtype = {found[0]!r}, not a torch dtype (e.g. 'float32', 'bfloat16'); {rebuild}")
+    return found[0]
 
 
 def read_llm_section(section: dict[str, Any]) -> tuple[Fingerprint, dict[str, Any]]:
