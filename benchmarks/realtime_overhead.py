@@ -56,7 +56,7 @@ def detector_for(llm, build, train, model_dir: str) -> RealtimeDetector:
     net = TokenMLP(dim, train.training.hidden, 0.0).eval()
     ones = np.ones(dim, np.float32)
     return RealtimeDetector(net, 0 * ones, ones, 0.5, build.hidden_layers, indices, build.prompt, build.spacy_model,
-                            llm.fingerprint, {}, {}).attach(llm)  # fmt: skip
+                            llm.fingerprint, {"dtype": llm.dtype_name}, {}).attach(llm)  # fmt: skip
 
 
 def timed(fn, repeats: int):

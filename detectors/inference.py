@@ -29,6 +29,7 @@ def load_detector(
     tracking_uri: str | None = None,
     params: str | Path | None = None,
     llm: LLM | None = None,
+    allow_dtype_mismatch: bool = False,
 ) -> Detector:
     """The detector registered as ``models:/<name>@<alias>``.
 
@@ -36,7 +37,7 @@ def load_detector(
     ``$MLFLOW_TRACKING_URI`` (which ``mlflow.set_tracking_uri`` also sets, so an explicit ``params`` must win
     over it), else the ``mlflow`` section of ``params.yaml``; a sqlite store that was moved or cloned is re-anchored where it is now (see
     :func:`detectors.registry.store.configure`). Pass ``llm`` to reuse an LLM already in memory; it must be
-    the detector's LLM.
+    the detector's LLM, in the dtype the detector's features were computed in unless ``allow_dtype_mismatch``.
     """
     uri = tracking_uri or (None if params is not None else os.environ.get("MLFLOW_TRACKING_URI"))
     if uri:
@@ -53,5 +54,5 @@ def load_detector(
         ) from err
     detector = model.unwrap_python_model().detector
     if llm is not None:
-        detector.attach(llm)
+        detector.attach(llm, allow_dtype_mismatch)
     return detector

@@ -141,6 +141,9 @@ def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tin
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     val_ids = early.loc[(early["status"] == "ok") & (early["split"] == "val"), "id"]
     assert registry_out["val_digest"] == validation_digest(val_ids)
+    for model in ("early", "realtime"):  # the artifact records where its LLM is relative to the project, and its dtype
+        llm_section = json.loads((pipeline / f"data/models/{model}/detector.json").read_text())["llm"]
+        assert llm_section["dir"] == "data/llm" and llm_section["dtype"] == "float32"
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     detector = load_detector("dior-early", alias="champion", tracking_uri=uri, llm=tiny_llm)
     frame = pd.read_parquet(pipeline / "data/early/early.parquet")
