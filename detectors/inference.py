@@ -16,10 +16,9 @@ from pathlib import Path
 
 import mlflow
 
-from detectors.config import load_section
 from detectors.interfaces import Detector
 from detectors.llm.loading import LLM
-from detectors.registry.store import configure
+from detectors.registry.store import configure, configure_params
 
 
 def load_detector(
@@ -43,8 +42,7 @@ def load_detector(
     if uri:
         configure(uri)
     else:
-        params = Path(params or "params.yaml")
-        configure(load_section("mlflow", params).tracking_uri, params.parent)
+        configure_params(params or "params.yaml")
     try:
         model = mlflow.pyfunc.load_model(f"models:/{name}@{alias}")
     except mlflow.exceptions.MlflowException as err:

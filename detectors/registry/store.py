@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import mlflow
 from mlflow.tracking import MlflowClient
 
+from detectors.config import load_section
 from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.artifact import read_config
 from detectors.registry.relocate import relocate, sqlite_path
@@ -50,6 +51,12 @@ def configure(uri: str, root: str | Path = ".") -> str:
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return uri
+
+
+def configure_params(params: str | Path = "params.yaml") -> str:
+    """:func:`configure` with the ``mlflow`` section of a params file (a relative sqlite path is relative to it)."""
+    params = Path(params)
+    return configure(load_section("mlflow", params).tracking_uri, params.parent)
 
 
 def experiment(name: str, artifact_root: str | Path, root: str | Path = ".") -> str:
@@ -216,9 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tracking_uri:
         configure(args.tracking_uri)
     else:
-        from detectors.config import load_section
-
-        configure(load_section("mlflow", args.params).tracking_uri, Path(args.params).parent)
+        configure_params(args.params)
     print(json.dumps(promote(args.name, args.version, args.alias)))
 
 
