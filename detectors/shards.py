@@ -49,9 +49,12 @@ def is_error(status: pd.Series) -> pd.Series:
 
 
 def status_counts(frame: pd.DataFrame) -> dict[str, Any]:
-    """The skipped and failed records of a stage's output, for its report (reasons with numbers masked)."""
+    """How many records of a stage's output are ok, skipped and failed, for its report (reasons with numbers
+    masked, the first failures)."""
     skipped, failed = frame[frame["status"].str.startswith(SKIPPED)], frame[is_error(frame["status"])]
     return {
+        "records": int(len(frame)),
+        "ok": int((frame["status"] == OK).sum()),
         "skipped": int(len(skipped)),
         "skip_reasons": skipped["status"].str.removeprefix(SKIPPED).str.replace(r"\d+", "N", regex=True).value_counts().to_dict(),
         "failed": int(len(failed)),

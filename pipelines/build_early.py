@@ -38,8 +38,6 @@ def report(frame: pd.DataFrame) -> dict:
         for split, g in ok.groupby("split")
     }
     return {
-        "records": int(len(frame)),
-        "ok": int(len(ok)),
         **status_counts(frame),
         "label_balance": by_split,
         "hallucination_rate": round(float(ok["label"].mean()), 4) if len(ok) else None,

@@ -81,8 +81,6 @@ def report(frame: pd.DataFrame) -> dict:
     entities = [e for row in ok.itertuples() for e in json.loads(row.entities)]
     token_labels = np.concatenate([np.asarray(t) for t in ok["token_label"]]) if len(ok) else np.zeros(0)
     return {
-        "records": int(len(frame)),
-        "ok": int(len(ok)),
         **status_counts(frame),
         "continuations": {
             split: {"n": int(len(g)), "hallucinated": int(g["label"].sum()), "rate": round(float(g["label"].mean()), 4)}

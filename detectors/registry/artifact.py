@@ -48,8 +48,9 @@ def llm_section(fingerprint: Fingerprint, llm_ref: dict[str, Any]) -> dict[str, 
 
 def frame_dtype(frame: pd.DataFrame, what: str) -> str:
     """The one dtype the features of ``frame`` were computed in (its ``feature_dtype`` column); a set built
-    without it, or partly in another dtype (e.g. shards resumed on another device), is a clear error."""
-    rebuild = f"rebuild {what} with `dvc repro` (delete its shards first) so that all records share one LLM dtype"
+    without it, or partly in another dtype (e.g. a set concatenated from two builds), is a clear error. (The
+    build stages key their shards on the LLM's dtype, so they never mix dtypes.)"""
+    rebuild = f"rebuild {what} with `dvc repro` so that all records share one LLM dtype"
     if "feature_dtype" not in frame.columns:
         raise ValueError(f"{what} has no feature_dtype column: it was built before feature dtypes were recorded; {rebuild}")
     column = frame["feature_dtype"]

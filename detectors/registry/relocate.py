@@ -38,10 +38,9 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///") :].split("?", 1)[0]).resolve()
 
 
-def _rewrite(con: sqlite3.Connection, old: str, new: str) -> int:
-    """Replace the prefix ``old`` of every location (plain path or ``file://`` URI) with ``new``."""
+def _rewrite(con: sqlite3.Connection, tables: set[str], old: str, new: str) -> int:
+    """Replace the prefix ``old`` of every location (plain path or ``file://`` URI) with ``new`` in ``tables``."""
     changed = 0
-    tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     for table, column in LOCATIONS:
         if table not in tables:
             continue
@@ -74,7 +73,7 @@ def relocate(db: str | Path) -> str | None:
             if row is not None and row[0] == here:
                 return None
             if row is not None:
-                _rewrite(con, row[0], here)
+                _rewrite(con, tables, row[0], here)
             con.execute(
                 "INSERT OR REPLACE INTO experiment_tags (key, value, experiment_id) VALUES (?, ?, ?)",
                 (ANCHOR_TAG, here, DEFAULT_EXPERIMENT),

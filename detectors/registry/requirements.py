@@ -34,9 +34,9 @@ def third_party(modules: Iterable[str]) -> set[str]:
     return {t for t in tops if t not in sys.stdlib_module_names and t != "__future__"}
 
 
-def distributions(top_level: Iterable[str], what: str) -> set[str]:
-    """The installed distributions providing the top-level modules ``top_level``; a missing one is an error."""
-    index = importlib.metadata.packages_distributions()
+def distributions(top_level: Iterable[str], what: str, index: dict[str, list[str]]) -> set[str]:
+    """The installed distributions providing the top-level modules ``top_level`` (``index``: top-level module →
+    distributions, as ``importlib.metadata.packages_distributions()`` gives it); a missing one is an error."""
     out: set[str] = set()
     for name in sorted(top_level):
         if name not in index:
@@ -51,10 +51,9 @@ def code_modules(kind_module: str) -> set[str]:
     return third_party(external)
 
 
-def data_modules(config: dict[str, Any]) -> set[str]:
-    """Packages ``detector.json`` names as data: those of :data:`DATA_KEYS` that are installed packages,
-    and ``gguf`` when the LLM was read from a GGUF file (transformers needs it to load one)."""
-    index = importlib.metadata.packages_distributions()
+def data_modules(config: dict[str, Any], index: dict[str, list[str]]) -> set[str]:
+    """Packages ``detector.json`` names as data: those of :data:`DATA_KEYS` that are installed packages (in
+    ``index``), and ``gguf`` when the LLM was read from a GGUF file (transformers needs it to load one)."""
     out = set()
     for keys in DATA_KEYS:
         value: Any = config
@@ -70,5 +69,6 @@ def data_modules(config: dict[str, Any]) -> set[str]:
 def pip_requirements(kind_module: str, config: dict[str, Any]) -> list[str]:
     """Pinned requirements of a detector whose class lives in ``kind_module`` and whose artifact is ``config``."""
     what = f"detector {config.get('kind')!r}"
-    dists = distributions(code_modules(kind_module) | data_modules(config), what)
+    index = importlib.metadata.packages_distributions()  # scans every installed distribution: once
+    dists = distributions(code_modules(kind_module) | data_modules(config, index), what, index)
     return sorted(f"{d}=={importlib.metadata.version(d)}" for d in dists)

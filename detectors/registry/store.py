@@ -68,9 +68,9 @@ def experiment(name: str, artifact_root: str | Path, root: str | Path = ".") -> 
         location = (Path(root) / artifact_root / name).resolve()
         location.mkdir(parents=True, exist_ok=True)
         found = mlflow.get_experiment(mlflow.create_experiment(name, artifact_location=location.as_uri()))
-    db = sqlite_path(mlflow.get_tracking_uri())
-    if db is not None:
-        relocate(db)  # a store MLflow has just created is anchored before anything is logged to it
+        db = sqlite_path(mlflow.get_tracking_uri())
+        if db is not None:  # a store MLflow has just created (configure found no tables to anchor) is anchored now
+            relocate(db)
     return found.experiment_id
 
 
