@@ -48,9 +48,12 @@ def realtime_val_ids(path: str | Path) -> list[str]:
 
 
 def register_detector(
-    artifact_dir: str | Path, val_ids: list[str], test: dict, name: str, alias: str, experiment_id: str, extra_params: dict
+    artifact_dir: str | Path, val_ids: list[str], test: dict, name: str, alias: str, experiment_id: str, extra_params: dict,
+    features: str | None = None,
 ) -> dict:
-    """Log ``artifact_dir`` as a pyfunc, register it as ``name`` and apply the champion rule (the result, logged)."""
+    """Log ``artifact_dir`` as a pyfunc, register it as ``name`` and apply the champion rule (the result, logged).
+
+    ``features``: the feature set a champion must share to be compared (see :func:`detectors.registry.store.decide`)."""
     detector = load_artifact(artifact_dir)
     val_auroc = float(detector.info["best_val_auroc"])
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
@@ -58,7 +61,7 @@ def register_detector(
     test_metrics = {f"test_{k}": v for k, v in test.items() if k != "kind"}
     digest = store.validation_digest(val_ids)
     result = store.log_and_register(
-        detector, artifact_dir, name, alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata
+        detector, artifact_dir, name, alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata, features
     )
     result["test_auroc"] = test["auroc"]
     log.info("%s", result)
@@ -91,9 +94,10 @@ def register_early(p, experiment_id: str) -> dict[str, dict]:
     results = {}
     for detector, registered in params.names.items():
         artifact = early_artifact(p["paths.early_model"], detector)
-        features = {"detector": detector, "features": ",".join(read_config(artifact)["groups"])}
+        features = ",".join(read_config(artifact)["groups"])
         test = early_test_metrics(p["paths.evaluate_early_metrics"], detector)
-        results[detector] = register_detector(artifact, val_ids, test, registered, params.alias, experiment_id, features)
+        extra = {"detector": detector, "features": features}
+        results[detector] = register_detector(artifact, val_ids, test, registered, params.alias, experiment_id, extra, features)
     return results
 
 

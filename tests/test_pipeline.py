@@ -204,6 +204,8 @@ def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny
     np.testing.assert_allclose(detector.predict_proba(rows), rows["dior-early-extended"].to_numpy(), atol=1e-6)
     run = mlflow.get_run(out["run_id"])
     assert run.data.params["detector"] == "dior-early-extended" and run.data.params["features"] == "attribution,entropy,first_token,hidden"
+    version = mlflow.MlflowClient().get_model_version("dior-early-extended", str(out["version"]))
+    assert version.tags["features"] == "attribution,entropy,first_token,hidden"  # only the same feature set competes for champion
 
 
 def test_pyfunc_model_predicts_from_questions(pipeline):
