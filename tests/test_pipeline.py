@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
 from detectors import load_detector
+from detectors.config import ParamsError
 from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
@@ -206,6 +207,17 @@ def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny
     assert run.data.params["detector"] == "dior-early-extended" and run.data.params["features"] == "attribution,entropy,first_token,hidden"
     version = mlflow.MlflowClient().get_model_version("dior-early-extended", str(out["version"]))
     assert version.tags["features"] == "attribution,entropy,first_token,hidden"  # only the same feature set competes for champion
+
+
+def test_register_refuses_an_early_detector_that_was_not_trained(pipeline, tmp_path):
+    os.chdir(pipeline)
+    params = yaml.safe_load((pipeline / "params.yaml").read_text())
+    params["register_early"]["names"] = {"dior-early": "dior-early", "dior-early-paper": "dior-early-paper"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    before = (pipeline / "data/registry/early.json").read_text()
+    with pytest.raises(ParamsError, match=r"register_early.names = 'dior-early-paper': no trained early detector at .*trained: \['dior-early',"):
+        register_stage.main(["--params", str(tmp_path / "params.yaml")])
+    assert (pipeline / "data/registry/early.json").read_text() == before  # nothing was registered
 
 
 def test_pyfunc_model_predicts_from_questions(pipeline):
