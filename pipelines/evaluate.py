@@ -1,8 +1,9 @@
 """Stage evaluate: every detector and training-free score on the test split, the same way.
 
-Early set (question level): the GRU (and its ablations) beside first-token, attribution and probe
-baselines. Real-time set: the MLP beside FLARE, Stitch-in-Time and token entropy at token, entity and
-continuation level. CtrlA's confidence score joins both when its scores exist. Every score is a
+Early set (question level): every trained early detector (each sub-directory of paths.early_model:
+dior-early, dior-early-extended, the ablations) beside first-token, attribution and probe baselines.
+Real-time set: the MLP beside FLARE, Stitch-in-Time and token entropy at token, entity and continuation
+level. CtrlA's confidence score joins both when its scores exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`. Writes dvc
 metrics (JSON), dvc plots (ROC curves, the attribution-entropy ECDF of DioR Fig. 7) and one MLflow run
 per scorer, nested under one comparison run per set, all with the same metric names.
@@ -24,7 +25,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from detectors.baselines import question_baselines, realtime_baselines  # noqa: E402
 from detectors.ctrla import SCORE_COLUMN as CTRLA  # noqa: E402
-from detectors.dior.early_detector import EarlyDetector  # noqa: E402
+from detectors.dior.early_detector import load_early_detectors  # noqa: E402
 from detectors.dior.realtime_detector import RealtimeDetector  # noqa: E402
 from detectors.evaluation.compare import compare  # noqa: E402
 from detectors.evaluation.metrics import roc  # noqa: E402
@@ -100,10 +101,7 @@ def log_table(task: str, level: str, results: dict) -> None:
 
 def evaluate_early(p, strategy: str, ece_bins: int) -> tuple[dict, list, list[Path]]:
     frame = pd.read_parquet(p["paths.early"])
-    model_dir = Path(p["paths.early_model"])
-    detectors = [DetectorScorer("gru", EarlyDetector.load(model_dir))]
-    ablation_dir = model_dir / "ablation"
-    detectors += [DetectorScorer(d.name, EarlyDetector.load(d)) for d in sorted(ablation_dir.iterdir())] if ablation_dir.exists() else []
+    detectors = [DetectorScorer(name, d) for name, d in load_early_detectors(p["paths.early_model"]).items()]
     frame, has_ctrla = with_ctrla(frame, Path(p["paths.ctrla_early"]))
     scorers = detectors + question_baselines(with_ctrla=has_ctrla)
     results, scores = compare(frame, scorers, strategy, ece_bins)

@@ -1,8 +1,10 @@
 """Stage register: log each DioR detector to MLflow, register it, and apply the champion rule.
 
-``dior-early`` (the GRU) and ``dior-realtime`` (the MLP; its test metrics are the continuation level's). Each
-version is tagged with the digest of the validation records its AUROC was computed on (the ok records of the
-set's val split; for the real-time set those with entity tokens), so only comparable versions compete.
+The early detectors of ``register_early.names`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``:
+the stronger feature set), each from ``paths.early_model/<name>/`` under its own registered name, their results
+in one JSON keyed by detector; and ``dior-realtime`` (the MLP; its test metrics are the continuation level's).
+Each version is tagged with the digest of the validation records its AUROC was computed on (the ok records of
+the set's val split; for the real-time set those with entity tokens), so only comparable versions compete.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from detectors.config import ParamsError
+from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.io import write_json
 from detectors.registry import store
+from detectors.registry.artifact import read_config
 from detectors.registry.kinds import load_artifact
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register")
 READS = (
-    "train_early.features", "build_realtime.hidden_layers", "register_early", "register_realtime", "mlflow",
+    "build_realtime.hidden_layers", "register_early", "register_realtime", "mlflow",
     "paths.early", "paths.realtime", "paths.early_model", "paths.realtime_model",
     "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
     "paths.registry_early", "paths.registry_realtime",
@@ -30,7 +35,7 @@ READS = (
 
 
 def early_val_ids(path: str | Path) -> list[str]:
-    """Ids of the early set's records the GRU's validation AUROC is computed on: the ok records of the val split."""
+    """Ids of the early set's records the early detectors' validation AUROC is computed on: the ok records of the val split."""
     frame = pd.read_parquet(path, columns=["id", "split", "status"])
     return frame.loc[(frame["status"] == "ok") & (frame["split"] == "val"), "id"].astype(str).tolist()
 
@@ -42,8 +47,13 @@ def realtime_val_ids(path: str | Path) -> list[str]:
     return [str(i) for i, labels in zip(frame["id"], frame["token_label"]) if (np.asarray(labels) >= 0).any()]
 
 
-def register_detector(artifact_dir: str, val_ids: list[str], test: dict, params, experiment_id: str, out: str, extra_params: dict) -> dict:
-    """Log ``artifact_dir`` as a pyfunc, register it as ``params.name`` and apply the champion rule."""
+def register_detector(
+    artifact_dir: str | Path, val_ids: list[str], test: dict, name: str, alias: str, experiment_id: str, extra_params: dict,
+    features: str | None = None,
+) -> dict:
+    """Log ``artifact_dir`` as a pyfunc, register it as ``name`` and apply the champion rule (the result, logged).
+
+    ``features``: the feature set a champion must share to be compared (see :func:`detectors.registry.store.decide`)."""
     detector = load_artifact(artifact_dir)
     val_auroc = float(detector.info["best_val_auroc"])
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
@@ -51,30 +61,64 @@ def register_detector(artifact_dir: str, val_ids: list[str], test: dict, params,
     test_metrics = {f"test_{k}": v for k, v in test.items() if k != "kind"}
     digest = store.validation_digest(val_ids)
     result = store.log_and_register(
-        detector, artifact_dir, params.name, params.alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata
+        detector, artifact_dir, name, alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata, features
     )
     result["test_auroc"] = test["auroc"]
-    write_json(out, result)
     log.info("%s", result)
     return result
+
+
+def early_artifact(model_dir: str | Path, detector: str) -> Path:
+    """``paths.early_model/<detector>``, the trained early detector ``register_early.names`` names; missing, a clear error."""
+    path = Path(model_dir) / detector
+    if not (path / "detector.json").exists():
+        trained = sorted(d.name for d in Path(model_dir).iterdir() if d.is_dir()) if Path(model_dir).is_dir() else []
+        raise ParamsError(
+            f"params: register_early.names = {detector!r}: no trained early detector at {path}; "
+            f"trained: {trained} (train_early.detectors names them; run `dvc repro train_early`)"
+        )
+    return path
+
+
+def early_test_metrics(path: str | Path, scorer: str) -> dict:
+    """The evaluate stage's test metrics of ``scorer`` in the early metrics file at ``path``."""
+    metrics = json.loads(Path(path).read_text())
+    if scorer not in metrics:
+        raise InputError(f"{path} has no test metrics of {scorer!r} (scorers: {sorted(metrics)}): run `dvc repro evaluate`")
+    return metrics[scorer]
+
+
+def register_early(p, experiment_id: str) -> dict[str, dict]:
+    """Every early detector of ``register_early.names`` under its registered name: ``{detector: result}``."""
+    params, val_ids = p["register_early"], early_val_ids(p["paths.early"])
+    results = {}
+    for detector, registered in params.names.items():
+        artifact = early_artifact(p["paths.early_model"], detector)
+        features = ",".join(read_config(artifact)["groups"])
+        test = early_test_metrics(p["paths.evaluate_early_metrics"], detector)
+        extra = {"detector": detector, "features": features}
+        results[detector] = register_detector(artifact, val_ids, test, registered, params.alias, experiment_id, extra, features)
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "register")
     mlflow_params = p["mlflow"]
     store.configure(mlflow_params.tracking_uri)
-    early, realtime = p["register_early"], p["register_realtime"]
-    early_test = json.loads(Path(p["paths.evaluate_early_metrics"]).read_text())["gru"]
-    exp = store.experiment(early.experiment, mlflow_params.artifact_root)
-    features = {"features": ",".join(p["train_early.features"])}
-    register_detector(p["paths.early_model"], early_val_ids(p["paths.early"]), early_test, early, exp, p["paths.registry_early"], features)
+    for name in p["register_early"].names:  # every artifact and its test metrics exist before anything is registered
+        early_artifact(p["paths.early_model"], name)
+        early_test_metrics(p["paths.evaluate_early_metrics"], name)
+    exp = store.experiment(p["register_early"].experiment, mlflow_params.artifact_root)
+    write_json(p["paths.registry_early"], register_early(p, exp))
+    realtime = p["register_realtime"]
     realtime_test = json.loads(Path(p["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value]["mlp"]
     exp = store.experiment(realtime.experiment, mlflow_params.artifact_root)
     layers = ",".join(map(str, p["build_realtime.hidden_layers"]))
-    register_detector(
-        p["paths.realtime_model"], realtime_val_ids(p["paths.realtime"]), realtime_test, realtime, exp, p["paths.registry_realtime"],
+    result = register_detector(
+        p["paths.realtime_model"], realtime_val_ids(p["paths.realtime"]), realtime_test, realtime.name, realtime.alias, exp,
         {"hidden_layers": layers},
     )
+    write_json(p["paths.registry_realtime"], result)
 
 
 if __name__ == "__main__":

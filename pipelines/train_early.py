@@ -1,8 +1,15 @@
-"""Stage train_early: the GRU early detector and its feature ablation (Lightning, GPU when present)."""
+"""Stage train_early: the early detectors and their feature ablation (Lightning, GPU when present).
+
+Each detector of ``train_early.detectors`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``: the
+stronger feature set) and each ablation (``gru[<groups>]``) is written to ``paths.early_model/<name>/`` with one
+entry in ``paths.train_early_metrics``. The directory is rebuilt beside the old one and swapped in at the end, so
+it holds exactly this run's detectors (evaluate loads every sub-directory) and a failed run leaves the last one.
+"""
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -16,7 +23,7 @@ log = logging.getLogger("train_early")
 READS = ("build_early.features", "train_early", "paths.llm", "paths.early", "paths.early_model", "paths.train_early_metrics")
 
 
-def variant_name(groups: list[str]) -> str:
+def ablation_name(groups: list[str]) -> str:
     return "gru[" + "+".join(groups) + "]"
 
 
@@ -26,13 +33,17 @@ def main(argv: list[str] | None = None) -> None:
     fingerprint, llm_ref = prepared_reference(p["paths.llm"])
     frame = pd.read_parquet(p["paths.early"])
     out = Path(p["paths.early_model"])
-    variants = {"gru": params.features, **{variant_name(g): g for g in params.ablation}}
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    variants = {**params.detectors, **{ablation_name(g): g for g in params.ablation}}
     metrics = {}
     for name, groups in variants.items():
-        detector = train_early_detector(frame, groups, params.training, features, fingerprint, llm_ref)
-        detector.save(out if name == "gru" else out / "ablation" / name)
+        detector = train_early_detector(frame, groups, params.training, features, fingerprint, llm_ref, name=name)
+        detector.save(partial / name)
         metrics[name] = {"features": groups, "threshold": detector.threshold, **detector.info}
         log.info("%s: %s", name, metrics[name])
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
     write_json(p["paths.train_early_metrics"], metrics)
 
 

@@ -65,6 +65,7 @@ def test_shipped_params_values_are_typed(shipped):
     assert feats.hidden_layers == shipped["build_early"]["features"]["hidden_layers"]
     assert isinstance(sections["train_early"].training.lr, float)
     assert sections["train_early"].ablation == shipped["train_early"]["ablation"]
+    assert sections["train_early"].detectors == shipped["train_early"]["detectors"]
 
 
 def test_a_missing_key_or_section_is_an_error_naming_it(shipped, tmp_path):
@@ -163,10 +164,35 @@ def test_split_ratio_out_of_range(shipped, tmp_path):
 
 
 def test_unknown_feature_group(shipped, tmp_path):
-    msg = params_error(edited(shipped, tmp_path, "train_early.features", ["attribution", "logits"]))
-    assert "train_early.features" in msg
+    msg = params_error(edited(shipped, tmp_path, "train_early.detectors.dior-early", ["attribution", "logits"]))
+    assert "train_early.detectors.dior-early" in msg
     assert "'logits'" in msg
     assert "unknown feature group" in msg
+
+
+def test_shipped_dior_early_is_the_papers_rnn_over_ig_features():
+    """DioR Eq. 2: the detector reads IG(Q) only (the attribution sequence and its entropy); the stronger set has its own name."""
+    sections = load_all(SHIPPED)
+    assert sections["train_early"].detectors["dior-early"] == ["attribution", "entropy"]
+    assert set(sections["train_early"].detectors["dior-early-extended"]) == {"attribution", "entropy", "first_token", "hidden"}
+    assert sections["register_early"].names == {"dior-early": "dior-early", "dior-early-extended": "dior-early-extended"}
+
+
+@pytest.mark.parametrize(
+    "key, value, where, why",
+    [
+        ("train_early.detectors", {}, "train_early.detectors", "at least one detector"),
+        ("train_early.detectors", {"gru/all": ["entropy"]}, "train_early.detectors", "letters, digits"),
+        ("train_early.detectors", {"a": ["entropy", "hidden"], "b": ["hidden", "entropy"]}, "train_early.detectors.b", "same feature groups as train_early.detectors.a"),
+        ("train_early.ablation", [["entropy", "attribution"]], "train_early.ablation[0]", "same feature groups as train_early.detectors.dior-early"),
+        ("register_early.names", {}, "register_early.names", "at least one trained early detector"),
+        ("register_early.names", {"dior-early": "x", "dior-early-extended": "x"}, "register_early.names", "under one name"),
+        ("register_early.names", {"dior-early": "models:/x"}, "register_early.names.dior-early", "letters, digits"),
+    ],
+)  # fmt: skip
+def test_early_detector_names_and_feature_sets_are_checked(shipped, tmp_path, key, value, where, why):
+    msg = params_error(edited(shipped, tmp_path, key, value))
+    assert f"params: {where} = " in msg and why in msg
 
 
 def test_unknown_feature_group_in_an_ablation_names_its_index(shipped, tmp_path):
@@ -176,8 +202,8 @@ def test_unknown_feature_group_in_an_ablation_names_its_index(shipped, tmp_path)
 
 
 def test_feature_group_listed_twice(shipped, tmp_path):
-    msg = params_error(edited(shipped, tmp_path, "train_early.features", ["entropy", "entropy"]))
-    assert "train_early.features" in msg and "twice" in msg
+    msg = params_error(edited(shipped, tmp_path, "train_early.detectors.dior-early", ["entropy", "entropy"]))
+    assert "train_early.detectors.dior-early" in msg and "twice" in msg
 
 
 def test_string_for_an_int(shipped, tmp_path):

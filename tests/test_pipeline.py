@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
 from detectors import load_detector
+from detectors.config import ParamsError
 from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
@@ -113,8 +114,8 @@ def test_build_early_resumes_without_redoing_finished_shards(pipeline):
 
 def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     metrics = json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())
-    assert {"gru", "gru[attribution]", "logreg[attribution+first_token]", "attribution_entropy", "first_token_prob",
-            "first_token_entropy"} <= set(metrics)
+    assert {"dior-early", "dior-early-extended", "gru[attribution]", "logreg[attribution+first_token]", "attribution_entropy",
+            "first_token_prob", "first_token_entropy"} <= set(metrics)
     keys = {"auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1", "ece", "threshold"}
     scores = pd.read_parquet(pipeline / "data/eval/early_scores.parquet")
     test = scores[scores["split"] == "test"]
@@ -128,7 +129,7 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     # probe measured 0.88 here and 0.53 on CI for the same seed); test_training checks that they learn.
     assert metrics["first_token_prob"]["auroc"] > 0.7
     assert (pipeline / "data/plots/early_roc.png").stat().st_size > 0
-    assert (pipeline / "data/plots/early_roc/gru.csv").exists()
+    assert (pipeline / "data/plots/early_roc/dior-early.csv").exists()
     assert {p.name for p in (pipeline / "data/plots/early_entropy_ecdf").glob("*.csv")} == {"correct.csv", "hallucinated.csv"}
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["detector-evaluation"], filter_string="tags.kind != '' and tags.task = 'early'")
@@ -136,17 +137,51 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     assert runs["metrics.test_auroc"].notna().all()
 
 
+def test_train_early_writes_each_named_detector_and_ablation_in_its_own_directory(pipeline):
+    """dior-early is DioR's RNN over IG(Q) (attribution and its entropy); the extended set and the ablation sit beside it."""
+    models = pipeline / "data/models/early"
+    assert {d.name for d in models.iterdir()} == {"dior-early", "dior-early-extended", "gru[attribution]"}
+    configs = {d.name: json.loads((d / "detector.json").read_text()) for d in models.iterdir()}
+    assert {name: c["name"] for name, c in configs.items()} == {name: name for name in configs}
+    assert configs["dior-early"]["groups"] == ["attribution", "entropy"]
+    assert configs["dior-early-extended"]["groups"] == ["attribution", "entropy", "first_token", "hidden"]
+    metrics = json.loads((pipeline / "data/metrics/train_early.json").read_text())
+    assert set(metrics) == set(configs) and all(m["paper_threshold"] == 0.5 for m in metrics.values())
+    for name, m in metrics.items():
+        assert m["threshold"] == configs[name]["threshold"] and 0 <= m["val_trigger_rate"] <= 1, name
+
+
+def test_train_early_leaves_only_this_runs_detectors(pipeline, tmp_path):
+    """A rerun with fewer detectors removes the others: evaluate scores every sub-directory of paths.early_model."""
+    os.chdir(pipeline)
+    params = yaml.safe_load((pipeline / "params.yaml").read_text())
+    params["train_early"].update(detectors={"dior-early": ["attribution", "entropy"]}, ablation=[])
+    params["train_early"]["training"].update(max_epochs=1)
+    params["paths"].update(early_model=str(tmp_path / "early"), train_early_metrics=str(tmp_path / "train_early.json"))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    for stale in ("gru[hidden]", "ablation"):
+        (tmp_path / "early" / stale).mkdir(parents=True)
+    train_early.main(["--params", str(tmp_path / "params.yaml")])
+    assert [d.name for d in (tmp_path / "early").iterdir()] == ["dior-early"]
+    assert not (tmp_path / "early.partial").exists()
+    assert set(json.loads((tmp_path / "train_early.json").read_text())) == {"dior-early"}
+
+
 def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tiny_llm):
-    registry_out = json.loads((pipeline / "data/registry/dior-early.json").read_text())
+    registry_out = json.loads((pipeline / "data/registry/early.json").read_text())
+    assert set(registry_out) == {"dior-early", "dior-early-extended"}
+    registry_out = registry_out["dior-early"]
+    assert registry_out["name"] == "dior-early"
     assert registry_out["version"] == 1 and registry_out["alias_moved"] and registry_out["decision"] == "champion"
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     val_ids = early.loc[(early["status"] == "ok") & (early["split"] == "val"), "id"]
     assert registry_out["val_digest"] == validation_digest(val_ids)
-    for model in ("early", "realtime"):  # the artifact records where its LLM is relative to the project, and its dtype
+    for model in ("early/dior-early", "realtime"):  # the artifact records where its LLM is relative to the project, and its dtype
         llm_section = json.loads((pipeline / f"data/models/{model}/detector.json").read_text())["llm"]
         assert llm_section["dir"] == "data/llm" and llm_section["dtype"] == "float32"
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     detector = load_detector("dior-early", alias="champion", tracking_uri=uri, llm=tiny_llm)
+    assert (detector.name, detector.groups) == ("dior-early", ["attribution", "entropy"])  # DioR's RNN over IG(Q)
     frame = pd.read_parquet(pipeline / "data/early/early.parquet")
     row = frame[frame["question"] == "The capital of Spain is"].iloc[0]
     decision = detector.assess("The capital of Spain is")
@@ -158,16 +193,43 @@ def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tin
     assert set(decision.keywords) <= {"The", "capital", "of", "Spain", "is"} and decision.keywords
 
 
+def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny_llm):
+    out = json.loads((pipeline / "data/registry/early.json").read_text())["dior-early-extended"]
+    assert out["name"] == "dior-early-extended" and out["alias_moved"] and out["version"] == 1
+    uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
+    detector = load_detector("dior-early-extended", tracking_uri=uri, llm=tiny_llm)
+    assert detector.name == "dior-early-extended" and detector.groups == ["attribution", "entropy", "first_token", "hidden"]
+    # the registered model is the evaluated one: same probabilities as the evaluation stored
+    scores = pd.read_parquet(pipeline / "data/eval/early_scores.parquet", columns=["id", "dior-early-extended"])
+    rows = pd.read_parquet(pipeline / "data/early/early.parquet").merge(scores, on="id")
+    np.testing.assert_allclose(detector.predict_proba(rows), rows["dior-early-extended"].to_numpy(), atol=1e-6)
+    run = mlflow.get_run(out["run_id"])
+    assert run.data.params["detector"] == "dior-early-extended" and run.data.params["features"] == "attribution,entropy,first_token,hidden"
+    version = mlflow.MlflowClient().get_model_version("dior-early-extended", str(out["version"]))
+    assert version.tags["features"] == "attribution,entropy,first_token,hidden"  # only the same feature set competes for champion
+
+
+def test_register_refuses_an_early_detector_that_was_not_trained(pipeline, tmp_path):
+    os.chdir(pipeline)
+    params = yaml.safe_load((pipeline / "params.yaml").read_text())
+    params["register_early"]["names"] = {"dior-early": "dior-early", "dior-early-paper": "dior-early-paper"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    before = (pipeline / "data/registry/early.json").read_text()
+    with pytest.raises(ParamsError, match=r"register_early.names = 'dior-early-paper': no trained early detector at .*trained: \['dior-early',"):
+        register_stage.main(["--params", str(tmp_path / "params.yaml")])
+    assert (pipeline / "data/registry/early.json").read_text() == before  # nothing was registered
+
+
 def test_pyfunc_model_predicts_from_questions(pipeline):
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     model = mlflow.pyfunc.load_model("models:/dior-early@champion")
     questions = ["The capital of Peru is", "The river of Paris is"]
     out = model.predict(pd.DataFrame({"question": questions}))
     assert list(out.columns) == ["probability", "retrieve", "keywords"]
-    # the served model is the evaluated "gru": same probabilities as the evaluation stored for these questions
+    # the served model is the evaluated "dior-early": same probabilities as the evaluation stored for these questions
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     early = early.merge(pd.read_parquet(pipeline / "data/eval/early_scores.parquet"), on="id")
-    stored = early.set_index("question").loc[questions, "gru"].to_numpy()
+    stored = early.set_index("question").loc[questions, "dior-early"].to_numpy()
     np.testing.assert_allclose(out["probability"].to_numpy(), stored, atol=1e-5)
 
 
@@ -181,7 +243,7 @@ def test_detector_refuses_a_different_llm(pipeline, tokenizer):
 def test_champion_alias_moves_only_when_not_worse(pipeline):
     os.chdir(pipeline)
     register_stage.main(["--params", "params.yaml"])  # same detector again: equal AUROC → alias moves
-    second = json.loads((pipeline / "data/registry/dior-early.json").read_text())
+    second = json.loads((pipeline / "data/registry/early.json").read_text())["dior-early"]
     assert second["version"] == 2 and second["alias_moved"] and second["champion_version"] == 2
     worse = register(second["model_uri"], "dior-early", "champion", second["val_auroc"] - 0.1, second["val_digest"], second["llm_digest"])
     assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 2
@@ -199,7 +261,7 @@ def test_comparison_notebook_runs_on_the_store(pipeline):
     finally:
         del os.environ["MLFLOW_TRACKING_URI"]
     outputs = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for c in nb.cells for o in c.get("outputs", []))
-    assert "gru" in outputs and "attribution_entropy" in outputs
+    assert "dior-early" in outputs and "attribution_entropy" in outputs
     assert "sit_norm" in outputs and "sentence AUROC" in outputs  # the real-time table
 
 

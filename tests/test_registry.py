@@ -136,6 +136,22 @@ def test_incomparable_versions_become_challengers_until_promoted(logged):
         store.promote(name, 99)
 
 
+def test_a_champion_with_another_feature_set_is_not_compared(logged):
+    """dior-early's champion from before it became DioR's RNN over IG(Q) (all feature groups, no features tag) does not
+    reject the paper's detector for a lower AUROC: it becomes a challenger, and among equal feature sets the rule is as before."""
+    store.configure(logged["tracking_uri"])
+    uri, name = logged["dior-early"], "feature-sets"
+    store.register(uri, name, "champion", 0.73, "val-a", "llm-a")  # registered before versions were tagged with features
+    paper = store.register(uri, name, "champion", 0.56, "val-a", "llm-a", features="attribution,entropy")
+    assert paper["decision"] == "challenger" and "feature set attribution,entropy differs from champion v1's None" in paper["reason"]
+    assert mlflow.MlflowClient().get_model_version(name, "2").tags["features"] == "attribution,entropy"
+    store.promote(name, 2)
+    assert store.register(uri, name, "champion", 0.55, "val-a", "llm-a", features="attribution,entropy")["decision"] == "rejected"
+    assert store.register(uri, name, "champion", 0.60, "val-a", "llm-a", features="attribution,entropy")["decision"] == "champion"
+    other = store.register(uri, name, "champion", 0.9, "val-a", "llm-a", features="attribution,entropy,first_token,hidden")
+    assert other["decision"] == "challenger" and _alias(name) == 4
+
+
 def test_promote_command_line(logged, capsys):
     store.configure(logged["tracking_uri"])
     uri, name = logged["ctrla-honesty"], "promote-cli"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from detectors.config.schema import EarlyFeatureParams, TrainingParams
-from detectors.dior.early_detector import EarlyDetector, train_early_detector
+from detectors.dior.early_detector import PAPER_THRESHOLD, EarlyDetector, load_early_detectors, train_early_detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.evaluation.metrics import OneClassError, auroc
 from detectors.training import fit
@@ -42,8 +42,8 @@ def synthetic_rows(n: int, seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def train(frame, groups, params=PARAMS):
-    return train_early_detector(frame, groups, params, EarlyFeatureParams(), FP, {"source": "synthetic"})
+def train(frame, groups, params=PARAMS, name="dior-early"):
+    return train_early_detector(frame, groups, params, EarlyFeatureParams(), FP, {"source": "synthetic"}, name=name)
 
 
 def test_gru_learns_attribution_shape_and_threshold_comes_from_validation():
@@ -56,6 +56,10 @@ def test_gru_learns_attribution_shape_and_threshold_comes_from_validation():
     p, y = det.predict_proba(val.to_dict("records")), val["label"].to_numpy()
     youden = lambda t: ((p >= t) & (y == 1)).sum() / (y == 1).sum() - ((p >= t) & (y == 0)).sum() / (y == 0).sum()  # noqa: E731
     assert det.threshold in p and youden(det.threshold) == max(youden(t) for t in p)  # the best Youden J on validation
+    # DioR's Eq. 2 rule (retrieve when the output exceeds 0.5) is recorded beside the validation threshold, with both trigger rates
+    assert det.info["paper_threshold"] == PAPER_THRESHOLD == 0.5
+    assert det.info["val_trigger_rate"] == pytest.approx(np.mean(p >= det.threshold))
+    assert det.info["val_trigger_rate_at_paper_threshold"] == pytest.approx(np.mean(p > 0.5))
 
 
 def test_training_is_deterministic():
@@ -101,11 +105,12 @@ def test_one_class_split_is_refused():
 
 def test_artifact_round_trip_gives_identical_scores(tmp_path):
     frame = synthetic_rows(60)
-    det = train(frame, ["attribution", "entropy", "first_token", "hidden"], dataclasses.replace(PARAMS, max_epochs=3))
+    det = train(frame, ["attribution", "entropy", "first_token", "hidden"], dataclasses.replace(PARAMS, max_epochs=3), "dior-early-extended")
     loaded = EarlyDetector.load(det.save(tmp_path / "det"))
     rows = frame.to_dict("records")
     np.testing.assert_array_equal(det.predict_proba(rows), loaded.predict_proba(rows))
     assert (loaded.threshold, loaded.groups, loaded.fingerprint) == (det.threshold, det.groups, det.fingerprint)
+    assert loaded.name == det.name == "dior-early-extended" and loaded.KIND == "dior-early"
     assert not list(tmp_path.glob("det/*.pkl")) and (tmp_path / "det" / "weights.safetensors").exists()
 
 
@@ -134,3 +139,26 @@ def test_the_artifact_records_the_sets_feature_dtype(tmp_path):
 def test_a_set_without_exactly_one_feature_dtype_is_refused(change, message):
     with pytest.raises(ValueError, match=f"the early-detection set .*{message}.*rebuild"):
         train(change(synthetic_rows(30)), ["entropy"])
+
+
+def test_every_trained_early_detector_loads_by_its_directory_name(tmp_path):
+    frame, params = synthetic_rows(30), dataclasses.replace(PARAMS, max_epochs=1)
+    with pytest.raises(FileNotFoundError, match="holds no trained early detector"):
+        load_early_detectors(tmp_path / "early")
+    for name, groups in {"dior-early": ["attribution", "entropy"], "gru[hidden]": ["hidden"]}.items():
+        train(frame, groups, params, name).save(tmp_path / "early" / name)
+    loaded = load_early_detectors(tmp_path / "early")
+    assert list(loaded) == ["dior-early", "gru[hidden]"]
+    assert (loaded["dior-early"].groups, loaded["gru[hidden]"].groups) == (["attribution", "entropy"], ["hidden"])
+    train(frame, ["entropy"], params, "dior-early-extended").save(tmp_path / "early" / "moved")
+    with pytest.raises(ValueError, match=r"early/moved holds early detector 'dior-early-extended', not 'moved'"):
+        load_early_detectors(tmp_path / "early")
+
+
+def test_an_artifact_written_before_names_loads_as_dior_early(tmp_path):
+    """Registered versions from before the early detectors had names were all ``dior-early``."""
+    directory = train(synthetic_rows(30), ["entropy"], dataclasses.replace(PARAMS, max_epochs=1), "x").save(tmp_path / "det")
+    config = json.loads((directory / "detector.json").read_text())
+    del config["name"]
+    (directory / "detector.json").write_text(json.dumps(config))
+    assert EarlyDetector.load(directory).name == "dior-early"

@@ -7,6 +7,7 @@ templating (``${paths.qa}``), so a path is written in one place.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 from detectors.config.core import check_share, check_splits, fail, positive
@@ -119,16 +120,36 @@ class BuildEarlyParams:
                 fail(f"{where}.stop[{i}]", stop, "stop strings must be non-empty (use [] for no stop string)")
 
 
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a directory name and an MLflow registered-model name
+
+
+def check_model_name(key: str, name: str) -> None:
+    if not MODEL_NAME.fullmatch(name):
+        fail(key, name, "use letters, digits, '.', '_' and '-' only, starting with a letter or digit")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainEarlyParams:
-    features: list[str]
+    """``detectors``: name → feature groups of each early detector trained and written to ``paths.early_model/<name>/``;
+    ``ablation``: extra feature sets trained beside them, each named ``gru[<groups joined by +>]``."""
+
+    detectors: dict[str, list[str]]
     ablation: list[list[str]]
     training: TrainingParams
 
     def check(self, where: str) -> None:
-        check_feature_groups(f"{where}.features", self.features)
-        for i, feats in enumerate(self.ablation):
-            check_feature_groups(f"{where}.ablation[{i}]", feats)
+        if not self.detectors:
+            fail(f"{where}.detectors", self.detectors, "name at least one detector, e.g. {dior-early: [attribution, entropy]}")
+        for name in self.detectors:
+            check_model_name(f"{where}.detectors", name)
+        keyed = [(f"{where}.detectors.{name}", feats) for name, feats in self.detectors.items()]
+        keyed += [(f"{where}.ablation[{i}]", feats) for i, feats in enumerate(self.ablation)]
+        seen: dict[frozenset, str] = {}  # feature groups -> the key that trains them (group order does not change a detector)
+        for key, feats in keyed:
+            check_feature_groups(key, feats)
+            if frozenset(feats) in seen:
+                fail(key, feats, f"the same feature groups as {seen[frozenset(feats)]}, trained already: remove one")
+            seen[frozenset(feats)] = key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +224,24 @@ class RegisterParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class RegisterEarlyParams:
+    """``names``: trained early detector (a ``train_early.detectors`` name) → the name it is registered under."""
+
+    names: dict[str, str]
+    alias: str
+    experiment: str
+
+    def check(self, where: str) -> None:
+        if not self.names:
+            fail(f"{where}.names", self.names, "name at least one trained early detector, e.g. {dior-early: dior-early}")
+        for detector, registered in self.names.items():
+            check_model_name(f"{where}.names", detector)
+            check_model_name(f"{where}.names.{detector}", registered)
+        if len(set(self.names.values())) != len(self.names):
+            fail(f"{where}.names", self.names, "two detectors would be registered under one name: give each its own")
+
+
+@dataclasses.dataclass(frozen=True)
 class ExtractDirectionsParams:
     honesty: ContrastParams
     confidence: ContrastParams
@@ -264,7 +303,7 @@ SECTIONS: dict[str, type] = {
     "train_early": TrainEarlyParams,
     "evaluate": EvaluateParams,
     "mlflow": MLflowParams,
-    "register_early": RegisterParams,
+    "register_early": RegisterEarlyParams,
     "articles": ArticlesParams,
     "build_realtime": BuildRealtimeParams,
     "train_realtime": TrainRealtimeParams,

@@ -1,6 +1,18 @@
 """The trained early detector: training from the early-detection set, its artifact, and serving.
 
-The artifact is a directory: ``weights.safetensors`` (no pickle) and ``detector.json`` (network
+DioR's early detector (§3.1.1, Alg. 1, App. A.1) is an RNN over the question's IG features: Eq. 2 reads
+C(Q) = 1[Softmax(f_RNN(IG(Q))) > 0.5], with IG(Q) the Integrated-Gradients attribution of each question
+token and its entropy (Eq. 1). Alg. 1 also lists the answer A and the reference R among the RNN's inputs
+while training, but neither exists before generation, and the label is computed from them, so the detector
+the paper serves (Eq. 2) reads IG(Q) alone. Feature groups ``[attribution, entropy]`` are exactly that: the
+GRU (an RNN) reads the attribution sequence, the entropy joins its head; this is ``dior-early``. Further
+groups (``first_token``, ``hidden``) make a stronger detector that is not DioR's (``dior-early-extended``
+in params.yaml). One sigmoid logit is Eq. 2's two-class softmax; the paper retrieves when it exceeds
+:data:`PAPER_THRESHOLD` = 0.5. The detector retrieves at the threshold chosen on validation instead (the
+comparison's rule for every scorer: 0.5 assumes calibrated, balanced training), and records the paper's
+threshold and both thresholds' validation trigger rates in ``info``.
+
+The artifact is a directory: ``weights.safetensors`` (no pickle) and ``detector.json`` (its name, network
 shape, feature groups, standardisation, validation threshold, feature params incl. the prompt, the
 LLM fingerprint and the dtype the features were computed in). Serving computes features with the same
 ``question_features`` as build_early.
@@ -27,6 +39,8 @@ from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
+
+PAPER_THRESHOLD = 0.5  # DioR Eq. 2: retrieve when the softmax (here: sigmoid) output exceeds 0.5
 
 
 @dataclasses.dataclass
@@ -68,7 +82,11 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
 
 @dataclasses.dataclass
 class EarlyDetector(Detector):
-    """The GRU over a question's attribution sequence (plus per-question features): retrieve before generating?"""
+    """The GRU over a question's attribution sequence (plus per-question features): retrieve before generating?
+
+    ``name`` says which of the trained early detectors it is (``dior-early``, ``dior-early-extended``, an ablation
+    ``gru[...]``); all share the kind ``dior-early``. Artifacts written before names were recorded load as ``dior-early``.
+    """
 
     KIND = "dior-early"
 
@@ -82,10 +100,12 @@ class EarlyDetector(Detector):
     llm_ref: dict[str, Any]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
     info: dict[str, Any]
     llm: LLM | None = None
+    name: str = KIND
 
     # ---- artifact -------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
         config = {
+            "name": self.name,
             "net": self.net.config,
             "groups": self.groups,
             "static_mean": self.static_mean.tolist(),
@@ -110,6 +130,7 @@ class EarlyDetector(Detector):
             fingerprint=fingerprint,
             llm_ref=llm_ref,
             info=config["info"],
+            name=config.get("name", cls.KIND),
         )
 
     # ---- scoring --------------------------------------------------------------------------------
@@ -152,8 +173,9 @@ def train_early_detector(
     fingerprint: Fingerprint,
     llm_ref: dict[str, Any],
     fast_dev_run: bool = False,
+    name: str = EarlyDetector.KIND,
 ) -> EarlyDetector:
-    """Train on the ``train`` split, early-stop and choose the threshold on ``val`` (never on test).
+    """Train detector ``name`` on the ``train`` split, early-stop and choose the threshold on ``val`` (never on test).
 
     The detector records the dtype the set's features were computed in (its ``feature_dtype`` column) in
     ``llm_ref``, so that serving in another dtype is refused.
@@ -178,7 +200,29 @@ def train_early_detector(
         params,
         fast_dev_run=fast_dev_run,
     )
-    detector = EarlyDetector(net, list(groups), mean, std, 0.5, features, fingerprint, llm_ref, {})
-    detector.threshold = choose_threshold(val_labels, detector.predict_proba(val), params.threshold)
-    detector.info = training_info(summary, params, n_train=len(train), n_val=len(val), train_hallucination_rate=float(train_labels.mean()))
+    detector = EarlyDetector(net, list(groups), mean, std, PAPER_THRESHOLD, features, fingerprint, llm_ref, {}, name=name)
+    val_scores = detector.predict_proba(val)
+    detector.threshold = choose_threshold(val_labels, val_scores, params.threshold)
+    detector.info = training_info(
+        summary, params, n_train=len(train), n_val=len(val), train_hallucination_rate=float(train_labels.mean()),
+        paper_threshold=PAPER_THRESHOLD,
+        val_trigger_rate=float(np.mean(val_scores >= detector.threshold)),
+        val_trigger_rate_at_paper_threshold=float(np.mean(val_scores > PAPER_THRESHOLD)),
+    )  # fmt: skip
     return detector
+
+
+def load_early_detectors(directory: str | Path) -> dict[str, EarlyDetector]:
+    """Every trained early detector under ``directory`` (``paths.early_model``), by name: one per sub-directory, in
+    name order. A sub-directory whose artifact carries another name, or a directory with none, is an error."""
+    directory = Path(directory)
+    subdirs = sorted(d for d in directory.iterdir() if d.is_dir()) if directory.is_dir() else []
+    if not subdirs:
+        raise FileNotFoundError(f"{directory} holds no trained early detector (one per sub-directory): run `dvc repro train_early`")
+    detectors = {}
+    for sub in subdirs:
+        detector = EarlyDetector.load(sub)
+        if detector.name != sub.name:
+            raise ValueError(f"{sub} holds early detector {detector.name!r}, not {sub.name!r}: rerun `dvc repro train_early`")
+        detectors[sub.name] = detector
+    return detectors

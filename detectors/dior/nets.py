@@ -8,8 +8,10 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 
 class EarlyGRU(nn.Module):
-    """DioR's early detector: a bidirectional GRU over per-token attribution features, its final
-    states joined with per-question features in an MLP head that outputs the hallucination logit.
+    """The early detectors' network: a bidirectional GRU over per-token attribution features, its final
+    states joined with per-question features in an MLP head that outputs the hallucination logit. With the
+    attribution sequence and its entropy only, it is DioR's RNN over IG(Q) (Eq. 2); see
+    :mod:`detectors.dior.early_detector`.
 
     Per-question features come in two kinds: a few scalars (entropy, first-token statistics) that go
     straight into the head, and a long vector (the hidden state) that is first projected down, so the

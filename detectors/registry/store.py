@@ -2,8 +2,9 @@
 
 The champion rule: a new version takes the alias (``champion``) only when its validation AUROC is finite, it
 was computed on the same validation set (``val_digest``: digest of the sorted validation record ids) with the
-same LLM (``llm_digest``) as the champion's, and it is not worse. A version that cannot be compared (no finite
-AUROC, another validation set or LLM) gets the :data:`CHALLENGER` alias instead; a person promotes it with
+same LLM (``llm_digest``) as the champion's, from the same feature set (``features``, where the caller names one:
+the early detectors), and it is not worse. A version that cannot be compared (no finite AUROC, another validation
+set, LLM or feature set) gets the :data:`CHALLENGER` alias instead; a person promotes it with
 :func:`promote` (``python -m detectors.registry.store promote NAME VERSION``).
 """
 
@@ -109,8 +110,13 @@ def _number(value: str | None) -> float:
         return math.nan
 
 
-def decide(val_auroc: float, val_digest: str | None, llm: str, champion: Any | None) -> tuple[str, str]:
-    """``("champion" | "challenger" | "rejected", why)`` for a new version against the ``champion`` version."""
+def decide(
+    val_auroc: float, val_digest: str | None, llm: str, champion: Any | None, features: str | None = None
+) -> tuple[str, str]:
+    """``("champion" | "challenger" | "rejected", why)`` for a new version against the ``champion`` version.
+
+    ``features`` (None: not compared) names what the detector reads; a champion with another or no feature set is
+    another detector under the same name (e.g. ``dior-early`` before it became DioR's RNN over IG(Q) alone)."""
     if not math.isfinite(val_auroc):
         return CHALLENGER, f"validation AUROC is {val_auroc}: not comparable (e.g. a one-class validation split)"
     if val_digest is None:
@@ -122,6 +128,8 @@ def decide(val_auroc: float, val_digest: str | None, llm: str, champion: Any | N
         return CHALLENGER, f"validation set {val_digest} differs from champion v{champion.version}'s {tags.get('val_digest')}"
     if tags.get("llm_digest") != llm:
         return CHALLENGER, f"LLM {llm} differs from champion v{champion.version}'s {tags.get('llm_digest')}"
+    if features is not None and tags.get("features") != features:
+        return CHALLENGER, f"feature set {features} differs from champion v{champion.version}'s {tags.get('features')}"
     current = _number(tags.get("val_auroc"))
     if not math.isfinite(current):
         return "champion", f"champion v{champion.version} has no finite validation AUROC"
@@ -139,19 +147,22 @@ def alias_version(client: MlflowClient, name: str, alias: str) -> Any | None:
     return None if version is None else client.get_model_version(name, str(version))
 
 
-def register(model_uri: str, name: str, alias: str, val_auroc: float, val_digest: str | None, llm: str) -> dict[str, Any]:
-    """Register a new version tagged with its validation AUROC, validation-set digest and LLM digest, and
-    apply the champion rule (:func:`decide`): the result says where ``alias`` points and why."""
+def register(
+    model_uri: str, name: str, alias: str, val_auroc: float, val_digest: str | None, llm: str, features: str | None = None
+) -> dict[str, Any]:
+    """Register a new version tagged with its validation AUROC, validation-set digest, LLM digest and feature set (when
+    given), and apply the champion rule (:func:`decide`): the result says where ``alias`` points and why."""
     if alias == CHALLENGER:
         raise ValueError(f"alias {alias!r} is reserved for versions that cannot be compared; name another alias")
     client = MlflowClient()
     version = mlflow.register_model(model_uri, name)
     val_auroc = float(val_auroc)
     tags = {"val_auroc": repr(val_auroc), "val_digest": val_digest or "", "llm_digest": llm}
+    tags |= {} if features is None else {"features": features}
     for key, value in tags.items():
         client.set_model_version_tag(name, version.version, key, value)
     current = alias_version(client, name, alias)
-    decision, reason = decide(val_auroc, val_digest, llm, current)
+    decision, reason = decide(val_auroc, val_digest, llm, current, features)
     if decision != "rejected":
         client.set_registered_model_alias(name, alias if decision == "champion" else CHALLENGER, version.version)
     champion = version if decision == "champion" else current
@@ -195,17 +206,18 @@ def log_and_register(
     metrics: dict[str, float],
     params: dict[str, Any],
     metadata: dict[str, Any],
+    features: str | None = None,
 ) -> dict[str, Any]:
     """One run that logs ``detector`` (a :class:`~detectors.interfaces.Detector` loaded from ``artifact_dir``)
-    with its params and metrics, registers it as ``name`` and applies the champion rule; returns
-    :func:`register`'s result with the run id and model URI."""
+    with its params and metrics, registers it as ``name`` and applies the champion rule (``features``: see
+    :func:`decide`); returns :func:`register`'s result with the run id and model URI."""
     llm = llm_digest(detector.fingerprint)
     with mlflow.start_run(experiment_id=experiment_id, run_name=name) as run:
         mlflow.log_params(params)
         mlflow.log_metrics({k: v for k, v in {"val_auroc": val_auroc, **metrics}.items() if v is not None and math.isfinite(v)})
         mlflow.set_tags({"val_digest": val_digest or "", "llm_digest": llm})
         info = log_detector(detector, artifact_dir, metadata)
-        result = register(info.model_uri, name, alias, val_auroc, val_digest, llm)
+        result = register(info.model_uri, name, alias, val_auroc, val_digest, llm, features)
     return {**result, "run_id": run.info.run_id, "model_uri": info.model_uri}
 
 
