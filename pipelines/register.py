@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     mlflow_params = p["mlflow"]
     store.configure(mlflow_params.tracking_uri)
     early, realtime = p["register_early"], p["register_realtime"]
-    early_test = json.loads(Path(p["paths.evaluate_early_metrics"]).read_text())["gru"]
+    early_test = json.loads(Path(p["paths.evaluate_early_metrics"]).read_text())[Level.QUESTION.value]["gru"]
     exp = store.experiment(early.experiment, mlflow_params.artifact_root)
     features = {"features": ",".join(p["train_early.features"])}
     register_detector(p["paths.early_model"], early_val_ids(p["paths.early"]), early_test, early, exp, p["paths.registry_early"], features)
