@@ -63,7 +63,9 @@ def realtime_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
     return frame, units, scorers
 
 
-def write_plots(table: pd.DataFrame, scores: dict, probabilities: dict, early: pd.DataFrame, plots_dir: Path, bins: int) -> dict[str, list[Path]]:
+def write_plots(
+    table: pd.DataFrame, scores: dict, probabilities: dict, early: pd.DataFrame, plots_dir: Path, bins: int
+) -> dict[str, list[Path]]:
     """Every figure, keyed ``<dataset>_<level>`` (and ``early`` for DioR Fig. 7), one colour per scorer throughout."""
     colours = scorer_colours(table["scorer"])
     plots = {"early": [write_entropy_ecdf(early, plots_dir)]}
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
 
     store.configure(mlflow_params.tracking_uri)
     fingerprint = inputs["early"][2][Level.QUESTION][0].detector.fingerprint
-    tags = {"llm": fingerprint.name, "llm_digest": fingerprint.weights_digest, **{f"{d}_data": file_digest(p[f"paths.{d}"]) for d in DATASETS}}
+    data = {f"{d}_data": file_digest(p[f"paths.{d}"]) for d in DATASETS}
+    tags = {"llm": fingerprint.name, "llm_digest": fingerprint.weights_digest, **data}
     log_comparison(table, plots, tags, params.experiment, mlflow_params.artifact_root)
 
 

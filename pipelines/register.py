@@ -48,7 +48,7 @@ def register_detector(artifact_dir: str, val_ids: list[str], test: dict, params,
     val_auroc = float(detector.info["best_val_auroc"])
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
     run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
-    test_metrics = {f"test_{k}": v for k, v in test.items() if k != "kind"}
+    test_metrics = {f"test_{k}": v for k, v in test.items() if isinstance(v, (int, float))}  # not kind, delta_vs
     digest = store.validation_digest(val_ids)
     result = store.log_and_register(
         detector, artifact_dir, params.name, params.alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata

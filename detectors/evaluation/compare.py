@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 
 from detectors.errors import InputError
-from detectors.evaluation.metrics import binary_metrics, choose_threshold, paired_bootstrap_delta, platt
+from detectors.evaluation.bootstrap import bootstrap_auroc, paired_bootstrap_delta
+from detectors.evaluation.metrics import binary_metrics, choose_threshold, platt
 from detectors.interfaces import Level, Scorer
 
 # The long comparison table: one row per scorer x dataset x level (the shared interface of issue 10).
@@ -65,8 +66,10 @@ def compare(
         threshold = scorer.threshold if scorer.threshold is not None else choose_threshold(val["label"], s_val, strategy)
         prob = s_test.to_numpy() if scorer.is_probability else platt(val["label"], s_val)(s_test)
         probabilities[scorer.name] = prob
-        metrics = binary_metrics(test["label"], s_test, threshold, prob, ece_bins, test["group"], n_bootstrap, seed)
-        results[scorer.name] = {"kind": scorer.kind, **metrics}
+        metrics = binary_metrics(test["label"], s_test, threshold, prob, ece_bins)
+        low, high = bootstrap_auroc(test["label"], s_test, test["group"], n_bootstrap, seed)
+        results[scorer.name] = {"kind": scorer.kind, "auroc": metrics.pop("auroc"), "auroc_ci_low": low, "auroc_ci_high": high}
+        results[scorer.name] |= metrics
     baselines = {s.name: results[s.name]["auroc"] for s in scorers if s.kind == "baseline"}
     if baselines:
         best = max(baselines, key=lambda name: baselines[name])

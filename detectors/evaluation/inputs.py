@@ -26,7 +26,8 @@ def join_score_tables(frame: pd.DataFrame, tables: dict[str, str | Path]) -> tup
             continue
         table = pd.read_parquet(path)
         if "id" not in table:
-            raise ValueError(f"{what} scores at {path} have no 'id' column (columns: {list(table.columns)}); rerun the stage that writes it")
+            columns = list(table.columns)
+            raise ValueError(f"{what} scores at {path} have no 'id' column (columns: {columns}); rerun the stage that writes it")
         columns = [c for c in table.columns if c != "id"]
         clash = sorted(set(columns) & (set(frame.columns) | set(joined)))
         if clash:

@@ -123,73 +123,19 @@ def platt(val_labels, val_scores):
     return fit_logistic(val_scores, val_labels, l2=0.0)
 
 
-def cluster_resamples(groups, n: int, seed: int) -> np.ndarray:
-    """``n`` bootstrap resamples of the clusters named by ``groups`` (one name per unit), as unit weights
-    (``n x units``): how often each unit's cluster was drawn. Units of one cluster (the tokens and entities of
-    one continuation) are drawn together, so the interval reflects the number of clusters, not of units."""
-    _, index = np.unique(np.asarray(groups), return_inverse=True)
-    n_clusters = int(index.max()) + 1 if len(index) else 0
-    draws = np.random.default_rng(seed).integers(0, n_clusters, (n, n_clusters))
-    counts = np.bincount((draws + n_clusters * np.arange(n)[:, None]).ravel(), minlength=n * n_clusters)
-    return counts.reshape(n, n_clusters)[:, index].astype(np.float64)
-
-
-def weighted_auroc(labels, scores, weights: np.ndarray) -> np.ndarray:
-    """AUROC under each row of ``weights`` (``resamples x units``, e.g. :func:`cluster_resamples`), vectorised
-    over the rows: the scores are ranked once; ties count one half. NaN where a resample lacks a class."""
-    y = np.asarray(labels).astype(bool)
-    s = np.asarray(scores, dtype=np.float64)
-    order = np.argsort(s, kind="mergesort")
-    s, y, w = s[order], y[order], np.atleast_2d(weights)[:, order]
-    starts = np.r_[0, np.flatnonzero(np.diff(s)) + 1]  # first unit of each block of tied scores
-    w_pos = np.add.reduceat(np.where(y, w, 0.0), starts, axis=1)
-    w_neg = np.add.reduceat(np.where(y, 0.0, w), starts, axis=1)
-    below = np.cumsum(w_neg, axis=1) - w_neg  # negative weight strictly below each block
-    pairs = w_pos.sum(1) * w_neg.sum(1)
-    wins = (w_pos * (below + 0.5 * w_neg)).sum(1)
-    return np.divide(wins, pairs, out=np.full(len(pairs), np.nan), where=pairs > 0)
-
-
-def _interval(values: np.ndarray) -> tuple[float, float]:
-    values = values[np.isfinite(values)]
-    if not len(values):
-        return float("nan"), float("nan")
-    low, high = np.percentile(values, [2.5, 97.5])
-    return float(low), float(high)
-
-
-def bootstrap_auroc(labels, scores, groups=None, n: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the AUROC, resampling the clusters named by ``groups`` (default:
-    every unit its own cluster); resamples that lack a class are left out."""
-    groups = np.arange(len(labels)) if groups is None else groups
-    return _interval(weighted_auroc(labels, scores, cluster_resamples(groups, n, seed)))
-
-
-def paired_bootstrap_delta(labels, scores, reference, groups=None, n: int = 1000, seed: int = 0) -> tuple[float, float, float]:
-    """AUROC(``scores``) - AUROC(``reference``) on the same units and its paired 95% bootstrap interval: both
-    scorers are measured on the same resampled clusters, so what they share cancels out of the difference."""
-    groups = np.arange(len(labels)) if groups is None else groups
-    weights = cluster_resamples(groups, n, seed)
-    delta = weighted_auroc(labels, scores, weights) - weighted_auroc(labels, reference, weights)
-    return (auroc(labels, scores) - auroc(labels, reference), *_interval(delta))
-
-
 def trigger_rate(scores, threshold: float) -> float:
     """Share of units whose score reaches ``threshold`` (how often the scorer would fire as a trigger)."""
     return float((np.asarray(scores, dtype=np.float64) >= threshold).mean())
 
 
-def binary_metrics(
-    labels, scores, threshold: float, probabilities, ece_bins: int = 10, groups=None, n_bootstrap: int = 1000, seed: int = 0
-) -> dict[str, float]:
-    """The comparison metrics of one scorer on one split; the AUROC interval resamples the clusters ``groups``."""
+def binary_metrics(labels, scores, threshold: float, probabilities, ece_bins: int = 10) -> dict[str, float]:
+    """The comparison metrics of one scorer on one split (its AUROC interval: :mod:`detectors.evaluation.bootstrap`)."""
     labels = np.asarray(labels)
     require_both_classes(labels, "the evaluated split")
     y, p = _t(labels).long(), _t(probabilities).clamp(0, 1)
     pred = np.asarray(scores) >= threshold
     return {
         "auroc": auroc(labels, scores),
-        **dict(zip(("auroc_ci_low", "auroc_ci_high"), bootstrap_auroc(labels, scores, groups, n_bootstrap, seed))),
         "auprc": auprc(labels, scores),
         "accuracy": float((pred == labels.astype(bool)).mean()),
         "f1": f1_at(labels, scores, threshold),

@@ -90,7 +90,8 @@ def write_level_plots(
     ax_rel.plot([0, 1], [0, 1], "k:", lw=0.8)
     ax_roc.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{title}: ROC")
     ax_pr.set(xlabel="recall", ylabel="precision", title=f"{title}: precision-recall", ylim=(0, 1.02))
-    ax_rel.set(xlabel="predicted P(hallucinated)", ylabel="observed share hallucinated", title=f"{title}: reliability", xlim=(0, 1), ylim=(0, 1))
+    ax_rel.set(xlabel="predicted P(hallucinated)", ylabel="observed share hallucinated", title=f"{title}: reliability")
+    ax_rel.set(xlim=(0, 1), ylim=(0, 1))
     for ax in (ax_roc, ax_pr, ax_rel):
         ax.legend(fontsize=6)
     fig.tight_layout()

@@ -38,7 +38,8 @@ def markdown_table(table: pd.DataFrame) -> str:
                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for r in part.itertuples(index=False):
             auroc = _interval(r.auroc, r.auroc_ci_low, r.auroc_ci_high)
-            out.append(f"| {r.scorer} | {r.kind} | {auroc} | {r.auprc:.3f} | {r.accuracy:.3f} | {r.f1:.3f} | {r.ece:.3f} | {r.trigger_rate:.2f} |")
+            rest = f"{r.auprc:.3f} | {r.accuracy:.3f} | {r.f1:.3f} | {r.ece:.3f} | {r.trigger_rate:.2f}"
+            out.append(f"| {r.scorer} | {r.kind} | {auroc} | {rest} |")
         deltas = part[part["delta_vs"].notna()]
         if len(deltas):
             out += ["", "| detector | vs best baseline | Δ AUROC [95% CI] |", "| --- | --- | --- |"]
