@@ -22,7 +22,7 @@ from detectors.baselines import question_baselines, realtime_baselines
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.evaluation.compare import compare_levels, long_table
 from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
-from detectors.evaluation.plots import scorer_colours, write_entropy_ecdf, write_level_plots
+from detectors.evaluation.plots import write_comparison_plots
 from detectors.evaluation.report import markdown_table, nested_metrics
 from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.tracking import log_comparison
@@ -63,22 +63,6 @@ def realtime_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
     return frame, units, scorers
 
 
-def write_plots(
-    table: pd.DataFrame, scores: dict, probabilities: dict, early: pd.DataFrame, plots_dir: Path, bins: int
-) -> dict[str, list[Path]]:
-    """Every figure, keyed ``<dataset>_<level>`` (and ``early`` for DioR Fig. 7), one colour per scorer throughout."""
-    colours = scorer_colours(table["scorer"])
-    plots = {"early": [write_entropy_ecdf(early, plots_dir)]}
-    for (dataset, level), rows in table.groupby(["dataset", "level"], sort=False):
-        level_scores = scores[dataset][scores[dataset]["level"] == level].reset_index(drop=True)
-        results = {r["scorer"]: r for r in rows.to_dict("records")}
-        title = f"{dataset}, {level} level, test split"
-        plots[f"{dataset}_{level}"] = write_level_plots(
-            level_scores, probabilities[dataset][level], results, colours, plots_dir, f"{dataset}_{level}", title, bins
-        )
-    return plots
-
-
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "evaluate")
     params, mlflow_params = p["evaluate"], p["mlflow"]
@@ -100,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     markdown = markdown_table(table)
     Path(p["paths.comparison_table"]).write_text(markdown + "\n", encoding="utf-8")
     log.info("comparison:\n%s", markdown)
-    plots = write_plots(table, scores, probabilities, inputs["early"][0], Path(p["paths.plots"]), params.ece_bins)
+    plots = write_comparison_plots(table, scores, probabilities, inputs["early"][0], Path(p["paths.plots"]), params.ece_bins)
 
     store.configure(mlflow_params.tracking_uri)
     fingerprint = inputs["early"][2][Level.QUESTION][0].detector.fingerprint

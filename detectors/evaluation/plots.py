@@ -140,3 +140,21 @@ def write_entropy_ecdf(frame: pd.DataFrame, plots_dir: Path) -> Path:
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return png
+
+
+def write_comparison_plots(
+    table: pd.DataFrame, scores: dict, probabilities: dict, early: pd.DataFrame, plots_dir: Path, bins: int
+) -> dict[str, list[Path]]:
+    """Every figure of the comparison (``table``: its long table; ``scores``/``probabilities``: per dataset, what
+    :func:`~detectors.evaluation.compare.compare_levels` returned; ``early``: the early set, for DioR Fig. 7), keyed
+    ``<dataset>_<level>`` (and ``early`` for Fig. 7), one colour per scorer throughout."""
+    colours = scorer_colours(table["scorer"])
+    plots = {"early": [write_entropy_ecdf(early, plots_dir)]}
+    for (dataset, level), rows in table.groupby(["dataset", "level"], sort=False):
+        level_scores = scores[dataset][scores[dataset]["level"] == level].reset_index(drop=True)
+        results = {r["scorer"]: r for r in rows.to_dict("records")}
+        title = f"{dataset}, {level} level, test split"
+        plots[f"{dataset}_{level}"] = write_level_plots(
+            level_scores, probabilities[dataset][level], results, colours, plots_dir, f"{dataset}_{level}", title, bins
+        )
+    return plots
