@@ -1,12 +1,13 @@
-"""Stage evaluate: every detector and training-free score on the test split, the same way.
+"""Stage evaluate: one comparison of every scorer on the test splits, the same way.
 
-Early set (question level): every trained early detector (each sub-directory of paths.early_model:
-dior-early, dior-early-extended, the ablations) beside first-token, attribution and probe baselines.
-Real-time set: the MLP beside FLARE, Stitch-in-Time and token entropy at token, entity and continuation
-level. CtrlA's confidence score joins both when its scores exist. Every score is a
-:class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`. Writes dvc
-metrics (JSON), dvc plots (ROC curves, the attribution-entropy ECDF of DioR Fig. 7) and one MLflow run
-per scorer, nested under one comparison run per set, all with the same metric names.
+Early set (question level): every trained early detector (one directory each under ``paths.early_model``)
+beside the training-free question baselines. Real-time set: the MLP beside the training-free token baselines
+at token, entity and continuation level. Other stages' per-id score tables (CtrlA's confidence, RIND,
+RetroRAG's self-consistency) are joined by id when they exist. Every score is a
+:class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
+bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes dvc
+metrics (``{level: {scorer: metrics}}`` per dataset), the long table (parquet) and its Markdown, dvc plots
+(ROC, precision-recall, reliability, score ECDFs, DioR Fig. 7) and one flat MLflow run per table row.
 """
 
 from __future__ import annotations
@@ -14,172 +15,82 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+from safetensors.numpy import load_file
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import mlflow  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
-
-from detectors.baselines import question_baselines, realtime_baselines  # noqa: E402
-from detectors.ctrla import SCORE_COLUMN as CTRLA  # noqa: E402
-from detectors.dior.early_detector import load_early_detectors  # noqa: E402
-from detectors.dior.realtime_detector import RealtimeDetector  # noqa: E402
-from detectors.evaluation.compare import compare  # noqa: E402
-from detectors.evaluation.metrics import roc  # noqa: E402
-from detectors.evaluation.scorers import DetectorScorer, realtime_detector_scorer  # noqa: E402
-from detectors.evaluation.units import realtime_token_stats, realtime_units  # noqa: E402
-from detectors.interfaces import Level  # noqa: E402
-from detectors.io import file_digest, write_json  # noqa: E402
-from detectors.registry import store  # noqa: E402
-from pipelines._stage import run, stage_params  # noqa: E402
+from detectors.baselines import question_baselines, realtime_baselines
+from detectors.dior.realtime_detector import RealtimeDetector
+from detectors.evaluation.compare import compare_levels, long_table
+from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
+from detectors.evaluation.plots import write_comparison_plots
+from detectors.evaluation.report import markdown_table, nested_metrics
+from detectors.evaluation.scorers import realtime_detector_scorer
+from detectors.evaluation.tracking import log_comparison
+from detectors.evaluation.units import realtime_token_stats, realtime_units
+from detectors.interfaces import Level
+from detectors.io import file_digest, write_json
+from detectors.registry import store
+from pipelines._stage import run, stage_params
 
 log = logging.getLogger("evaluate")
 READS = (
     "train_early.training.threshold", "train_realtime.training.threshold", "evaluate", "mlflow",
     "paths.early", "paths.early_model", "paths.realtime", "paths.realtime_hidden", "paths.realtime_model",
-    "paths.ctrla_early", "paths.ctrla_realtime", "paths.early_scores", "paths.realtime_scores",
-    "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics", "paths.plots",
+    "paths.ctrla_early", "paths.ctrla_realtime", "paths.baselines_early", "paths.baselines_realtime",
+    "paths.early_scores", "paths.realtime_scores", "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
+    "paths.comparison", "paths.comparison_table", "paths.plots",
 )  # fmt: skip
+DATASETS = ("early", "realtime")
 
 
-def plot_roc(scores: pd.DataFrame, results: dict, csv_dir: Path, ax, title: str) -> None:
-    """ROC of each scorer on the test split: one CSV per curve (its own dvc plots series) and a panel."""
-    csv_dir.mkdir(parents=True, exist_ok=True)
-    for old in csv_dir.glob("*.csv"):
-        old.unlink()
-    test = scores[scores["split"] == "test"]
-    for name, metrics in results.items():
-        fpr, tpr, _ = roc(test["label"], test[name])
-        pd.DataFrame({"fpr": fpr, "tpr": tpr}).to_csv(csv_dir / f"{name}.csv", index=False)
-        ax.plot(fpr, tpr, label=f"{name} ({metrics['auroc']:.3f})")
-    ax.plot([0, 1], [0, 1], "k:", lw=0.8)
-    ax.set(xlabel="false positive rate", ylabel="true positive rate", title=title)
-    ax.legend(fontsize=7)
+def early_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
+    """The early set joined with the question-level score tables, its units and its scorers (by level)."""
+    frame, _ = join_score_tables(pd.read_parquet(p["paths.early"]), {"CtrlA": p["paths.ctrla_early"], "baselines": p["paths.baselines_early"]})
+    scorers = early_detector_scorers(p["paths.early_model"]) + question_baselines(set(frame.columns))
+    return frame, {Level.QUESTION: frame}, {Level.QUESTION: scorers}
 
 
-def write_early_plots(scores: pd.DataFrame, frame: pd.DataFrame, results: dict, plots_dir: Path) -> list[Path]:
-    """ROC and the attribution-entropy ECDF (DioR Fig. 7), as dvc plots CSVs and PNGs for MLflow."""
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    plot_roc(scores, results, plots_dir / "early_roc", ax, "Early detection, test split")
-    fig.tight_layout()
-    fig.savefig(plots_dir / "early_roc.png", dpi=120)
-
-    ecdf_dir = plots_dir / "early_entropy_ecdf"
-    ecdf_dir.mkdir(parents=True, exist_ok=True)
-    ok = frame[(frame["status"] == "ok") & (frame["split"] == "test")]
-    fig2, ax2 = plt.subplots(figsize=(5.5, 4))
-    for label, group in ok.groupby("label"):
-        answer = "hallucinated" if label else "correct"
-        values = np.sort(group["entropy"].to_numpy())
-        ecdf = np.arange(1, len(values) + 1) / len(values)
-        pd.DataFrame({"entropy": values, "ecdf": ecdf}).to_csv(ecdf_dir / f"{answer}.csv", index=False)
-        ax2.step(values, ecdf, where="post", label=answer)
-    ax2.set(xlabel="IG attribution entropy", ylabel="ECDF", title="Attribution entropy (DioR Fig. 7)")
-    ax2.legend()
-    fig2.tight_layout()
-    fig2.savefig(plots_dir / "early_entropy_ecdf.png", dpi=120)
-    plt.close("all")
-    return [plots_dir / "early_roc.png", plots_dir / "early_entropy_ecdf.png"]
-
-
-def with_ctrla(frame: pd.DataFrame, path: Path) -> tuple[pd.DataFrame, bool]:
-    """``frame`` joined with CtrlA's confidence scores by id, and whether they exist."""
-    if not path.exists():
-        log.info("no CtrlA scores at %s: the comparison goes on without them", path)
-        return frame, False
-    ctrla = pd.read_parquet(path)[["id", CTRLA]]
-    return frame.merge(ctrla, on="id", how="left"), True
-
-
-def log_table(task: str, level: str, results: dict) -> None:
-    for name, m in sorted(results.items(), key=lambda kv: -kv[1]["auroc"]):
-        log.info("%s %-8s %-40s AUROC %.3f  AUPRC %.3f  acc %.3f  F1 %.3f  ECE %.3f", task, level, name, m["auroc"], m["auprc"], m["accuracy"], m["f1"], m["ece"])
-
-
-def evaluate_early(p, strategy: str, ece_bins: int) -> tuple[dict, list, list[Path]]:
-    frame = pd.read_parquet(p["paths.early"])
-    detectors = [DetectorScorer(name, d) for name, d in load_early_detectors(p["paths.early_model"]).items()]
-    frame, has_ctrla = with_ctrla(frame, Path(p["paths.ctrla_early"]))
-    scorers = detectors + question_baselines(with_ctrla=has_ctrla)
-    results, scores = compare(frame, scorers, strategy, ece_bins)
-    Path(p["paths.early_scores"]).parent.mkdir(parents=True, exist_ok=True)
-    scores.to_parquet(p["paths.early_scores"], index=False)
-    write_json(p["paths.evaluate_early_metrics"], results)
-    log_table("early", Level.QUESTION.value, results)
-    return results, scorers, write_early_plots(scores, frame, results, Path(p["paths.plots"]))
-
-
-def evaluate_realtime(p, strategy: str, ece_bins: int) -> tuple[dict, list, Path]:
-    """Metrics per level (``{level: {scorer: metrics}}``), the scorers of every level, and the ROC figure."""
-    frame = pd.read_parquet(p["paths.realtime"])
+def realtime_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
+    """The real-time set joined with the per-token score tables, its token/entity/continuation units and the
+    scorers of each level; every list-valued joined column is a per-token statistic of its name."""
+    tables = {"CtrlA": p["paths.ctrla_realtime"], "baselines": p["paths.baselines_realtime"]}
+    frame, joined = join_score_tables(pd.read_parquet(p["paths.realtime"]), tables)
     detector = RealtimeDetector.load(p["paths.realtime_model"])
-    frame, has_ctrla = with_ctrla(frame, Path(p["paths.ctrla_realtime"]))  # its column becomes a score at every level
-    mlp = detector.record_scores(frame, load_file(p["paths.realtime_hidden"])["hidden"])
-    units = realtime_units(frame, realtime_token_stats(frame, mlp))
-    results, all_scores, scorers = {}, [], []
-    plots = Path(p["paths.plots"])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 5))
-    for ax, (level, table) in zip(axes, units.items()):
-        level_scorers = [realtime_detector_scorer(detector.threshold, level)] + realtime_baselines(level, with_ctrla=has_ctrla)
-        results[level.value], scores = compare(table, level_scorers, strategy, ece_bins)
-        scorers += level_scorers
-        all_scores.append(scores.assign(level=level.value))
-        plot_roc(scores, results[level.value], plots / f"realtime_roc_{level.value}", ax, f"Real-time, {level.value} level, test split")
-        log_table("realtime", level.value, results[level.value])
-    fig.tight_layout()
-    png = plots / "realtime_roc.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    Path(p["paths.realtime_scores"]).parent.mkdir(parents=True, exist_ok=True)
-    pd.concat(all_scores, ignore_index=True).to_parquet(p["paths.realtime_scores"], index=False)
-    write_json(p["paths.evaluate_realtime_metrics"], results)
-    return results, scorers, png
-
-
-def log_comparison(run_name: str, tags: dict, pngs: list[Path], runs: dict[str, tuple], exp: str) -> None:
-    """One parent run with the plots, one nested run per scorer name with the same metric names.
-
-    ``runs[name] = (kind, features, metrics)``.
-    """
-    with mlflow.start_run(experiment_id=exp, run_name=run_name, tags=tags):
-        for path in pngs:
-            mlflow.log_artifact(str(path))
-        for name, (kind, features, metrics) in runs.items():
-            with mlflow.start_run(experiment_id=exp, run_name=name, nested=True, tags={**tags, "kind": kind}):
-                mlflow.log_params({"scorer": name, "kind": kind, "features": features})
-                mlflow.log_metrics(metrics)
+    stats = realtime_token_stats(frame, detector.record_scores(frame, load_file(p["paths.realtime_hidden"])["hidden"]), joined)
+    units = realtime_units(frame, stats)
+    names = set().union(*(s.keys() for s in stats.values()))
+    scorers = {level: [realtime_detector_scorer(detector.threshold, level)] + realtime_baselines(level, names) for level in units}
+    return frame, units, scorers
 
 
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "evaluate")
     params, mlflow_params = p["evaluate"], p["mlflow"]
-    early, early_scorers, early_pngs = evaluate_early(p, p["train_early.training.threshold"], params.ece_bins)
-    realtime, rt_scorers, rt_png = evaluate_realtime(p, p["train_realtime.training.threshold"], params.ece_bins)
+    inputs = {"early": early_inputs(p), "realtime": realtime_inputs(p)}
+    strategy = {"early": p["train_early.training.threshold"], "realtime": p["train_realtime.training.threshold"]}
+    tables, scores, probabilities = [], {}, {}
+    for dataset, (_, units, scorers) in inputs.items():
+        results, scores[dataset], probabilities[dataset] = compare_levels(
+            units, scorers, strategy[dataset], params.ece_bins, params.bootstrap, params.seed
+        )
+        Path(p[f"paths.{dataset}_scores"]).parent.mkdir(parents=True, exist_ok=True)
+        scores[dataset].to_parquet(p[f"paths.{dataset}_scores"], index=False)
+        tables.append(long_table(results, [s for level in scorers.values() for s in level], dataset))
+    table = pd.concat(tables, ignore_index=True)
+    for dataset in DATASETS:
+        write_json(p[f"paths.evaluate_{dataset}_metrics"], nested_metrics(table, dataset))
+    Path(p["paths.comparison"]).parent.mkdir(parents=True, exist_ok=True)
+    table.to_parquet(p["paths.comparison"], index=False)
+    markdown = markdown_table(table)
+    Path(p["paths.comparison_table"]).write_text(markdown + "\n", encoding="utf-8")
+    log.info("comparison:\n%s", markdown)
+    plots = write_comparison_plots(table, scores, probabilities, inputs["early"][0], Path(p["paths.plots"]), params.ece_bins)
 
     store.configure(mlflow_params.tracking_uri)
-    exp = store.experiment(params.experiment, mlflow_params.artifact_root)
-    fingerprint = early_scorers[0].detector.fingerprint
-    base = {"llm": fingerprint.name, "llm_digest": fingerprint.weights_digest}
-
-    early_runs = {}
-    for scorer in early_scorers:
-        m = {f"test_{k}": v for k, v in early[scorer.name].items() if k != "kind"}
-        m |= {"val_auroc": scorer.detector.info["best_val_auroc"]} if scorer.kind == "detector" else {}
-        early_runs[scorer.name] = (scorer.kind, scorer.features, m)
-    realtime_runs = {}
-    for scorer in rt_scorers:  # one run per name, with its metrics at every level where it is defined
-        m = {f"test_{level}_{k}": v for level, res in realtime.items() if scorer.name in res for k, v in res[scorer.name].items() if k != "kind"}
-        continuation = realtime[Level.CONTINUATION.value].get(scorer.name)
-        m |= {"test_auroc": continuation["auroc"]} if continuation else {}  # the continuation level is the headline
-        realtime_runs[scorer.name] = (scorer.kind, scorer.features, m)
-
-    tags = {**base, "task": "early", "dataset": file_digest(p["paths.early"])}
-    log_comparison("early-detection comparison", tags, early_pngs, early_runs, exp)
-    tags = {**base, "task": "realtime", "dataset": file_digest(p["paths.realtime"])}
-    log_comparison("realtime-detection comparison", tags, [rt_png], realtime_runs, exp)
+    fingerprint = inputs["early"][2][Level.QUESTION][0].detector.fingerprint
+    data = {f"{d}_data": file_digest(p[f"paths.{d}"]) for d in DATASETS}
+    tags = {"llm": fingerprint.name, "llm_digest": fingerprint.weights_digest, **data}
+    log_comparison(table, plots, tags, params.experiment, mlflow_params.artifact_root)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def register_detector(
     val_auroc = float(detector.info["best_val_auroc"])
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
     run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
-    test_metrics = {f"test_{k}": v for k, v in test.items() if k != "kind"}
+    test_metrics = {f"test_{k}": v for k, v in test.items() if isinstance(v, (int, float))}  # not kind, delta_vs
     digest = store.validation_digest(val_ids)
     result = store.log_and_register(
         detector, artifact_dir, name, alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata, features
@@ -82,7 +82,7 @@ def early_artifact(model_dir: str | Path, detector: str) -> Path:
 
 def early_test_metrics(path: str | Path, scorer: str) -> dict:
     """The evaluate stage's test metrics of ``scorer`` in the early metrics file at ``path``."""
-    metrics = json.loads(Path(path).read_text())
+    metrics = json.loads(Path(path).read_text())[Level.QUESTION.value]
     if scorer not in metrics:
         raise InputError(f"{path} has no test metrics of {scorer!r} (scorers: {sorted(metrics)}): run `dvc repro evaluate`")
     return metrics[scorer]

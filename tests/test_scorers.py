@@ -41,7 +41,7 @@ def units() -> dict[Level, pd.DataFrame]:
 
 def scores(level: Level) -> dict[str, list[float]]:
     table = units()[level]
-    scorers = [realtime_detector_scorer(0.5, level)] + realtime_baselines(level)
+    scorers = [realtime_detector_scorer(0.5, level)] + realtime_baselines(level, {"prob", "entropy", "mlp"})
     assert all(isinstance(s, Scorer) and s.level is level for s in scorers)
     return {s.name: np.round(s.score(table), 6).tolist() for s in scorers}
 
@@ -95,12 +95,15 @@ def test_compare_refuses_scorers_of_different_levels():
         compare(units()[Level.TOKEN], mixed, "youden", 10)
 
 
-def test_question_baselines_add_ctrla_only_when_its_scores_exist():
-    names = [s.name for s in question_baselines()]
+def test_question_baselines_are_those_whose_columns_exist_and_ctrla_one_per_column():
+    early = {"entropy", "first_token_prob", "first_token_entropy", "attribution"}
+    names = [s.name for s in question_baselines(early)]
     assert names == ["logreg[attribution+first_token]", "attribution_entropy", "first_token_prob", "first_token_entropy"]
-    assert question_baselines(with_ctrla=True)[-1].name == "ctrla_confidence"
-    assert all(s.level is Level.QUESTION for s in question_baselines(with_ctrla=True))
-    assert [s.name for s in realtime_baselines(Level.TOKEN, with_ctrla=True)][-1] == "ctrla_confidence"
+    with_ctrla = question_baselines(early | {"ctrla_confidence", "ctrla_confidence[val_layers]"})
+    assert [s.name for s in with_ctrla][-2:] == ["ctrla_confidence", "ctrla_confidence[val_layers]"]
+    assert all(s.level is Level.QUESTION for s in with_ctrla)
+    assert [s.name for s in realtime_baselines(Level.TOKEN, {"prob", "entropy", "ctrla_confidence"})][-1] == "ctrla_confidence"
+    assert [s.name for s in realtime_baselines(Level.TOKEN, {"entropy"})] == ["token_entropy"]  # FLARE needs "prob"
 
 
 def test_every_registered_kind_is_a_detector_with_one_llm_attachment():

@@ -56,11 +56,15 @@ class PathsParams:
     realtime_scores: str
     evaluate_early_metrics: str
     evaluate_realtime_metrics: str
+    comparison: str
+    comparison_table: str
     plots: str
     directions: str
     extract_directions_metrics: str
     ctrla_early: str
     ctrla_realtime: str
+    baselines_early: str
+    baselines_realtime: str
     evaluate_directions_metrics: str
     registry_early: str
     registry_realtime: str
@@ -200,10 +204,14 @@ class TrainRealtimeParams:
 @dataclasses.dataclass(frozen=True)
 class EvaluateParams:
     ece_bins: int
+    bootstrap: int  # bootstrap resamples for every interval
+    seed: int
     experiment: str
 
     def check(self, where: str) -> None:
         positive(f"{where}.ece_bins", self.ece_bins)
+        if not self.bootstrap >= 100:
+            fail(f"{where}.bootstrap", self.bootstrap, "a 95% percentile interval needs at least 100 resamples (1000 recommended)")
 
 
 @dataclasses.dataclass(frozen=True)

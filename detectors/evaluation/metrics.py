@@ -123,33 +123,25 @@ def platt(val_labels, val_scores):
     return fit_logistic(val_scores, val_labels, l2=0.0)
 
 
-def bootstrap_auroc(labels, scores, n: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the AUROC (resampling examples, both classes kept)."""
-    labels, scores = np.asarray(labels), np.asarray(scores, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(n):
-        idx = rng.integers(0, len(labels), len(labels))
-        if 0 < labels[idx].sum() < len(idx):
-            values.append(auroc(labels[idx], scores[idx]))
-    low, high = np.percentile(values, [2.5, 97.5])
-    return float(low), float(high)
+def trigger_rate(scores, threshold: float) -> float:
+    """Share of units whose score reaches ``threshold`` (how often the scorer would fire as a trigger)."""
+    return float((np.asarray(scores, dtype=np.float64) >= threshold).mean())
 
 
 def binary_metrics(labels, scores, threshold: float, probabilities, ece_bins: int = 10) -> dict[str, float]:
-    """The comparison metrics of one scorer on one split."""
+    """The comparison metrics of one scorer on one split (its AUROC interval: :mod:`detectors.evaluation.bootstrap`)."""
     labels = np.asarray(labels)
     require_both_classes(labels, "the evaluated split")
     y, p = _t(labels).long(), _t(probabilities).clamp(0, 1)
     pred = np.asarray(scores) >= threshold
     return {
         "auroc": auroc(labels, scores),
-        **dict(zip(("auroc_ci_low", "auroc_ci_high"), bootstrap_auroc(labels, scores))),
         "auprc": auprc(labels, scores),
         "accuracy": float((pred == labels.astype(bool)).mean()),
         "f1": f1_at(labels, scores, threshold),
         "ece": float(binary_calibration_error(p, y, n_bins=ece_bins, norm="l1")),
         "threshold": float(threshold),
+        "trigger_rate": trigger_rate(scores, threshold),
         "n": int(len(labels)),
         "positive_rate": float(labels.mean()),
     }

@@ -1,0 +1,160 @@
+"""The comparison's figures, per dataset x level on the test split: ROC and precision-recall curves of all
+scorers, reliability diagrams, ECDFs of the scores of hallucinated vs correct units (one panel per scorer),
+and DioR Fig. 7's attribution-entropy ECDF. Curves are written as CSVs (one per scorer, a ``dvc plots`` series)
+beside PNGs (MLflow artifacts). Each scorer keeps one colour in every figure (:func:`scorer_colours`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from detectors.evaluation.metrics import roc  # noqa: E402
+
+PALETTE = [plt.get_cmap(name)(i) for name in ("tab10", "Dark2", "Set1") for i in range(plt.get_cmap(name).N)]
+CURVES = {"roc": ("fpr", "tpr"), "pr": ("recall", "precision"), "reliability": ("confidence", "frequency")}
+
+
+def scorer_colours(names: Iterable[str]) -> dict[str, tuple]:
+    """A colour per scorer name from the sorted registry of all names, so a scorer's colour depends on which
+    scorers exist, never on the order a figure draws them in."""
+    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(sorted(set(names)))}
+
+
+def precision_recall(labels, scores) -> tuple[np.ndarray, np.ndarray]:
+    """``recall, precision`` at every distinct threshold (predict 1 when score >= t), from recall 0."""
+    y = np.asarray(labels, dtype=np.float64)
+    fpr, tpr, _ = roc(labels, scores)
+    tp, fp = tpr * y.sum(), fpr * (len(y) - y.sum())
+    precision = np.divide(tp, tp + fp, out=np.ones_like(tp), where=(tp + fp) > 0)
+    return tpr, precision
+
+
+def reliability(labels, probabilities, bins: int) -> pd.DataFrame:
+    """Mean predicted probability (``confidence``) and observed hallucination rate (``frequency``) per non-empty
+    equal-width bin, with the bin's ``count``."""
+    p = np.clip(np.asarray(probabilities, dtype=np.float64), 0, 1)
+    which = np.minimum((p * bins).astype(int), bins - 1)
+    frame = pd.DataFrame({"bin": which, "p": p, "y": np.asarray(labels, dtype=np.float64)})
+    grouped = frame.groupby("bin").agg(confidence=("p", "mean"), frequency=("y", "mean"), count=("y", "size"))
+    return grouped.reset_index(drop=True)
+
+
+def ecdf(values) -> tuple[np.ndarray, np.ndarray]:
+    values = np.sort(np.asarray(values, dtype=np.float64))
+    return values, np.arange(1, len(values) + 1) / max(len(values), 1)
+
+
+def _fresh(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("*.csv"):
+        old.unlink()
+    return directory
+
+
+def write_level_plots(
+    scores: pd.DataFrame, probabilities: pd.DataFrame, results: dict, colours: dict, plots_dir: Path, key: str, title: str, bins: int
+) -> list[Path]:
+    """The figures of one dataset x level (``key``, e.g. ``realtime_entity``) from the test rows of ``scores`` and
+    the calibrated ``probabilities`` (one column per scorer in ``results``); returns the PNGs.
+
+    CSVs: ``<plots_dir>/{roc,pr,reliability}/<key>/<scorer>.csv``; PNGs: ``<plots_dir>/figures/<key>_*.png``.
+    """
+    test = scores[scores["split"] == "test"]
+    names = sorted(results, key=lambda n: -results[n]["auroc"])
+    dirs = {kind: _fresh(plots_dir / kind / key) for kind in CURVES}
+    figures = plots_dir / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    fig, (ax_roc, ax_pr, ax_rel) = plt.subplots(1, 3, figsize=(17, 5.5))
+    for name in names:
+        colour, m = colours[name], results[name]
+        fpr, tpr, _ = roc(test["label"], test[name])
+        recall, precision = precision_recall(test["label"], test[name])
+        rel = reliability(test["label"], probabilities[name], bins)
+        pd.DataFrame({"fpr": fpr, "tpr": tpr}).to_csv(dirs["roc"] / f"{name}.csv", index=False)
+        pd.DataFrame({"recall": recall, "precision": precision}).to_csv(dirs["pr"] / f"{name}.csv", index=False)
+        rel.to_csv(dirs["reliability"] / f"{name}.csv", index=False)
+        ax_roc.plot(fpr, tpr, color=colour, label=f"{name} ({m['auroc']:.3f} [{m['auroc_ci_low']:.2f}, {m['auroc_ci_high']:.2f}])")
+        ax_pr.step(recall, precision, where="post", color=colour, label=f"{name} ({m['auprc']:.3f})")
+        ax_rel.plot(rel["confidence"], rel["frequency"], "o-", color=colour, label=f"{name} (ECE {m['ece']:.3f})")
+    ax_roc.plot([0, 1], [0, 1], "k:", lw=0.8)
+    ax_pr.axhline(float(test["label"].mean()), color="k", ls=":", lw=0.8)
+    ax_rel.plot([0, 1], [0, 1], "k:", lw=0.8)
+    ax_roc.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{title}: ROC")
+    ax_pr.set(xlabel="recall", ylabel="precision", title=f"{title}: precision-recall", ylim=(0, 1.02))
+    ax_rel.set(xlabel="predicted P(hallucinated)", ylabel="observed share hallucinated", title=f"{title}: reliability")
+    ax_rel.set(xlim=(0, 1), ylim=(0, 1))
+    for ax in (ax_roc, ax_pr, ax_rel):
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    curves = figures / f"{key}_curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+    return [curves, ecdf_grid(test, names, colours, figures / f"{key}_ecdf.png", title)]
+
+
+def ecdf_grid(test: pd.DataFrame, names: list[str], colours: dict, path: Path, title: str) -> Path:
+    """One panel per scorer: the ECDF of its scores on hallucinated (solid) and correct (dashed) test units."""
+    cols = min(4, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
+    for ax, name in zip(axes.ravel(), names):
+        for label, style, what in ((1, "-", "hallucinated"), (0, "--", "correct")):
+            x, y = ecdf(test.loc[test["label"] == label, name])
+            ax.step(x, y, style, where="post", color=colours[name], label=what)
+        ax.set_title(name, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    for ax in axes.ravel()[len(names) :]:
+        ax.axis("off")
+    fig.suptitle(f"{title}: score ECDF, hallucinated vs correct")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_entropy_ecdf(frame: pd.DataFrame, plots_dir: Path) -> Path:
+    """DioR Fig. 7: the ECDF of the IG attribution entropy of hallucinated vs correct test questions
+    (``<plots_dir>/early_entropy_ecdf/{correct,hallucinated}.csv`` and a PNG)."""
+    out = _fresh(plots_dir / "early_entropy_ecdf")
+    ok = frame[(frame["status"] == "ok") & (frame["split"] == "test")]
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for label, answer in ((1, "hallucinated"), (0, "correct")):
+        x, y = ecdf(ok.loc[ok["label"] == label, "entropy"])
+        pd.DataFrame({"entropy": x, "ecdf": y}).to_csv(out / f"{answer}.csv", index=False)
+        ax.step(x, y, where="post", label=answer)
+    ax.set(xlabel="IG attribution entropy", ylabel="ECDF", title="Attribution entropy (DioR Fig. 7)")
+    ax.legend()
+    fig.tight_layout()
+    png = plots_dir / "figures" / "early_entropy_ecdf.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def write_comparison_plots(
+    table: pd.DataFrame, scores: dict, probabilities: dict, early: pd.DataFrame, plots_dir: Path, bins: int
+) -> dict[str, list[Path]]:
+    """Every figure of the comparison (``table``: its long table; ``scores``/``probabilities``: per dataset, what
+    :func:`~detectors.evaluation.compare.compare_levels` returned; ``early``: the early set, for DioR Fig. 7), keyed
+    ``<dataset>_<level>`` (and ``early`` for Fig. 7), one colour per scorer throughout."""
+    colours = scorer_colours(table["scorer"])
+    plots = {"early": [write_entropy_ecdf(early, plots_dir)]}
+    for (dataset, level), rows in table.groupby(["dataset", "level"], sort=False):
+        level_scores = scores[dataset][scores[dataset]["level"] == level].reset_index(drop=True)
+        results = {r["scorer"]: r for r in rows.to_dict("records")}
+        title = f"{dataset}, {level} level, test split"
+        plots[f"{dataset}_{level}"] = write_level_plots(
+            level_scores, probabilities[dataset][level], results, colours, plots_dir, f"{dataset}_{level}", title, bins
+        )
+    return plots
