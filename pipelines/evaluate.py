@@ -4,8 +4,9 @@ Early set (question level): the GRU (and its ablations) beside first-token, attr
 baselines. Real-time set: the MLP beside FLARE, Stitch-in-Time and token entropy at token, entity and
 continuation level. CtrlA's confidence score joins both when its scores exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`. Writes dvc
-metrics (JSON), dvc plots (ROC curves, the attribution-entropy ECDF of DioR Fig. 7) and one MLflow run
-per scorer, nested under one comparison run per set, all with the same metric names.
+metrics (JSON), dvc plots (ROC curves, the attribution-entropy ECDF of DioR Fig. 7) and one flat MLflow run per
+scorer × level in one experiment per set (``<evaluate.experiment>-early``, ``-realtime``), all with the same metric
+names (:mod:`detectors.evaluation.tracking`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import mlflow  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
@@ -28,6 +28,7 @@ from detectors.dior.early_detector import EarlyDetector  # noqa: E402
 from detectors.dior.realtime_detector import RealtimeDetector  # noqa: E402
 from detectors.evaluation.compare import compare  # noqa: E402
 from detectors.evaluation.metrics import roc  # noqa: E402
+from detectors.evaluation.tracking import log_comparison  # noqa: E402
 from detectors.evaluation.scorers import DetectorScorer, realtime_detector_scorer  # noqa: E402
 from detectors.evaluation.units import realtime_token_stats, realtime_units  # noqa: E402
 from detectors.interfaces import Level  # noqa: E402
@@ -141,18 +142,17 @@ def evaluate_realtime(p, strategy: str, ece_bins: int) -> tuple[dict, list, Path
     return results, scorers, png
 
 
-def log_comparison(run_name: str, tags: dict, pngs: list[Path], runs: dict[str, tuple], exp: str) -> None:
-    """One parent run with the plots, one nested run per scorer name with the same metric names.
-
-    ``runs[name] = (kind, features, metrics)``.
-    """
-    with mlflow.start_run(experiment_id=exp, run_name=run_name, tags=tags):
-        for path in pngs:
-            mlflow.log_artifact(str(path))
-        for name, (kind, features, metrics) in runs.items():
-            with mlflow.start_run(experiment_id=exp, run_name=name, nested=True, tags={**tags, "kind": kind}):
-                mlflow.log_params({"scorer": name, "kind": kind, "features": features})
-                mlflow.log_metrics(metrics)
+def comparison_table(early: dict, early_scorers: list, realtime: dict, realtime_scorers: list) -> pd.DataFrame:
+    """The long comparison table (one row per scorer × dataset × level) that :func:`log_comparison` logs."""
+    rows = []
+    for dataset, by_level, scorers in (("early", {Level.QUESTION.value: early}, early_scorers), ("realtime", realtime, realtime_scorers)):
+        described = {(s.level.value, s.name): s for s in scorers}
+        for level, results in by_level.items():
+            for name, metrics in results.items():
+                scorer = described[level, name]
+                row = {"scorer": name, "kind": scorer.kind, "dataset": dataset, "level": level, "features": scorer.features}
+                rows.append(row | {k: v for k, v in metrics.items() if k != "kind"})
+    return pd.DataFrame(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,26 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     realtime, rt_scorers, rt_png = evaluate_realtime(p, p["train_realtime.training.threshold"], params.ece_bins)
 
     store.configure(mlflow_params.tracking_uri)
-    exp = store.experiment(params.experiment, mlflow_params.artifact_root)
     fingerprint = early_scorers[0].detector.fingerprint
-    base = {"llm": fingerprint.name, "llm_digest": fingerprint.weights_digest}
-
-    early_runs = {}
-    for scorer in early_scorers:
-        m = {f"test_{k}": v for k, v in early[scorer.name].items() if k != "kind"}
-        m |= {"val_auroc": scorer.detector.info["best_val_auroc"]} if scorer.kind == "detector" else {}
-        early_runs[scorer.name] = (scorer.kind, scorer.features, m)
-    realtime_runs = {}
-    for scorer in rt_scorers:  # one run per name, with its metrics at every level where it is defined
-        m = {f"test_{level}_{k}": v for level, res in realtime.items() if scorer.name in res for k, v in res[scorer.name].items() if k != "kind"}
-        continuation = realtime[Level.CONTINUATION.value].get(scorer.name)
-        m |= {"test_auroc": continuation["auroc"]} if continuation else {}  # the continuation level is the headline
-        realtime_runs[scorer.name] = (scorer.kind, scorer.features, m)
-
-    tags = {**base, "task": "early", "dataset": file_digest(p["paths.early"])}
-    log_comparison("early-detection comparison", tags, early_pngs, early_runs, exp)
-    tags = {**base, "task": "realtime", "dataset": file_digest(p["paths.realtime"])}
-    log_comparison("realtime-detection comparison", tags, [rt_png], realtime_runs, exp)
+    table = comparison_table(early, early_scorers, realtime, rt_scorers)
+    for dataset, pngs in (("early", early_pngs), ("realtime", [rt_png])):
+        tags = {"llm": fingerprint.name, "llm_digest": fingerprint.weights_digest, "data_digest": file_digest(p[f"paths.{dataset}"])}
+        log_comparison(table[table["dataset"] == dataset], {dataset: pngs}, tags, params.experiment, mlflow_params.artifact_root)
 
 
 if __name__ == "__main__":

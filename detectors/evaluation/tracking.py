@@ -20,6 +20,7 @@ logged, so the runs table never shows two rows for one scorer × level. Deleted 
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from pathlib import Path
@@ -42,11 +43,21 @@ METRICS = {
     **{c: f"test_{c}" for c in ("auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1", "ece", "n", "positive_rate")},
     **{c: c for c in ("threshold", "trigger_rate", "delta_auroc", "delta_ci_low", "delta_ci_high")},
 }
+# The UI shows no metric column by default (3.17: Source, Models, Dataset) and keeps a user's column choice in the
+# browser. A shared view (experiment tag ``mlflow.sharedViewState.<key>``, opened with ``?viewStateShareKey=<key>``, see
+# :func:`view_url`) gives everyone the comparison: sorted by test_auroc, with the level, kind and metric columns.
+VIEW_KEY = "comparison"
+VIEW_COLUMNS = ("tags.`level`", "tags.`kind`") + tuple(
+    f"metrics.`{m}`" for m in ("test_auroc", "test_auroc_ci_low", "test_auroc_ci_high", "delta_auroc", "delta_ci_low",
+                               "delta_ci_high", "test_auprc", "test_f1", "test_ece", "trigger_rate", "test_n")
+) + ("tags.`delta_vs`",)  # fmt: skip
+VIEW = {"orderByKey": "metrics.`test_auroc`", "orderByAsc": False, "selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS)}
 DESCRIPTION = (
     "One run per scorer × level on the {dataset} test set, logged by the `evaluate` stage. Sort the runs table by "
     "`test_auroc`; `test_auroc_ci_low`/`_high` are its 95 % bootstrap interval, `delta_auroc` (with `delta_ci_low`/`_high`) "
     "a trained detector's AUROC minus the best training-free baseline's (`delta_vs`) on the same examples, `trigger_rate` "
-    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = 'sentence'`."
+    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = 'sentence'`. "
+    "The comparison view shows these columns: add `?viewStateShareKey=comparison` to this page's address."
 )
 
 
@@ -115,6 +126,7 @@ def log_comparison(
     for dataset, rows in table.groupby("dataset", sort=True):
         exp = store.experiment(f"{experiment_prefix}-{dataset}", artifact_root)
         client.set_experiment_tag(exp, "mlflow.note.content", DESCRIPTION.format(dataset=dataset))
+        client.set_experiment_tag(exp, f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(VIEW))
         new = set()
         for row in rows.sort_values(["level", "scorer"]).to_dict("records"):
             tags = {
@@ -132,3 +144,9 @@ def log_comparison(
         for old in client.search_runs([exp], f"tags.dataset = '{dataset}'", ViewType.ACTIVE_ONLY, max_results=50000):
             if old.info.run_id not in new:
                 client.delete_run(old.info.run_id)
+
+
+def view_url(server: str, experiment_id: str) -> str:
+    """The address of an experiment's comparison view (runs table sorted by test_auroc, metric columns shown) on the
+    MLflow server at ``server`` (e.g. ``http://127.0.0.1:5000``)."""
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
