@@ -122,6 +122,10 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
         assert keys <= set(m), name
         assert m["auroc_ci_low"] <= m["auroc"] <= m["auroc_ci_high"], name
         assert m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), name  # of the stored test-split scores
+    mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["detector-evaluation-early"])  # one flat run per scorer
+    assert sorted(runs["params.scorer"]) == sorted(metrics) and set(runs["tags.level"]) == {"question"}
+    assert runs["metrics.test_auroc"].tolist() == pytest.approx([metrics[s]["auroc"] for s in runs["params.scorer"]])
     # what the tiny Llama planted (memorised facts answered right, and confidently) shows in the training-free first-token
     # probability: 0.88-1.0 on the test questions for Llama seeds 0, 1, 3, 5. The trained scorers are not asserted here:
     # fitted on 24 questions with 12 to choose their epoch or C, they swing with the machine's float rounding (the logistic
@@ -130,10 +134,6 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     assert (pipeline / "data/plots/early_roc.png").stat().st_size > 0
     assert (pipeline / "data/plots/early_roc/gru.csv").exists()
     assert {p.name for p in (pipeline / "data/plots/early_entropy_ecdf").glob("*.csv")} == {"correct.csv", "hallucinated.csv"}
-    mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
-    runs = mlflow.search_runs(experiment_names=["detector-evaluation-early"])  # one flat run per scorer
-    assert sorted(runs["params.scorer"]) == sorted(metrics) and set(runs["tags.level"]) == {"question"}
-    assert runs["metrics.test_auroc"].tolist() == pytest.approx([metrics[s]["auroc"] for s in runs["params.scorer"]])
 
 
 def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tiny_llm):
