@@ -28,6 +28,11 @@ from detectors.registry.requirements import pip_requirements
 
 PYFUNC_MODEL = Path(__file__).with_name("pyfunc.py")
 CHALLENGER = "challenger"
+# MLflow 3's UI opens an experiment by its kind tag; without it, it infers a kind and may open the GenAI "Overview"
+# page with no runs. The key and value are the UI's (mlflow/server/js bundle: ExperimentKind.CUSTOM_MODEL_DEVELOPMENT);
+# the Python package has no constant for them (3.17).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+CUSTOM_MODEL_DEVELOPMENT = "custom_model_development"
 
 
 def tracking_uri(uri: str, root: str | Path = ".") -> str:
@@ -63,15 +68,21 @@ def configure_params(params: str | Path = "params.yaml") -> str:
 def experiment(name: str, artifact_root: str | Path, root: str | Path = ".") -> str:
     """The id of experiment ``name``, created with an explicit artifact location under ``artifact_root``.
 
-    Keep ``artifact_root`` inside the sqlite store's directory: only locations there move with the store."""
+    The experiment is marked as custom model development (:data:`EXPERIMENT_KIND_TAG`), so the UI opens it on its
+    runs table; an existing experiment without a kind (one an older version created) gets the mark too, one a person
+    marked otherwise keeps theirs. Keep ``artifact_root`` inside the sqlite store's directory: only locations there
+    move with the store."""
     found = mlflow.get_experiment_by_name(name)
     if found is None:
         location = (Path(root) / artifact_root / name).resolve()
         location.mkdir(parents=True, exist_ok=True)
-        found = mlflow.get_experiment(mlflow.create_experiment(name, artifact_location=location.as_uri()))
+        tags = {EXPERIMENT_KIND_TAG: CUSTOM_MODEL_DEVELOPMENT}
+        found = mlflow.get_experiment(mlflow.create_experiment(name, artifact_location=location.as_uri(), tags=tags))
         db = sqlite_path(mlflow.get_tracking_uri())
         if db is not None:  # a store MLflow has just created (configure found no tables to anchor) is anchored now
             relocate(db)
+    elif EXPERIMENT_KIND_TAG not in found.tags:
+        MlflowClient().set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, CUSTOM_MODEL_DEVELOPMENT)
     return found.experiment_id
 
 
