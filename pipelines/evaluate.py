@@ -104,8 +104,8 @@ def evaluate_early(p, strategy: str, ece_bins: int) -> tuple[dict, list, list[Pa
     detectors = [DetectorScorer("gru", EarlyDetector.load(model_dir))]
     ablation_dir = model_dir / "ablation"
     detectors += [DetectorScorer(d.name, EarlyDetector.load(d)) for d in sorted(ablation_dir.iterdir())] if ablation_dir.exists() else []
-    frame, has_ctrla = with_ctrla(frame, Path(p["paths.ctrla_early"]))
-    scorers = detectors + question_baselines(with_ctrla=has_ctrla)
+    frame, _ = with_ctrla(frame, Path(p["paths.ctrla_early"]))
+    scorers = detectors + question_baselines(set(frame.columns))
     results, scores = compare(frame, scorers, strategy, ece_bins)
     Path(p["paths.early_scores"]).parent.mkdir(parents=True, exist_ok=True)
     scores.to_parquet(p["paths.early_scores"], index=False)
@@ -118,14 +118,16 @@ def evaluate_realtime(p, strategy: str, ece_bins: int) -> tuple[dict, list, Path
     """Metrics per level (``{level: {scorer: metrics}}``), the scorers of every level, and the ROC figure."""
     frame = pd.read_parquet(p["paths.realtime"])
     detector = RealtimeDetector.load(p["paths.realtime_model"])
-    frame, has_ctrla = with_ctrla(frame, Path(p["paths.ctrla_realtime"]))  # its column becomes a score at every level
+    frame, _ = with_ctrla(frame, Path(p["paths.ctrla_realtime"]))  # its column becomes a score at every level
     mlp = detector.record_scores(frame, load_file(p["paths.realtime_hidden"])["hidden"])
-    units = realtime_units(frame, realtime_token_stats(frame, mlp))
+    token_stats = realtime_token_stats(frame, mlp)
+    stats = set().union(*(s.keys() for s in token_stats.values()))
+    units = realtime_units(frame, token_stats)
     results, all_scores, scorers = {}, [], []
     plots = Path(p["paths.plots"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 5))
     for ax, (level, table) in zip(axes, units.items()):
-        level_scorers = [realtime_detector_scorer(detector.threshold, level)] + realtime_baselines(level, with_ctrla=has_ctrla)
+        level_scorers = [realtime_detector_scorer(detector.threshold, level)] + realtime_baselines(level, stats)
         results[level.value], scores = compare(table, level_scorers, strategy, ece_bins)
         scorers += level_scorers
         all_scores.append(scores.assign(level=level.value))
