@@ -9,9 +9,20 @@ from __future__ import annotations
 
 from spacy.lang.en.stop_words import STOP_WORDS
 
+from detectors.errors import InputError
 from detectors.sources.text import normalize_text
 
 DEFAULT_STOPWORDS: frozenset[str] = frozenset(STOP_WORDS)
+
+
+def spacy_stopwords(model: str, key: str) -> frozenset[str]:
+    """The stop words of the installed spaCy pipeline ``model`` (``key`` names the setting in the error)."""
+    import spacy
+
+    try:
+        return frozenset(spacy.load(model).Defaults.stop_words)
+    except OSError as err:
+        raise InputError(f"{key} = {model!r} cannot be loaded: install that spaCy pipeline or name an installed one ({err})") from err
 
 
 def token_words(tokenizer, ids: list[int]) -> list[int]:
