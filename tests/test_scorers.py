@@ -21,6 +21,7 @@ from detectors.interfaces import Detector, Level, Scorer
 PROB = {"r1": [0.5, 0.2, 0.9, 0.8], "r2": [0.6, 0.9, 0.7]}
 ENTROPY = {"r1": [1.0, 2.0, 0.1, 0.5], "r2": [0.3, 0.2, 0.4]}
 MLP = {"r1": [0.9, 0.7, np.nan, 0.1], "r2": [np.nan, 0.3, 0.2]}
+RIND = {"r1": [0.0, 0.4, 0.6, 0.1], "r2": [0.7, 0.2, 0.0]}  # token 2 of r1 and token 0 of r2 are in no entity
 
 
 def frame() -> pd.DataFrame:
@@ -35,13 +36,13 @@ def frame() -> pd.DataFrame:
 
 
 def units() -> dict[Level, pd.DataFrame]:
-    stats = {r: {"prob": np.array(PROB[r]), "entropy": np.array(ENTROPY[r]), "mlp": np.array(MLP[r])} for r in PROB}
+    stats = {r: {"prob": np.array(PROB[r]), "entropy": np.array(ENTROPY[r]), "mlp": np.array(MLP[r]), "rind": np.array(RIND[r])} for r in PROB}
     return realtime_units(frame(), stats)
 
 
 def scores(level: Level) -> dict[str, list[float]]:
     table = units()[level]
-    scorers = [realtime_detector_scorer(0.5, level)] + realtime_baselines(level, {"prob", "entropy", "mlp"})
+    scorers = [realtime_detector_scorer(0.5, level)] + realtime_baselines(level, {"prob", "entropy", "mlp", "rind"})
     assert all(isinstance(s, Scorer) and s.level is level for s in scorers)
     return {s.name: np.round(s.score(table), 6).tolist() for s in scorers}
 
@@ -59,6 +60,7 @@ def test_token_level_scores():
         "mlp": [0.9, 0.7, 0.1, 0.3, 0.2],
         "flare": [0.5, 0.8, 0.2, 0.1, 0.3],  # 1 - p
         "token_entropy": [1.0, 2.0, 0.5, 0.2, 0.4],
+        "rind": [0.0, 0.4, 0.1, 0.2, 0.0],
     }
 
 
@@ -69,6 +71,7 @@ def test_entity_level_scores_follow_stitch_in_time():
     assert got["sit_avg"] == [0.65, 0.2, 0.2]  # 1 - mean p
     assert got["sit_norm"] == pytest.approx([1 - np.sqrt(0.1), 0.2, 1 - np.sqrt(0.63)], abs=1e-6)  # 1 - geometric mean
     assert got["token_entropy"] == [2.0, 0.5, 0.4]
+    assert got["rind"] == [0.4, 0.1, 0.2]  # max over the entity's tokens
     assert "flare" not in got  # FLARE is a token and continuation score
 
 
@@ -76,6 +79,7 @@ def test_continuation_level_takes_the_worst_entity_and_flare_its_least_probable_
     got = scores(Level.CONTINUATION)
     assert got["flare"] == [0.8, 0.4]  # over every generated token, entity or not
     assert got["sit_min"] == [0.8, 0.3] and got["mlp"] == [0.9, 0.3] and got["token_entropy"] == [2.0, 0.4]
+    assert got["rind"] == [0.6, 0.7]  # DRAGIN fires on any generated token, entity or not
 
 
 def test_detector_threshold_and_probabilities_only_where_it_was_trained():
@@ -95,15 +99,25 @@ def test_compare_refuses_scorers_of_different_levels():
         compare(units()[Level.TOKEN], mixed, "youden", 10)
 
 
-def test_question_baselines_are_those_whose_columns_exist_and_ctrla_one_per_column():
-    early = {"entropy", "first_token_prob", "first_token_entropy", "attribution"}
+def test_question_baselines_are_those_whose_columns_exist():
+    early = {"attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin", "answer"}
     names = [s.name for s in question_baselines(early)]
     assert names == ["logreg[attribution+first_token]", "attribution_entropy", "first_token_prob", "first_token_entropy"]
-    with_ctrla = question_baselines(early | {"ctrla_confidence", "ctrla_confidence[val_layers]"})
-    assert [s.name for s in with_ctrla][-2:] == ["ctrla_confidence", "ctrla_confidence[val_layers]"]
-    assert all(s.level is Level.QUESTION for s in with_ctrla)
-    assert [s.name for s in realtime_baselines(Level.TOKEN, {"prob", "entropy", "ctrla_confidence"})][-1] == "ctrla_confidence"
-    assert [s.name for s in realtime_baselines(Level.TOKEN, {"entropy"})] == ["token_entropy"]  # FLARE needs "prob"
+    joined = early | {"retrorag_consistency", "ctrla_confidence", "ctrla_confidence[val]"}
+    scorers = question_baselines(joined)
+    assert [s.name for s in scorers][4:] == ["retrorag_consistency", "ctrla_confidence", "ctrla_confidence[val]"]
+    assert all(s.level is Level.QUESTION for s in scorers)
+    assert [s.name for s in question_baselines({"first_token_prob"})] == ["first_token_prob"]  # no probe without its inputs
+    table = pd.DataFrame({"retrorag_consistency": [0.9, 0.2]})
+    assert scorers[4].score(table).tolist() == [-0.9, -0.2]  # a low P(yes) means hallucinated
+
+
+def test_realtime_baselines_are_those_whose_stats_exist():
+    assert [s.name for s in realtime_baselines(Level.TOKEN, {"prob"})] == ["flare"]
+    assert [s.name for s in realtime_baselines(Level.ENTITY, {"entropy", "rind"})] == ["token_entropy", "rind"]
+    got = realtime_baselines(Level.CONTINUATION, {"prob", "ctrla_confidence", "ctrla_confidence[val]", "mlp"})
+    assert [s.name for s in got] == ["flare", "sit_min", "sit_avg", "sit_norm", "ctrla_confidence", "ctrla_confidence[val]"]
+    assert got[-1].stat == "ctrla_confidence[val]" and got[-1].level is Level.CONTINUATION
 
 
 def test_every_registered_kind_is_a_detector_with_one_llm_attachment():

@@ -1,36 +1,47 @@
 """Training-free hallucination scores, one small module each, behind :class:`detectors.interfaces.Scorer`.
 
 Question level: attribution entropy (DioR Eq. 1), first-token probability and entropy, a logistic-
-regression probe; real-time levels: FLARE, Stitch-in-Time MIN/AVG/NORM, token entropy; both: CtrlA's
-confidence monitor.
+regression probe, RetroRAG's self-consistency evaluator; real-time levels: FLARE, Stitch-in-Time
+MIN/AVG/NORM, token entropy, DRAGIN's RIND; both: CtrlA's confidence monitor (one scorer per
+``ctrla_confidence*`` column or per-token stat).
+
+:func:`question_baselines` and :func:`realtime_baselines` return every scorer whose input is available,
+so a comparison lists a baseline exactly when its scores were computed.
 """
 
 from __future__ import annotations
 
 from detectors.baselines.attribution_entropy import ATTRIBUTION_ENTROPY
-from detectors.baselines.ctrla_confidence import CTRLA_CONFIDENCE, CtrlAConfidence
+from detectors.baselines.ctrla_confidence import CTRLA_CONFIDENCE, CtrlAConfidence, ctrla_question_scorers, ctrla_realtime_scorers
 from detectors.baselines.first_token import FIRST_TOKEN_ENTROPY, FIRST_TOKEN_PROB
 from detectors.baselines.flare import Flare
 from detectors.baselines.logreg import LogisticScorer
+from detectors.baselines.retrorag import RETRORAG_CONSISTENCY
+from detectors.baselines.rind import Rind
 from detectors.baselines.stitch_in_time import SitAvg, SitMin, SitNorm
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.evaluation.scorers import ColumnScorer, TokenStatScorer
 from detectors.interfaces import Level, Scorer
 
-REALTIME_BASELINES: tuple[type[TokenStatScorer], ...] = (Flare, SitMin, SitAvg, SitNorm, TokenEntropy)
+__all__ = [
+    "CTRLA_CONFIDENCE", "CtrlAConfidence", "QUESTION_BASELINES", "REALTIME_BASELINES", "question_baselines", "realtime_baselines",
+]  # fmt: skip
+
+QUESTION_BASELINES: tuple[ColumnScorer, ...] = (ATTRIBUTION_ENTROPY, FIRST_TOKEN_PROB, FIRST_TOKEN_ENTROPY, RETRORAG_CONSISTENCY)
+REALTIME_BASELINES: tuple[type[TokenStatScorer], ...] = (Flare, SitMin, SitAvg, SitNorm, TokenEntropy, Rind)
 
 
 def question_baselines(columns: set[str]) -> list[Scorer]:
-    """Every training-free question-level scorer whose input column is in ``columns`` (the early set joined with
-    the other stages' per-id score tables): CtrlA gives one scorer per ``ctrla_confidence*`` column."""
-    fixed: list[Scorer] = [LogisticScorer(), ATTRIBUTION_ENTROPY, FIRST_TOKEN_PROB, FIRST_TOKEN_ENTROPY]
-    ctrla = [ColumnScorer(c, c) for c in sorted(columns) if c.startswith(CTRLA_CONFIDENCE.column)]
-    return [s for s in fixed if s.features in columns or isinstance(s, LogisticScorer)] + ctrla
+    """Every training-free question-level scorer whose input columns are among ``columns`` (the early set
+    joined with the score tables), CtrlA's one per ``ctrla_confidence*`` column."""
+    probe = LogisticScorer()
+    scorers: list[Scorer] = [probe] if set(probe.columns) <= columns else []
+    scorers += [s for s in QUESTION_BASELINES if s.column in columns]
+    return scorers + ctrla_question_scorers(columns)
 
 
 def realtime_baselines(level: Level, stats: set[str]) -> list[Scorer]:
-    """Every training-free scorer defined at ``level`` (token, entity or continuation) whose per-token statistic
-    is in ``stats``: CtrlA gives one scorer per ``ctrla_confidence*`` statistic."""
-    scorers = [cls(level) for cls in REALTIME_BASELINES if level in cls.levels]
-    ctrla = [CtrlAConfidence(level, name=s, stat=s) for s in sorted(stats) if s.startswith(CtrlAConfidence.stat)]
-    return [s for s in scorers if s.stat in stats] + [s for s in ctrla if level in s.levels]
+    """Every training-free scorer defined at ``level`` (token, entity or continuation) whose per-token
+    statistic is among ``stats``, CtrlA's one per ``ctrla_confidence*`` stat."""
+    scorers: list[Scorer] = [cls(level) for cls in REALTIME_BASELINES if level in cls.levels and cls.stat in stats]
+    return scorers + ctrla_realtime_scorers(level, stats)

@@ -29,6 +29,7 @@ class LogisticScorer:
     is_probability: bool = True
     threshold: float | None = None
     features: str = "attribution summary, first_token"
+    columns: tuple[str, ...] = ("attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin")
 
     def score(self, units: pd.DataFrame) -> np.ndarray:
         train = units[units["split"] == "train"]

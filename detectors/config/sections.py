@@ -69,6 +69,9 @@ class PathsParams:
     registry_early: str
     registry_realtime: str
     registry_ctrla: str
+    baselines_early: str
+    baselines_realtime: str
+    score_baselines_metrics: str
 
     def check(self, where: str) -> None:
         for field in dataclasses.fields(self):
@@ -202,6 +205,38 @@ class TrainRealtimeParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvaluatorParams:
+    """RetroRAG's LLM-based evaluator: a yes/no prompt about the LLM's own answer (``{question}``, ``{answer}``)."""
+
+    template: str
+    chat: bool
+    yes_words: list[str]
+    no_words: list[str]
+
+    def check(self, where: str) -> None:
+        for field in ("{question}", "{answer}"):
+            if self.template.count(field) != 1:
+                fail(f"{where}.template", self.template, f"must contain {field} exactly once")
+        try:
+            self.template.format(question="", answer="")
+        except (KeyError, IndexError, ValueError) as err:
+            fail(f"{where}.template", self.template, f"only {{question}} and {{answer}} may be in braces (double other braces): {err!r}")
+        for key in ("yes_words", "no_words"):
+            words = getattr(self, key)
+            if not words or not all(isinstance(w, str) and w.strip() for w in words):
+                fail(f"{where}.{key}", words, 'list at least one non-empty word, quoted in YAML ("yes", "no")')
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreBaselinesParams:
+    evaluator: EvaluatorParams
+    batch_size: int
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.batch_size", self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class EvaluateParams:
     ece_bins: int
     bootstrap: int  # bootstrap resamples for every interval
@@ -309,6 +344,7 @@ SECTIONS: dict[str, type] = {
     "qa": QAParams,
     "build_early": BuildEarlyParams,
     "train_early": TrainEarlyParams,
+    "score_baselines": ScoreBaselinesParams,
     "evaluate": EvaluateParams,
     "mlflow": MLflowParams,
     "register_early": RegisterEarlyParams,

@@ -13,13 +13,13 @@ import re
 
 import numpy as np
 import torch
-from spacy.lang.en.stop_words import STOP_WORDS
 
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer
 from detectors.llm.kv import batches, forward_rows, prefix_states
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
+from detectors.llm.words import content_mask, token_words
 from detectors.sources.text import normalize_text
 
 # ---- confidence monitor (Eq. 2) -----------------------------------------------------------------------
@@ -123,37 +123,7 @@ def score_sequences(
     return out
 
 
-# ---- the retrieval trigger: new, non-stopword tokens ------------------------------------------------
-
-
-def token_words(tokenizer, ids: list[int]) -> list[int]:
-    """The word index of each token: a token starting with whitespace, or a punctuation token, starts a word."""
-    word, out, prev_punct = -1, [], True
-    for t in ids:
-        piece = tokenizer.decode([t], skip_special_tokens=True)
-        punct = not any(c.isalnum() for c in piece)
-        if word < 0 or piece[:1].isspace() or punct or prev_punct:
-            word += 1
-        out.append(word)
-        prev_punct = punct
-    return out
-
-
-def content_mask(tokenizer, context_text: str, ids: list[int], stopwords: frozenset[str] = frozenset(STOP_WORDS)) -> list[bool]:
-    """Which tokens carry new information (CtrlA §3.2.3, App. B.2): their word is not a stopword or
-    punctuation, and does not occur in the context (the input and the preceding generation)."""
-    seen = set(normalize_text(context_text).split())
-    words = token_words(tokenizer, ids)
-    texts: dict[int, str] = {}
-    for t, w in zip(ids, words):
-        texts[w] = texts.get(w, "") + tokenizer.decode([t], skip_special_tokens=True)
-    flags = {}
-    for w, text in texts.items():
-        norm = normalize_text(text)
-        flags[w] = bool(norm) and all(part not in stopwords for part in norm.split()) and norm not in seen
-        if flags[w]:
-            seen.add(norm)  # a word is new only the first time it appears
-    return [flags[w] for w in words]
+# ---- the retrieval trigger: new, non-stopword tokens (content_mask, token_words: detectors.llm.words) ----
 
 
 def hallucination_score(scores: np.ndarray, mask: list[bool], fallback: float) -> float:

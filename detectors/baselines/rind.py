@@ -1,0 +1,145 @@
+"""DRAGIN's RIND (Su et al. 2024, §3.1, Eq. 1-5): a generated token's real-time information need,
+``S_RIND(t_i) = H_i · a_max(i) · s_i``.
+
+- ``H_i``: entropy (nats) of the distribution the token was drawn from (Eq. 1);
+- ``a_max(i) = max_{j>i} A[j, i]``: the largest attention any later token pays to it (Eq. 3). DRAGIN takes
+  the last Transformer layer (footnote 2) and does not say how heads combine; as DRAGIN's released code
+  does, each head's maximum over the later tokens is averaged over the heads. Later tokens are the
+  continuation's own (the prompt comes before every generated token); the attention is over the whole
+  prompt + continuation, so it is the attention the LLM paid while generating;
+- ``s_i``: 0 when the token's word is a stop word or punctuation (spaCy's list, DRAGIN §4.5), else 1 (Eq. 4).
+
+:func:`rind_scores` computes it from one teacher-forced pass with eager attention (the only kind that
+returns attention weights), batched with right padding. **While the LLM generates**, call it on the prompt
+and the tokens generated so far after each step: every token gets its value over the later tokens seen so
+far, which only grows as generation goes on (``a_max`` is a running maximum). The newest token has no
+later token yet and reads 0; its first value is there one step later. DRAGIN triggers retrieval when any
+token generated so far exceeds θ, so the trigger reads ``max`` of the returned ``rind`` after each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from detectors.evaluation.scorers import TokenStatScorer
+from detectors.interfaces import Level
+from detectors.llm.kv import batches
+from detectors.llm.layers import decoder_layers
+from detectors.llm.loading import LLM
+from detectors.llm.words import DEFAULT_STOPWORDS, word_mask
+
+NAME = "rind"
+
+
+@dataclasses.dataclass
+class RindTrace:
+    """RIND and its three factors for each token of one continuation."""
+
+    entropy: np.ndarray  # [n] H_i (nats)
+    attention: np.ndarray  # [n] a_max(i), last layer, heads averaged; 0 for the last token
+    content: np.ndarray  # [n] s_i (1.0 content word, 0.0 stop word or punctuation)
+    rind: np.ndarray  # [n] H_i · a_max(i) · s_i
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str = "eager") -> Iterator[None]:
+    """Run the model with attention implementation ``name`` inside the block; the previous one is restored
+    on exit, also when the block raises."""
+    previous = model.config._attn_implementation
+    if previous != name:
+        model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        if previous != name:
+            model.set_attn_implementation(previous)
+
+
+class _LastLayerAttention:
+    """A forward hook on the last decoder block's attention keeping its weights ``[B, heads, T, T]``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.module = decoder_layers(model)[-1].self_attn
+        self.weights: torch.Tensor | None = None
+
+    def __enter__(self) -> "_LastLayerAttention":
+        self.handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, module, args, output) -> None:
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if weights is None:
+            raise RuntimeError("the last attention layer returned no weights: RIND needs eager attention")
+        self.weights = weights.detach()
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def later_attention_max(weights: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 per position: ``max_{i<j<length} A[j, i]`` per head, averaged over heads; ``[B, T]``.
+
+    ``weights`` is ``[B, heads, T(query j), T(key i)]``; queries at or past a row's length (padding) are ignored.
+    """
+    T = weights.shape[-1]
+    pos = torch.arange(T, device=weights.device)
+    later = pos[:, None] > pos[None, :]  # [j, i]: j after i
+    real = pos[None, :] < lengths[:, None].to(weights.device)  # [B, j]
+    keep = later[None] & real[:, :, None]  # [B, j, i]
+    per_head = weights.float().masked_fill(~keep[:, None], 0.0).amax(dim=2)  # [B, heads, i]
+    return per_head.mean(dim=1)
+
+
+def rind_scores(
+    llm: LLM, prompts: list[list[int]], continuations: list[list[int]], stopwords: frozenset[str] = DEFAULT_STOPWORDS,
+    batch_size: int = 8, progress=None,
+) -> list[RindTrace]:
+    """RIND of every continuation token, from one teacher-forced eager pass over ``prompt + continuation``.
+
+    ``prompts[k]`` and ``continuations[k]`` are token ids (the prompt non-empty: the first continuation
+    token's distribution is read at the prompt's last position). Rows of similar length are batched,
+    right-padded (causal attention keeps real tokens from seeing the padding; padded queries are ignored).
+    ``progress`` (a tqdm bar) is advanced by the number of rows done.
+    """  # fmt: skip
+    if len(prompts) != len(continuations):
+        raise ValueError(f"rind_scores got {len(prompts)} prompts and {len(continuations)} continuations")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("rind_scores needs a non-empty prompt for every continuation (its last token predicts the first)")
+    rows = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+    out: list[RindTrace | None] = [None] * len(rows)
+    pad = llm.tokenizer.pad_token_id or 0
+    with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:
+        for idx in batches(rows, batch_size):
+            width = max(len(rows[i]) for i in idx)
+            ids = torch.tensor([rows[i] + [pad] * (width - len(rows[i])) for i in idx], device=llm.device)
+            lengths = torch.tensor([len(rows[i]) for i in idx])
+            logits = llm.model(ids, use_cache=False, logits_to_keep=0).logits
+            a_max = later_attention_max(tap.weights, lengths).cpu().numpy()
+            for b, i in enumerate(idx):
+                start, n = len(prompts[i]), len(continuations[i])
+                logp = torch.log_softmax(logits[b, start - 1 : start - 1 + n].float(), dim=-1)
+                entropy = (-(logp.exp() * logp).nan_to_num().sum(-1)).cpu().numpy().astype(np.float64)
+                attention = a_max[b, start : start + n].astype(np.float64)
+                content = np.asarray(word_mask(llm.tokenizer, list(continuations[i]), stopwords), dtype=np.float64)
+                out[i] = RindTrace(entropy, attention, content, entropy * attention * content)
+            if progress is not None:
+                progress.update(len(idx))
+    return out  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rind(TokenStatScorer):
+    """RIND as a scorer of the real-time set's per-token stat ``rind``: a token scores its RIND, an entity its
+    largest token's, a continuation its largest token's over all generated tokens (DRAGIN retrieves when
+    any token exceeds the threshold)."""
+
+    name: str = NAME
+    stat: str = NAME
+
+    def continuation(self, stats: dict[str, np.ndarray], entities: list[np.ndarray]) -> float:
+        return float(np.max(stats[self.stat]))

@@ -1,0 +1,71 @@
+"""Words of a token sequence: which tokens form one word, and which words carry content (not a stop word
+or punctuation). Shared by CtrlA's retrieval trigger (new content words) and DRAGIN's RIND (content words).
+
+Stop words are spaCy's English list by default; a caller with a loaded spaCy pipeline passes its
+``nlp.Defaults.stop_words``.
+"""
+
+from __future__ import annotations
+
+from spacy.lang.en.stop_words import STOP_WORDS
+
+from detectors.errors import InputError
+from detectors.sources.text import normalize_text
+
+DEFAULT_STOPWORDS: frozenset[str] = frozenset(STOP_WORDS)
+
+
+def spacy_stopwords(model: str, key: str) -> frozenset[str]:
+    """The stop words of the installed spaCy pipeline ``model`` (``key`` names the setting in the error)."""
+    import spacy
+
+    try:
+        return frozenset(spacy.load(model).Defaults.stop_words)
+    except OSError as err:
+        raise InputError(f"{key} = {model!r} cannot be loaded: install that spaCy pipeline or name an installed one ({err})") from err
+
+
+def token_words(tokenizer, ids: list[int]) -> list[int]:
+    """The word index of each token: a token starting with whitespace, or a punctuation token, starts a word."""
+    word, out, prev_punct = -1, [], True
+    for t in ids:
+        piece = tokenizer.decode([t], skip_special_tokens=True)
+        punct = not any(c.isalnum() for c in piece)
+        if word < 0 or piece[:1].isspace() or punct or prev_punct:
+            word += 1
+        out.append(word)
+        prev_punct = punct
+    return out
+
+
+def _word_texts(tokenizer, ids: list[int]) -> tuple[list[int], dict[int, str]]:
+    """Each token's word index and each word's normalised text."""
+    words = token_words(tokenizer, ids)
+    texts: dict[int, str] = {}
+    for t, w in zip(ids, words):
+        texts[w] = texts.get(w, "") + tokenizer.decode([t], skip_special_tokens=True)
+    return words, {w: normalize_text(text) for w, text in texts.items()}
+
+
+def _is_content(norm: str, stopwords: frozenset[str]) -> bool:
+    return bool(norm) and all(part not in stopwords for part in norm.split())
+
+
+def word_mask(tokenizer, ids: list[int], stopwords: frozenset[str] = DEFAULT_STOPWORDS) -> list[bool]:
+    """Which tokens belong to a content word: a word that is neither punctuation nor a stop word (DRAGIN's s_i)."""
+    words, texts = _word_texts(tokenizer, ids)
+    flags = {w: _is_content(norm, stopwords) for w, norm in texts.items()}
+    return [flags[w] for w in words]
+
+
+def content_mask(tokenizer, context_text: str, ids: list[int], stopwords: frozenset[str] = DEFAULT_STOPWORDS) -> list[bool]:
+    """Which tokens carry new information (CtrlA §3.2.3, App. B.2): their word is not a stopword or
+    punctuation, and does not occur in the context (the input and the preceding generation)."""
+    seen = set(normalize_text(context_text).split())
+    words, texts = _word_texts(tokenizer, ids)
+    flags = {}
+    for w, norm in texts.items():
+        flags[w] = _is_content(norm, stopwords) and norm not in seen
+        if flags[w]:
+            seen.add(norm)  # a word is new only the first time it appears
+    return [flags[w] for w in words]

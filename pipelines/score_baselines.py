@@ -1,0 +1,116 @@
+"""Stage score_baselines: the training-free baselines that need the LLM, scored once for evaluate.
+
+- RetroRAG's evaluator (Eq. 1) on the early set: ``P(yes) / (P(yes) + P(no))`` when the LLM is asked
+  whether its own answer to the question is correct → ``paths.baselines_early`` (``id``,
+  ``retrorag_consistency``);
+- DRAGIN's RIND on the real-time set: one teacher-forced eager-attention pass over each record's prompt
+  + continuation → ``paths.baselines_realtime`` (``id``, ``rind``: one float per generated token, aligned
+  with the record's ``prob``/``entropy``).
+
+Only records with status ``ok``. ``paths.score_baselines_metrics`` says what it cost: seconds, seconds per
+record, and tokens/s of RIND's eager pass against a plain sdpa forward over the same batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from detectors.baselines.retrorag import NAME as RETRORAG, consistency_scores
+from detectors.baselines.rind import NAME as RIND, attention_implementation, rind_scores
+from detectors.errors import InputError
+from detectors.io import write_json
+from detectors.llm.kv import forward_rows
+from detectors.llm.loading import load_llm
+from detectors.llm.words import spacy_stopwords
+from detectors.progress import progress
+from pipelines._stage import run, stage_params
+
+log = logging.getLogger("score_baselines")
+READS = (
+    "llm", "score_baselines", "build_realtime.spacy_model", "paths.llm", "paths.early", "paths.realtime",
+    "paths.baselines_early", "paths.baselines_realtime", "paths.score_baselines_metrics",
+)  # fmt: skip
+
+
+def ok_records(path: str, columns: list[str]) -> pd.DataFrame:
+    frame = pd.read_parquet(path)
+    missing = [c for c in ["id", "status", *columns] if c not in frame.columns]
+    if missing:
+        raise InputError(f"{path} has no column(s) {missing}: rebuild it with the current build stage (dvc repro)")
+    return frame[frame["status"] == "ok"].reset_index(drop=True)
+
+
+def score_early(llm, frame: pd.DataFrame, params) -> pd.DataFrame:
+    ev = params.evaluator
+    pairs = list(zip(frame["question"], frame["answer"]))
+    with progress(total=len(pairs), desc="retrorag evaluator", unit="question") as bar:
+        scores = consistency_scores(llm, pairs, ev.template, ev.chat, tuple(ev.yes_words), tuple(ev.no_words), params.batch_size, bar)
+    return pd.DataFrame({"id": frame["id"], RETRORAG: scores})
+
+
+def score_realtime(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_size: int) -> tuple[pd.DataFrame, float]:
+    """RIND per record and the largest difference between its recomputed entropies and the stored ones."""
+    prompts, gens = [list(p) for p in frame["prompt_ids"]], [list(g) for g in frame["gen_ids"]]
+    with progress(total=len(prompts), desc="rind", unit="continuation") as bar:
+        traces = rind_scores(llm, prompts, gens, stopwords, batch_size, bar)
+    drift = max((float(np.abs(t.entropy - np.asarray(e)).max()) for t, e in zip(traces, frame["entropy"]) if len(t.entropy)), default=0.0)
+    return pd.DataFrame({"id": frame["id"], RIND: [t.rind.tolist() for t in traces]}), drift
+
+
+def pass_speeds(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_size: int) -> dict:
+    """Tokens/s of RIND's eager teacher-forced pass and of a plain sdpa forward (all logits) over the same batch."""
+    rows = frame.head(batch_size)
+    prompts, gens = [list(p) for p in rows["prompt_ids"]], [list(g) for g in rows["gen_ids"]]
+    tokens = sum(len(p) + len(g) for p, g in zip(prompts, gens))
+    start = time.perf_counter()
+    rind_scores(llm, prompts, gens, stopwords, batch_size)
+    eager = time.perf_counter() - start
+    with attention_implementation(llm.model, "sdpa"):
+        start = time.perf_counter()
+        forward_rows(llm, None, [p + g for p, g in zip(prompts, gens)], logits=True)
+        sdpa = time.perf_counter() - start
+    return {"batch_rows": len(rows), "batch_tokens": tokens, "rind_eager_tokens_per_s": round(tokens / eager, 1),
+            "sdpa_forward_tokens_per_s": round(tokens / sdpa, 1), "eager_over_sdpa_time": round(eager / sdpa, 2)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_params(__doc__, argv, READS, "score_baselines")
+    llm_params, params = p["llm"], p["score_baselines"]
+    early = ok_records(p["paths.early"], ["question", "answer"])
+    realtime = ok_records(p["paths.realtime"], ["prompt_ids", "gen_ids", "entropy"])
+    stopwords = spacy_stopwords(p["build_realtime.spacy_model"], "build_realtime.spacy_model")
+    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
+    seconds = {}
+    with torch.no_grad():
+        start = time.perf_counter()
+        early_scores = score_early(llm, early, params)
+        seconds["retrorag"] = time.perf_counter() - start
+        start = time.perf_counter()
+        realtime_scores, drift = score_realtime(llm, realtime, stopwords, params.batch_size)
+        seconds["rind"] = time.perf_counter() - start
+        speeds = pass_speeds(llm, realtime, stopwords, params.batch_size) if len(realtime) else {}
+    for key, table in (("paths.baselines_early", early_scores), ("paths.baselines_realtime", realtime_scores)):
+        Path(p[key]).parent.mkdir(parents=True, exist_ok=True)
+        table.to_parquet(p[key], index=False)
+    tokens = int(sum(len(a) + len(b) for a, b in zip(realtime["prompt_ids"], realtime["gen_ids"])))
+    metrics = {
+        "device": str(llm.device), "dtype": llm.dtype_name,
+        "retrorag": {"records": len(early), "seconds": round(seconds["retrorag"], 2),
+                     "seconds_per_record": round(seconds["retrorag"] / max(len(early), 1), 4)},
+        "rind": {"records": len(realtime), "tokens": tokens, "seconds": round(seconds["rind"], 2),
+                 "seconds_per_record": round(seconds["rind"] / max(len(realtime), 1), 4),
+                 "tokens_per_s": round(tokens / max(seconds["rind"], 1e-9), 1),
+                 "entropy_max_abs_diff_vs_generation": round(drift, 5), **speeds},
+    }  # fmt: skip
+    write_json(p["paths.score_baselines_metrics"], metrics)
+    log.info("done: %s", metrics)
+
+
+if __name__ == "__main__":
+    run(main)
