@@ -93,7 +93,9 @@ def report(frame: pd.DataFrame) -> dict:
     token_labels = np.concatenate([np.asarray(t) for t in ok["token_label"]]) if len(ok) else np.zeros(0)
     return {
         **status_counts(frame),
-        "continuations": {"all": balance(ok["label"] if len(ok) else []), **{split: balance(g["label"]) for split, g in ok.groupby("split")}},
+        "continuations": {
+            "all": balance(ok["label"] if len(ok) else []), **{split: balance(g["label"]) for split, g in ok.groupby("split")}
+        },
         "entities": {
             **balance(e["hallucinated"] for e in entities),
             "supported_by": {part: sum(e["support"] == part for e in entities) for part in PARTS},

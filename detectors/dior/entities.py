@@ -26,7 +26,7 @@ from detectors.llm.loading import LLM
 from detectors.sources.text import normalize_text
 
 
-PARTS = ("after_cut", "before_cut", "title")  # where an entity stands; references before the cut and the title are always in the window
+PARTS = ("after_cut", "before_cut", "title")  # where an entity stands (before the cut and the title: always in the window)
 
 
 @dataclasses.dataclass
