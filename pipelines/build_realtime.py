@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from safetensors.numpy import load_file, save_file
 
-from detectors.dior.entities import EntityTools, label_continuation, prepare_article
+from detectors.dior.entities import PARTS, EntityTools, label_continuation, prepare_article
 from detectors.dior.recorder import generate_traced
 from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
@@ -66,7 +66,9 @@ def build_shard(llm, tools, chunk: pd.DataFrame, state_indices: list[int], param
         for (base, text, _, cut, warnings), ids, trace in zip(batch, prompt_ids, traces):
             record = {**base, "cut": cut, "prompt_ids": ids, "gen_ids": trace.gen_ids, "warnings": warnings}
             try:
-                labels = label_continuation(llm, tools, text, cut, trace.gen_ids, params.similarity_threshold, params.sentence_window)
+                labels = label_continuation(
+                    llm, tools, base["title"], text, cut, trace.gen_ids, params.similarity_threshold, params.sentence_window
+                )
             except Exception as err:
                 rows.append(_failure(record, err))
                 continue
@@ -76,17 +78,32 @@ def build_shard(llm, tools, chunk: pd.DataFrame, state_indices: list[int], param
     return rows, hidden
 
 
+def balance(labels) -> dict:
+    labels = [int(x) for x in labels]
+    return {"n": len(labels), "hallucinated": sum(labels), "rate": round(sum(labels) / len(labels), 4) if labels else None}
+
+
 def report(frame: pd.DataFrame) -> dict:
+    """Counts, label balance per level, and what the labels would be if only the article after the cut could
+    support an entity (``against_text_after_cut``: the title and prefix made those entities supported)."""
     ok = frame[frame["status"] == OK]
-    entities = [e for row in ok.itertuples() for e in json.loads(row.entities)]
+    per_record = [json.loads(row.entities) for row in ok.itertuples()]
+    entities = [e for ents in per_record for e in ents]
+    after_cut_only = [[int(e["hallucinated"] or e["support"] != "after_cut") for e in ents] for ents in per_record]
     token_labels = np.concatenate([np.asarray(t) for t in ok["token_label"]]) if len(ok) else np.zeros(0)
     return {
         **status_counts(frame),
         "continuations": {
-            split: {"n": int(len(g)), "hallucinated": int(g["label"].sum()), "rate": round(float(g["label"].mean()), 4)}
-            for split, g in ok.groupby("split")
+            "all": balance(ok["label"] if len(ok) else []), **{split: balance(g["label"]) for split, g in ok.groupby("split")}
         },
-        "entities": {"n": len(entities), "hallucinated": int(sum(e["hallucinated"] for e in entities))},
+        "entities": {
+            **balance(e["hallucinated"] for e in entities),
+            "supported_by": {part: sum(e["support"] == part for e in entities) for part in PARTS},
+        },
+        "against_text_after_cut": {
+            "continuations": balance(max(labels) for labels in after_cut_only),
+            "entities": balance(x for labels in after_cut_only for x in labels),
+        },
         "tokens": {
             "generated": int(len(token_labels)),
             "entity_tokens": int((token_labels >= 0).sum()),

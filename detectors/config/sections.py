@@ -201,7 +201,16 @@ class BuildRealtimeParams:
 
 @dataclasses.dataclass(frozen=True)
 class TrainRealtimeParams:
+    """``tokens``: the candidates to train on, ``entity`` (entity tokens) and/or ``all`` (every generated token,
+    non-entity tokens labelled supported); the one whose served max over all tokens has the best validation
+    continuation AUROC is kept."""
+
+    tokens: list[Literal["entity", "all"]]
     training: TrainingParams
+
+    def check(self, where: str) -> None:
+        if not self.tokens or len(set(self.tokens)) != len(self.tokens):
+            fail(f"{where}.tokens", self.tokens, "list each candidate once: [entity], [all] or [entity, all]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,13 @@
 """The labelling half of DioR's real-time set (§3.1.2, App. A.2): where an article is cut, and which
 entities of the LLM's continuation are supported by the original article (spaCy entities compared
-by sentence-transformers similarity) — labels per entity, per token and per continuation."""
+by sentence-transformers similarity) — labels per entity, per token and per continuation.
+
+A generated entity is compared with the whole original article, title and prefix included, "in the
+window": an entity of the article after the cut counts when its sentence is within ``sentence_window``
+sentences of the generated entity's (both counted from the sentence holding the cut); the title and
+every entity before the cut count wherever the generated entity stands, because the prompt showed them
+to the LLM and repeating them is not a fabricated fact.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +26,17 @@ from detectors.llm.loading import LLM
 from detectors.sources.text import normalize_text
 
 
+PARTS = ("after_cut", "before_cut", "title")  # where an entity stands (before the cut and the title: always in the window)
+
+
 @dataclasses.dataclass
 class Entity:
     text: str
     label: str
     start: int  # character offsets in the text it was found in
     end: int
-    sentence: int  # sentence index counted from the sentence holding the truncation point
+    sentence: int  # sentence index counted from the sentence holding the truncation point (negative: before it)
+    part: str = "after_cut"  # one of PARTS
 
 
 class EntityTools:
@@ -41,19 +52,22 @@ class EntityTools:
             raise RecordError(f"build_realtime.spacy_model = {spacy_model!r} cannot be loaded: install it ({err})") from err
         self.encoder = SentenceTransformer(embedding_path(embedding_model), device=device)
 
-    def entities(self, text: str, cut: int) -> tuple[list[Entity], int]:
-        """Entities starting at or after character ``cut``, and how many cross it (those are skipped)."""
+    def entities(self, text: str, cut: int) -> tuple[list[Entity], list[Entity], int]:
+        """Entities ending at or before character ``cut``, those starting at or after it, and how many cross it
+        (those are skipped)."""
         doc = self.nlp(text)
         sentences = list(doc.sents)
         first = next((i for i, s in enumerate(sentences) if s.start_char <= cut < s.end_char), len(sentences) - 1)
         index = {s.start: i for i, s in enumerate(sentences)}
-        found, crossing = [], 0
+        before, after, crossing = [], [], 0
         for ent in doc.ents:
             if ent.start_char < cut < ent.end_char:
                 crossing += 1
-            elif ent.start_char >= cut:
-                found.append(Entity(ent.text, ent.label_, ent.start_char, ent.end_char, index[ent.sent.start] - first))
-        return found, crossing
+                continue
+            part = "after_cut" if ent.start_char >= cut else "before_cut"
+            found = Entity(ent.text, ent.label_, ent.start_char, ent.end_char, index[ent.sent.start] - first, part)
+            (after if part == "after_cut" else before).append(found)
+        return before, after, crossing
 
     def similarity(self, a: list[str], b: list[str]) -> np.ndarray:
         if not a or not b:
@@ -103,25 +117,42 @@ def supported(candidate: str, reference: str, similarity: float, threshold: floa
     return similarity >= threshold
 
 
+def title_references(title: str) -> list[Entity]:
+    """The article's title as references: the whole title, and without a trailing "(disambiguation)"."""
+    names = [title.strip(), re.sub(r"\s*\([^()]*\)$", "", title.strip())]
+    return [Entity(name, "TITLE", 0, len(name), 0, "title") for i, name in enumerate(names) if name and name not in names[:i]]
+
+
+def in_window(ref: Entity, ent: Entity, window: int) -> bool:
+    """Whether ``ref`` may support ``ent``: the title and the prefix always, the article after the cut within
+    ``window`` sentences of ``ent``'s place."""
+    return ref.part != "after_cut" or abs(ref.sentence - ent.sentence) <= window
+
+
 def label_entities(generated: list[Entity], original: list[Entity], sim: np.ndarray, threshold: float, window: int) -> list[dict]:
-    """Each generated entity against the original's entities at the corresponding place (sentences
-    within ``window`` of its own): supported (0) or hallucinated (1), with its best match."""
+    """Each generated entity against the original's references in its window (:func:`in_window`): supported (0)
+    or hallucinated (1), with its best match and where that stands (``support``: the ``part`` of the match, a
+    match after the cut preferred, so ``support != "after_cut"`` says what only the title or prefix supports)."""
+    rank = {part: len(PARTS) - i for i, part in enumerate(PARTS)}
     out = []
     for j, ent in enumerate(generated):
-        best, best_sim, ok = None, float("-inf"), False
+        best, key = None, (False, 0, float("-inf"))  # (supports, rank of its part when it supports, similarity)
         for i, ref in enumerate(original):
-            if abs(ref.sentence - ent.sentence) > window:
+            if not in_window(ref, ent, window):
                 continue
             s = float(sim[j, i])
             match = supported(ent.text, ref.text, s, threshold)
-            if (match, s) > (ok, best_sim):
-                best, best_sim, ok = ref.text, s, match
+            candidate = (match, rank[ref.part] if match else 0, s)
+            if candidate > key:
+                best, key = ref, candidate
+        fields = {k: v for k, v in dataclasses.asdict(ent).items() if k != "part"}
         out.append(
             {
-                **dataclasses.asdict(ent),
-                "match": best,
-                "similarity": None if best is None else best_sim,
-                "hallucinated": int(not ok),
+                **fields,
+                "match": None if best is None else best.text,
+                "similarity": None if best is None else key[2],
+                "support": best.part if key[0] else None,
+                "hallucinated": int(not key[0]),
             }
         )
     return out
@@ -148,17 +179,20 @@ def entity_tokens(offsets: list[int], start: int, end: int) -> list[int]:
 
 
 def label_continuation(
-    llm: LLM, tools: EntityTools, text: str, cut: int, gen_ids: list[int], similarity_threshold: float, sentence_window: int
+    llm: LLM, tools: EntityTools, title: str, text: str, cut: int, gen_ids: list[int], similarity_threshold: float,
+    sentence_window: int,
 ) -> dict:
-    """Entity-, token- and continuation-level labels of one continuation of ``text[:cut]``."""
+    """Entity-, token- and continuation-level labels of one continuation of ``text[:cut]`` against the whole
+    article titled ``title`` (see the module's docstring for the window)."""  # fmt: skip
     prefix = text[:cut].rstrip()
     continuation = llm.tokenizer.decode(gen_ids, skip_special_tokens=True)
     if not continuation.strip():
         raise RecordError("empty continuation")
-    generated, crossing = tools.entities(prefix + continuation, len(prefix))
+    _, generated, crossing = tools.entities(prefix + continuation, len(prefix))
     if not generated:
         raise RecordError("the continuation holds no entity")
-    original, _ = tools.entities(text, cut)
+    before, after, _ = tools.entities(text, cut)
+    original = after + before + title_references(title)
     sim = tools.similarity([e.text for e in generated], [e.text for e in original])
     entities = label_entities(generated, original, sim, similarity_threshold, sentence_window)
     offsets = token_offsets(llm, gen_ids)

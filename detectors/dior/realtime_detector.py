@@ -1,4 +1,5 @@
-"""The trained real-time detector: training from the entity-hallucination set, its artifact, and serving.
+"""The trained real-time detector: its training table, its artifact, and serving (training is in
+:mod:`detectors.dior.realtime_training`, the served view's metrics in :mod:`detectors.dior.served`).
 
 The artifact is a directory: ``weights.safetensors`` and ``detector.json`` (network shape,
 standardisation, validation threshold, capture layers, prompt, spaCy model, LLM fingerprint and the
@@ -18,34 +19,38 @@ import torch
 from transformers import StoppingCriteria
 
 from detectors.config.core import from_dict
-from detectors.config.schema import RealtimePromptParams, TrainingParams
+from detectors.config.schema import RealtimePromptParams
 from detectors.dior.entities import entity_tokens, token_offsets
 from detectors.dior.nets import TokenMLP
 from detectors.dior.recorder import GenerationRecorder, TokenTrace, eos_ids, generate_traced, render_prompt, token_features
-from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
-from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
-from detectors.training import fit, predict, training_info
+from detectors.registry.artifact import llm_section, read_net, write_artifact
+from detectors.training import predict
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
     return {"x": torch.stack([it["x"] for it in items]), "label": torch.tensor([it["label"] for it in items])}
 
 
-def entity_token_table(frame: pd.DataFrame, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
-    """Features and labels of every entity token of the ok records, and where each came from."""
+TOKENS = ("entity", "all")  # what a detector trains on: entity tokens, or every generated token
+
+
+def token_table(frame: pd.DataFrame, hidden: np.ndarray, tokens: str = "entity") -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+    """Features and labels of the ok records' ``tokens`` and where each came from: ``entity``, the entity tokens
+    (labelled by their entity); ``all``, every generated token (a token outside any entity labelled 0, supported)."""
+    if tokens not in TOKENS:
+        raise ValueError(f"tokens = {tokens!r}: use one of {list(TOKENS)}")
     feats, labels, where = [], [], []
     for row in frame[frame["status"] == "ok"].itertuples():
         token_label = np.asarray(row.token_label)
-        idx = np.flatnonzero(token_label >= 0)
+        idx = np.flatnonzero(token_label >= 0) if tokens == "entity" else np.arange(len(token_label))
         if not len(idx):
             continue
         h = hidden[row.hidden_offset + idx]
         feats.append(token_features(h, np.asarray(row.prob)[idx], np.asarray(row.entropy)[idx]))
-        labels.append(token_label[idx])
+        labels.append(np.maximum(token_label[idx], 0))
         where.append(pd.DataFrame({"record": row.id, "split": row.split, "token": idx}))
     width = hidden.shape[1] + 3
     if not feats:
@@ -137,9 +142,9 @@ class RealtimeDetector(Detector):
         return predict(self.net, [{"x": x, "label": 0} for x in z], collate)
 
     def record_scores(self, frame: pd.DataFrame, hidden: np.ndarray) -> dict[str, np.ndarray]:
-        """P(hallucination) of every generated token of the set's ok records, from the stored features: the
-        entity tokens it was trained on get a probability, the other tokens NaN."""
-        x, _, where = entity_token_table(frame, hidden)
+        """P(hallucination) of every generated token of the set's ok records from the stored features, entity
+        tokens or not: what ``monitor`` computes for each token while the LLM generates."""
+        x, _, where = token_table(frame, hidden, "all")
         probs = self.predict_proba(x) if len(x) else np.zeros(0)
         out = {row.id: np.full(len(row.gen_ids), np.nan) for row in frame[frame["status"] == "ok"].itertuples()}
         for (record, token), p in zip(where[["record", "token"]].itertuples(index=False), probs):
@@ -209,49 +214,3 @@ class RealtimeDetector(Detector):
         """pyfunc view: ``title`` and ``text`` columns in; continuation, per-token probabilities, trigger, keywords out."""
         results = [self.generate(str(r["title"]), str(r["text"])) for r in frame.to_dict("records")]
         return pd.DataFrame([dataclasses.asdict(r) for r in results])
-
-
-def train_realtime_detector(
-    frame: pd.DataFrame,
-    hidden: np.ndarray,
-    params: TrainingParams,
-    *,
-    hidden_layers: list[int],
-    prompt: RealtimePromptParams,
-    spacy_model: str,
-    fingerprint: Fingerprint,
-    llm_ref: dict[str, Any],
-    fast_dev_run: bool = False,
-) -> RealtimeDetector:
-    """Train on the entity tokens of ``train``; early-stop and choose the threshold on ``val`` only.
-
-    ``hidden_layers``, ``prompt`` and ``spacy_model`` are how the set was recorded: the detector stores
-    them (and the layers' hidden-state indices for ``fingerprint``'s depth) so that serving captures the
-    same features, and the dtype they were computed in (the set's ``feature_dtype`` column) in ``llm_ref``.
-    """
-    llm_ref = {**llm_ref, "dtype": frame_dtype(frame, "the real-time set")}
-    x, y, where = entity_token_table(frame, hidden)
-    train, val = (where["split"] == "train").to_numpy(), (where["split"] == "val").to_numpy()
-    require_both_classes(y[train], "the train split's entity tokens")
-    require_both_classes(y[val], "the validation split's entity tokens")
-    mean, std = x[train].mean(0), x[train].std(0) + 1e-4
-    z = torch.from_numpy(((x - mean) / std).astype(np.float32))
-    items = [{"x": z[i], "label": int(y[i])} for i in range(len(y))]
-    net, summary = fit(
-        lambda: TokenMLP(x.shape[1], params.hidden, params.dropout),
-        [items[i] for i in np.flatnonzero(train)],
-        [items[i] for i in np.flatnonzero(val)],
-        collate,
-        params,
-        fast_dev_run=fast_dev_run,
-    )
-    detector = RealtimeDetector(
-        net, mean, std, 0.5, list(hidden_layers),
-        hidden_state_indices(hidden_layers, fingerprint.num_layers, "build_realtime.hidden_layers"),
-        prompt, spacy_model, fingerprint, llm_ref, {},
-    )
-    detector.threshold = choose_threshold(y[val], detector.predict_proba(x[val]), params.threshold)
-    detector.info = training_info(
-        summary, params, n_train_tokens=int(train.sum()), n_val_tokens=int(val.sum()), train_hallucination_rate=float(y[train].mean())
-    )
-    return detector
