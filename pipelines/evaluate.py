@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 
 from detectors.baselines import question_baselines, realtime_baselines
 from detectors.dior.realtime_detector import RealtimeDetector
+from detectors.dior.served import served_behaviour, served_scorer
 from detectors.evaluation.compare import compare_levels, long_table
 from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
 from detectors.evaluation.plots import write_comparison_plots
@@ -38,7 +39,7 @@ READS = (
     "paths.early", "paths.early_model", "paths.realtime", "paths.realtime_hidden", "paths.realtime_model",
     "paths.ctrla_early", "paths.ctrla_realtime", "paths.baselines_early", "paths.baselines_realtime",
     "paths.early_scores", "paths.realtime_scores", "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
-    "paths.comparison", "paths.comparison_table", "paths.plots",
+    "paths.comparison", "paths.comparison_table", "paths.served_metrics", "paths.plots",
 )  # fmt: skip
 DATASETS = ("early", "realtime")
 
@@ -56,10 +57,15 @@ def realtime_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
     tables = {"CtrlA": p["paths.ctrla_realtime"], "baselines": p["paths.baselines_realtime"]}
     frame, joined = join_score_tables(pd.read_parquet(p["paths.realtime"]), tables)
     detector = RealtimeDetector.load(p["paths.realtime_model"])
-    stats = realtime_token_stats(frame, detector.record_scores(frame, load_file(p["paths.realtime_hidden"])["hidden"]), joined)
+    mlp = detector.record_scores(frame, load_file(p["paths.realtime_hidden"])["hidden"])
+    stats = realtime_token_stats(frame, mlp, joined)
     units = realtime_units(frame, stats)
     names = set().union(*(s.keys() for s in stats.values()))
     scorers = {level: [realtime_detector_scorer(detector.threshold, level)] + realtime_baselines(level, names) for level in units}
+    scorers[Level.CONTINUATION].insert(1, served_scorer(detector.threshold))  # what monitor() does: the max over every token
+    served = served_behaviour(frame, mlp, detector.threshold) | {"threshold": detector.threshold, "tokens": detector.info.get("tokens")}
+    write_json(p["paths.served_metrics"], served)
+    log.info("served real-time detector on the test split: %s", served)
     return frame, units, scorers
 
 

@@ -56,6 +56,7 @@ class PathsParams:
     realtime_scores: str
     evaluate_early_metrics: str
     evaluate_realtime_metrics: str
+    served_metrics: str
     comparison: str
     comparison_table: str
     plots: str
