@@ -261,5 +261,6 @@ def flat_metrics(metrics: dict) -> dict[str, float]:
     return {f"{concept}_{name}_{key}": value for concept, section in sections.items() for name, r in section.get("ranges", {}).items()
             for key, value in r.items() if key != "layers" and value is not None}  # fmt: skip
 
+
 if __name__ == "__main__":
     run(main)
