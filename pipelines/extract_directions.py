@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from detectors.ctrla.directions import extract, resolve_range
+from detectors.ctrla.directions import extract
+from detectors.ctrla.layers import resolve_range
 from detectors.ctrla.statements import load_statements
 from detectors.io import write_json
 from detectors.llm.loading import load_llm, prepared_reference

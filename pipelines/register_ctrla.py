@@ -1,18 +1,24 @@
 """Stage register_ctrla: log the CtrlA directions as MLflow models (``ctrla-honesty``, ``ctrla-confidence``),
 register them, and apply the champion rule.
 
-Validation AUROC: the val split's true-vs-false statements for honesty (never the test split); the early set's validation split
-(the monitor as a hallucination scorer) for confidence. evaluate_directions records the digest of the ids of each (``val_digest``),
-so only versions evaluated on the same validation set compete.
+Each artifact uses the layer range ``honesty_layers`` / ``confidence_layers`` names: ``paper`` (CtrlA's range
+scaled to the LLM, as extracted) or ``validation`` (the window evaluate_directions chose on validation; the
+artifact's ``detector.json`` then records ``layer_selection``). Validation AUROC at those layers: the val
+split's true-vs-false statements for honesty (never the test split); the early set's validation split (the
+monitor as a hallucination scorer) for confidence. evaluate_directions records the digest of the ids of each
+(``val_digest``), so only versions evaluated on the same validation set compete. A range chosen on validation
+has an optimistic validation AUROC; its test AUROC is logged beside it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
+from detectors.errors import InputError
 from detectors.io import write_json
 from detectors.registry import store
 from pipelines._stage import run, stage_params
@@ -21,28 +27,48 @@ log = logging.getLogger("register_ctrla")
 READS = ("register_ctrla", "mlflow", "paths.directions", "paths.evaluate_directions_metrics", "paths.registry_ctrla")
 
 
+def chosen_range(metrics: dict, concept: str, selection: str) -> dict:
+    """The layers, val and test AUROC that evaluate_directions reported for ``concept`` at the ``selection`` range."""
+    section = metrics.get("honesty" if concept == "honesty" else "confidence_early") or {}
+    found = section.get("ranges", {}).get(selection)
+    if found is None and selection == "validation":
+        raise InputError(
+            f"register_ctrla.{concept}_layers = 'validation', but {concept} has no layer range chosen on validation in the "
+            "evaluate_directions metrics (its validation split lacks one of the labels, or the metrics predate layer ranges): "
+            "set it to 'paper' or rerun `dvc repro evaluate_directions`"
+        )
+    return found or {}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "register_ctrla")
     params, mlflow_params = p["register_ctrla"], p["mlflow"]
     metrics = json.loads(Path(p["paths.evaluate_directions_metrics"]).read_text())
-    honesty, confidence = metrics.get("honesty") or {}, metrics["confidence_early"]
-    val = {"honesty": honesty.get("val_auroc_chosen_layers"), "confidence": confidence.get("val_auroc")}
-    digests = {"honesty": honesty.get("val_digest"), "confidence": confidence.get("val_digest")}
+    digests = {"honesty": (metrics.get("honesty") or {}).get("val_digest"), "confidence": metrics["confidence_early"].get("val_digest")}
     store.configure(mlflow_params.tracking_uri)
     exp = store.experiment(params.experiment, mlflow_params.artifact_root)
     results = {}
-    for concept, cls, name in (("honesty", HonestySteering, params.honesty_name), ("confidence", ConfidenceDetector, params.confidence_name)):
+    concepts = (("honesty", HonestySteering, params.honesty_name, params.honesty_layers),
+                ("confidence", ConfidenceDetector, params.confidence_name, params.confidence_layers))  # fmt: skip
+    for concept, cls, name, selection in concepts:
         directory = Path(p["paths.directions"]) / concept
         detector = cls.load(directory)  # refuses a malformed artifact before anything is logged
-        d = detector.directions
-        val_auroc = float(val[concept]) if val[concept] is not None else float("nan")
-        metadata = {"llm": d.fingerprint.to_dict(), "kind": cls.KIND, "layers": d.layers}
-        run_params = {"kind": cls.KIND, "layers": str(d.layers), "llm": d.fingerprint.name, "n_statements": d.config["n_statements"]}
-        test = metrics["confidence_early"].get("test_auroc") if concept == "confidence" else None
-        results[concept] = store.log_and_register(
-            detector, directory, name, params.alias, exp, val_auroc, digests[concept], {} if test is None else {"test_auroc": test},
-            run_params, metadata,
-        )  # fmt: skip
+        chosen = chosen_range(metrics, concept, selection)
+        with tempfile.TemporaryDirectory() as tmp:
+            if chosen.get("layers", detector.directions.layers) != detector.directions.layers:
+                detector = cls(detector.directions.with_layers(chosen["layers"], selection))
+                directory = detector.save(Path(tmp) / concept)
+            d = detector.directions
+            val_auroc = float(chosen["val_auroc"]) if chosen.get("val_auroc") is not None else float("nan")
+            metadata = {"llm": d.fingerprint.to_dict(), "kind": cls.KIND, "layers": d.layers, "layer_range": selection}
+            run_params = {"kind": cls.KIND, "layers": str(d.layers), "layer_range": selection, "llm": d.fingerprint.name,
+                          "n_statements": d.config["n_statements"]}  # fmt: skip
+            test = chosen.get("test_auroc")
+            results[concept] = store.log_and_register(
+                detector, directory, name, params.alias, exp, val_auroc, digests[concept], {} if test is None else {"test_auroc": test},
+                run_params, metadata,
+            )  # fmt: skip
+        results[concept]["layers"], results[concept]["layer_range"] = d.layers, selection
         log.info("%s", results[concept])
     write_json(p["paths.registry_ctrla"], results)
 

@@ -13,7 +13,8 @@ import torch
 
 from conftest import ROOT, build_tiny_llama
 from detectors.config.schema import ContrastParams, LayerRangeParams, StatementParams
-from detectors.ctrla.directions import Directions, DirectionsError, contrast_differences, extract, fit_pca, resolve_range
+from detectors.ctrla.directions import Directions, DirectionsError, contrast_differences, extract, fit_pca
+from detectors.ctrla.layers import resolve_range
 from detectors.ctrla.statements import StatementError, load_statements, statements_from_qa
 from detectors.llm.fingerprint import DtypeMismatchError, LLMMismatchError
 from detectors.llm.loading import LLM

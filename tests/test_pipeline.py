@@ -429,6 +429,7 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
         params["extract_directions"][concept]["statements"].update(limit=24)
     params["extract_directions"].update(size_curve=[4, 8], batch_size=8)
     params["evaluate_directions"]["truthfulqa"].update(limit=3, lambdas=[0.0, 0.05])
+    params["evaluate_directions"]["layer_window"] = 1  # windows of one of the tiny Llama's two layers
     (pipeline / "params_ctrla.yaml").write_text(yaml.safe_dump(params))
     task = pipeline / "data/raw/bigbench/truthful_qa/task_mc.json"  # offline stand-in for the bigbench file
     task.parent.mkdir(parents=True, exist_ok=True)
@@ -442,20 +443,37 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     assert extracted["honesty"]["layers"] == [1] and extracted["confidence"]["layers"] == [1, 2]
     assert set(extracted["honesty"]["size_curve_cosine"]) == {"4", "8"}
     metrics = json.loads((pipeline / "data/metrics/evaluate_directions.json").read_text())
-    assert len(metrics["honesty"]["auroc_per_layer"]) == 2
-    assert metrics["honesty"]["auroc_chosen_layers"] == metrics["honesty"]["auroc_per_layer"][0]  # the chosen layer is layer 1
+    honesty = metrics["honesty"]
+    assert len(honesty["auroc_per_layer"]) == 2 and honesty["ranges"]["paper"]["layers"] == [1]
+    assert honesty["ranges"]["paper"]["test_auroc"] == honesty["auroc_per_layer"][0]  # the paper's range is layer 1
+    chosen = honesty["ranges"]["validation"]["layers"]  # the layer with the higher val AUROC (the earlier on ties)
+    assert len(chosen) == 1 and honesty["val_auroc_per_layer"][chosen[0] - 1] == max(honesty["val_auroc_per_layer"])
+    assert honesty["ranges"]["validation"]["test_auroc"] == honesty["auroc_per_layer"][chosen[0] - 1]
+    confidence = metrics["confidence_early"]["ranges"]
+    assert confidence["paper"]["layers"] == [1, 2] and len(confidence["validation"]["layers"]) == 1
+    assert confidence["validation"]["val_auroc"] >= confidence["paper"]["val_auroc"] or confidence["validation"]["layers"] == [1]
+    for rates in (confidence["paper"], confidence["validation"], *metrics["confidence_realtime"]["ranges"].values()):
+        assert all(0 <= v <= 1 for k, v in rates.items() if "trigger_rate" in k and v is not None)
     assert set(metrics["truthfulqa"]["accuracy"]) == {"0.0", "0.05"} and metrics["truthfulqa"]["n"] == 3
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     scores = pd.read_parquet(pipeline / "data/eval/ctrla_early.parquet")
-    assert list(scores["id"]) == list(early.loc[early["status"] == "ok", "id"]) and np.isfinite(scores["ctrla_confidence"]).all()
+    assert list(scores["id"]) == list(early.loc[early["status"] == "ok", "id"])
+    assert list(scores.columns) == ["id", "ctrla_confidence", "ctrla_confidence[val-layers]"] and np.isfinite(scores.iloc[:, 1:]).all().all()
+    realtime = pd.read_parquet(pipeline / "data/eval/ctrla_realtime.parquet")
+    assert list(realtime.columns) == ["id", "ctrla_confidence", "ctrla_confidence[val-layers]"]
+    frame = pd.read_parquet(pipeline / "data/realtime/realtime.parquet").set_index("id")
+    assert all(len(s) == len(frame.loc[i, "gen_ids"]) for i, s in zip(realtime["id"], realtime["ctrla_confidence[val-layers]"]))
     assert (pipeline / "data/plots/ctrla_honesty_layers.csv").exists() and (pipeline / "data/plots/ctrla_truthfulqa.png").exists()
 
     registered = json.loads((pipeline / "data/registry/ctrla.json").read_text())
     assert registered["honesty"]["name"] == "ctrla-honesty" and registered["confidence"]["alias_moved"]
+    assert registered["confidence"]["layers"] == confidence["validation"]["layers"]  # params: confidence_layers: validation
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     honesty = load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm)
     confidence = load_detector("ctrla-confidence", tracking_uri=uri, llm=tiny_llm)
     assert isinstance(honesty, HonestySteering) and isinstance(confidence, ConfidenceDetector)
+    assert confidence.directions.layers == registered["confidence"]["layers"] and honesty.directions.layers == chosen
+    assert confidence.directions.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
     segment = confidence.generate("The capital of Spain is", steering=honesty, max_new_tokens=4)
     assert len(segment.scores) == len(segment.token_ids) and segment.query.startswith("The capital of Spain is")
     ids = tiny_llm.tokenizer("The capital of Spain is", return_tensors="pt")["input_ids"]

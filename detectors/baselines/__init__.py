@@ -12,7 +12,7 @@ so a comparison lists a baseline exactly when its scores were computed.
 from __future__ import annotations
 
 from detectors.baselines.attribution_entropy import ATTRIBUTION_ENTROPY
-from detectors.baselines.ctrla_confidence import CTRLA_CONFIDENCE, CtrlAConfidence, ctrla_question_scorers, ctrla_realtime_scorers
+from detectors.baselines.ctrla_confidence import CTRLA_CONFIDENCE, CtrlAConfidence, question_scorers as ctrla_question_scorers, realtime_scorers as ctrla_realtime_scorers
 from detectors.baselines.first_token import FIRST_TOKEN_ENTROPY, FIRST_TOKEN_PROB
 from detectors.baselines.flare import Flare
 from detectors.baselines.logreg import LogisticScorer

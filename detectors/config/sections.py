@@ -334,16 +334,21 @@ class EvaluateDirectionsParams:
     eval_instruction: str
     batch_size: int
     score_realtime: bool  # per-token CtrlA scores of the real-time set (paths.realtime) for evaluate
+    layer_window: int | None  # width of the layer window chosen on validation (None: the paper range's width)
     experiment: str
 
     def check(self, where: str) -> None:
         positive(f"{where}.batch_size", self.batch_size)
+        if self.layer_window is not None:
+            positive(f"{where}.layer_window", self.layer_window)
 
 
 @dataclasses.dataclass(frozen=True)
 class RegisterCtrlAParams:
     honesty_name: str
     confidence_name: str
+    honesty_layers: Literal["paper", "validation"]  # the range the registered artifact uses (evaluate_directions reports both)
+    confidence_layers: Literal["paper", "validation"]
     alias: str
     experiment: str
 

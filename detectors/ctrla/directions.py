@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from detectors.config.schema import ContrastParams, LayerRangeParams
+from detectors.config.schema import ContrastParams
 from detectors.ctrla.statements import StatementError, instruction_prefix, sample_statements, statement_ids
 from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint, LLMMismatchError, require_dtype
@@ -140,13 +140,6 @@ def size_curve(stats: ContrastStats, sizes: list[int], seed: int) -> dict[int, t
     return out
 
 
-def resolve_range(spec: LayerRangeParams, num_layers: int) -> list[int]:
-    """CtrlA's layer range (given for a ``reference_layers``-deep LLM) scaled to this LLM's depth, 1-based."""
-    first = min(max(1, round(spec.first * num_layers / spec.reference_layers)), num_layers)
-    last = min(max(first, round(spec.last * num_layers / spec.reference_layers)), num_layers)
-    return list(range(first, last + 1))
-
-
 # ---- the artifact ------------------------------------------------------------------------------------
 
 
@@ -190,6 +183,13 @@ class Directions:
             )
         self.fingerprint.require_same(llm.fingerprint, f"ctrla-{self.concept} directions")
         require_dtype(self.dtype, llm.dtype_name, f"ctrla-{self.concept} directions", allow_dtype_mismatch)
+
+    def with_layers(self, layers: list[int], selection: str) -> "Directions":
+        """The same directions used at other ``layers``; ``config["layer_selection"]`` records how they were chosen
+        (``selection``, e.g. "validation") and the layers extraction set (CtrlA's range scaled to the LLM)."""
+        previous = self.config.get("layer_selection", {}).get("paper_layers", self.layers)
+        config = {**self.config, "layer_selection": {"range": selection, "paper_layers": list(previous)}}
+        return dataclasses.replace(self, layers=[int(x) for x in layers], config=config)
 
     def at(self, layers: list[int], device=None, dtype=None) -> torch.Tensor:
         """Direction rows of ``layers`` (1-based) as ``[len(layers), H]``."""

@@ -3,6 +3,7 @@ confidence monitor as a hallucination scorer, and TruthfulQA multiple choice und
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 
 from detectors.config.schema import PromptParams
 from detectors.ctrla.directions import Directions
-from detectors.ctrla.monitor import content_mask, hallucination_score, score_sequences
+from detectors.ctrla.monitor import content_mask, hallucination_score, pooled_scores, project_sequences
 from detectors.ctrla.statements import instruction_prefix, statement_ids
 from detectors.ctrla.steering import steer
 from detectors.llm.kv import as_cache, batches, cache_states, forward_rows, prefix_cache
@@ -67,24 +68,63 @@ def early_sequences(llm: LLM, frame: pd.DataFrame, prompt: PromptParams) -> tupl
     return sequences, starts, texts
 
 
-def early_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: PromptParams, tau: float, clip: float, batch_size: int) -> np.ndarray:
-    """Hallucination score of each early-set answer: ``-min`` Eq. 2 over its new non-stopword tokens."""
-    sequences, starts, texts = early_sequences(llm, frame, prompt)
-    with progress_bar(total=len(sequences), desc="confidence (early set)", unit="answer") as bar:
-        scores = score_sequences(llm, directions, sequences, batch_size, tau, clip, progress=bar)
-    out = []
-    for seq, start, text, s in zip(sequences, starts, texts, scores):
-        mask = content_mask(llm.tokenizer, text, seq[start:])
-        out.append(hallucination_score(s[start:], mask, fallback=-float(s[start - 1])))
-    return np.asarray(out, dtype=np.float64)
+@dataclasses.dataclass
+class MonitoredSet:
+    """Teacher-forced sequences with the monitor's projections at every layer, so that Eq. 2 can be pooled over
+    any layer range (the paper's, or a window chosen on validation) without another forward pass."""
+
+    projections: list[np.ndarray]  # per sequence [T, L]: r·v_l at every layer l = 1..L
+    starts: list[int]  # position of the first generated (answer) token
+    masks: list[list[bool]]  # the generated tokens that are new non-stopword words (CtrlA's trigger looks only at these)
+
+    def eq2(self, layers: list[int], tau: float, clip: float) -> list[np.ndarray]:
+        """Eq. 2 of every position of each sequence, mean-pooled over ``layers`` (1-based)."""
+        return [pooled_scores(p, tau, clip, [layer - 1 for layer in layers]) for p in self.projections]
+
+    def answer_scores(self, layers: list[int], tau: float, clip: float) -> np.ndarray:
+        """Hallucination score per sequence: ``-min`` Eq. 2 over its new non-stopword generated tokens (all generated
+        tokens when none is new; ``-`` Eq. 2 of the last prompt token when nothing was generated)."""
+        return np.asarray([hallucination_score(s[start:], mask, fallback=-float(s[start - 1]))
+                           for s, start, mask in zip(self.eq2(layers, tau, clip), self.starts, self.masks)], dtype=np.float64)  # fmt: skip
+
+    def token_scores(self, layers: list[int], tau: float, clip: float) -> list[list[float]]:
+        """Hallucination score per generated token: ``-`` Eq. 2 at the token's own position."""
+        return [(-s[start:]).astype(float).tolist() for s, start in zip(self.eq2(layers, tau, clip), self.starts)]
+
+    def trigger_rates(self, layers: list[int], tau: float, clip: float, rows: np.ndarray) -> dict[str, float | None]:
+        """How often the monitor fires at τ (Eq. 2 < 0) on the ``rows`` (a boolean mask): on generated tokens, on new
+        non-stopword generated tokens, and per sequence as CtrlA's trigger (some new non-stopword token fires)."""
+        fired, content, trig = [], [], []
+        for keep, s, start, mask in zip(rows, self.eq2(layers, tau, clip), self.starts, self.masks):
+            if not keep:
+                continue
+            below, mask = s[start:] < 0, np.asarray(mask, dtype=bool)
+            fired.append(below)
+            content.append(below[mask])
+            trig.append(bool((below & mask).any()))
+        share = lambda parts: round(float(np.concatenate(parts).mean()), 4) if parts and sum(map(len, parts)) else None  # noqa: E731
+        return {"token": share(fired), "new_content_token": share(content), "sequence": round(float(np.mean(trig)), 4) if trig else None}
 
 
-def realtime_scores(llm: LLM, directions: Directions, frame: pd.DataFrame, tau: float, clip: float, batch_size: int) -> list[list[float]]:
-    """Per generated token hallucination score (``-`` Eq. 2 at the token's own position), teacher forcing prompt + generation."""
+def monitored_set(llm: LLM, directions: Directions, sequences: list[list[int]], starts: list[int], batch_size: int, desc: str) -> MonitoredSet:
+    """Projections at every layer of each sequence, and the new-content masks of its generated part."""
+    layers = list(range(1, llm.fingerprint.num_layers + 1))
+    with progress_bar(total=len(sequences), desc=desc, unit="seq") as bar:
+        projections = project_sequences(llm, directions, sequences, layers, batch_size, progress=bar)
+    masks = [content_mask(llm.tokenizer, llm.tokenizer.decode(seq[:start]), seq[start:]) for seq, start in zip(sequences, starts)]
+    return MonitoredSet(projections, list(starts), masks)
+
+
+def early_set(llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: PromptParams, batch_size: int) -> MonitoredSet:
+    """The early set's prompt + answer sequences (the prompt build_early used), monitored at every layer."""
+    sequences, starts, _ = early_sequences(llm, frame, prompt)
+    return monitored_set(llm, directions, sequences, starts, batch_size, "confidence (early set)")
+
+
+def realtime_set(llm: LLM, directions: Directions, frame: pd.DataFrame, batch_size: int) -> MonitoredSet:
+    """The real-time set's prompt + generated continuation, monitored at every layer."""
     sequences = [list(map(int, p)) + list(map(int, g)) for p, g in zip(frame["prompt_ids"], frame["gen_ids"])]
-    with progress_bar(total=len(sequences), desc="confidence (real-time set)", unit="text") as bar:
-        scores = score_sequences(llm, directions, sequences, batch_size, tau, clip, progress=bar)
-    return [(-s[len(p) :]).astype(float).tolist() for s, p in zip(scores, frame["prompt_ids"])]
+    return monitored_set(llm, directions, sequences, [len(p) for p in frame["prompt_ids"]], batch_size, "confidence (real-time set)")
 
 
 # ---- TruthfulQA multiple choice ------------------------------------------------------------------------

@@ -76,51 +76,70 @@ class ConfidenceMonitor:
     def __exit__(self, *exc) -> None:
         self._tap.__exit__(*exc)
 
-    def projections(self) -> torch.Tensor:
-        """``[B, T]`` layer-mean projections of all positions recorded so far."""
+    def layer_projections(self, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, n_layers]`` projections at each monitored layer of all positions recorded so far; ``prefix``
+        (``[1, P, n_layers]``) holds those of cached positions before them."""
         if not self._chunks[self.layers[0]]:
             raise RuntimeError("the confidence monitor has seen no tokens: run the LLM inside `with monitor:`")
-        return torch.stack([torch.cat(self._chunks[layer], dim=-1) for layer in self.layers]).mean(0)
-
-    def scores(self, prefix: torch.Tensor | None = None) -> torch.Tensor:
-        """Eq. 2 scores ``[B, T]`` (< 0: unconfident); ``prefix`` holds projections of cached positions before them."""
-        proj = self.projections()
+        proj = torch.stack([torch.cat(self._chunks[layer], dim=-1) for layer in self.layers], dim=-1)
         if prefix is not None:
-            proj = torch.cat([prefix.to(proj.device).expand(proj.shape[0], -1), proj], dim=-1)
-        return running_scores(proj, self.tau, self.clip, self.skip)
+            proj = torch.cat([prefix.to(proj.device).expand(proj.shape[0], -1, -1), proj], dim=1)
+        return proj
+
+    def projections(self) -> torch.Tensor:
+        """``[B, T]`` layer-mean projections of all positions recorded so far (Eq. 2's mean-pooling)."""
+        return self.layer_projections().mean(-1)
+
+    def scores(self) -> torch.Tensor:
+        """Eq. 2 scores ``[B, T]`` of all positions recorded so far (< 0: unconfident)."""
+        return running_scores(self.projections(), self.tau, self.clip, self.skip)
+
+
+def project_sequences(
+    llm: LLM, directions: Directions, sequences: list[list[int]], layers: list[int], batch_size: int = 16, progress=None,
+) -> list[np.ndarray]:
+    """Projections ``r·v_l`` ``[T, len(layers)]`` of every position of each token sequence at each of ``layers``,
+    by teacher forcing with the served monitor's hooks. The token prefix shared by all sequences (a chat
+    header, a few-shot prompt) runs once. :func:`pooled_scores` turns them into Eq. 2 for any subset of layers.
+    """  # fmt: skip
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("project_sequences needs non-empty token sequences")
+    shared = min(len(s) for s in sequences) - 1
+    first = sequences[0]
+    common = next((i for i in range(shared) if any(s[i] != first[i] for s in sequences)), shared)
+    monitor = ConfidenceMonitor(llm.model, directions, layers)
+    kv, prefix_proj = None, None
+    if common:
+        with monitor:
+            kv = prefix_states(llm.model, torch.tensor([first[:common]], device=llm.device), common)
+        prefix_proj = monitor.layer_projections()
+    rows = [s[common:] for s in sequences]
+    out: list[np.ndarray] = [np.zeros((0, len(layers)))] * len(rows)
+    for idx in batches(rows, batch_size):
+        monitor.reset()
+        with monitor:
+            forward_rows(llm, kv, [rows[i] for i in idx])
+        proj = monitor.layer_projections(prefix_proj).cpu().numpy()
+        for b, i in enumerate(idx):
+            out[i] = proj[b, : len(sequences[i])]
+        if progress is not None:
+            progress.update(len(idx))
+    return out
+
+
+def pooled_scores(projections: np.ndarray, tau: float = 0.0, clip: float = 3.0, columns: list[int] | None = None) -> np.ndarray:
+    """Eq. 2 of every position from per-layer projections ``[T, n_layers]``, pooled over ``columns`` (all when None)."""
+    proj = torch.from_numpy(np.ascontiguousarray(projections if columns is None else projections[:, columns]))
+    return running_scores(proj.mean(-1)[None], tau, clip)[0].numpy()
 
 
 def score_sequences(
     llm: LLM, directions: Directions, sequences: list[list[int]], batch_size: int = 16,
     tau: float = 0.0, clip: float = 3.0, layers: list[int] | None = None, progress=None,
 ) -> list[np.ndarray]:
-    """Eq. 2 score of every position of each token sequence, by teacher forcing (the served monitor's code).
-
-    The token prefix shared by all sequences (a chat header, a few-shot prompt) runs once.
-    """  # fmt: skip
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("score_sequences needs non-empty token sequences")
-    shared = min(len(s) for s in sequences) - 1
-    first = sequences[0]
-    common = next((i for i in range(shared) if any(s[i] != first[i] for s in sequences)), shared)
-    monitor = ConfidenceMonitor(llm.model, directions, layers, tau, clip)
-    kv, prefix_proj = None, None
-    if common:
-        with monitor:
-            kv = prefix_states(llm.model, torch.tensor([first[:common]], device=llm.device), common)
-        prefix_proj = monitor.projections()
-    rows = [s[common:] for s in sequences]
-    out: list[np.ndarray] = [np.zeros(0)] * len(rows)
-    for idx in batches(rows, batch_size):
-        monitor.reset()
-        with monitor:
-            forward_rows(llm, kv, [rows[i] for i in idx])
-        scores = monitor.scores(prefix_proj).cpu().numpy()
-        for b, i in enumerate(idx):
-            out[i] = scores[b, : len(sequences[i])]
-        if progress is not None:
-            progress.update(len(idx))
-    return out
+    """Eq. 2 score of every position of each token sequence at ``layers`` (the directions' own when None)."""  # fmt: skip
+    projections = project_sequences(llm, directions, sequences, list(layers or directions.layers), batch_size, progress)
+    return [pooled_scores(p, tau, clip) for p in projections]
 
 
 # ---- the retrieval trigger: new, non-stopword tokens (content_mask, token_words: detectors.llm.words) ----
