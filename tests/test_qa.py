@@ -114,6 +114,14 @@ def test_stable_id_is_stable_and_distinguishes_source_and_question():
     assert len(a) == 16 and int(a, 16) >= 0
 
 
+def test_ids_of_a_file_do_not_depend_on_where_the_project_sits(tmp_path):
+    """The same file under two checkouts gives the same ids, so the same splits (CI's checkout sits elsewhere)."""
+    record = [{"question": "Who wrote Hamlet?", "answers": ["Shakespeare"]}]
+    here, there = normalize_records(record, "/work/main/data/qa.jsonl")[0], normalize_records(record, str(tmp_path / "qa.jsonl"))[0]
+    assert here["id"].tolist() == there["id"].tolist() == [stable_id("Who wrote Hamlet?", "qa.jsonl")]
+    assert stable_id("Who wrote Hamlet?", "bigbench:qa_wikidata") != stable_id("Who wrote Hamlet?", "bigbench:other")
+
+
 def test_split_of_is_deterministic_and_roughly_matches_ratios():
     ids = [stable_id(f"question number {i}", "synthetic") for i in range(5000)]
     first = [split_of(i, RATIOS) for i in ids]

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import PurePath
 
 import pandas as pd
 
+REMOTE_PREFIXES = ("bigbench:", "hf:")
+
+
+def source_key(source: str) -> str:
+    """What identifies a source in record ids: ``bigbench:<task>`` / ``hf:<id>`` as given, a file by its name only, so
+    that the same file gives the same ids (hence the same splits and samples) wherever the project sits."""
+    return source if source.startswith(REMOTE_PREFIXES) else PurePath(source).name
+
 
 def stable_id(question: str, source: str) -> str:
-    return hashlib.sha1(f"{source}\x1f{question.strip()}".encode()).hexdigest()[:16]
+    """A record id from its text and its source (see :func:`source_key`)."""
+    return hashlib.sha1(f"{source_key(source)}\x1f{question.strip()}".encode()).hexdigest()[:16]
 
 
 def split_of(record_id: str, ratios: dict[str, float]) -> str:
