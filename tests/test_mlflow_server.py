@@ -74,7 +74,7 @@ def experiment(base: str, name: str) -> dict:
 
 def test_comparison_runs_are_served_flat_with_their_tags(server, pipeline):  # noqa: F811
     metrics = {
-        "early": {"question": json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())},
+        "early": json.loads((pipeline / "data/metrics/evaluate_early.json").read_text()),  # {level: {scorer: metrics}}
         "realtime": json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text()),
     }
     for dataset, by_level in metrics.items():
@@ -99,9 +99,10 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, pipeline):  # n
 
 def test_registered_detectors_have_champion_aliases(server, pipeline):  # noqa: F811
     models = call(server, "/api/2.0/mlflow/registered-models/search?max_results=100")["registered_models"]
-    assert {"dior-early", "dior-realtime"} <= {m["name"] for m in models}
-    for name in ("dior-early", "dior-realtime"):
-        registered = json.loads((pipeline / f"data/registry/{name}.json").read_text())
+    early = json.loads((pipeline / "data/registry/early.json").read_text())  # one entry per early detector
+    outputs = {entry["name"]: entry for entry in early.values()} | {"dior-realtime": json.loads((pipeline / "data/registry/dior-realtime.json").read_text())}
+    assert {"dior-early", "dior-early-extended", "dior-realtime"} <= set(outputs) <= {m["name"] for m in models}
+    for name, registered in outputs.items():
         version = call(server, f"/api/2.0/mlflow/registered-models/alias?name={name}&alias=champion")["model_version"]
         assert int(version["version"]) == registered["champion_version"]
         assert {t["key"]: t["value"] for t in version["tags"]}["val_digest"] == registered["val_digest"]

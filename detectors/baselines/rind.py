@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from detectors.evaluation.scorers import TokenStatScorer
-from detectors.interfaces import Level
 from detectors.llm.kv import batches
 from detectors.llm.layers import decoder_layers
 from detectors.llm.loading import LLM
