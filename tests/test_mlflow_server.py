@@ -100,7 +100,8 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, pipeline):  # n
 def test_registered_detectors_have_champion_aliases(server, pipeline):  # noqa: F811
     models = call(server, "/api/2.0/mlflow/registered-models/search?max_results=100")["registered_models"]
     early = json.loads((pipeline / "data/registry/early.json").read_text())  # one entry per early detector
-    outputs = {entry["name"]: entry for entry in early.values()} | {"dior-realtime": json.loads((pipeline / "data/registry/dior-realtime.json").read_text())}
+    outputs = {entry["name"]: entry for entry in early.values()}
+    outputs["dior-realtime"] = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
     assert {"dior-early", "dior-early-extended", "dior-realtime"} <= set(outputs) <= {m["name"] for m in models}
     for name, registered in outputs.items():
         version = call(server, f"/api/2.0/mlflow/registered-models/alias?name={name}&alias=champion")["model_version"]
