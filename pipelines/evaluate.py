@@ -61,7 +61,7 @@ def realtime_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
     stats = realtime_token_stats(frame, mlp, joined)
     units = realtime_units(frame, stats)
     names = set().union(*(s.keys() for s in stats.values()))
-    scorers = {level: [realtime_detector_scorer(detector.threshold, level)] + realtime_baselines(level, names) for level in units}
+    scorers = {level: [realtime_detector_scorer(level)] + realtime_baselines(level, names) for level in units}
     scorers[Level.CONTINUATION].insert(1, served_scorer(detector.threshold))  # what monitor() does: the max over every token
     served = served_behaviour(frame, mlp, detector.threshold) | {"threshold": detector.threshold, "tokens": detector.info.get("tokens")}
     write_json(p["paths.served_metrics"], served)

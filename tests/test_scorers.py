@@ -42,7 +42,7 @@ def units() -> dict[Level, pd.DataFrame]:
 
 def scores(level: Level) -> dict[str, list[float]]:
     table = units()[level]
-    scorers = [realtime_detector_scorer(0.5, level)] + realtime_baselines(level, {"prob", "entropy", "mlp", "rind"})
+    scorers = [realtime_detector_scorer(level)] + realtime_baselines(level, {"prob", "entropy", "mlp", "rind"})
     assert all(isinstance(s, Scorer) and s.level is level for s in scorers)
     return {s.name: np.round(s.score(table), 6).tolist() for s in scorers}
 
@@ -82,9 +82,9 @@ def test_continuation_level_takes_the_worst_entity_and_flare_its_least_probable_
     assert got["rind"] == [0.6, 0.7]  # DRAGIN fires on any generated token, entity or not
 
 
-def test_detector_threshold_and_probabilities_only_where_it_was_trained():
-    token, entity = realtime_detector_scorer(0.42, Level.TOKEN), realtime_detector_scorer(0.42, Level.ENTITY)
-    assert (token.threshold, token.is_probability, token.kind) == (0.42, True, "detector")
+def test_detector_probabilities_only_where_it_was_trained_thresholds_chosen_on_validation():
+    token, entity = realtime_detector_scorer(Level.TOKEN), realtime_detector_scorer(Level.ENTITY)
+    assert (token.threshold, token.is_probability, token.kind) == (None, True, "detector")
     assert (entity.threshold, entity.is_probability) == (None, False)  # chosen and calibrated on validation
 
 

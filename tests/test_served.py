@@ -97,7 +97,7 @@ def test_served_max_takes_every_generated_token_not_only_entities(served_frame):
     served = served_scorer(0.5)
     assert served.name == SERVED == "mlp[served]" and served.stat == "mlp" and served.threshold == 0.5 and served.kind == "detector"
     by_id = dict(zip(units["id"], served.score(units)))
-    entity_max = dict(zip(units["id"], realtime_detector_scorer(0.5, Level.CONTINUATION).score(units)))
+    entity_max = dict(zip(units["id"], realtime_detector_scorer(Level.CONTINUATION).score(units)))
     assert by_id["before"] == 0.7 and entity_max["before"] == 0.1  # the served detector fires on a non-entity token
     assert by_id["false_alarm"] == 0.8 and by_id["quiet"] == 0.4
     assert served_auroc(frame, scores, "test") == 0.5  # hallucinated maxima .9 .7 .6 .2 vs correct .8 .4: 4 of 8 pairs
@@ -194,6 +194,12 @@ def test_the_kept_training_tokens_are_the_ones_that_serve_best_on_validation():
     assert det.info["n_train_tokens"] == 6 * (frame["split"] == "train").sum()  # every generated token of train
     test = frame[frame["split"] == "test"]
     assert served_auroc(test, det.record_scores(test, hidden), "test") > 0.85
+    # the served threshold is the best Youden J of the validation continuations' max over tokens, not the token-level one
+    val = frame[frame["split"] == "val"]
+    maxima = np.array([s.max() for s in (det.record_scores(val, hidden)[i] for i in val["id"])])
+    youden = lambda t: (maxima[val["label"] == 1] >= t).mean() - (maxima[val["label"] == 0] >= t).mean()  # noqa: E731
+    assert det.threshold in maxima and youden(det.threshold) == max(youden(t) for t in maxima)
+    assert det.info["token_threshold"] == cands["all"]["threshold"] != det.threshold
 
     # non-entity tokens carry their continuation's (weak) signal too: trained on entity tokens only, the MLP reads it
     # from all six tokens; trained on all tokens it learns to call the marked ones supported and keeps two

@@ -14,7 +14,7 @@ import torch
 from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector, collate, token_table
-from detectors.dior.served import served_auroc
+from detectors.dior.served import served_auroc, served_threshold
 from detectors.evaluation.metrics import OneClassError, choose_threshold, require_both_classes
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
@@ -80,7 +80,9 @@ def train_and_choose(
     score (max over all generated tokens) has the best continuation AUROC on validation; the first listed wins a tie.
 
     The kept detector's ``info`` records the choice (``tokens``), its ``val_served_auroc`` and every candidate's
-    (``candidates``). With one candidate a one-class validation split leaves its served AUROC None; with more,
+    (``candidates``). Its ``threshold`` is then chosen for serving: on the validation continuations' max over all
+    generated tokens (the token-level one stays in ``info["token_threshold"]``), because served it fires at the
+    first token that reaches it; a token-level threshold fires on most correct continuations. With one candidate a one-class validation split leaves its served AUROC None; with more,
     it is an error (nothing to choose by).
     """
     val = frame[frame["split"] == "val"]
@@ -99,4 +101,9 @@ def train_and_choose(
         if best is None or (value is not None and value > best_auroc):
             best, best_auroc = detector, value
     best.info = {**best.info, "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"], "candidates": summary}
+    if best_auroc is not None and best_auroc > float("-inf"):  # serving fires when the max so far reaches the threshold
+        token_threshold = best.threshold
+        best.threshold = served_threshold(val, best.record_scores(val, hidden), params.threshold)
+        best.info |= {"token_threshold": token_threshold, "threshold_chosen_on": "validation continuations (max over tokens)"}
+        log.info("served threshold %.4f (token-level %.4f)", best.threshold, token_threshold)
     return best

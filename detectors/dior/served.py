@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from detectors.errors import InputError
-from detectors.evaluation.metrics import auroc, require_both_classes
+from detectors.evaluation.metrics import auroc, choose_threshold, require_both_classes
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.interfaces import Level
 
@@ -74,6 +74,14 @@ def served_auroc(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: 
     labels = np.array([int(row.label) for row, _, _ in records])
     require_both_classes(labels, f"the {split} split's continuations")
     return auroc(labels, [scores.max() for _, scores, _ in records])
+
+
+def served_threshold(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], strategy: str) -> float:
+    """The threshold ``monitor()`` should fire at, chosen (``youden`` | ``f1``) on the validation continuations by the
+    max over all their generated tokens: serving fires at the first token that reaches it, i.e. when that max does."""
+    records = record_tokens(frame, mlp_scores, "val")
+    labels = np.array([int(row.label) for row, _, _ in records])
+    return choose_threshold(labels, [scores.max() for _, scores, _ in records], strategy)
 
 
 def _share(count: int, n: int) -> float | None:

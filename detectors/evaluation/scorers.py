@@ -104,9 +104,10 @@ class TokenStatScorer:
         return out
 
 
-def realtime_detector_scorer(threshold: float, level: Level, name: str = "mlp") -> TokenStatScorer:
-    """The real-time detector's probabilities (stat ``mlp``) at ``level``: at the token level, where it was
-    trained, they are probabilities with the detector's own threshold; entities take the max over their
-    tokens, continuations the max over their entities, with thresholds chosen on validation."""
+def realtime_detector_scorer(level: Level, name: str = "mlp") -> TokenStatScorer:
+    """The real-time detector's probabilities (stat ``mlp``) at ``level``: probabilities at the token level, where it
+    was trained; entities take the max over their tokens, continuations the max over their entities. Thresholds
+    are chosen on validation at each level (the detector's own threshold is the served one, see
+    :func:`detectors.dior.served.served_scorer`)."""
     token = level is Level.TOKEN
-    return TokenStatScorer(level, name=name, stat="mlp", kind="detector", is_probability=token, threshold=threshold if token else None)
+    return TokenStatScorer(level, name=name, stat="mlp", kind="detector", is_probability=token)
