@@ -132,9 +132,9 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
         assert m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), name  # of the stored test-split scores
         assert m["trigger_rate"] == pytest.approx(float((test[name] >= m["threshold"]).mean())), name
     # what the tiny Llama planted (memorised facts answered right, and confidently) shows in the training-free first-token
-    # probability: 0.88-1.0 on the test questions for Llama seeds 0, 1, 3, 5. The trained scorers are not asserted here:
-    # fitted on 24 questions with 12 to choose their epoch or C, they swing with the machine's float rounding (the logistic
-    # probe measured 0.88 here and 0.53 on CI for the same seed); test_training checks that they learn.
+    # probability. The trained scorers are not asserted here: fitted on 24 questions with 12 to choose their epoch or C,
+    # their test AUROC on 12 questions swings with the split (0.53-0.88 for the logistic probe when the fixture's ids
+    # still depended on the checkout's path); test_training checks that they learn.
     assert metrics["first_token_prob"]["auroc"] > 0.7
     best = max((n for n, m in metrics.items() if m["kind"] == "baseline"), key=lambda n: metrics[n]["auroc"])
     for name in ("dior-early", "dior-early-extended", "gru[attribution]"):  # each trained detector against the best baseline, on the same questions
