@@ -18,6 +18,7 @@ import pandas as pd
 
 from detectors.config import ParamsError
 from detectors.errors import InputError
+from detectors.dior.served import SERVED
 from detectors.interfaces import Level
 from detectors.io import write_json
 from detectors.registry import store
@@ -49,13 +50,15 @@ def realtime_val_ids(path: str | Path) -> list[str]:
 
 def register_detector(
     artifact_dir: str | Path, val_ids: list[str], test: dict, name: str, alias: str, experiment_id: str, extra_params: dict,
-    features: str | None = None,
+    features: str | None = None, val_key: str = "best_val_auroc",
 ) -> dict:
     """Log ``artifact_dir`` as a pyfunc, register it as ``name`` and apply the champion rule (the result, logged).
 
-    ``features``: the feature set a champion must share to be compared (see :func:`detectors.registry.store.decide`)."""
+    ``features``: the feature set a champion must share to be compared (see :func:`detectors.registry.store.decide`);
+    ``val_key``: the artifact's validation AUROC the champion rule compares (the real-time detector's served one: its
+    token AUROC is over entity or all tokens, whichever set it was trained on, so not comparable across versions)."""
     detector = load_artifact(artifact_dir)
-    val_auroc = float(detector.info["best_val_auroc"])
+    val_auroc = float(detector.info.get(val_key) if detector.info.get(val_key) is not None else "nan")
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
     run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
     test_metrics = {f"test_{k}": v for k, v in test.items() if isinstance(v, (int, float))}  # not kind, delta_vs
@@ -111,13 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     exp = store.experiment(p["register_early"].experiment, mlflow_params.artifact_root)
     write_json(p["paths.registry_early"], register_early(p, exp))
     realtime = p["register_realtime"]
-    realtime_test = json.loads(Path(p["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value]["mlp"]
+    # what is served: the max over every generated token (mlp[served]), compared by its validation AUROC
+    realtime_test = json.loads(Path(p["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value][SERVED]
     exp = store.experiment(realtime.experiment, mlflow_params.artifact_root)
     layers = ",".join(map(str, p["build_realtime.hidden_layers"]))
     result = register_detector(
         p["paths.realtime_model"], realtime_val_ids(p["paths.realtime"]), realtime_test, realtime.name, realtime.alias, exp,
-        {"hidden_layers": layers},
-    )
+        {"hidden_layers": layers}, f"hidden layers {layers}; served validation AUROC", val_key="val_served_auroc",
+    )  # a champion compared on another number (older versions: token AUROC) is not compared: the new one waits as challenger
     write_json(p["paths.registry_realtime"], result)
 
 

@@ -398,6 +398,11 @@ def test_realtime_evaluation_at_three_levels(pipeline):
 def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny_llm):
     out = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
     assert out["name"] == "dior-realtime" and out["alias_moved"]
+    # versions compete on what is served: the validation AUROC of the max over every generated token, and its test one
+    trained = json.loads((pipeline / "data/metrics/train_realtime.json").read_text())["mlp"]
+    served = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())["sentence"]["mlp[served]"]
+    assert out["val_auroc"] == pytest.approx(trained["val_served_auroc"])  # (equal to the token AUROC on this tiny set)
+    assert out["test_auroc"] == pytest.approx(served["auroc"])
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     detector = load_detector("dior-realtime", tracking_uri=uri, llm=tiny_llm)
     frame = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
