@@ -53,14 +53,19 @@ def auroc(labels, scores) -> float:
     return float(np.trapezoid(tpr, fpr))
 
 
-def auprc(labels, scores) -> float:
-    """Average precision: sum over thresholds of (recall gain) x precision."""
+def precision_recall(labels, scores) -> tuple[np.ndarray, np.ndarray]:
+    """``recall, precision`` at every distinct threshold (predict 1 when score >= t), from recall 0."""
     y = np.asarray(labels, dtype=np.float64)
     fpr, tpr, _ = roc(labels, scores)
-    tp = tpr * y.sum()
-    fp = fpr * (len(y) - y.sum())
+    tp, fp = tpr * y.sum(), fpr * (len(y) - y.sum())
     precision = np.divide(tp, tp + fp, out=np.ones_like(tp), where=(tp + fp) > 0)
-    return float(np.sum(np.diff(tpr) * precision[1:]))
+    return tpr, precision
+
+
+def auprc(labels, scores) -> float:
+    """Average precision: sum over thresholds of (recall gain) x precision."""
+    recall, precision = precision_recall(labels, scores)
+    return float(np.sum(np.diff(recall) * precision[1:]))
 
 
 def choose_threshold(labels, scores, strategy: str = "youden") -> float:

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from detectors.evaluation.metrics import roc  # noqa: E402
+from detectors.evaluation.metrics import precision_recall, roc  # noqa: E402
 
 PALETTE = [plt.get_cmap(name)(i) for name in ("tab10", "Dark2", "Set1") for i in range(plt.get_cmap(name).N)]
 CURVES = {"roc": ("fpr", "tpr"), "pr": ("recall", "precision"), "reliability": ("confidence", "frequency")}
@@ -27,15 +27,6 @@ def scorer_colours(names: Iterable[str]) -> dict[str, tuple]:
     """A colour per scorer name from the sorted registry of all names, so a scorer's colour depends on which
     scorers exist, never on the order a figure draws them in."""
     return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(sorted(set(names)))}
-
-
-def precision_recall(labels, scores) -> tuple[np.ndarray, np.ndarray]:
-    """``recall, precision`` at every distinct threshold (predict 1 when score >= t), from recall 0."""
-    y = np.asarray(labels, dtype=np.float64)
-    fpr, tpr, _ = roc(labels, scores)
-    tp, fp = tpr * y.sum(), fpr * (len(y) - y.sum())
-    precision = np.divide(tp, tp + fp, out=np.ones_like(tp), where=(tp + fp) > 0)
-    return tpr, precision
 
 
 def reliability(labels, probabilities, bins: int) -> pd.DataFrame:
