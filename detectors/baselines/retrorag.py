@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from detectors.evaluation.scorers import ColumnScorer
-from detectors.llm.kv import batches, forward_rows, prefix_cache
+from detectors.llm.kv import batches, forward_rows, prefix_cache, shared_prefix_length
 from detectors.llm.loading import LLM
 
 NAME = "retrorag_consistency"
@@ -60,8 +60,7 @@ def consistency_scores(
         return np.zeros(0)
     add_special = not chat
     rows = [llm.tokenizer(render_evaluator(llm, template, q, a, chat), add_special_tokens=add_special)["input_ids"] for q, a in pairs]
-    shortest = min(len(r) for r in rows) - 1  # every row keeps at least one token of its own
-    common = next((i for i in range(shortest) if any(r[i] != rows[0][i] for r in rows)), shortest)
+    common = shared_prefix_length(rows)
     kv = prefix_cache(llm, rows[0][:common])
     out = np.zeros(len(rows))
     for idx in batches([r[common:] for r in rows], batch_size):

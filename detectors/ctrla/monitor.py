@@ -16,7 +16,7 @@ import torch
 
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer
-from detectors.llm.kv import batches, forward_rows, prefix_states
+from detectors.llm.kv import batches, forward_rows, prefix_states, shared_prefix_length
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
 from detectors.llm.words import content_mask, token_words
@@ -104,9 +104,8 @@ def project_sequences(
     """  # fmt: skip
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("project_sequences needs non-empty token sequences")
-    shared = min(len(s) for s in sequences) - 1
     first = sequences[0]
-    common = next((i for i in range(shared) if any(s[i] != first[i] for s in sequences)), shared)
+    common = shared_prefix_length(sequences)
     monitor = ConfidenceMonitor(llm.model, directions, layers)
     kv, prefix_proj = None, None
     if common:

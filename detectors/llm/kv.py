@@ -42,6 +42,14 @@ def prefix_cache(llm: "LLM", prefix: list[int]) -> KV | None:
     return prefix_states(llm.model, torch.tensor([prefix], device=llm.device), len(prefix)) if prefix else None
 
 
+def shared_prefix_length(rows: list[list[int]]) -> int:
+    """How many leading tokens every row shares, leaving each row at least one token of its own (its last
+    position's logits or states are then computed with the row)."""
+    shortest = min(len(r) for r in rows) - 1
+    first = rows[0]
+    return next((i for i in range(shortest) if any(r[i] != first[i] for r in rows)), shortest)
+
+
 def batches(rows: list[list[int]], batch_size: int) -> Iterator[list[int]]:
     """Indices of ``rows`` in batches of similar length (less padding)."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
