@@ -82,15 +82,17 @@ def train_and_choose(
     The kept detector's ``info`` records the choice (``tokens``), its ``val_served_auroc`` and every candidate's
     (``candidates``). Its ``threshold`` is then chosen for serving: on the validation continuations' max over all
     generated tokens (the token-level one stays in ``info["token_threshold"]``), because served it fires at the
-    first token that reaches it; a token-level threshold fires on most correct continuations. With one candidate a one-class validation split leaves its served AUROC None; with more,
-    it is an error (nothing to choose by).
+    first token that reaches it; a token-level threshold fires on most correct continuations. With one candidate a
+    one-class validation split leaves its served AUROC None (and the token-level threshold); with more, it is an
+    error (nothing to choose by).
     """
     val = frame[frame["split"] == "val"]
-    best, best_auroc, summary = None, float("-inf"), {}
+    best, best_auroc, best_scores, summary = None, float("-inf"), {}, {}
     for tokens in candidates:
         detector = train_realtime_detector(frame, hidden, params, tokens=tokens, **kwargs)
+        val_scores = detector.record_scores(val, hidden)
         try:
-            value = served_auroc(val, detector.record_scores(val, hidden), "val")
+            value = served_auroc(val, val_scores, "val")
         except OneClassError as err:
             if len(candidates) > 1:
                 raise OneClassError(f"train_realtime.tokens = {candidates}: cannot choose a candidate by validation ({err})") from err
@@ -99,11 +101,11 @@ def train_and_choose(
         summary[tokens] = {"val_served_auroc": value, "best_val_auroc": info["best_val_auroc"], "threshold": detector.threshold}
         log.info("trained on %s tokens: validation served continuation AUROC %s", tokens, value)
         if best is None or (value is not None and value > best_auroc):
-            best, best_auroc = detector, value
+            best, best_auroc, best_scores = detector, value, val_scores
     best.info = {**best.info, "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"], "candidates": summary}
-    if best_auroc is not None and best_auroc > float("-inf"):  # serving fires when the max so far reaches the threshold
+    if best_auroc is not None:  # serving fires when the max so far reaches the threshold
         token_threshold = best.threshold
-        best.threshold = served_threshold(val, best.record_scores(val, hidden), params.threshold)
+        best.threshold = served_threshold(val, best_scores, params.threshold)
         best.info |= {"token_threshold": token_threshold, "threshold_chosen_on": "validation continuations (max over tokens)"}
         log.info("served threshold %.4f (token-level %.4f)", best.threshold, token_threshold)
     return best

@@ -68,20 +68,23 @@ def record_tokens(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split:
     return out
 
 
+def continuation_maxima(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The continuation labels of ``split`` and each continuation's served score, the max over its generated tokens."""
+    records = record_tokens(frame, mlp_scores, split)
+    return np.array([int(row.label) for row, _, _ in records]), np.array([scores.max() for _, scores, _ in records])
+
+
 def served_auroc(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: str) -> float:
     """Continuation-level AUROC on ``split`` of the max over all generated tokens (``mlp[served]``)."""
-    records = record_tokens(frame, mlp_scores, split)
-    labels = np.array([int(row.label) for row, _, _ in records])
+    labels, maxima = continuation_maxima(frame, mlp_scores, split)
     require_both_classes(labels, f"the {split} split's continuations")
-    return auroc(labels, [scores.max() for _, scores, _ in records])
+    return auroc(labels, maxima)
 
 
 def served_threshold(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], strategy: str) -> float:
     """The threshold ``monitor()`` should fire at, chosen (``youden`` | ``f1``) on the validation continuations by the
     max over all their generated tokens: serving fires at the first token that reaches it, i.e. when that max does."""
-    records = record_tokens(frame, mlp_scores, "val")
-    labels = np.array([int(row.label) for row, _, _ in records])
-    return choose_threshold(labels, [scores.max() for _, scores, _ in records], strategy)
+    return choose_threshold(*continuation_maxima(frame, mlp_scores, "val"), strategy)
 
 
 def _share(count: int, n: int) -> float | None:
