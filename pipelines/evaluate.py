@@ -63,7 +63,7 @@ def realtime_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
     names = set().union(*(s.keys() for s in stats.values()))
     scorers = {level: [realtime_detector_scorer(level)] + realtime_baselines(level, names) for level in units}
     scorers[Level.CONTINUATION].insert(1, served_scorer(detector.threshold))  # what monitor() does: the max over every token
-    served = served_behaviour(frame, mlp, detector.threshold) | {"threshold": detector.threshold, "tokens": detector.info.get("tokens")}
+    served = served_behaviour(frame, mlp, detector.threshold) | {"tokens": detector.info.get("tokens")}
     write_json(p["paths.served_metrics"], served)
     log.info("served real-time detector on the test split: %s", served)
     return frame, units, scorers

@@ -58,7 +58,8 @@ def register_detector(
     ``val_key``: the artifact's validation AUROC the champion rule compares (the real-time detector's served one: its
     token AUROC is over entity or all tokens, whichever set it was trained on, so not comparable across versions)."""
     detector = load_artifact(artifact_dir)
-    val_auroc = float(detector.info.get(val_key) if detector.info.get(val_key) is not None else "nan")
+    value = detector.info.get(val_key)
+    val_auroc = float("nan") if value is None else float(value)  # no validation score: never the champion
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
     run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
     test_metrics = {f"test_{k}": v for k, v in test.items() if isinstance(v, (int, float))}  # not kind, delta_vs
