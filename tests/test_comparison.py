@@ -18,7 +18,7 @@ from detectors.config.sections import EvaluateParams
 from detectors.evaluation.compare import COLUMNS, MissingScoresError, compare, long_table
 from detectors.evaluation.inputs import join_score_tables
 from detectors.evaluation.bootstrap import (
-    _cluster_counts, bootstrap_auroc, cluster_resamples, clustered_auroc, paired_bootstrap_delta, weighted_auroc,
+    _cluster_counts, bootstrap_auroc, clustered_auroc, paired_bootstrap_delta,
 )  # fmt: skip
 from detectors.evaluation.metrics import auroc, binary_metrics, trigger_rate
 from detectors.evaluation.plots import reliability, scorer_colours
@@ -33,13 +33,13 @@ def test_vectorised_auroc_equals_the_auroc_of_each_resample_with_ties():
     y = rng.integers(0, 2, 80)
     s = np.round(y + rng.normal(0, 1, 80), 1)  # rounded: many ties
     groups = np.repeat(np.arange(20), 4)
-    weights = cluster_resamples(groups, 25, seed=3)
+    index, counts = _cluster_counts(groups, 25, seed=3)
+    weights = counts[:, index]  # how often each unit is drawn in each resample
     assert weights.shape == (25, 80) and (weights.sum(1) == 80).all()  # 20 clusters of 4 drawn 20 times
-    for w, got in zip(weights, weighted_auroc(y, s, weights)):
+    for w, got in zip(weights, clustered_auroc(y, s, index, counts)):  # the sparse path = the AUROC of each resample
         idx = np.repeat(np.arange(80), w.astype(int))
         expected = auroc(y[idx], s[idx]) if 0 < y[idx].sum() < len(idx) else np.nan
         assert got == pytest.approx(expected, nan_ok=True)
-    np.testing.assert_allclose(clustered_auroc(y, s, *_cluster_counts(groups, 25, seed=3)), weighted_auroc(y, s, weights))  # sparse path
     # a unit's cluster is drawn as a whole: all its units get the same weight
     assert (weights.reshape(25, 20, 4) == weights.reshape(25, 20, 4)[:, :, :1]).all()
 

@@ -24,14 +24,6 @@ def _cluster_counts(groups, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return index, counts.reshape(n, n_clusters).astype(np.float64)
 
 
-def cluster_resamples(groups, n: int, seed: int) -> np.ndarray:
-    """``n`` bootstrap resamples of the clusters named by ``groups`` (one name per unit), as unit weights
-    (``n x units``): how often each unit's cluster was drawn. Units of one cluster (the tokens and entities of
-    one continuation) are drawn together, so the interval reflects the number of clusters, not of units."""
-    index, counts = _cluster_counts(groups, n, seed)
-    return counts[:, index]
-
-
 def _blocks(labels, scores) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The units ranked by score: their order, whether each is positive, and the block of tied scores it is in."""
     s = np.asarray(scores, dtype=np.float64)
@@ -48,18 +40,10 @@ def _auroc_from_blocks(w_pos: np.ndarray, w_neg: np.ndarray) -> np.ndarray:
     return np.divide(wins, pairs, out=np.full(len(pairs), np.nan), where=pairs > 0)
 
 
-def weighted_auroc(labels, scores, weights: np.ndarray) -> np.ndarray:
-    """AUROC under each row of ``weights`` (``resamples x units``, e.g. :func:`cluster_resamples`), vectorised
-    over the rows: the scores are ranked once; ties count one half. NaN where a resample lacks a class."""
-    order, y, block = _blocks(labels, scores)
-    w = np.atleast_2d(weights)[:, order]
-    starts = np.flatnonzero(np.r_[True, np.diff(block) != 0])
-    return _auroc_from_blocks(np.add.reduceat(np.where(y, w, 0.0), starts, axis=1), np.add.reduceat(np.where(y, 0.0, w), starts, axis=1))
-
-
 def clustered_auroc(labels, scores, index: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """:func:`weighted_auroc` for cluster resamples (unit ``i`` in cluster ``index[i]``, drawn ``counts[:, c]``
-    times), without materialising resamples x units: a sparse map sums each cluster's units per block of ties."""
+    """AUROC under each cluster resample (unit ``i`` in cluster ``index[i]``, drawn ``counts[:, c]`` times; ties count
+    one half; NaN where a resample lacks a class), without materialising resamples x units: a sparse map sums each
+    cluster's units per block of tied scores."""
     order, y, block = _blocks(labels, scores)
     shape = (counts.shape[1], int(block[-1]) + 1 if len(block) else 0)
     cluster = np.asarray(index)[order]
