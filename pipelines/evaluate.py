@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from detectors.baselines import question_baselines, realtime_baselines
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.dior.served import served_behaviour, served_scorer
-from detectors.evaluation.compare import compare_levels, long_table
+from detectors.evaluation.compare import DATASETS, compare_levels, long_table
 from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
 from detectors.evaluation.plots import write_comparison_plots
 from detectors.evaluation.report import markdown_table, nested_metrics
@@ -41,7 +41,6 @@ READS = (
     "paths.early_scores", "paths.realtime_scores", "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
     "paths.comparison", "paths.comparison_table", "paths.served_metrics", "paths.plots",
 )  # fmt: skip
-DATASETS = ("early", "realtime")
 
 
 def early_inputs(p) -> tuple[pd.DataFrame, dict, dict]:

@@ -23,6 +23,7 @@ COLUMNS = (
     "ece", "threshold", "trigger_rate", "n", "positive_rate", "delta_auroc", "delta_ci_low", "delta_ci_high", "delta_vs",
 )  # fmt: skip
 DELTA = ("delta_auroc", "delta_ci_low", "delta_ci_high", "delta_vs")
+DATASETS = ("early", "realtime")  # the test sets compared (the table's ``dataset`` values)
 
 
 class MissingScoresError(InputError, ValueError):

@@ -9,8 +9,9 @@ import math
 import pandas as pd
 
 from detectors.evaluation.compare import COLUMNS
+from detectors.interfaces import Level
 
-LEVEL_ORDER = {"question": 0, "token": 1, "entity": 2, "sentence": 3}
+LEVEL_ORDER = {level.value: i for i, level in enumerate(Level)}  # question, token, entity, sentence
 
 
 def _interval(value: float, low: float, high: float, signed: bool = False) -> str:

@@ -30,12 +30,13 @@ import pandas as pd
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
+from detectors.evaluation.compare import DATASETS
+from detectors.interfaces import Level
 from detectors.registry import store
 
 TEXT = ("scorer", "kind", "dataset", "level", "features", "delta_vs")
 REQUIRED = (*TEXT[:-1], "auroc")
-DATASETS = ("early", "realtime")
-LEVELS = ("question", "token", "entity", "sentence")
+LEVELS = tuple(level.value for level in Level)
 KINDS = ("detector", "baseline")
 # table column → metric name; test-split metrics carry ``test_``, the validation threshold, the trigger rate at it and
 # the paired difference to the best baseline keep their names. Other numeric columns are logged under their own name.
