@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from detectors.evaluation.scorers import TokenStatScorer
-from detectors.llm.kv import batches
+from detectors.llm.kv import batches, forward_rows
 from detectors.llm.layers import decoder_layers
 from detectors.llm.loading import LLM
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask
@@ -111,13 +111,10 @@ def rind_scores(
         raise ValueError("rind_scores needs a non-empty prompt for every continuation (its last token predicts the first)")
     rows = [list(p) + list(c) for p, c in zip(prompts, continuations)]
     out: list[RindTrace | None] = [None] * len(rows)
-    pad = llm.tokenizer.pad_token_id or 0
     with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:
         for idx in batches(rows, batch_size):
-            width = max(len(rows[i]) for i in idx)
-            ids = torch.tensor([rows[i] + [pad] * (width - len(rows[i])) for i in idx], device=llm.device)
             lengths = torch.tensor([len(rows[i]) for i in idx])
-            logits = llm.model(ids, use_cache=False, logits_to_keep=0).logits
+            logits = forward_rows(llm, None, [rows[i] for i in idx], logits=True).logits
             a_max = later_attention_max(tap.weights, lengths).cpu().numpy()
             for b, i in enumerate(idx):
                 start, n = len(prompts[i]), len(continuations[i])
