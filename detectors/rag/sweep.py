@@ -18,9 +18,12 @@ point, so ties never depend on the order of the questions.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from detectors.rag.metrics import accuracy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,3 +148,20 @@ def curves(lines: Iterable[dict[str, Any]], triggers: Sequence[str]) -> dict[str
     lines = list(lines)
     return {t: curve(t, [outcome_from_json(line, t) for line in lines]) for t in triggers}
 
+
+def sweep_line(events: dict[str, list[tuple[float, int]]], never_answer: str, answers_at: dict[int, str], references: list[str]) -> dict[str, Any]:
+    """One question of the sweep as stored: each trigger's events, the no-retrieval answer and the answers after a
+    retrieval at each position, with their correctness (containment)."""
+    return {
+        "events": {t: [[s, p] for s, p in e] for t, e in events.items()}, "never_answer": never_answer,
+        "never": bool(accuracy(never_answer, references)), "answers": {str(p): a for p, a in answers_at.items()},
+        "at": {str(p): bool(accuracy(a, references)) for p, a in answers_at.items()},
+    }  # fmt: skip
+
+
+def trace_events(trace) -> dict[str, list[tuple[float, int]]]:
+    """Each trigger's events from a no-retrieval trace: question triggers one event at position 0 (none for a NaN
+    score), token triggers the records of their token scores (see :func:`records`)."""
+    events = {t: ([] if math.isnan(s) else [(float(s), 0)]) for t, s in trace.question_scores.items()}
+    events.update({t: records(s, trace.truncate.get(t, "token")) for t, s in trace.token_scores.items()})
+    return events
