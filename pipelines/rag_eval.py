@@ -47,7 +47,7 @@ SWEEP = "sweep"  # the sweep's run file, and the metrics file's key for the curv
 CONTINUATION = "sentence"  # the comparison's continuation level, where `validation` thresholds are read
 
 
-def test_questions(qa: pd.DataFrame, limit: int | None) -> pd.DataFrame:
+def sample_questions(qa: pd.DataFrame, limit: int | None) -> pd.DataFrame:
     """The first ``limit`` test questions by id hash (all of them for None), in the QA table's order."""
     missing = [c for c in ("id", "question", "answers", "split") if c not in qa.columns]
     if missing:
@@ -65,9 +65,7 @@ def read_run_file(path: Path, key: str) -> dict[str, dict]:
     """The finished lines of a run file by id, when it was written under ``key``. A last line cut short by a killed
     run is dropped (the file is truncated to its complete lines, so the next line starts clean); a file written under
     another key is emptied (logged), so stale results are never mixed in; a damaged line before the last is an error."""
-    if not path.exists():
-        return {}
-    raw = path.read_bytes()
+    raw = path.read_bytes() if path.exists() else b""
     lines, good = [], 0
     for number, chunk in enumerate(raw.split(b"\n")[:-1], start=1):
         try:
@@ -154,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = stage_params(__doc__, argv, READS, "rag_eval")
     params = p["rag_eval"]
-    rows = test_questions(pd.read_parquet(p["paths.qa"]), params.questions)
+    rows = sample_questions(pd.read_parquet(p["paths.qa"]), params.questions)
     answers = [list(a) for a in rows["answers"]]
     comparison = pd.read_parquet(p["paths.comparison"]) if Path(p["paths.comparison"]).exists() else None
     runtime = RagRuntime(p, resolve_thresholds(params.thresholds, comparison))
@@ -166,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     for corpus in params.corpora:
         lines[corpus] = {}
         for name, config in params.configurations.items():
+            if not config.triggers and corpus != params.corpora[0]:  # never retrieves: the same answers on every corpus
+                lines[corpus][name] = lines[params.corpora[0]][name]
+                continue
             loop = runtime.loop(name, config, corpus)
             key = config_hash({**base_key, "configuration": dataclasses.asdict(config), "corpus": runtime.corpus_digest(corpus)})
             lines[corpus][name] = run_questions(runs_dir / corpus / f"{name}.jsonl", key, rows, loop, params.prompts_sample, f"{corpus} · {name}")

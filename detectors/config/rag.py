@@ -14,6 +14,7 @@ QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
 TRAINING_FREE_TRIGGERS = ("always", "flare", "rind", "sit_min")
 THRESHOLD_TRIGGERS = ("flare", "rind", "sit_min")  # the training-free triggers with a threshold
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+RESERVED = ("sweep", "digests")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
 
 
@@ -111,6 +112,8 @@ class RagEvalParams:
         for i, corpus in enumerate(self.corpora):
             if not NAME.fullmatch(corpus):
                 fail(f"{where}.corpora[{i}]", corpus, "a corpus name is a directory name: letters, digits, '.', '_', '-'")
+            if corpus in RESERVED:
+                fail(f"{where}.corpora[{i}]", corpus, f"{list(RESERVED)} are keys of the metrics file beside the corpora: rename the corpus")
         if self.context.count("{passages}") != 1:
             fail(f"{where}.context", self.context, "must contain {passages} exactly once (where the retrieved passages go)")
         if not self.configurations:
