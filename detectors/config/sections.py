@@ -11,6 +11,7 @@ import re
 from typing import Literal
 
 from detectors.config.core import check_share, check_splits, fail, positive
+from detectors.config.rag import RagEvalParams
 from detectors.config.schema import (
     ContrastParams,
     EarlyFeatureParams,
@@ -73,6 +74,11 @@ class PathsParams:
     baselines_early: str
     baselines_realtime: str
     score_baselines_metrics: str
+    rag_runs: str
+    rag_metrics: str
+    rag_table: str
+    rag_curves: str
+    rag_prompts: str
 
     def check(self, where: str) -> None:
         for field in dataclasses.fields(self):
@@ -370,4 +376,5 @@ SECTIONS: dict[str, type] = {
     "extract_directions": ExtractDirectionsParams,
     "evaluate_directions": EvaluateDirectionsParams,
     "register_ctrla": RegisterCtrlAParams,
+    "rag_eval": RagEvalParams,
 }

@@ -1,0 +1,136 @@
+"""The ``rag_eval`` section of ``params.yaml``: the RAG configurations evaluated end to end, their triggers and query
+formulations, and the accuracy vs retrieval-rate sweep."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+from detectors.config.core import fail, positive
+
+QueryKind = Literal["question", "flare", "qfs", "dior", "ctrla"]
+QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
+TRAINING_FREE_TRIGGERS = ("always", "flare", "rind", "sit_min")
+THRESHOLD_TRIGGERS = ("flare", "rind", "sit_min")  # the training-free triggers with a threshold
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+RESERVED = ("sweep", "digests")  # keys of paths.rag_metrics beside the corpora
+REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
+
+
+def check_trigger(key: str, trigger: str) -> None:
+    """A trigger name: a training-free one or a registered detector as ``<name>@<alias>``."""
+    if trigger not in TRAINING_FREE_TRIGGERS and not REGISTERED.fullmatch(trigger):
+        fail(key, trigger, f"name one of {list(TRAINING_FREE_TRIGGERS)} or a registered detector as <name>@<alias>, e.g. dior-early@champion")
+
+
+@dataclasses.dataclass(frozen=True)
+class RagConfigurationParams:
+    """One configuration: ``triggers`` checked in order ([] = no retrieval), the query formulation, DioR's
+    post-retrieval (``stepwise`` selection, sentence-level ``chunk``ing) and CtrlA's honesty ``steering`` (a registered
+    detector as ``<name>@<alias>``, or null)."""
+
+    triggers: list[str]
+    query: QueryKind
+    stepwise: bool
+    chunk: bool
+    steering: str | None
+
+    def check(self, where: str) -> None:
+        for i, trigger in enumerate(self.triggers):
+            check_trigger(f"{where}.triggers[{i}]", trigger)
+        if len(set(self.triggers)) != len(self.triggers):
+            fail(f"{where}.triggers", self.triggers, "list each trigger once")
+        if self.steering is not None and not REGISTERED.fullmatch(self.steering):
+            fail(f"{where}.steering", self.steering, "name the registered honesty steering as <name>@<alias> (e.g. ctrla-honesty@champion) or null")
+        if not self.triggers and (self.stepwise or self.chunk):
+            fail(f"{where}.stepwise", self.stepwise, "a configuration without triggers never retrieves: set stepwise and chunk to false")
+
+
+@dataclasses.dataclass(frozen=True)
+class DiorWeightsParams:
+    """DioR §3.3.1: weights of the attention, TF-IDF, relative position and question-similarity terms."""
+
+    attention: float
+    tfidf: float
+    position: float
+    similarity: float
+
+    def check(self, where: str) -> None:
+        values = dataclasses.asdict(self)
+        for name, value in values.items():
+            if not value >= 0:
+                fail(f"{where}.{name}", value, "weights must be >= 0")
+        if not sum(values.values()) > 0:
+            fail(where, values, "at least one weight must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class RagQueryParams:
+    qfs_top_n: int  # DRAGIN QFS: tokens kept in the query
+    dior_top: int  # DioR: keywords kept in the query
+    dior_weights: DiorWeightsParams
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.qfs_top_n", self.qfs_top_n)
+        positive(f"{where}.dior_top", self.dior_top)
+
+
+@dataclasses.dataclass(frozen=True)
+class RagSweepParams:
+    """The accuracy vs retrieval-rate curves: one retrieval at each trigger's first crossing, on ``corpus``, with a
+    fixed ``query`` (the question: the curves compare *when* a trigger retrieves, not what)."""
+
+    corpus: str
+    query: Literal["question"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RagEvalParams:
+    questions: int | None  # test questions, deterministic by id hash (None: the whole test split)
+    corpora: list[str]  # index_corpus corpora (sub-directories of paths.rag_index)
+    k: int
+    max_retrievals: int
+    max_new_tokens: int
+    context: str  # inserted right before {question} of the early prompt when passages were retrieved
+    configurations: dict[str, RagConfigurationParams]
+    thresholds: dict[str, float | Literal["validation"]]
+    query: RagQueryParams
+    sweep: RagSweepParams
+    prompts_sample: int
+    experiment: str
+
+    def check(self, where: str) -> None:
+        if self.questions is not None:
+            positive(f"{where}.questions", self.questions)
+        for key in ("k", "max_retrievals", "max_new_tokens"):
+            positive(f"{where}.{key}", getattr(self, key))
+        if not self.corpora:
+            fail(f"{where}.corpora", self.corpora, "name at least one corpus of index_corpus.corpora, e.g. [wiki, facts]")
+        if len(set(self.corpora)) != len(self.corpora):
+            fail(f"{where}.corpora", self.corpora, "list each corpus once")
+        for i, corpus in enumerate(self.corpora):
+            if not NAME.fullmatch(corpus):
+                fail(f"{where}.corpora[{i}]", corpus, "a corpus name is a directory name: letters, digits, '.', '_', '-'")
+            if corpus in RESERVED:
+                fail(f"{where}.corpora[{i}]", corpus, f"{list(RESERVED)} are keys of the metrics file beside the corpora: rename the corpus")
+        if self.context.count("{passages}") != 1:
+            fail(f"{where}.context", self.context, "must contain {passages} exactly once (where the retrieved passages go)")
+        if not self.configurations:
+            fail(f"{where}.configurations", self.configurations, "name at least one configuration, e.g. {no-retrieval: {triggers: [], ...}}")
+        for name in self.configurations:
+            if not NAME.fullmatch(name):
+                fail(f"{where}.configurations", name, "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit")
+        unknown = sorted(set(self.thresholds) - set(THRESHOLD_TRIGGERS))
+        if unknown:
+            fail(f"{where}.thresholds.{unknown[0]}", self.thresholds[unknown[0]], f"thresholds are for {list(THRESHOLD_TRIGGERS)} (registered detectors bring their own)")
+        used = {t for c in self.configurations.values() for t in c.triggers if t in THRESHOLD_TRIGGERS}
+        missing = sorted(used - set(self.thresholds))
+        if missing:
+            fail(f"{where}.thresholds", self.thresholds, f"triggers {missing} are used but have no threshold: give a number or `validation`")
+        if self.sweep.corpus not in self.corpora:
+            fail(f"{where}.sweep.corpus", self.sweep.corpus, f"must be one of rag_eval.corpora {self.corpora}")
+        if self.prompts_sample < 0:
+            fail(f"{where}.prompts_sample", self.prompts_sample, "must be >= 0 (0 records no prompt)")
+        if not self.experiment.strip():
+            fail(f"{where}.experiment", self.experiment, "name the MLflow experiment of the RAG runs")

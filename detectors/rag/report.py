@@ -1,0 +1,130 @@
+"""The RAG evaluation as Markdown (shaped like DioR's Tables 1–4: metrics as rows, configurations as columns, one
+block per corpus) and in MLflow (one run per corpus × configuration with the same metric names, one per swept
+trigger), from the metrics ``summarise`` gives and the curves' summaries ``sweep`` gives."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any, Mapping
+
+import mlflow
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+from detectors.registry import store
+
+ROWS = (  # metric key, row label, format
+    ("em", "EM", "{:.3f}"), ("f1", "F1", "{:.3f}"), ("accuracy", "Acc (containment)", "{:.3f}"),
+    ("answer_recall_at_k", "answer recall@k", "{:.3f}"), ("retrievals_per_question", "retrievals / question", "{:.2f}"),
+    ("trigger_rate", "trigger rate", "{:.2f}"), ("forward_passes_per_question", "forward passes / question", "{:.1f}"),
+    ("generated_tokens_per_question", "generated tokens / question", "{:.1f}"), ("wall_s_per_question", "wall s / question", "{:.2f}"),
+    ("n", "questions", "{:d}"), ("failed", "failed", "{:d}"),
+)  # fmt: skip
+BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
+SWEEP_METRICS = ("area", "random_area", "area_over_random", "never_accuracy", "always_accuracy", "rate_to_always")
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return fmt.format(int(value) if fmt == "{:d}" else float(value))
+
+
+def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """``{corpus: {configuration: metrics}}`` as Markdown: one block per corpus, a row per metric, a column per
+    configuration (in the given order); the best EM, F1 and accuracy of each corpus in bold (every tied one)."""
+    out = []
+    for corpus, configs in metrics.items():
+        names = list(configs)
+        out += [f"### corpus `{corpus}`", "", "| metric | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+        for key, label, fmt in ROWS:
+            values = [configs[c].get(key) for c in names]
+            cells = [_cell(v, fmt) for v in values]
+            if key in BOLD:
+                present = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+                best = max(present, default=None)
+                cells = [f"**{c}**" if v is not None and best is not None and float(v) == best else c for v, c in zip(values, cells)]
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def curves_table(sweep: Mapping[str, Any]) -> str:
+    """The curves' summaries (``{"corpus", "query", "curves": {trigger: summary}}``) as Markdown: a row per trigger."""
+    out = [f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, query `{sweep['query']}`)", "",
+           "| trigger | area | random area | area − random | retrieval rate to reach always-accuracy |",
+           "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for trigger, s in sweep["curves"].items():
+        out.append(f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {s['area_over_random']:+.3f} | {_cell(s['rate_to_always'], '{:.2f}')} |")
+    if sweep["curves"]:
+        first = next(iter(sweep["curves"].values()))
+        out += ["", f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: {first['always_accuracy']:.3f}."]
+    return "\n".join(out) + "\n"
+
+
+def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers of ``values`` (None, NaN and infinities are left out rather than logged)."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        out[key] = float(value)
+    return out
+
+
+def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Mapping) -> None:
+    if not metrics or not any(metrics.values()):
+        raise ValueError("log_rag_runs: no metrics to log ({corpus: {configuration: metrics}} is empty)")
+    missing = sorted({c for configs in metrics.values() for c in configs} - set(params))
+    if missing:
+        raise ValueError(f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass params[configuration]")
+    for key in ("llm_digest",):
+        if not str(tags.get(key, "")).strip():
+            raise ValueError(f"log_rag_runs: tags lack {key!r}: every RAG run is tagged with the LLM it ran")
+    absent = sorted(set(metrics) - set(corpus_digests))
+    if absent:
+        raise ValueError(f"log_rag_runs: corpora {absent} have no digest: pass corpus_digests[corpus] (the index manifest's digest)")
+
+
+def log_rag_runs(
+    metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], curves: Mapping[str, Any] | None, params: Mapping[str, Mapping[str, Any]],
+    experiment: str, tags: Mapping[str, str], artifact_root: str, corpus_digests: Mapping[str, str],
+) -> list[str]:
+    """Log one run per corpus × configuration in ``experiment`` (created under ``artifact_root``), named
+    ``"<configuration> · <corpus>"``, with the same metric names in every run (a None or NaN value is left out) and tags
+    ``corpus``, ``configuration``, ``triggers`` (comma-joined, ``none`` for none), ``query``, ``corpus_digest``,
+    ``llm_digest`` plus ``tags`` and a ``rag_eval`` id of this logging; ``params[configuration]`` is the configuration
+    as in params.yaml (its other keys become MLflow params). ``curves`` (the metrics file's ``sweep``: ``corpus``,
+    ``query``, ``curves: {trigger: summary}``) adds one run per trigger, ``"sweep · <trigger>"``, tagged
+    ``configuration=sweep`` and ``trigger``. Then the experiment's earlier runs are soft-deleted (restorable until
+    ``mlflow gc``), so the runs table shows one logging. Returns the new runs' ids."""
+    _check(metrics, params, tags, corpus_digests)
+    client = MlflowClient()
+    exp = store.experiment(experiment, artifact_root)
+    logging_id = uuid.uuid4().hex[:12]
+    new = []
+    for corpus, configs in metrics.items():
+        for name, values in configs.items():
+            config = dict(params[name])
+            run_tags = {
+                **tags, "corpus": corpus, "configuration": name, "triggers": ",".join(config.pop("triggers", [])) or "none",
+                "query": str(config.pop("query", "")), "corpus_digest": corpus_digests[corpus], "rag_eval": logging_id,
+            }  # fmt: skip
+            with mlflow.start_run(experiment_id=exp, run_name=f"{name} · {corpus}", tags=run_tags) as run:
+                mlflow.log_params({k: str(v) for k, v in config.items()})
+                mlflow.log_metrics(_numbers(values))
+            new.append(run.info.run_id)
+    if curves:
+        for trigger, summary in curves["curves"].items():
+            run_tags = {
+                **tags, "corpus": curves["corpus"], "configuration": "sweep", "trigger": trigger, "triggers": trigger,
+                "query": curves["query"], "corpus_digest": corpus_digests.get(curves["corpus"], ""), "rag_eval": logging_id,
+            }  # fmt: skip
+            with mlflow.start_run(experiment_id=exp, run_name=f"sweep · {trigger}", tags=run_tags) as run:
+                mlflow.log_metrics(_numbers({k: summary.get(k) for k in SWEEP_METRICS}))
+            new.append(run.info.run_id)
+    for old in client.search_runs([exp], "", ViewType.ACTIVE_ONLY, max_results=50000):
+        if old.info.run_id not in new:
+            client.delete_run(old.info.run_id)
+    return new

@@ -1,0 +1,195 @@
+"""Stage rag_eval: registered detectors and training-free triggers inside a dynamic RAG loop, measured end to end.
+
+On a deterministic sample of the QA test split (by id hash), every configuration of ``rag_eval.configurations``
+answers every question over every corpus of ``rag_eval.corpora`` (the bm25s indexes of ``index_corpus``). Each
+finished question is appended as one JSON line to ``paths.rag_runs/<corpus>/<configuration>.jsonl`` (flushed per
+line): a killed run resumes where it stopped, and a file written under other params, code, LLM, corpus or registered
+detectors is started again (its first line holds the key it was written under). On the sweep corpus, every trigger's
+accuracy vs retrieval-rate curve is measured too (``sweep.jsonl``: the no-retrieval answer, each trigger's score
+records and the answer after one retrieval at each position where a trigger can first fire).
+
+Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries) and
+``digests`` (LLM and corpora)), the Markdown table ``paths.rag_table``, the curves CSV ``paths.rag_curves`` (dvc
+plots), every prompt of the first ``prompts_sample`` questions per configuration (``paths.rag_prompts``) and one
+MLflow run per corpus × configuration (plus one per swept trigger).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from detectors.errors import InputError
+from detectors.io import file_digest, write_json
+from detectors.progress import progress
+from detectors.rag.metrics import summarise
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table
+from detectors.rag.sweep import curves as sweep_curves
+from detectors.shards import config_hash
+from detectors.sources.ids import sample
+from pipelines._provenance import code_digest
+from pipelines._stage import run, stage_params
+
+log = logging.getLogger("rag_eval")
+READS = (
+    "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "mlflow",
+    "paths.llm", "paths.qa", "paths.comparison", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla",
+    "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_table", "paths.rag_curves", "paths.rag_prompts",
+)  # fmt: skip
+SWEEP = "sweep"  # the sweep's run file, and the metrics file's key for the curves
+CONTINUATION = "sentence"  # the comparison's continuation level, where `validation` thresholds are read
+
+
+def sample_questions(qa: pd.DataFrame, limit: int | None) -> pd.DataFrame:
+    """The first ``limit`` test questions by id hash (all of them for None), in the QA table's order."""
+    missing = [c for c in ("id", "question", "answers", "split") if c not in qa.columns]
+    if missing:
+        raise InputError(f"the QA table lacks columns {missing}: rerun the prepare stage")
+    test = qa[qa["split"] == "test"].reset_index(drop=True)
+    if test.empty:
+        raise InputError("the QA table has no test question: check qa.splits in params.yaml")
+    return sample(test, limit)
+
+
+# ---- resumable run files -------------------------------------------------------------------------------------
+
+
+def read_run_file(path: Path, key: str) -> dict[str, dict]:
+    """The finished lines of a run file by id, when it was written under ``key``. A last line cut short by a killed
+    run is dropped (the file is truncated to its complete lines, so the next line starts clean); a file written under
+    another key is emptied (logged), so stale results are never mixed in; a damaged line before the last is an error."""
+    raw = path.read_bytes() if path.exists() else b""
+    lines, good = [], 0
+    for number, chunk in enumerate(raw.split(b"\n")[:-1], start=1):
+        try:
+            lines.append(json.loads(chunk))
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path} line {number} is not JSON ({err}): delete the file to recompute its questions") from None
+        good += len(chunk) + 1
+    if good < len(raw):
+        log.warning("%s: dropping an unfinished last line (%d bytes) left by a killed run", path, len(raw) - good)
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    if not lines or lines[0].get("key") != key:
+        if lines:
+            log.warning("%s was written under other params, code, LLM or corpus: starting it again", path)
+        path.write_text(json.dumps({"key": key}) + "\n")
+        return {}
+    return {line["id"]: line for line in lines[1:]}
+
+
+def run_questions(path: Path, key: str, rows: pd.DataFrame, answer: Callable[[str, bool], dict], prompts_sample: int, desc: str) -> list[dict]:
+    """Answer every row (``id``, ``question``) not yet in run file ``path`` with ``answer(question, record_prompts)``
+    (a JSON-able dict: ``dataclasses.asdict`` of a RagResult), appending one line per question and flushing it; the
+    first ``prompts_sample`` rows record their prompts. Returns the lines of every row, in the rows' order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = read_run_file(path, key)
+    ids = list(rows["id"])
+    todo = [(i, q) for i, (rid, q) in enumerate(zip(ids, rows["question"])) if rid not in done]
+    with open(path, "a", encoding="utf-8") as f, progress(total=len(ids), initial=len(ids) - len(todo), desc=desc, unit="question") as bar:
+        for i, question in todo:
+            line = {"id": ids[i], **answer(question, i < prompts_sample)}
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            done[ids[i]] = line
+            bar.update()
+    return [done[i] for i in ids]
+
+
+# ---- thresholds and outputs --------------------------------------------------------------------------
+
+
+def resolve_thresholds(thresholds: dict[str, float | str], comparison: pd.DataFrame | None) -> dict[str, float]:
+    """Numbers as given; ``validation``: the threshold ``evaluate`` chose on the real-time validation split at the
+    continuation level (the comparison table's row of that scorer)."""
+    out = {}
+    for name, value in thresholds.items():
+        if value != "validation":
+            out[name] = float(value)
+            continue
+        rows = None if comparison is None else comparison[(comparison["dataset"] == "realtime") & (comparison["level"] == CONTINUATION) & (comparison["scorer"] == name)]
+        if rows is None or rows.empty or not math.isfinite(float(rows["threshold"].iloc[0])):
+            raise InputError(f"rag_eval.thresholds.{name} = validation, but the comparison has no realtime {CONTINUATION}-level threshold for {name!r}: run evaluate or give a number")
+        out[name] = float(rows["threshold"].iloc[0])
+    return out
+
+
+def write_curves(path: str | Path, curves: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["trigger", "threshold", "retrieval_rate", "accuracy"])
+        writer.writeheader()
+        for c in curves.values():
+            writer.writerows(c.rows())
+
+
+def write_prompts(path: str | Path, lines: dict[str, dict[str, list[dict]]], sample_size: int) -> None:
+    """Every prompt of the first ``sample_size`` questions of each corpus × configuration, one JSON line each."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for corpus, configs in lines.items():
+            for name, results in configs.items():
+                for line in results[:sample_size]:
+                    f.write(json.dumps({"corpus": corpus, "configuration": name, "id": line["id"], "prompts": line.get("prompts", [])}) + "\n")
+
+
+def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[str]]) -> dict[str, dict[str, dict]]:
+    """``{corpus: {configuration: metrics}}`` of the stored lines (one per question, in the order of ``answers``)."""
+    return {corpus: {name: summarise(results, answers) for name, results in configs.items()} for corpus, configs in lines.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pipelines._rag_runtime import RagRuntime  # the loop, the retrievers and the LLM
+
+    p = stage_params(__doc__, argv, READS, "rag_eval")
+    params = p["rag_eval"]
+    rows = sample_questions(pd.read_parquet(p["paths.qa"]), params.questions)
+    answers = [list(a) for a in rows["answers"]]
+    comparison = pd.read_parquet(p["paths.comparison"]) if Path(p["paths.comparison"]).exists() else None
+    runtime = RagRuntime(p, resolve_thresholds(params.thresholds, comparison))
+    registries = {k: file_digest(p[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla") if Path(p[f"paths.registry_{k}"]).exists()}
+    base_key = {"code": code_digest("pipelines.rag_eval"), "llm": runtime.llm_digest, "registry": registries, "qa": file_digest(p["paths.qa"]),
+                "thresholds": runtime.thresholds, "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions")}}  # fmt: skip
+    runs_dir = Path(p["paths.rag_runs"])
+    lines: dict[str, dict[str, list[dict]]] = {}
+    for corpus in params.corpora:
+        lines[corpus] = {}
+        for name, config in params.configurations.items():
+            if not config.triggers and corpus != params.corpora[0]:  # never retrieves: the same answers on every corpus
+                lines[corpus][name] = lines[params.corpora[0]][name]
+                continue
+            loop = runtime.loop(name, config, corpus)
+            key = config_hash({**base_key, "configuration": dataclasses.asdict(config), "corpus": runtime.corpus_digest(corpus)})
+            lines[corpus][name] = run_questions(runs_dir / corpus / f"{name}.jsonl", key, rows, loop, params.prompts_sample, f"{corpus} · {name}")
+    metrics: dict[str, Any] = evaluate_lines(lines, answers)
+    sweep_loop, triggers = runtime.sweep_loop(params.sweep.corpus)
+    key = config_hash({**base_key, "sweep": dataclasses.asdict(params.sweep), "triggers": triggers, "corpus": runtime.corpus_digest(params.sweep.corpus)})
+    answer_refs = dict(zip(rows["question"], answers))
+    swept = run_questions(runs_dir / params.sweep.corpus / f"{SWEEP}.jsonl", key, rows, lambda q, _: sweep_loop(q, answer_refs[q]), 0, f"{params.sweep.corpus} · sweep")
+    curves = sweep_curves(swept, triggers)
+    metrics[SWEEP] = {"corpus": params.sweep.corpus, "query": params.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
+    metrics["digests"] = {"llm": runtime.llm_digest, "corpora": {c: runtime.corpus_digest(c) for c in params.corpora}}
+    write_json(p["paths.rag_metrics"], metrics)
+    table = {c: metrics[c] for c in params.corpora}
+    markdown = markdown_table(table) + "\n" + curves_table(metrics[SWEEP])
+    Path(p["paths.rag_table"]).parent.mkdir(parents=True, exist_ok=True)
+    Path(p["paths.rag_table"]).write_text(markdown, encoding="utf-8")
+    log.info("RAG evaluation:\n%s", markdown)
+    write_curves(p["paths.rag_curves"], curves)
+    write_prompts(p["paths.rag_prompts"], lines, params.prompts_sample)
+    configs = {name: dataclasses.asdict(c) for name, c in params.configurations.items()}
+    tags = {"llm": runtime.llm_name, "llm_digest": runtime.llm_digest}
+    log_rag_runs(table, metrics[SWEEP], configs, params.experiment, tags, p["mlflow"].artifact_root, metrics["digests"]["corpora"])
+
+
+if __name__ == "__main__":
+    run(main)

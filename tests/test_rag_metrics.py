@@ -1,0 +1,352 @@
+"""The RAG evaluation without the loop: answer metrics, accuracy vs retrieval-rate curves, the Markdown table, MLflow
+runs, the rag_eval params section and the stage's resumable run files, on hand-made results."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from mlflow.entities import ViewType
+
+from conftest import ROOT
+from detectors.config import ParamsError, load_section
+from detectors.errors import InputError
+from detectors.rag.metrics import METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table
+from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
+from detectors.registry import store
+from pipelines.rag_eval import read_run_file, resolve_thresholds, run_questions, sample_questions, write_curves, write_prompts
+
+
+def result(answer: str, retrievals: list[list[str]] = (), error: str | None = None, passes: int = 10, tokens: int = 4, wall: float = 0.5) -> dict:
+    """A stored RagResult (``dataclasses.asdict`` shape) with one retrieval per passage list."""
+    rets = [{"trigger": "flare", "position": 0, "score": 0.9, "queries": ["q"], "passage_ids": [str(i) for i in range(len(p))], "passages": p}
+            for p in retrievals]  # fmt: skip
+    return {"question": "q", "answer": answer, "retrievals": rets, "forward_passes": passes, "generated_tokens": tokens,
+            "wall_s": wall, "prompts": [], "error": error}  # fmt: skip
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+
+
+def test_exact_match_and_token_f1_are_squads_over_the_best_reference():
+    assert exact_match("The Eiffel Tower!", ["Louvre", "eiffel tower"]) == 1.0
+    assert exact_match("Eiffel Tower in Paris", ["Eiffel Tower"]) == 0.0
+    assert token_f1("Paris, France", ["Paris"]) == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    assert token_f1("Paris, France", ["Lyon", "France Paris"]) == 1.0  # bag of words, best reference
+    assert token_f1("Rome", ["Paris"]) == 0.0
+    assert token_f1("the", ["Paris"]) == 0.0  # normalised to nothing
+    assert token_f1("Paris", []) == 0.0
+
+
+def test_accuracy_and_answer_recall_are_whole_word_containment():
+    assert accuracy("He was born in Paris in 1900", ["paris"]) == 1.0
+    assert accuracy("He was born in Parisville", ["Paris"]) == 0.0
+    assert answer_recall(["Lyon is a city.", "Paris is the capital of France."], ["paris"]) is True
+    assert answer_recall(["Lyon is a city."], ["paris"]) is False
+    assert answer_recall([], ["paris"]) is False
+
+
+def test_summarise_gives_every_metric_of_one_configuration():
+    results = [
+        result("Paris", [["Lyon"], ["Paris is in France"]], passes=12, tokens=6, wall=1.0),  # right, 2 retrievals, 1 recalled
+        result("Rome", [["nothing here"]], error="no passage retrieved", passes=8, tokens=2, wall=0.5),
+        result("Berlin, Germany", passes=4, tokens=4, wall=0.0),
+    ]
+    m = summarise(results, [["Paris"], ["Madrid"], ["Berlin"]])
+    assert set(m) == set(METRICS)
+    assert m["em"] == pytest.approx(1 / 3) and m["accuracy"] == pytest.approx(2 / 3)
+    assert m["f1"] == pytest.approx((1 + 0 + 2 * 0.5 / 1.5) / 3)
+    assert m["retrievals_per_question"] == 1.0 and m["trigger_rate"] == pytest.approx(2 / 3)
+    assert m["answer_recall_at_k"] == pytest.approx(1 / 3)  # 3 retrievals, one holds a reference
+    assert (m["forward_passes_per_question"], m["generated_tokens_per_question"], m["wall_s_per_question"]) == (8.0, 4.0, 0.5)
+    assert (m["n"], m["failed"]) == (3, 1)
+    assert summarise([result("x")], [["y"]])["answer_recall_at_k"] is None  # nothing retrieved: no recall, not 0
+
+
+def test_summarise_refuses_mismatched_or_incomplete_results():
+    with pytest.raises(ValueError, match="2 results but 1 reference"):
+        summarise([result("a"), result("b")], [["a"]])
+    broken = result("a")
+    del broken["wall_s"]
+    with pytest.raises(ValueError, match=r"lacks keys \['wall_s'\]"):
+        summarise([broken], [["a"]])
+    with pytest.raises(ValueError, match="no results"):
+        summarise([], [])
+
+
+# ---- accuracy vs retrieval rate ------------------------------------------------------------------------------------
+
+
+def needs(score: float, needed: bool) -> Outcome:
+    """An early-trigger question: right after retrieval; right without it unless it ``needed`` retrieval."""
+    return Outcome([(score, 0)], never=not needed, at={0: True})
+
+
+def test_a_perfect_trigger_reaches_always_accuracy_at_the_share_of_questions_that_need_retrieval():
+    c = curve("perfect", [needs(0.9, True)] * 4 + [needs(0.1, False)] * 6)
+    assert c.threshold.tolist() == [np.inf, 0.9, 0.1]
+    assert c.retrieval_rate.tolist() == [0.0, 0.4, 1.0] and c.accuracy.tolist() == pytest.approx([0.6, 1.0, 1.0])
+    assert (c.never_accuracy, c.always_accuracy) == (pytest.approx(0.6), 1.0)
+    assert c.rate_to_always == 0.4
+    assert c.area == pytest.approx(0.4 * (0.6 + 1.0) / 2 + 0.6 * 1.0)
+    assert c.random_area == pytest.approx(0.8) and c.area > c.random_area
+
+
+def test_a_reversed_trigger_is_below_random():
+    c = curve("reversed", [needs(0.1, True)] * 4 + [needs(0.9, False)] * 6)
+    assert c.retrieval_rate.tolist() == [0.0, 0.6, 1.0] and c.accuracy.tolist() == pytest.approx([0.6, 0.6, 1.0])
+    assert c.area == pytest.approx(0.6 * 0.6 + 0.4 * 0.8) and c.area < c.random_area
+    assert c.rate_to_always == 1.0
+
+
+def test_tied_scores_change_together_whatever_the_order_of_the_questions():
+    outcomes = [needs(0.5, True), needs(0.5, False), needs(0.7, True), needs(0.2, False)]
+    c = curve("tie", outcomes)
+    assert c.threshold.tolist() == [np.inf, 0.7, 0.5, 0.2]  # one point for the two questions scored 0.5
+    assert c.retrieval_rate.tolist() == [0.0, 0.25, 0.75, 1.0]
+    assert c.accuracy.tolist() == pytest.approx([0.5, 0.75, 1.0, 1.0])
+    for order in ([3, 2, 1, 0], [1, 3, 0, 2]):
+        other = curve("tie", [outcomes[i] for i in order])
+        assert other.retrieval_rate.tolist() == c.retrieval_rate.tolist() and other.accuracy.tolist() == c.accuracy.tolist()
+        assert other.area == c.area
+
+
+def test_a_token_trigger_moves_its_retrieval_earlier_as_the_threshold_falls():
+    # the late crossing (position 2) keeps a wrong prefix; the early one (position 0) fixes the answer
+    q = Outcome([(0.3, 0), (0.8, 2)], never=False, at={0: True, 2: False})
+    c = curve("token", [q, Outcome([(0.5, 1)], never=True, at={0: True, 1: True})])
+    assert c.threshold.tolist() == [np.inf, 0.8, 0.5, 0.3]
+    assert c.retrieval_rate.tolist() == [0.0, 0.5, 1.0, 1.0]  # the last threshold only moves a retrieval earlier
+    assert c.accuracy.tolist() == pytest.approx([0.5, 0.5, 0.5, 1.0])
+    assert c.area == pytest.approx(0.5 * 0.5 + 0.5 * 0.5)  # the vertical step adds no area
+    assert c.rate_to_always == 1.0
+
+
+def test_questions_a_trigger_cannot_reach_close_the_curve_as_random_retrieval_would():
+    c = curve("empty answer", [needs(0.5, True), Outcome([], never=False, at={0: True})])
+    assert c.retrieval_rate.tolist() == [0.0, 0.5] and c.accuracy.tolist() == [0.0, 0.5]
+    assert c.area == pytest.approx(0.5 * 0.25 + 0.5 * 0.75)  # straight on to (1, always accuracy)
+    assert c.area == pytest.approx(c.random_area) and c.rate_to_always == 1.0
+
+
+def test_records_are_the_running_max_and_outcomes_are_checked():
+    assert records([0.2, 0.1, 0.5, 0.5, np.nan, 0.7]) == [(0.2, 0), (0.5, 2), (0.7, 5)]
+    assert records([0.2, 0.9, 0.1], truncate="segment") == [(0.9, 0)]
+    assert records([np.nan]) == [] and records([]) == []
+    with pytest.raises(ValueError, match="lacks position 0"):
+        Outcome([(0.5, 1)], never=True, at={1: True})
+    with pytest.raises(ValueError, match=r"lacks the correctness at positions \[3\]"):
+        Outcome([(0.5, 3)], never=True, at={0: True})
+    with pytest.raises(ValueError, match="not records of a running max"):
+        Outcome([(0.5, 0), (0.4, 2)], never=True, at={0: True, 2: True})
+
+
+def test_stored_sweep_lines_give_each_triggers_curve():
+    class Trace:  # what question_trace returns, by hand
+        question_scores = {"dior-early": 0.6}
+        token_scores = {"flare": np.array([0.1, 0.4, 0.3]), "ctrla": np.array([0.2, 0.9])}
+        truncate = {"flare": "token", "ctrla": "segment"}
+
+    events = trace_events(Trace())
+    assert events == {"dior-early": [(0.6, 0)], "flare": [(0.1, 0), (0.4, 1)], "ctrla": [(0.9, 0)]}
+    line = json.loads(json.dumps(sweep_line(events, "Rome", {0: "Paris", 1: "Rome, Paris"}, ["Paris"])))
+    assert line["never"] is False and line["at"] == {"0": True, "1": True}
+    out = curves([line], ["dior-early", "flare"])
+    assert out["flare"].retrieval_rate.tolist() == [0.0, 1.0, 1.0] and out["flare"].accuracy.tolist() == [0.0, 1.0, 1.0]
+    assert out["dior-early"].rate_to_always == 1.0
+
+
+# ---- report and MLflow ---------------------------------------------------------------------------------------------
+
+
+def metrics_of(em: float, recall: float | None = 0.5) -> dict:
+    return {"em": em, "f1": em + 0.1, "accuracy": em + 0.2, "retrievals_per_question": 1.0, "trigger_rate": 0.5,
+            "forward_passes_per_question": 12.0, "generated_tokens_per_question": 6.0, "wall_s_per_question": 0.25,
+            "answer_recall_at_k": recall, "n": 10, "failed": 0}  # fmt: skip
+
+
+METRICS_BY_CORPUS = {
+    "wiki": {"no-retrieval": metrics_of(0.2, None), "flare": metrics_of(0.3)},
+    "facts": {"no-retrieval": metrics_of(0.2, None), "flare": metrics_of(0.2)},
+}
+SWEEP = {"corpus": "facts", "query": "question", "curves": {"flare": curve("flare", [needs(0.9, True), needs(0.1, False)]).summary()}}
+
+
+def test_markdown_table_has_a_block_per_corpus_and_the_best_in_bold():
+    md = markdown_table(METRICS_BY_CORPUS)
+    wiki, facts = md.split("### corpus `facts`")
+    assert "| metric | no-retrieval | flare |" in wiki
+    assert "| EM | 0.200 | **0.300** |" in wiki and "| Acc (containment) | 0.400 | **0.500** |" in wiki
+    assert "| EM | **0.200** | **0.200** |" in facts  # ties: both in bold
+    assert "| answer recall@k | – | 0.500 |" in wiki and "| questions | 10 | 10 |" in wiki
+    table = curves_table(SWEEP)
+    assert "| flare | 0.875 | 0.750 | +0.125 | 0.50 |" in table
+    assert "No retrieval: accuracy 0.500; always retrieving before generating: 1.000." in table
+
+
+@pytest.fixture()
+def tracking(tmp_path):
+    store.configure("sqlite:///mlflow/mlflow.db", tmp_path)
+    return str(tmp_path / "mlflow/artifacts")
+
+
+def test_log_rag_runs_logs_one_run_per_corpus_and_configuration_and_replaces_earlier_ones(tracking):
+    params = {"no-retrieval": {"triggers": [], "query": "question", "stepwise": False, "chunk": False, "steering": None},
+              "flare": {"triggers": ["flare"], "query": "flare", "stepwise": False, "chunk": False, "steering": None}}  # fmt: skip
+    digests = {"wiki": "w1", "facts": "f1"}
+    first = log_rag_runs(METRICS_BY_CORPUS, SWEEP, params, "rag-test", {"llm": "tiny", "llm_digest": "abc"}, tracking, digests)
+    runs = mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)
+    assert sorted(runs["run_id"]) == sorted(first) and len(first) == 5  # 2 corpora x 2 configurations + 1 swept trigger
+    config_runs = runs[runs["tags.configuration"] != "sweep"]
+    names = {frozenset(c[len("metrics."):] for c in runs.columns if c.startswith("metrics.") and not pd.isna(row[c])) for _, row in config_runs.iterrows()}
+    assert names == {frozenset(METRICS) - {"answer_recall_at_k"}, frozenset(METRICS)}  # the same names; a None recall left out
+    flare_wiki = config_runs[(config_runs["tags.corpus"] == "wiki") & (config_runs["tags.configuration"] == "flare")].iloc[0]
+    assert (flare_wiki["tags.triggers"], flare_wiki["tags.query"], flare_wiki["tags.corpus_digest"], flare_wiki["tags.llm_digest"]) == ("flare", "flare", "w1", "abc")
+    assert flare_wiki["metrics.em"] == 0.3 and flare_wiki["params.stepwise"] == "False"
+    assert set(config_runs[config_runs["tags.configuration"] == "no-retrieval"]["tags.triggers"]) == {"none"}
+    sweep = runs[runs["tags.configuration"] == "sweep"].iloc[0]
+    assert (sweep["tags.trigger"], sweep["metrics.area"], sweep["metrics.rate_to_always"]) == ("flare", 0.875, 0.5)
+
+    second = log_rag_runs(METRICS_BY_CORPUS, None, params, "rag-test", {"llm": "tiny", "llm_digest": "abc"}, tracking, digests)
+    active = mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)
+    assert sorted(active["run_id"]) == sorted(second) and len(second) == 4
+    with pytest.raises(ValueError, match=r"configurations \['flare'\] have metrics but no params"):
+        log_rag_runs(METRICS_BY_CORPUS, None, {"no-retrieval": params["no-retrieval"]}, "rag-test", {"llm_digest": "abc"}, tracking, digests)
+    with pytest.raises(ValueError, match=r"corpora \['facts'\] have no digest"):
+        log_rag_runs(METRICS_BY_CORPUS, None, params, "rag-test", {"llm_digest": "abc"}, tracking, {"wiki": "w1"})
+    assert len(mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)) == 4  # refused before logging
+
+
+# ---- the rag_eval params section -----------------------------------------------------------------------------------
+
+
+def rag_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("configurations", "flare", "triggers"), ["flare", "dior-early"], r"triggers\[1\] = 'dior-early'.*<name>@<alias>"),
+    (("configurations", "flare", "query"), "hyde", r"configurations.flare.query = 'hyde': must be one of"),
+    (("configurations", "flare", "steering"), "ctrla-honesty", r"steering = 'ctrla-honesty'.*<name>@<alias>"),
+    (("sweep", "corpus"), "web", r"sweep.corpus = 'web': must be one of rag_eval.corpora"),
+    (("sweep", "query"), "dior", r"sweep.query = 'dior': must be one of \['question'\]"),
+    (("thresholds", "rind"), "val", r"thresholds.rind = 'val'"),
+    (("thresholds", "entropy"), 0.5, r"thresholds.entropy = 0.5: thresholds are for"),
+    (("context",), "{question}", r"context = '\{question\}': must contain \{passages\}"),
+    (("corpora",), [], r"corpora = \[\]: name at least one corpus"),
+    (("corpora",), ["wiki", "sweep"], r"corpora\[1\] = 'sweep': .* keys of the metrics file"),
+    (("questions",), 0, r"questions = 0: must be positive"),
+])  # fmt: skip
+def test_bad_rag_eval_params_are_refused_naming_the_key(path, value, message):
+    data = rag_params()
+    node = data["rag_eval"]
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+    with pytest.raises(ParamsError, match=message):
+        load_section("rag_eval", data=data)
+
+
+def test_rag_eval_params_read_numbers_and_validation_thresholds():
+    data = rag_params()
+    data["rag_eval"]["thresholds"]["flare"] = 0.5
+    section = load_section("rag_eval", data=data)
+    assert section.thresholds == {"flare": 0.5, "rind": "validation", "sit_min": "validation"}
+    assert section.configurations["dior"].triggers == ["dior-early@champion", "dior-realtime@champion"]
+    del data["rag_eval"]["thresholds"]["sit_min"]
+    with pytest.raises(ParamsError, match=r"triggers \['sit_min'\] are used but have no threshold"):
+        load_section("rag_eval", data=data)
+
+
+def test_validation_thresholds_come_from_the_comparisons_continuation_level():
+    table = pd.DataFrame([
+        {"dataset": "realtime", "level": "sentence", "scorer": "flare", "threshold": 0.9},
+        {"dataset": "realtime", "level": "token", "scorer": "rind", "threshold": 0.04},
+    ])  # fmt: skip
+    assert resolve_thresholds({"flare": "validation", "sit_min": 0.7}, table) == {"flare": 0.9, "sit_min": 0.7}
+    with pytest.raises(InputError, match="thresholds.rind = validation.*run evaluate or give a number"):
+        resolve_thresholds({"rind": "validation"}, table)
+    with pytest.raises(InputError, match="thresholds.flare = validation"):
+        resolve_thresholds({"flare": "validation"}, None)
+
+
+# ---- the stage's run files -----------------------------------------------------------------------------------------
+
+
+def qa_table() -> pd.DataFrame:
+    return pd.DataFrame({"id": [f"q{i}" for i in range(8)], "question": [f"question {i}" for i in range(8)],
+                         "answers": [[f"a{i}"] for i in range(8)], "split": ["test", "train"] * 4})  # fmt: skip
+
+
+def test_test_questions_are_a_deterministic_sample_of_the_test_split():
+    rows = sample_questions(qa_table(), 3)
+    assert len(rows) == 3 and set(rows["id"]) <= {"q0", "q2", "q4", "q6"}
+    assert set(rows["id"]) == set(sample_questions(qa_table().iloc[::-1], 3)["id"])  # by id hash, not by order
+    assert len(sample_questions(qa_table(), None)) == 4
+    with pytest.raises(InputError, match="no test question"):
+        sample_questions(qa_table().assign(split="train"), 3)
+
+
+class Answerer:
+    """``answer(question, record)`` that counts its calls and stops (as a killed run) after ``stop_after``."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.calls, self.stop_after = [], stop_after
+
+    def __call__(self, question: str, record: bool) -> dict:
+        if self.stop_after is not None and len(self.calls) == self.stop_after:
+            raise KeyboardInterrupt
+        self.calls.append((question, record))
+        answer = "a0" if question.endswith("0") else "wrong"
+        return result(answer, error="no passage retrieved" if question.endswith("4") else None) | {"prompts": [f"prompt of {question}"] if record else []}
+
+
+def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
+    rows = pd.DataFrame({"id": [f"q{i}" for i in range(5)], "question": [f"question {i}" for i in range(5)]})
+    path = tmp_path / "runs" / "wiki" / "flare.jsonl"
+    killed = Answerer(stop_after=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_questions(path, "key1", rows, killed, 2, "wiki · flare")
+    assert len(killed.calls) == 3
+    with open(path, "a") as f:
+        f.write('{"id": "q3", "answ')  # killed while writing the fourth line
+    again = Answerer()
+    lines = run_questions(path, "key1", rows, again, 2, "wiki · flare")
+    assert again.calls == [("question 3", False), ("question 4", False)]  # only the two missing, prompts only for the first 2
+    assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
+    stored = [json.loads(x) for x in path.read_text().splitlines()]
+    assert stored[0] == {"key": "key1"} and [s["id"] for s in stored[1:]] == [f"q{i}" for i in range(5)]
+    m = summarise(lines, [[f"a{i}"] for i in range(5)])
+    assert (m["accuracy"], m["failed"], m["n"]) == (0.2, 1, 5)  # a recorded error is counted, not a crash
+
+    nothing = Answerer()
+    assert run_questions(path, "key1", rows, nothing, 2, "wiki · flare") == lines and nothing.calls == []
+    other = Answerer()
+    run_questions(path, "key2", rows, other, 2, "wiki · flare")  # other params: every question again
+    assert len(other.calls) == 5 and json.loads(path.read_text().splitlines()[0]) == {"key": "key2"}
+
+
+def test_a_damaged_line_before_the_last_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "flare.jsonl"
+    path.write_text('{"key": "k"}\n{"id": "q0", "ans\n{"id": "q1"}\n')
+    with pytest.raises(InputError, match=r"flare.jsonl line 2 is not JSON.*delete the file"):
+        read_run_file(path, "k")
+
+
+def test_curves_and_prompts_files(tmp_path):
+    c = {"flare": curve("flare", [needs(0.9, True), needs(0.1, False)])}
+    write_curves(tmp_path / "curves.csv", c)
+    rows = list(csv.DictReader(open(tmp_path / "curves.csv")))
+    assert [(r["trigger"], float(r["retrieval_rate"]), float(r["accuracy"])) for r in rows] == [("flare", 0.0, 0.5), ("flare", 0.5, 1.0), ("flare", 1.0, 1.0)]
+    lines = {"wiki": {"flare": [{"id": "q0", "prompts": ["p0", "p1"]}, {"id": "q1", "prompts": []}]}}
+    write_prompts(tmp_path / "prompts.jsonl", copy.deepcopy(lines), 1)
+    assert [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()] == [
+        {"corpus": "wiki", "configuration": "flare", "id": "q0", "prompts": ["p0", "p1"]}
+    ]
