@@ -34,7 +34,7 @@ PROMPT = PromptParams(template="The capital of France is Paris.\n{question}", ch
 PASSAGES = [
     Passage("p1", "Occitania", "The capital of Occitania is Toulouse, the pink city."),
     Passage("p2", "Bavaria", "The capital of Bavaria is Munich, on the river Isar."),
-    Passage("p3", "Tuscany", "The capital of Tuscany is Florence, home of the Uffizi."),
+    Passage("p3", "Kenya", "The capital of Kenya is Nairobi, on the Athi plains."),
 ]
 QUESTION = "The capital of Occitania is"
 
@@ -51,7 +51,7 @@ def registry(tmp_path_factory, tiny_llm) -> str:
     root, fp = tmp_path_factory.mktemp("rag-registry"), tiny_llm.fingerprint
     torch.manual_seed(0)
     features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
-    features = dataclasses.replace(features, n_steps=2, ig_batch_size=2)
+    features = dataclasses.replace(features, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
     early = EarlyDetector(
         EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4), ["attribution", "entropy"], np.zeros(3, np.float32), np.ones(3, np.float32), 0.0,
         features, fp, {"dtype": "float32"}, {},
@@ -86,16 +86,18 @@ def loop_for(spec, tiny_llm, retriever, registry, query="question", **config):
 
 @pytest.mark.parametrize("spec", ["always", "t-early@champion", "t-realtime@champion", "t-confidence@champion", "flare", "rind", "sit_min"])
 def test_a_trigger_leads_to_a_retrieval_whose_passage_is_in_the_next_prompt(spec, tiny_llm, retriever, registry):
+    # the tiny Llama answers "Paris." here: an entity, so Stitch-in-Time's concept-level score has something to score
+    question, passage = ("The capital of Kenya is", PASSAGES[2]) if spec == "sit_min" else (QUESTION, PASSAGES[0])
     loop = loop_for(spec, tiny_llm, retriever, registry)
     loop.record_prompts = True
-    result = loop.answer(QUESTION)
+    result = loop.answer(question)
     assert result.retrievals, f"{spec} did not fire"
     first = result.retrievals[0]
-    assert first.passage_ids == ["p1"] and first.queries == [QUESTION]
+    assert first.passage_ids == [passage.id] and first.queries == [question]
     after = len(result.prompts) - len(result.retrievals)  # question triggers retrieve before the first prompt
     assert after == (0 if spec in ("always", "t-early@champion") else 1)
-    assert PASSAGES[0].text in result.prompts[after] and result.prompts[after].endswith(QUESTION)
-    assert all(PASSAGES[0].text not in p for p in result.prompts[:after])
+    assert passage.text in result.prompts[after] and result.prompts[after].endswith(question)
+    assert all(passage.text not in p for p in result.prompts[:after])
     assert len(result.retrievals) <= loop.config.max_retrievals
     assert result.forward_passes > result.generated_tokens > 0
 
@@ -104,7 +106,7 @@ def test_no_retrieval_gives_the_early_sets_greedy_answer(tiny_llm):
     from detectors.dior.early import greedy_answer, question_features
 
     features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
-    features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2)
+    features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
     config = RagConfig("none", PROMPT, max_new_tokens=8)
     loop = RagLoop(tiny_llm, None, config)
     for q in [QUESTION, "The capital of Bavaria is", "The currency of Japan is"]:

@@ -96,7 +96,7 @@ class PrefixCache:
         if common == 0:
             self.cache = None
         elif common < len(self.ids):
-            self.cache.crop(common)
+            self.cache.crop(common - len(self.ids))  # negative: drop that many positions from the end
         with torch.no_grad():
             out = self.llm.model(torch.tensor([ids[common:]], device=self.llm.device), past_key_values=self.cache, use_cache=True)
         self.cache, self.ids = out.past_key_values, list(ids)
