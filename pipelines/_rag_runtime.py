@@ -4,17 +4,21 @@ each wrapped as ``answer(question, record_prompts) -> dict`` (a JSON-able RagRes
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
 from detectors.inference import load_detector
 from detectors.llm.loading import load_llm
-from detectors.rag.loop import RagConfig, RagLoop, answer_after, question_trace
+from detectors.rag.metrics import FAILED
+from detectors.rag.loop import RagConfig, RagLoop, RagResult, answer_after, question_trace
 from detectors.rag.queries import DiorWeights
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
 from detectors.rag.triggers import make_trigger
 from detectors.registry import store
+
+log = logging.getLogger("rag_eval")
 
 
 class RagRuntime:
@@ -64,7 +68,11 @@ class RagRuntime:
 
         def answer(question: str, record: bool) -> dict:
             rag.record_prompts = record
-            return dataclasses.asdict(rag.answer(question))
+            try:
+                return dataclasses.asdict(rag.answer(question))
+            except Exception as err:  # recorded, never a crash halfway; the stage stops if most questions fail
+                log.exception("%s: %r failed", name, question)
+                return dataclasses.asdict(RagResult(question, "", [], 0, 0, 0.0, [], f"{FAILED} {type(err).__name__}: {err}"))
 
         return answer
 

@@ -29,7 +29,7 @@ import pandas as pd
 from detectors.errors import InputError
 from detectors.io import file_digest, write_json
 from detectors.progress import progress
-from detectors.rag.metrics import summarise
+from detectors.rag.metrics import FAILED, summarise
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table
 from detectors.rag.sweep import curves as sweep_curves
 from detectors.shards import config_hash
@@ -142,6 +142,14 @@ def write_prompts(path: str | Path, lines: dict[str, dict[str, list[dict]]], sam
                     f.write(json.dumps({"corpus": corpus, "configuration": name, "id": line["id"], "prompts": line.get("prompts", [])}) + "\n")
 
 
+def check_failures(lines: list[dict], what: str, share: float = 0.5) -> None:
+    """Stop when most questions of a configuration raised (a systematic fault, not a hard question); their lines stay
+    on disk and the next run retries nothing it finished. Fewer failures are counted in the metrics (``failed``)."""
+    failed = [line for line in lines if str(line.get("error") or "").startswith(FAILED)]
+    if lines and len(failed) > share * len(lines):
+        raise RuntimeError(f"{what}: {len(failed)} of {len(lines)} questions failed, e.g. {failed[0]['error']}")
+
+
 def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[str]]) -> dict[str, dict[str, dict]]:
     """``{corpus: {configuration: metrics}}`` of the stored lines (one per question, in the order of ``answers``)."""
     return {corpus: {name: summarise(results, answers) for name, results in configs.items()} for corpus, configs in lines.items()}
@@ -170,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             loop = runtime.loop(name, config, corpus)
             key = config_hash({**base_key, "configuration": dataclasses.asdict(config), "corpus": runtime.corpus_digest(corpus)})
             lines[corpus][name] = run_questions(runs_dir / corpus / f"{name}.jsonl", key, rows, loop, params.prompts_sample, f"{corpus} · {name}")
+            check_failures(lines[corpus][name], f"{corpus} · {name}")
     metrics: dict[str, Any] = evaluate_lines(lines, answers)
     sweep_loop, triggers = runtime.sweep_loop(params.sweep.corpus)
     key = config_hash({**base_key, "sweep": dataclasses.asdict(params.sweep), "triggers": triggers, "corpus": runtime.corpus_digest(params.sweep.corpus)})

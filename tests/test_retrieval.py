@@ -137,3 +137,19 @@ def test_the_index_corpus_stage_writes_each_index_and_the_answer_recall(tmp_path
     bad = subprocess.run([sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")], cwd=ROOT,
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 1 and "has no field 'body'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_index_files_are_byte_identical_whatever_the_hash_seed(tmp_path):
+    """bm25s numbers its vocabulary in set order; the retriever sorts it, so the digest rag_eval records is stable."""
+    code = (
+        "import sys; from detectors.rag.corpus import Passage; from detectors.rag.retriever import BM25Retriever;"
+        f"P = [Passage(str(i), '', t) for i, t in enumerate({[p.text for p in PASSAGES] * 3!r})];"
+        f"print(BM25Retriever.build(P, {BM25!r}).save(sys.argv[1])['digest'])"
+    )
+    digests = set()
+    for seed in ("1", "2", "3"):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / seed)], cwd=ROOT, capture_output=True, text=True,
+                             env={**__import__("os").environ, "PYTHONHASHSEED": seed})  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1

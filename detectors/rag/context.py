@@ -9,14 +9,15 @@ from collections import Counter
 from typing import Callable
 
 from detectors.llm.words import DEFAULT_STOPWORDS
-from detectors.sources.text import normalize_text
 
 _SENTENCES = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 _CLAUSES = re.compile(r"(?<=[,;:])\s+")
+_WORD = re.compile(r"\w\w\w+")
 
 
 def _terms(text: str) -> list[str]:
-    return [w for w in normalize_text(text).split() if len(w) > 2 and w not in DEFAULT_STOPWORDS]
+    """Lower-cased words of three letters or more, stop words dropped (accents kept: the index keeps them)."""
+    return [w for w in _WORD.findall(text.lower()) if w not in DEFAULT_STOPWORDS]
 
 
 def stepwise_retrieve(retriever, query: str, k: int, idf: Callable[[str], float] | None = None, new_terms: int = 5):

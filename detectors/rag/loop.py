@@ -103,13 +103,13 @@ class PrefixCache:
         return out.logits[0, -1]
 
 
-class _Counter:
+class ForwardCounter:
     """Counts forward calls of a module while attached."""
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.calls, self._handle = model, 0, None
 
-    def __enter__(self) -> "_Counter":
+    def __enter__(self) -> "ForwardCounter":
         self._handle = self.model.register_forward_pre_hook(self._count)
         return self
 
@@ -251,9 +251,11 @@ class RagLoop:
         hits: list[Hit] | None = None
         query = question
         kept: list[int] = []
-        with _Counter(self.llm.model) as counter:
+        replayed = 0.0
+        with ForwardCounter(self.llm.model) as counter:
             for t in (t for t in self.triggers if t.stage == "question"):
                 score = t.question_score(question)
+                replayed += self._replayed(t, counter)
                 if score >= t.threshold and len(retrievals) < self.config.max_retrievals:
                     query = self.formulate(question, kept, None, 0, t)
                     hits = self._retrieve_into(retrievals, t.name, 0, score, query)
@@ -278,7 +280,14 @@ class RagLoop:
                 prompt = self.prompt_ids(question, hits, query)
         error = "no passage retrieved" if retrievals and not any(r.passage_ids for r in retrievals) else None
         return RagResult(question, self._final_text(kept), retrievals, counter.calls, self._generated,
-                         time.perf_counter() - start, list(self._prompts), error)  # fmt: skip
+                         time.perf_counter() - start + replayed, list(self._prompts), error)  # fmt: skip
+
+    @staticmethod
+    def _replayed(trigger: Trigger, counter: "ForwardCounter") -> float:
+        """Add the cost of a decision the trigger reused (see :class:`EarlyTrigger`) to the question's counters."""
+        passes, seconds = getattr(trigger, "replayed", (0, 0.0))
+        counter.calls += passes
+        return seconds
 
     def _first_firing(self, triggers: list[Trigger], segment: Segment) -> tuple[Trigger, int, float] | None:
         best = None
@@ -334,7 +343,7 @@ class QuestionTrace:
 def question_trace(loop: RagLoop, question: str) -> QuestionTrace:
     """Generate the no-retrieval answer as one segment and score it with every trigger of ``loop``."""
     loop._generated, loop._prompts = 0, []
-    with _Counter(loop.llm.model) as counter:
+    with ForwardCounter(loop.llm.model) as counter:
         q_scores = {t.name: float(t.question_score(question)) for t in loop.triggers if t.stage == "question"}
         prompt = loop.prompt_ids(question, None, question)
         segment, _ = loop.generate_segment(question, prompt, [], whole=True)
@@ -350,7 +359,7 @@ def answer_after(loop: RagLoop, question: str, gen_ids: list[int], position: int
     loop._generated, loop._prompts = 0, []
     retrievals: list[Retrieval] = []
     kept = list(gen_ids[:position])
-    with _Counter(loop.llm.model) as counter:
+    with ForwardCounter(loop.llm.model) as counter:
         hits = loop._retrieve_into(retrievals, "sweep", position, float("nan"), query)
         prompt = loop.prompt_ids(question, hits, query)
         segment, _ = loop.generate_segment(question, prompt, kept, whole=True)

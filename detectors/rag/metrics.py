@@ -15,8 +15,9 @@ from detectors.sources.text import contains_reference, normalize_text
 
 METRICS = (
     "em", "f1", "accuracy", "retrievals_per_question", "trigger_rate", "forward_passes_per_question",
-    "generated_tokens_per_question", "wall_s_per_question", "answer_recall_at_k", "n", "failed",
+    "generated_tokens_per_question", "wall_s_per_question", "answer_recall_at_k", "n", "failed", "no_passage",
 )  # fmt: skip
+FAILED = "failed:"  # how the error of a question whose loop raised starts (other errors are outcomes: "no passage retrieved")
 RESULT_KEYS = ("answer", "retrievals", "forward_passes", "generated_tokens", "wall_s", "error")
 
 
@@ -64,8 +65,8 @@ def _check(results: Sequence[dict], answers: Sequence[Sequence[str]]) -> None:
 
 def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]]) -> dict[str, float | int | None]:
     """The metrics (:data:`METRICS`) of one (corpus, configuration) over ``results`` and the matching reference
-    ``answers``. A result with an ``error`` (a recorded outcome such as "no passage retrieved") still counts with its
-    answer and is counted in ``failed``. ``answer_recall_at_k`` is the share of retrievals whose passages hold a
+    ``answers``. Every result counts with its answer; ``failed`` counts the questions whose loop raised (error
+    ``failed: ...``), ``no_passage`` those whose every retrieval came back empty (a recorded outcome). ``answer_recall_at_k`` is the share of retrievals whose passages hold a
     reference answer (None when nothing was retrieved)."""
     _check(results, answers)
     n = len(results)
@@ -85,5 +86,6 @@ def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]
         "wall_s_per_question": mean(r["wall_s"] for r in results),
         "answer_recall_at_k": float(sum(recalled) / len(recalled)) if recalled else None,
         "n": n,
-        "failed": sum(1 for r in results if r["error"]),
+        "failed": sum(1 for r in results if str(r["error"] or "").startswith(FAILED)),
+        "no_passage": sum(1 for r in results if r["error"] and not str(r["error"]).startswith(FAILED)),
     }

@@ -19,7 +19,7 @@ ROWS = (  # metric key, row label, format
     ("answer_recall_at_k", "answer recall@k", "{:.3f}"), ("retrievals_per_question", "retrievals / question", "{:.2f}"),
     ("trigger_rate", "trigger rate", "{:.2f}"), ("forward_passes_per_question", "forward passes / question", "{:.1f}"),
     ("generated_tokens_per_question", "generated tokens / question", "{:.1f}"), ("wall_s_per_question", "wall s / question", "{:.2f}"),
-    ("n", "questions", "{:d}"), ("failed", "failed", "{:d}"),
+    ("n", "questions", "{:d}"), ("failed", "failed", "{:d}"), ("no_passage", "nothing retrieved", "{:d}"),
 )  # fmt: skip
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
 SWEEP_METRICS = ("area", "random_area", "area_over_random", "never_accuracy", "always_accuracy", "rate_to_always")

@@ -70,7 +70,12 @@ class BM25Retriever:
         tokens = bm25s.tokenize([_indexed_text(p) for p in passages], stopwords=params["stopwords"], stemmer=_stemmer(params["stemmer"]),
                                 return_ids=False, show_progress=False)  # fmt: skip
         index = bm25s.BM25(method=params["method"], k1=params["k1"], b=params["b"])
-        index.index(tokens, show_progress=False)
+        # bm25s numbers its vocabulary in set order, which changes with PYTHONHASHSEED; sorted, the index files are
+        # byte-identical on every run
+        vocab = {term: i for i, term in enumerate(sorted({t for doc in tokens for t in doc}))}
+        if not vocab:
+            raise InputError("the corpus has no indexable word (only stop words or punctuation): check its text field")
+        index.index(([[vocab[t] for t in doc] for doc in tokens], vocab), create_empty_token=False, show_progress=False)
         df: dict[str, int] = {}
         for doc in tokens:
             for term in set(doc):

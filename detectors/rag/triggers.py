@@ -78,7 +78,11 @@ class Always(Trigger):
 @dataclasses.dataclass
 class EarlyTrigger(Trigger):
     """DioR early detection (Eq. 2): retrieve before generating when P(hallucination) >= the detector's threshold.
-    Its keywords (Eq. 3) are kept for DioR's query."""
+    Its keywords (Eq. 3) are kept for DioR's query.
+
+    A question is assessed once (IG is the costly part) and the decision reused by every configuration and corpus
+    that asks again; ``replayed`` then holds the forward passes and seconds it cost, which the loop adds to the
+    question's counters, so each configuration reports the cost it would have had on its own."""
 
     detector: Any  # detectors.dior.early_detector.EarlyDetector
     name: str = "dior-early"
@@ -87,10 +91,24 @@ class EarlyTrigger(Trigger):
 
     def __post_init__(self) -> None:
         self.keywords: dict[str, list[str]] = {}
+        self._assessed: dict[str, tuple[float, int, float]] = {}
+        self.replayed: tuple[int, float] = (0, 0.0)
 
     def question_score(self, question: str) -> float:
-        decision = self.detector.assess(question)
+        if question in self._assessed:
+            probability, passes, seconds = self._assessed[question]
+            self.replayed = (passes, seconds)
+            return probability
+        import time
+
+        from detectors.rag.loop import ForwardCounter
+
+        start = time.perf_counter()
+        with ForwardCounter(self.detector.llm.model) as counter:
+            decision = self.detector.assess(question)
         self.keywords[question] = decision.keywords
+        self._assessed[question] = (decision.probability, counter.calls, time.perf_counter() - start)
+        self.replayed = (0, 0.0)
         return decision.probability
 
 
