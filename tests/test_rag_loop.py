@@ -13,7 +13,7 @@ import yaml
 
 from conftest import ROOT
 from detectors.config.core import from_dict
-from detectors.config.schema import EarlyFeatureParams, MonitorParams, PromptParams, RealtimePromptParams
+from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.ctrla.detectors import ConfidenceDetector
 from detectors.ctrla.directions import Directions
 from detectors.dior.early import SEQUENCE_DIM
@@ -67,7 +67,6 @@ def registry(tmp_path_factory, tiny_llm) -> str:
         Directions("confidence", vectors, torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1, 2], fp,
                    {"llm": {"dtype": "float32"}, "n_statements": 4, "monitor": monitor})
     )  # fmt: skip
-    from_dict(MonitorParams, monitor, "monitor")
     uri = f"sqlite:///{root}/mlflow.db"
     store.configure(uri)
     exp = store.experiment("rag-tests", str(root / "artifacts"), root)
