@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -22,11 +23,26 @@ class Passage:
     text: str
 
 
+PASSAGE_WORDS = 100  # the retrieval unit of DPR and FlashRAG's Wikipedia corpora
+
+
+def split_words(text: str, limit: int = PASSAGE_WORDS) -> list[str]:
+    """``text`` in pieces of whole sentences of at most ``limit`` words (a longer sentence is a piece of its own)."""
+    pieces: list[str] = []
+    for sentence in re.split(r"(?<=[.!?])\s+", text.strip()):
+        if pieces and len(pieces[-1].split()) + len(sentence.split()) <= limit:
+            pieces[-1] = f"{pieces[-1]} {sentence}"
+        elif sentence:
+            pieces.append(sentence)
+    return pieces
+
+
 def ovos_passages() -> list[Passage]:
-    """The 10,033 English Wikipedia lead summaries shipped in the ovos package (id = title)."""
+    """The 10,033 English Wikipedia lead summaries shipped in the ovos package, cut into passages of whole sentences
+    and at most 100 words (ids ``<title>#<n>``): three whole summaries would make prompts of ~2000 tokens."""
     from detectors.sources.articles import ovos_records
 
-    return [Passage(r["title"], r["title"], r["text"]) for r in ovos_records() if r["text"].strip()]
+    return [Passage(f"{r['title']}#{i}", r["title"], piece) for r in ovos_records() for i, piece in enumerate(split_words(r["text"]))]
 
 
 def qa_fact_passages(qa: pd.DataFrame) -> list[Passage]:
