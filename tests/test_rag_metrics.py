@@ -66,7 +66,7 @@ def test_summarise_gives_every_metric_of_one_configuration():
     assert m["retrievals_per_question"] == 1.0 and m["trigger_rate"] == pytest.approx(2 / 3)
     assert m["answer_recall_at_k"] == pytest.approx(1 / 3)  # 3 retrievals, one holds a reference
     assert (m["forward_passes_per_question"], m["generated_tokens_per_question"], m["wall_s_per_question"]) == (8.0, 4.0, 0.5)
-    assert (m["n"], m["failed"]) == (3, 1)
+    assert (m["n"], m["failed"], m["no_passage"]) == (3, 0, 1)  # nothing retrieved is an outcome, not a failure
     assert summarise([result("x")], [["y"]])["answer_recall_at_k"] is None  # nothing retrieved: no recall, not 0
 
 
@@ -169,7 +169,7 @@ def test_stored_sweep_lines_give_each_triggers_curve():
 def metrics_of(em: float, recall: float | None = 0.5) -> dict:
     return {"em": em, "f1": em + 0.1, "accuracy": em + 0.2, "retrievals_per_question": 1.0, "trigger_rate": 0.5,
             "forward_passes_per_question": 12.0, "generated_tokens_per_question": 6.0, "wall_s_per_question": 0.25,
-            "answer_recall_at_k": recall, "n": 10, "failed": 0}  # fmt: skip
+            "answer_recall_at_k": recall, "n": 10, "failed": 0, "no_passage": 0}  # fmt: skip
 
 
 METRICS_BY_CORPUS = {
@@ -324,7 +324,7 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     stored = [json.loads(x) for x in path.read_text().splitlines()]
     assert stored[0] == {"key": "key1"} and [s["id"] for s in stored[1:]] == [f"q{i}" for i in range(5)]
     m = summarise(lines, [[f"a{i}"] for i in range(5)])
-    assert (m["accuracy"], m["failed"], m["n"]) == (0.2, 1, 5)  # a recorded error is counted, not a crash
+    assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (0.2, 1, 0, 5)  # a recorded outcome is counted, not a crash
 
     nothing = Answerer()
     assert run_questions(path, "key1", rows, nothing, 2, "wiki · flare") == lines and nothing.calls == []
@@ -350,3 +350,15 @@ def test_curves_and_prompts_files(tmp_path):
     assert [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()] == [
         {"corpus": "wiki", "configuration": "flare", "id": "q0", "prompts": ["p0", "p1"]}
     ]
+
+
+def test_a_few_failed_questions_are_counted_and_a_systematic_failure_stops_the_stage():
+    from pipelines.rag_eval import check_failures
+
+    ok = result("Rome", [["Rome"]])
+    failed = result("", [], error="failed: RuntimeError: boom")
+    lines = [ok] * 4 + [failed]
+    check_failures(lines, "wiki · x")  # one in five: recorded, the run goes on
+    assert summarise(lines, [["Rome"]] * 5)["failed"] == 1
+    with pytest.raises(RuntimeError, match="wiki · x: 3 of 5 questions failed, e.g. failed: RuntimeError: boom"):
+        check_failures([ok, ok, failed, failed, failed], "wiki · x")
