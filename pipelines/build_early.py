@@ -1,6 +1,9 @@
 """Stage build_early: the early-detection set (DioR Alg. 1): answer, label and IG features per question.
 
 Work is written in shards; a rerun computes only the unfinished shards and the records that failed.
+A shard's questions are computed as one batch (shared prompt prefix, IG steps of many questions per
+pass, answers decoded together); when the batch raises, its questions are retried one by one, so an
+error costs only the record that causes it.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ import logging
 from pathlib import Path
 
 import pandas as pd
+import torch
 
-from detectors.dior.early import early_record
+from detectors.dior.early import early_records
 from detectors.io import write_json
 from detectors.llm.loading import load_llm
 from detectors.shards import OK, failure_status, status_counts
@@ -22,13 +26,34 @@ LIBRARIES = ("torch", "transformers", "tokenizers", "captum")  # their versions 
 READS = ("llm", "build_early", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report")
 
 
-def _record(llm, row, params) -> dict:
-    base = {"id": row.id, "split": row.split, "question": row.question, "answers": list(row.answers), "feature_dtype": llm.dtype_name}
+def _records(llm, rows: list, params) -> list[dict]:
+    """The shard's records, the questions computed together; a batch that raises is retried one question at a time."""
+    bases = [
+        {"id": r.id, "split": r.split, "question": r.question, "answers": list(r.answers), "feature_dtype": llm.dtype_name}
+        for r in rows
+    ]  # fmt: skip
+
+    def compute(group: list[dict]) -> list:
+        return early_records(llm, [b["question"] for b in group], [b["answers"] for b in group], params.features,
+                             params.max_new_tokens, params.stop)  # fmt: skip
+
     try:
-        record = early_record(llm, row.question, list(row.answers), params.features, params.max_new_tokens, params.stop)
-        return {**base, "status": OK, **record}
+        results = compute(bases)
+    except torch.OutOfMemoryError:
+        raise  # the batch size's problem (build_early.features.ig_batch_size), not a record's
+    except Exception as err:
+        results = [err] if len(bases) == 1 else [res for base in bases for res in _alone(compute, base)]
+    return [
+        {**base, "status": failure_status(res)} if isinstance(res, Exception) else {**base, "status": OK, **res}
+        for base, res in zip(bases, results)
+    ]
+
+
+def _alone(compute, base: dict) -> list:
+    try:
+        return compute([base])
     except Exception as err:  # one bad record is reported (an error is retried on the next run), never the end of the run
-        return {**base, "status": failure_status(err)}
+        return [err]
 
 
 def report(frame: pd.DataFrame) -> dict:
@@ -51,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
     store, budget = open_shards("build_early", params, llm, {"qa": p["paths.qa"]}, LIBRARIES, p["paths.early_shards"], len(table))
     for k, rows in store.pending(table, params.shard_size, "build_early", "q"):
-        records = pd.DataFrame([_record(llm, row, params) for row in rows.itertuples(index=False)])
+        records = pd.DataFrame(_records(llm, list(rows.itertuples(index=False)), params))
         store.write(k, records)
         budget.add(records)
     frame = store.read_all(len(table), params.shard_size)

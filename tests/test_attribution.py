@@ -60,3 +60,25 @@ def test_keyword_candidates_are_words_above_the_mean():
     # mean is 1/8: "capital" (via "cap") and "Occitania" (via "itan") are above it, "is" is not
     assert keyword_candidates(tokens, p) == ["capital", "Occitania"]
     assert keyword_candidates(["A", " b", "."], np.array([0.2, 0.2, 0.6])) == []  # punctuation alone is no word
+
+
+@pytest.mark.parametrize("rows", [1, 5, 24])  # a question's steps over several passes / questions sharing a pass
+def test_ig_of_several_questions_at_once_equals_one_at_a_time(tiny_llm, rows):
+    from detectors.dior.attribution import IGItem, batch_token_attributions
+    from detectors.llm.kv import prefix_states
+
+    prompt = PromptParams(template="Q: {question} A:", chat=False)  # a cached prefix and a suffix after the question
+    encoded = [tiny_llm.encode_prompt(q, prompt) for q in ("The capital of Kenya is", "Paris is in", "The longest river of the whole of Africa is the")]
+    common = min(int(mask.nonzero()[0, 0]) for _, mask in encoded)  # "Q:" is the same before every question
+    items, alone = [], []
+    for ids, mask in encoded:
+        target = int(tiny_llm.model(ids).logits[0, -1].argmax())
+        items.append(IGItem(ids[0, common:], mask[common:], target))  # a token between prefix and question stays fixed
+        alone.append(naive_ig(tiny_llm.model, ids, mask, target, 6))
+    prefix = prefix_states(tiny_llm.model, ids, common)
+    batched = batch_token_attributions(tiny_llm.model, items, 6, batch_size=rows, prefix=prefix)
+    for ours, ref in zip(batched, alone):
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-7)
+    one_by_one = [batch_token_attributions(tiny_llm.model, [it], 6, batch_size=6, prefix=prefix)[0] for it in items]
+    for ours, single in zip(batched, one_by_one):
+        np.testing.assert_allclose(attribution_distribution(ours), attribution_distribution(single), atol=1e-6)

@@ -45,12 +45,13 @@ def early(project: Path) -> pd.DataFrame:
 
 def inject_errors(monkeypatch, module, name: str, failing: set[str], id_of) -> list[str]:
     """Make ``module.name`` raise a transient error for the records whose id is in ``failing`` (shrunk
-    by the caller to simulate the error going away); returns the ids it was called for."""
+    by the caller to simulate the error going away); returns what ``id_of`` gives for each call (an id,
+    or the list of ids of a batch, which fails when any of them does)."""
     real, calls = getattr(module, name), []
 
     def flaky(*args, **kwargs):
         calls.append(id_of(args))
-        if calls[-1] in failing:
+        if (set(calls[-1]) if isinstance(calls[-1], list) else {calls[-1]}) & failing:
             raise OSError(f"transient failure of {calls[-1]}")
         return real(*args, **kwargs)
 
@@ -91,24 +92,26 @@ def test_the_code_digest_covers_the_stage_closure_and_nothing_else(tmp_path):
 def test_failed_early_records_are_retried_and_too_many_stop_the_stage(project, monkeypatch):
     clean = early(project)
     (project / "data/early/shards/manifest.json").unlink()  # start over (as after a code change)
-    ids = clean["id"].tolist()
+    ids, qs = clean["id"].tolist(), clean["question"].tolist()
     failing = {ids[5]}  # 1 of 24 records hits a transient error: within max_failed_share = 0.05
-    calls = inject_errors(monkeypatch, build_early, "early_record", failing, lambda args: ids[clean["question"].tolist().index(args[1])])
+    batches = inject_errors(monkeypatch, build_early, "early_records", failing, lambda args: [ids[qs.index(q)] for q in args[1]])
     flaky = early(project)
     assert set(flaky.loc[flaky["status"].str.startswith("error: OSError"), "id"]) == failing
+    assert [ids[5]] in batches and [ids[4]] in batches  # the failing batch was retried one question at a time
     failing.clear()  # the error went away: the next run computes exactly the failed record
-    calls.clear()
+    batches.clear()
     retried = early(project)
-    assert calls == [ids[5]]
+    assert batches == [[ids[5]]]
     pd.testing.assert_frame_equal(
         retried.drop(columns=["attribution", "hidden"]), clean.drop(columns=["attribution", "hidden"]), check_like=True,
         check_dtype=False,  # labels of a shard that held an error row are floats
     )
     (project / "data/early/shards/manifest.json").unlink()
     failing.update(ids[10:])  # a sticky error from the 11th record on: the stage stops after the second shard
-    calls.clear()
+    batches.clear()
     with pytest.raises(FailedRecordsError, match=r"6 of 24 records failed.*build_early.max_failed_share = 0.05"):
         early(project)
+    calls = [i for batch in batches if len(batch) == 1 for i in batch]
     assert len(calls) < len(ids)  # stopped early, with the finished shard kept for the next run
     assert pd.read_parquet(project / "data/early/shards/shard-00000.parquet")["status"].eq("ok").all()
 

@@ -64,3 +64,45 @@ def test_greedy_answer_matches_generate_and_stops_at_the_stop_string(tiny_llm):
         assert greedy_answer(tiny_llm, f, 5) == expected.strip()
         cut = greedy_answer(tiny_llm, question_features(tiny_llm, question, PARAMS), 5, stop=["."])
         assert cut == expected.split(".", 1)[0].strip() and "." not in cut
+
+
+BATCH = [
+    "The capital of Spain is",
+    "  ",  # unusable: its RecordError takes its place, the others go on
+    "The river of Cairo is",
+    "The sport of Bolt is",
+    "The capital of the United Kingdom of Great Britain and Northern Ireland is",  # the longest: padding for the rest
+    "The capital of Egypt is",
+]
+FEW_SHOT = PromptParams(template="The capital of France is Paris.\n{question}", chat=False)
+
+
+@pytest.mark.parametrize("prompt", [PARAMS.prompt, FEW_SHOT])  # without / with a shared prefix before the questions
+@pytest.mark.parametrize("rows", [3, 64])  # a question's IG steps split across passes / several questions per pass
+def test_a_batch_of_questions_equals_each_question_alone(tiny_llm, prompt, rows):
+    from detectors.dior.early import batch_question_features, early_records, greedy_answer, greedy_answers
+
+    params = dataclasses.replace(PARAMS, prompt=prompt, ig_batch_size=rows)
+    batch = batch_question_features(tiny_llm, BATCH, params)
+    assert isinstance(batch[1], RecordError) and "empty question" in str(batch[1])
+    usable = [f for f in batch if not isinstance(f, RecordError)]
+    answers = greedy_answers(tiny_llm, usable, 6, stop=["\n"])
+    alone = [question_features(tiny_llm, q, dataclasses.replace(params, ig_batch_size=4)) for q in BATCH if q.strip()]
+    for f, a, answer in zip(usable, alone, answers):
+        assert f.question_tokens == a.question_tokens and f.first_token_id == a.first_token_id
+        np.testing.assert_allclose(f.attribution, a.attribution, atol=1e-6)
+        np.testing.assert_allclose(f.hidden, a.hidden, atol=1e-5)
+        assert f.first_token_prob == pytest.approx(a.first_token_prob, abs=1e-6)
+        assert answer == greedy_answer(tiny_llm, a, 6, stop=["\n"])  # padded rows decode as the question alone
+    records = early_records(tiny_llm, BATCH, [["Madrid"], [], ["Nile"], ["athletics"], ["London"], ["Cairo"]], params, 6, ["\n"])
+    assert isinstance(records[1], RecordError) and [r["answer"] for r in records if isinstance(r, dict)] == answers
+    assert records[5]["label"] == int("Cairo" not in answers[-1])
+
+
+def test_answers_continue_one_batch_only(tiny_llm):
+    from detectors.dior.early import batch_question_features, greedy_answers
+
+    a = batch_question_features(tiny_llm, BATCH[:1], PARAMS)[0]
+    b = batch_question_features(tiny_llm, BATCH[2:3], PARAMS)[0]
+    with pytest.raises(ValueError, match="one batch_question_features call"):
+        greedy_answers(tiny_llm, [a, b], 4)

@@ -35,13 +35,14 @@ class EarlyFeatureParams:
     prompt: PromptParams = dataclasses.field(default_factory=PromptParams)
     n_steps: int = 8
     method: Literal["gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_right", "riemann_middle"] = "gausslegendre"
-    ig_batch_size: int = 8
+    ig_batch_size: int | None = None  # (question x step) rows per IG pass; None = memory-aware (attribution.auto_rows)
     hidden_layers: list[int] = dataclasses.field(default_factory=lambda: [-1])
     max_question_tokens: int = 128
 
     def check(self, where: str) -> None:
         positive(f"{where}.n_steps", self.n_steps)
-        positive(f"{where}.ig_batch_size", self.ig_batch_size)
+        if self.ig_batch_size is not None:
+            positive(f"{where}.ig_batch_size", self.ig_batch_size)
         positive(f"{where}.max_question_tokens", self.max_question_tokens)
         if not self.hidden_layers:
             fail(f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)")

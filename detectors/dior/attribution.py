@@ -2,36 +2,106 @@
 
 The attribution target is the probability of the first answer token. Only the question's token
 embeddings are integrated from a zero baseline; the prompt template around them stays fixed, so the
-attribution speaks about the question alone. Speed: all interpolation steps go through the model in
-one batch (``internal_batch_size``), only the last position's logits are computed, and the prompt
-before the question runs once (its key/value cache is shared by all steps).
+attribution speaks about the question alone.
+
+Speed: the interpolation steps of many questions go through the model together (``batch_size`` rows
+of question × step per forward/backward pass, right-padded: causal attention keeps real positions
+from seeing the padding), only each row's last real position reaches the output head, and the prompt
+before the questions runs once (its key/value cache is shared by every row). One question is a batch
+of one: serving and build_early run the same function.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
-from captum.attr import IntegratedGradients
+from captum.attr._utils.approximation_methods import approximation_parameters
 from transformers import PreTrainedModel
 
 from detectors.llm.kv import KV, as_cache, prefix_states
 
 _EPS = 1e-12
+CPU_ROWS = 64  # rows per pass on a CPU: larger batches stop paying (measured on 2 cores, SmolLM2-135M)
 
 
-def first_token_probability(model: PreTrainedModel, target_id: int, prefix: KV | None = None):
-    """``f(inputs_embeds) -> p(target | prompt)`` for each row of a batch, from the last position only.
+@dataclasses.dataclass
+class IGItem:
+    """One question's attribution problem after the shared cached prefix."""
 
-    ``prefix`` holds the key/value states of the prompt tokens before the inputs; they are shared by
-    every row, so they are computed once instead of once per interpolation step.
+    ids: torch.Tensor  # [T] token ids after the prefix
+    mask: torch.Tensor  # [T] bool: the question's positions (integrated); the others stay at their embedding
+    target: int  # the token whose probability is attributed
+
+
+def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head over final hidden states ``[R, H]`` (with the model's logit soft-capping, if any)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def auto_rows(model: PreTrainedModel, n_steps: int, tokens: int) -> int:
+    """A memory-aware number of (question × step) rows per pass: on a GPU, what half its free memory holds
+    of one row's saved activations (``tokens`` long); on a CPU, :data:`CPU_ROWS`. Never below ``n_steps``."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return max(CPU_ROWS, n_steps)
+    cfg = model.config
+    width = cfg.hidden_size * 12 + getattr(cfg, "intermediate_size", 4 * cfg.hidden_size) * 3
+    per_row = tokens * cfg.num_hidden_layers * width * next(model.parameters()).element_size()
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(min(max(n_steps, free // 2 // max(per_row, 1)), 4096))
+
+
+def batch_token_attributions(
+    model: PreTrainedModel,
+    items: list[IGItem],
+    n_steps: int,
+    method: str = "gausslegendre",
+    batch_size: int | None = None,
+    prefix: KV | None = None,
+) -> list[np.ndarray]:
+    """Per-question-token IG attribution of each item: L2 norm over the embedding dimension, ``[n_question_tokens]``.
+
+    The same quadrature as captum's ``IntegratedGradients`` (its ``method``), computed for ``batch_size``
+    rows at a time (None: :func:`auto_rows`); a question's steps may span passes. ``prefix`` holds the
+    key/value states of the prompt tokens before every item.
     """
-
-    def forward(inputs_embeds: torch.Tensor) -> torch.Tensor:
-        cache = as_cache(prefix, inputs_embeds.shape[0], model.config)
-        logits = model(inputs_embeds=inputs_embeds, past_key_values=cache, logits_to_keep=1, use_cache=cache is not None).logits
-        return torch.softmax(logits[:, -1].float(), dim=-1)[:, target_id]
-
-    return forward
+    if not items:
+        return []
+    step_sizes, alphas = (f(n_steps) for f in approximation_parameters(method))
+    embed, decoder = model.get_input_embeddings(), model.get_decoder()
+    with torch.no_grad():
+        inputs = [embed(it.ids[None])[0] for it in items]
+    baselines = [x * (~it.mask)[:, None].to(x.dtype) for x, it in zip(inputs, items)]
+    by_length = sorted(range(len(items)), key=lambda i: len(items[i].ids))  # less padding per pass
+    rows = [(i, k) for i in by_length for k in range(n_steps)]
+    rows_per_pass = batch_size or auto_rows(model, n_steps, max(len(it.ids) for it in items))
+    grads: dict[int, list[torch.Tensor]] = {}
+    out: list[np.ndarray | None] = [None] * len(items)
+    for start in range(0, len(rows), rows_per_pass):
+        chunk = rows[start : start + rows_per_pass]
+        lengths = [len(items[i].ids) for i, _ in chunk]
+        points = torch.zeros(len(chunk), max(lengths), inputs[0].shape[-1], dtype=inputs[0].dtype, device=inputs[0].device)
+        for r, (i, k) in enumerate(chunk):
+            points[r, : lengths[r]] = baselines[i] + alphas[k] * (inputs[i] - baselines[i])
+        points.requires_grad_()
+        cache = as_cache(prefix, len(chunk), model.config)
+        hidden = decoder(inputs_embeds=points, past_key_values=cache, use_cache=cache is not None).last_hidden_state
+        last = hidden[torch.arange(len(chunk)), torch.tensor(lengths, device=hidden.device) - 1]
+        probs = torch.softmax(head_logits(model, last).float(), dim=-1)
+        targets = torch.tensor([items[i].target for i, _ in chunk], device=probs.device)
+        (grad,) = torch.autograd.grad(probs.gather(1, targets[:, None]).sum(), points)
+        for r, (i, _) in enumerate(chunk):
+            grads.setdefault(i, []).append(grad[r, : lengths[r]])
+            if len(grads[i]) == n_steps:  # captum's reduction: step-weighted sum, times (input - baseline)
+                steps = torch.tensor(step_sizes).float().view(n_steps, 1, 1).to(grad.device)
+                total = (torch.stack(grads.pop(i)) * steps).sum(0)
+                attr = total * (inputs[i] - baselines[i])
+                out[i] = attr.float().norm(dim=-1)[items[i].mask].detach().cpu().numpy()
+    return out  # type: ignore[return-value]
 
 
 def token_attributions(
@@ -44,22 +114,13 @@ def token_attributions(
     batch_size: int | None = None,
     prefix: KV | None = None,
 ) -> np.ndarray:
-    """Per-question-token IG attribution: L2 norm over the embedding dimension, shape ``[n_question_tokens]``.
-
-    The prompt before the first question token is identical at every interpolation step (causal
-    attention), so it runs once and its key/value states are reused by all steps; pass ``prefix``
-    (from :func:`prefix_states`) when the caller already has them.
-    """
+    """One question's attribution (``input_ids`` ``[1, L]``, ``question_mask`` ``[L]``): the prompt before the
+    first question token is the cached prefix (pass ``prefix`` from :func:`prefix_states` when the caller has it)."""
     start = int(question_mask.nonzero()[0, 0])
     if prefix is None:
         prefix = prefix_states(model, input_ids, start)
-    mask = question_mask[start:]
-    embeds = model.get_input_embeddings()(input_ids[:, start:]).detach()
-    baseline = embeds * (~mask)[None, :, None].to(embeds.dtype)
-    ig = IntegratedGradients(first_token_probability(model, target_id, prefix))
-    attr = ig.attribute(embeds, baselines=baseline, n_steps=n_steps, method=method, internal_batch_size=batch_size or n_steps)
-    scores = attr[0].float().norm(dim=-1)[mask]
-    return scores.detach().cpu().numpy()
+    item = IGItem(input_ids[0, start:], question_mask[start:], target_id)
+    return batch_token_attributions(model, [item], n_steps, method, batch_size, prefix)[0]
 
 
 def attribution_distribution(scores: np.ndarray) -> np.ndarray:

@@ -1,4 +1,10 @@
-"""Early-detection features of a question (DioR §3.1.1): one function shared by build_early and serving."""
+"""Early-detection features of questions (DioR §3.1.1): one function shared by build_early and serving.
+
+Questions are processed in batches: the prompt before them runs once, their tokens run as one
+right-padded batch (causal attention keeps real positions from seeing the padding), IG runs over all
+their interpolation steps together (:func:`detectors.dior.attribution.batch_token_attributions`) and
+their greedy answers are decoded together. One question is a batch of one.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,22 @@ import numpy as np
 import torch
 
 from detectors.config.schema import EarlyFeatureParams
-from detectors.dior.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
+from detectors.dior.attribution import IGItem, attribution_distribution, attribution_entropy, batch_token_attributions, keyword_candidates
 from detectors.errors import RecordError
-from detectors.llm.kv import as_cache, prefix_states
+from detectors.llm.kv import as_cache, prefix_states, shared_prefix_length
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.sources.text import contains_reference
+
+
+@dataclasses.dataclass
+class Continuation:
+    """The key/value cache of a batch of prompts, right-padded: row ``r`` holds ``lengths[r]`` real positions
+    (prefix included); the rest of its ``width`` positions are padding that later tokens must not see."""
+
+    cache: Any
+    lengths: list[int]
+    width: int
 
 
 @dataclasses.dataclass
@@ -28,14 +44,14 @@ class QuestionFeatures:
     first_token_entropy: float
     first_token_margin: float  # p(top1) - p(top2)
     hidden: np.ndarray  # last prompt position, chosen layers concatenated
-    cache: Any  # key/value cache of the whole prompt, to continue generation from
+    cache: Continuation  # key/value cache of the prompt (shared by the batch), to continue generation from
+    row: int = 0  # this question's row in ``cache``
 
 
-def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> QuestionFeatures:
-    """Features of ``question`` before any answer token is generated."""
+def _encode(llm: LLM, question: str, params: EarlyFeatureParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's ids ``[L]`` and question mask ``[L]``, or a RecordError saying why the question is unusable."""
     if not question or not question.strip():
         raise RecordError("empty question")
-    layers = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_early.features.hidden_layers")
     ids, mask = llm.encode_prompt(question, params.prompt)
     n_question = int(mask.sum())
     if n_question == 0:
@@ -45,70 +61,145 @@ def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> Qu
     max_len = getattr(llm.model.config, "max_position_embeddings", None)
     if max_len is not None and ids.shape[1] >= max_len:
         raise RecordError(f"prompt has {ids.shape[1]} tokens, the LLM's context is {max_len}")
-    # one pass over the prompt: the part before the question is cached for IG, the rest continues it
-    start = int(mask.nonzero()[0, 0])
-    prefix = prefix_states(llm.model, ids, start)
+    return ids[0], mask
+
+
+def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeatureParams) -> list[QuestionFeatures | RecordError]:
+    """Features of each question before any answer token is generated, or the RecordError that makes it unusable."""
+    layers = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_early.features.hidden_layers")
+    out: list[QuestionFeatures | RecordError] = []
+    encoded = {}
+    for i, question in enumerate(questions):
+        try:
+            encoded[i] = _encode(llm, question, params)
+        except RecordError as err:
+            out.append(err)
+        else:
+            out.append(None)  # type: ignore[arg-type]
+    if not encoded:
+        return out
+    keys = list(encoded)
+    ids = [encoded[i][0].tolist() for i in keys]
+    starts = [int(encoded[i][1].nonzero()[0, 0]) for i in keys]
+    common = min(shared_prefix_length(ids) if len(ids) > 1 else len(ids[0]) - 1, *starts)
+    # one pass over the shared prompt prefix (cached for IG and the answers), one over the rest of every prompt
+    prefix = prefix_states(llm.model, torch.tensor([ids[0][:common]], device=llm.device), common)
+    rows = [r[common:] for r in ids]
+    width = max(len(r) for r in rows)
+    pad = llm.tokenizer.pad_token_id or 0
+    batch = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=llm.device)
     with torch.no_grad():
-        out = llm.model(
-            ids[:, start:],
-            past_key_values=as_cache(prefix, 1, llm.model.config),
-            output_hidden_states=True,
-            logits_to_keep=1,
-            use_cache=True,
+        res = llm.model(batch, past_key_values=as_cache(prefix, len(rows), llm.model.config), output_hidden_states=True, use_cache=True)
+    last = torch.tensor([len(r) - 1 for r in rows], device=llm.device)
+    at = torch.arange(len(rows), device=llm.device)
+    probs = torch.softmax(res.logits[at, last].float(), dim=-1)
+    top2 = torch.topk(probs, 2, dim=-1)
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    hidden = torch.cat([res.hidden_states[layer][at, last].float() for layer in layers], dim=-1).cpu().numpy()
+    continuation = Continuation(res.past_key_values, [common + len(r) for r in rows], common + width)
+    items = [IGItem(encoded[i][0][common:], encoded[i][1][common:], int(top2.indices[b, 0])) for b, i in enumerate(keys)]
+    scores = batch_token_attributions(llm.model, items, params.n_steps, params.method, params.ig_batch_size, prefix)
+    for b, i in enumerate(keys):
+        p = attribution_distribution(scores[b])
+        q_ids, q_mask = encoded[i]
+        tokens = [llm.tokenizer.decode([t]) for t in q_ids[q_mask].tolist()]
+        out[i] = QuestionFeatures(
+            question_tokens=tokens,
+            attribution=p.astype(np.float32),
+            entropy=attribution_entropy(p),
+            keywords=keyword_candidates(tokens, p),
+            first_token_id=int(top2.indices[b, 0]),
+            first_token_prob=float(top2.values[b, 0]),
+            first_token_entropy=float(entropy[b]),
+            first_token_margin=float(top2.values[b, 0] - top2.values[b, 1]),
+            hidden=hidden[b].astype(np.float32),
+            cache=continuation,
+            row=b,
         )
-    probs = torch.softmax(out.logits[0, -1].float(), dim=-1)
-    top2 = torch.topk(probs, 2)
-    first_id = int(top2.indices[0])
-    hidden = torch.cat([out.hidden_states[layer][0, -1].float() for layer in layers]).cpu().numpy()
-    scores = token_attributions(llm.model, ids, mask, first_id, params.n_steps, params.method, params.ig_batch_size, prefix)
-    p = attribution_distribution(scores)
-    tokens = [llm.tokenizer.decode([t]) for t in ids[0][mask].tolist()]
-    return QuestionFeatures(
-        question_tokens=tokens,
-        attribution=p.astype(np.float32),
-        entropy=attribution_entropy(p),
-        keywords=keyword_candidates(tokens, p),
-        first_token_id=first_id,
-        first_token_prob=float(top2.values[0]),
-        first_token_entropy=float(-(probs * torch.log(probs.clamp_min(1e-30))).sum()),
-        first_token_margin=float(top2.values[0] - top2.values[1]),
-        hidden=hidden.astype(np.float32),
-        cache=out.past_key_values,
-    )
+    return out
+
+
+def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> QuestionFeatures:
+    """Features of one question (a batch of one); raises RecordError when it is unusable."""
+    (f,) = batch_question_features(llm, [question], params)
+    if isinstance(f, RecordError):
+        raise f
+    return f
+
+
+def greedy_answers(llm: LLM, feats: list[QuestionFeatures], max_new_tokens: int, stop: list[str] = ()) -> list[str]:
+    """Each question's greedy continuation up to the first stop string or end of sequence, decoded together.
+
+    Continues from the prompts' shared cache and first tokens (``feats`` from one
+    :func:`batch_question_features` call), so no prompt runs again. Padding positions of the cache are
+    masked out; every row keeps its own positions.
+    """
+    if not feats:
+        return []
+    cont = feats[0].cache
+    if any(f.cache is not cont for f in feats):
+        raise ValueError("greedy_answers continues one batch: pass features from one batch_question_features call")
+    eos = llm.model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+    n_rows = len(cont.lengths)
+    tokens: list[list[int]] = [[] for _ in range(n_rows)]
+    current = {f.row: f.first_token_id for f in feats}
+    live = set(current)
+    cache = cont.cache
+    mask = torch.zeros(n_rows, cont.width, dtype=torch.long, device=llm.device)
+    for r, n in enumerate(cont.lengths):
+        mask[r, :n] = 1
+    step = 0
+    with torch.no_grad():
+        while True:
+            for r in sorted(live):
+                token = current[r]
+                if token in eos:
+                    live.discard(r)
+                    continue
+                tokens[r].append(token)
+                text = llm.tokenizer.decode(tokens[r], skip_special_tokens=True)
+                if len(tokens[r]) >= max_new_tokens or any(s in text for s in stop):
+                    live.discard(r)
+            if not live:
+                break
+            feed = torch.tensor([[current.get(r, 0) if r in live else 0] for r in range(n_rows)], device=llm.device)
+            mask = torch.cat([mask, torch.ones(n_rows, 1, dtype=torch.long, device=llm.device)], dim=1)
+            positions = torch.tensor([[n + step] for n in cont.lengths], device=llm.device)
+            out = llm.model(feed, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            cache, step = out.past_key_values, step + 1
+            nxt = out.logits[:, -1].argmax(-1).tolist()
+            current = {r: nxt[r] for r in live}
+    answers = []
+    for f in feats:
+        text = llm.tokenizer.decode(tokens[f.row], skip_special_tokens=True)
+        for s in stop:  # the answer is what comes before the first stop string
+            text = text.split(s, 1)[0]
+        answers.append(text.strip())
+    return answers
 
 
 def greedy_answer(llm: LLM, f: QuestionFeatures, max_new_tokens: int, stop: list[str] = ()) -> str:
-    """The LLM's greedy continuation of the prompt up to the first stop string or end of sequence.
-
-    Continues from the prompt's cache and first token in ``f``, so the prompt is not run again.
-    """
-    eos = llm.model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
-    cache, token, tokens = f.cache, f.first_token_id, []
-    with torch.no_grad():
-        while token not in eos:
-            tokens.append(token)
-            text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
-            if len(tokens) >= max_new_tokens or any(s in text for s in stop):
-                break
-            out = llm.model(torch.tensor([[token]], device=llm.device), past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
-    text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
-    for s in stop:  # the answer is what comes before the first stop string
-        text = text.split(s, 1)[0]
-    return text.strip()
+    """One question's greedy answer (see :func:`greedy_answers`)."""
+    return greedy_answers(llm, [f], max_new_tokens, stop)[0]
 
 
-def early_record(
-    llm: LLM, question: str, answers: list[str], features: EarlyFeatureParams, max_new_tokens: int, stop: list[str]
-) -> dict:
-    """One row of the early-detection set: features, greedy answer and the containment label.
-
-    ``label`` is 1 for a hallucination (no reference answer contained in the answer), 0 otherwise.
-    """
-    f = question_features(llm, question, features)
-    answer = greedy_answer(llm, f, max_new_tokens, stop)
-    return {"answer": answer, "label": int(not contains_reference(answer, answers)), **features_to_row(f)}
+def early_records(
+    llm: LLM, questions: list[str], answers: list[list[str]], features: EarlyFeatureParams, max_new_tokens: int, stop: list[str]
+) -> list[dict | RecordError]:
+    """Rows of the early-detection set for a batch of questions: features, greedy answer and the containment
+    label (1 = hallucination: no reference answer contained in the answer), or the RecordError of an unusable one."""
+    feats = batch_question_features(llm, questions, features)
+    usable = [f for f in feats if isinstance(f, QuestionFeatures)]
+    said = iter(greedy_answers(llm, usable, max_new_tokens, stop))
+    out: list[dict | RecordError] = []
+    for f, refs in zip(feats, answers):
+        if isinstance(f, RecordError):
+            out.append(f)
+            continue
+        answer = next(said)
+        out.append({"answer": answer, "label": int(not contains_reference(answer, refs)), **features_to_row(f)})
+    return out
 
 
 def features_to_row(f: QuestionFeatures) -> dict:
