@@ -16,7 +16,7 @@ import torch
 
 from conftest import qa_rows
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams, TrainingParams
-from detectors.dior.early import early_record
+from detectors.dior.early import early_records
 from detectors.dior.early_detector import EarlyDetector, train_early_detector
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
@@ -39,9 +39,9 @@ def in_bfloat16(llm: LLM) -> LLM:
 @pytest.fixture(scope="module")
 def early(tiny_llm) -> EarlyDetector:
     """An early detector trained on the tiny Llama's real fp32 features of the QA fixture (as build_early stores them)."""
-    rows = []
-    for i, r in enumerate(qa_rows()):
-        record = early_record(tiny_llm, r["question"], r["answers"], FEATURES, 4, [])
+    rows, qa = [], qa_rows()
+    records = early_records(tiny_llm, [r["question"] for r in qa], [r["answers"] for r in qa], FEATURES, 4, [])
+    for i, record in enumerate(records):
         split = ("train", "val", "test")[i % 3]
         rows.append({"id": f"q{i}", "split": split, "status": "ok", "feature_dtype": tiny_llm.dtype_name, **record})
     return train_early_detector(pd.DataFrame(rows), ["attribution", "entropy", "first_token", "hidden"], TRAINING, FEATURES,
