@@ -1,4 +1,6 @@
-"""Speed and agreement of our batched Integrated-Gradients attribution against a DioR-style reference.
+"""Speed and agreement of our per-question Integrated-Gradients attribution against a DioR-style reference,
+on the real prepared LLM. (``benchmarks.throughput`` splits the gain by cause: batch size, prefix caching,
+batching across questions, with random-weight models of the default and a 7B shape.)
 
 What it measures
 ----------------
@@ -6,7 +8,7 @@ For the same factual completion prompts, the same target token (argmax of the ne
 distribution), the same ``n_steps``, integration method and baseline (input embeddings with the
 question positions zeroed), it times two implementations of the per-question-token attribution:
 
-* **ours** -- :func:`detectors.attribution.token_attributions` with ``batch_size=n_steps``: all
+* **ours** -- :func:`detectors.dior.attribution.token_attributions` with ``batch_size=n_steps``: all
   interpolation steps go through the model in one batch, the forward only computes the last
   position's logits (``logits_to_keep=1``), and the prompt before the question runs once (its
   key/value cache is shared by all steps).
