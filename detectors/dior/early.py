@@ -139,8 +139,7 @@ def greedy_answers(llm: LLM, feats: list[QuestionFeatures], max_new_tokens: int,
     cont = feats[0].cache
     if any(f.cache is not cont for f in feats):
         raise ValueError("greedy_answers continues one batch: pass features from one batch_question_features call")
-    eos = llm.model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+    eos = llm.eos_token_ids
     n_rows = len(cont.lengths)
     tokens: list[list[int]] = [[] for _ in range(n_rows)]
     current = {f.row: f.first_token_id for f in feats}

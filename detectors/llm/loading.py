@@ -174,6 +174,12 @@ class LLM:
         return next(self.model.parameters()).device
 
     @property
+    def eos_token_ids(self) -> set[int]:
+        """The model's end-of-sequence tokens (its generation config's; greedy answers end at them)."""
+        eos = self.model.generation_config.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    @property
     def dtype_name(self) -> str:
         """The dtype features are computed in (``"float32"``, ``"bfloat16"``, ...)."""
         return str(self.model.dtype).removeprefix("torch.")

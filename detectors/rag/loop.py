@@ -139,7 +139,7 @@ class RagLoop:
         self.llm, self.retriever, self.config, self.triggers = llm, retriever, config, list(triggers)
         self.steering, self.idf = steering, idf
         self.cache = PrefixCache(llm)
-        self.eos = set(_eos(llm))  # as the early set's greedy answer: the model's end-of-sequence tokens
+        self.eos = llm.eos_token_ids  # as the early set's greedy answer
         realtime = [t for t in self.triggers if isinstance(t, RealtimeTrigger)]
         self.realtime = realtime[0].detector if realtime else None
         self.record_prompts = False
@@ -311,11 +311,6 @@ class RagLoop:
         for s in self.config.stop:
             text = text.split(s, 1)[0]
         return text.strip()
-
-
-def _eos(llm: LLM) -> list[int]:
-    eos = llm.model.generation_config.eos_token_id
-    return [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
 
 
 def _steering(llm: LLM, vectors: dict | None):

@@ -90,7 +90,7 @@ def importance_scores(llm: LLM, question: str, context_ids: list[int], candidate
     norms = [normalize_text(text) for _, text in words]
     attn = last_layer_attention(llm, context_ids) if len(context_ids) > 1 else np.zeros((len(context_ids), len(context_ids)))
     received = np.array([attn[i + 1 :, i].mean() if i + 1 < len(context_ids) else 0.0 for i in range(len(context_ids))])
-    emb = llm.model.get_input_embeddings().weight
+    emb = llm.model.get_input_embeddings().weight.detach()
     q_ids = tok(question, add_special_tokens=False)["input_ids"]
     q_vec = emb[q_ids].float().mean(0) if q_ids else None
     terms = np.zeros((4, len(candidates)))
