@@ -9,6 +9,7 @@ Serving scores tokens with the same ``GenerationRecorder`` and ``token_features`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from detectors.config.core import from_dict
 from detectors.config.schema import RealtimePromptParams
 from detectors.dior.entities import entity_tokens, token_offsets
 from detectors.dior.nets import TokenMLP
-from detectors.dior.recorder import GenerationRecorder, TokenTrace, eos_ids, generate_traced, render_prompt, token_features
+from detectors.dior.recorder import GenerationRecorder, TokenTrace, eos_ids, feature_rows, generate_traced, render_prompt, token_features
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
@@ -59,16 +60,22 @@ def token_table(frame: pd.DataFrame, hidden: np.ndarray, tokens: str = "entity")
 
 
 class TriggerStop(StoppingCriteria):
-    """Stops ``model.generate`` once every sequence has a token at or above the detector's threshold."""
+    """Stops ``model.generate`` once every sequence has a token at or above the detector's threshold (on the
+    scores' device: only the tokens scored since the last call are compared)."""
 
     def __init__(self, recorder: GenerationRecorder, threshold: float):
         self.recorder, self.threshold = recorder, threshold
+        self._scores: list | None = None  # the recorder's list last seen (a new one after ``with recorder:``)
+        self._seen, self._hit = 0, None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        if not self.recorder.scores:
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        hit = (torch.stack(self.recorder.scores, 1) >= self.threshold).any(1)
-        return hit.to(input_ids.device)
+        if self.recorder.scores is not self._scores:
+            self._scores, self._seen = self.recorder.scores, 0
+            self._hit = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for s in self._scores[self._seen :]:
+            self._hit = self._hit | (torch.as_tensor(s).reshape(-1) >= self.threshold).to(input_ids.device)
+        self._seen = len(self._scores)
+        return self._hit
 
 
 @dataclasses.dataclass
@@ -101,6 +108,7 @@ class RealtimeDetector(Detector):
     info: dict[str, Any]
     llm: LLM | None = None
     _nlp: Any = None
+    _scoring: tuple | None = dataclasses.field(default=None, repr=False)  # (net, device, its copy there, mean, std)
 
     # ---- artifact -------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
@@ -152,8 +160,19 @@ class RealtimeDetector(Detector):
         return out
 
     def score_tokens(self, hidden: torch.Tensor, prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
-        """The recorder's scorer: one batch of freshly generated tokens, scored while generation runs."""
-        return torch.from_numpy(self.predict_proba(token_features(hidden.numpy(), prob.numpy(), entropy.numpy())))
+        """The recorder's scorer: one batch of freshly generated tokens, scored on their device while generation runs
+        (no host copy): ``predict_proba(token_features(hidden, prob, entropy))``, computed there."""
+        net, mean, std = self._scoring_net(hidden.device)
+        with torch.no_grad():
+            return torch.sigmoid(net({"x": (feature_rows(hidden, prob, entropy) - mean) / std}))
+
+    def _scoring_net(self, device: torch.device) -> tuple[TokenMLP, torch.Tensor, torch.Tensor]:
+        """The net (a copy in eval mode), mean and std on ``device``, made once and kept while ``net`` is the same."""
+        if self._scoring is None or self._scoring[0] is not self.net or self._scoring[1] != device:
+            net = copy.deepcopy(self.net).to(device).eval().requires_grad_(False)
+            mean, std = (torch.from_numpy(np.asarray(a, np.float32)).to(device) for a in (self.mean, self.std))
+            self._scoring = (self.net, device, net, mean, std)
+        return self._scoring[2:]
 
     def monitor(self, llm: LLM | None = None) -> GenerationRecorder:
         """A recorder that scores every generated token of ``model.generate``::

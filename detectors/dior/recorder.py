@@ -76,15 +76,16 @@ class GenerationRecorder(LogitsProcessor):
         self._handles = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # everything stays on the LLM's device (no host copy, no sync): ``traces`` moves it to the host once
         logp = torch.log_softmax(scores.float(), dim=-1)
         if self.calls > 0:
             if len(self._caught) != len(self.modules):
                 raise RuntimeError("the recorder's hooks caught nothing: use it inside `with recorder:`")
-            token = input_ids[:, -1]
-            hidden = torch.cat([self._caught[i] for i in range(len(self.modules))], dim=-1).to(torch.float16).cpu()
-            prob = self._prev_logp.gather(1, token[:, None])[:, 0].exp().cpu()
-            entropy = self._prev_entropy.cpu()
-            self.tokens.append(token.cpu())
+            token = input_ids[:, -1].to(logp.device, copy=True)  # a copy: a view would keep every step's input_ids
+            hidden = torch.cat([self._caught[i] for i in range(len(self.modules))], dim=-1).to(torch.float16)
+            prob = self._prev_logp.gather(1, token[:, None])[:, 0].exp()
+            entropy = self._prev_entropy
+            self.tokens.append(token)
             self.hidden.append(hidden)
             self.prob.append(prob)
             self.entropy.append(entropy)
@@ -97,23 +98,25 @@ class GenerationRecorder(LogitsProcessor):
         return scores
 
     def traces(self, eos_ids: set[int], limit: int | None = None) -> list[TokenTrace]:
-        """One trace per batch row, cut before the row's first end-of-sequence token (and at ``limit``)."""
+        """One trace per batch row, cut before the row's first end-of-sequence token (and at ``limit``); what the
+        recorder kept on the LLM's device comes to the host here, once."""
         if not self.tokens:
             return []
-        tokens = torch.stack(self.tokens, 1)
-        hidden, prob, entropy = torch.stack(self.hidden, 1), torch.stack(self.prob, 1), torch.stack(self.entropy, 1)
-        scores = torch.stack(self.scores, 1) if self.scores else None
+        tokens = torch.stack(self.tokens, 1).cpu().tolist()
+        hidden = torch.stack(self.hidden, 1).cpu().numpy()
+        prob = torch.stack(self.prob, 1).float().cpu().numpy()
+        entropy = torch.stack(self.entropy, 1).float().cpu().numpy()
+        scores = torch.stack([torch.as_tensor(s).reshape(-1) for s in self.scores], 1).float().cpu().numpy() if self.scores else None
         out = []
-        for b in range(tokens.shape[0]):
-            ids = tokens[b].tolist()
+        for b, ids in enumerate(tokens):
             n = min(next((i for i, t in enumerate(ids) if t in eos_ids), len(ids)), limit if limit is not None else len(ids))
             out.append(
                 TokenTrace(
                     gen_ids=ids[:n],
-                    hidden=hidden[b, :n].numpy(),
-                    prob=prob[b, :n].numpy().astype(np.float32),
-                    entropy=entropy[b, :n].numpy().astype(np.float32),
-                    scores=None if scores is None else scores[b, :n].float().numpy(),
+                    hidden=hidden[b, :n],
+                    prob=prob[b, :n],
+                    entropy=entropy[b, :n],
+                    scores=None if scores is None else scores[b, :n],
                 )
             )
         return out
@@ -165,8 +168,18 @@ def generate_traced(
     return prompt_ids, recorder.traces(eos, limit=max_new_tokens)
 
 
+def feature_rows(hidden: torch.Tensor, prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+    """Per-token inputs of the MLP, on the tensors' device: the hidden states rounded to float16 (as stored), the
+    token's probability, its log (clipped at 1e-9) and the entropy, as float32 rows."""
+    prob = prob.to(torch.float32).reshape(-1, 1)
+    extra = torch.cat([prob, prob.clamp_min(1e-9).log(), entropy.to(torch.float32).reshape(-1, 1)], 1)
+    return torch.cat([hidden.to(torch.float16).to(torch.float32), extra], 1)
+
+
 def token_features(hidden: np.ndarray, prob: np.ndarray, entropy: np.ndarray) -> np.ndarray:
-    """Per-token inputs of the MLP: hidden states (float16 as stored) and the token's probability and entropy."""
-    prob = np.asarray(prob, dtype=np.float32).reshape(-1, 1)
-    extra = np.concatenate([prob, np.log(np.clip(prob, 1e-9, None)), np.asarray(entropy, dtype=np.float32).reshape(-1, 1)], 1)
-    return np.concatenate([np.asarray(hidden, dtype=np.float16).astype(np.float32), extra], axis=1)
+    """:func:`feature_rows` of stored features (numpy in and out): what the detectors are trained on."""
+    return feature_rows(
+        torch.from_numpy(np.require(hidden, np.float16, "CW")),
+        torch.from_numpy(np.require(prob, np.float32, "CW")),
+        torch.from_numpy(np.require(entropy, np.float32, "CW")),
+    ).numpy()
