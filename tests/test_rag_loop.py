@@ -22,7 +22,7 @@ from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.rag.corpus import Passage
-from detectors.rag.loop import PrefixCache, RagConfig, RagLoop, answer_after, question_trace
+from detectors.rag.loop import ForwardCounter, PrefixCache, RagConfig, RagLoop, answer_after, question_trace
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.triggers import make_trigger
 from detectors.registry import store
@@ -164,3 +164,26 @@ def test_sweep_trace_and_retrieval_at_a_position(tiny_llm, retriever, registry):
     after = answer_after(loop, QUESTION, trace.gen_ids, 1, QUESTION)
     assert after.retrievals[0].passage_ids == ["p1"] and PASSAGES[0].text in after.prompts[0]
     assert after.prompts[0].endswith(QUESTION)
+
+
+def test_ctrla_scores_come_from_the_steered_generation_itself(tiny_llm, retriever, registry):
+    """The loop's own (steered) passes feed CtrlA's monitor: the trigger's Eq. 2 equals a teacher-forced re-run of
+    prompt + segment under the same steering, without that re-run; unsteered projections differ."""
+    trigger = make_trigger("t-confidence@champion", tiny_llm, {}, SPACY, tracking_uri=registry)
+    steering = {1: 3.0 * trigger.detector.directions.vectors[0]}
+    loop = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [trigger], steering)
+    prompt = loop.prompt_ids(QUESTION, None, QUESTION)
+    with ForwardCounter(tiny_llm.model) as counter:
+        segment, _ = loop.generate_segment(QUESTION, prompt, [])
+        passes = counter.calls
+        ours = trigger.token_scores(tiny_llm, segment)
+        assert counter.calls == passes  # scoring ran nothing
+    assert segment.confidence.shape == (len(prompt) + len(segment.gen_ids), 2)
+    eq2 = trigger.eq2.copy()  # Eq. 2 of every generated token (the trigger reads only new content words)
+    rerun = dataclasses.replace(segment, confidence=None)
+    trigger.steering = steering
+    np.testing.assert_allclose(trigger.token_scores(tiny_llm, rerun), ours, atol=1e-4)
+    np.testing.assert_allclose(trigger.eq2, eq2, atol=1e-4)
+    trigger.steering = None
+    trigger.token_scores(tiny_llm, rerun)
+    assert not np.allclose(trigger.eq2, eq2, atol=1e-3)  # the monitor sees the steered stream

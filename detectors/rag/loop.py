@@ -19,6 +19,7 @@ key/value cache of the last sequence it ran is cropped to the longest common pre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
@@ -82,10 +83,14 @@ class RagResult:
 
 
 class PrefixCache:
-    """The key/value cache of the last token sequence the LLM ran; the next sequence reuses their common prefix."""
+    """The key/value cache of the last token sequence the LLM ran; the next sequence reuses their common prefix.
 
-    def __init__(self, llm: LLM):
-        self.llm, self.ids, self.cache = llm, [], None
+    With a ``monitor`` (CtrlA's confidence monitor) attached to every pass, ``projections`` holds its per-layer
+    projections of every position of that sequence, cropped and extended with the cache."""
+
+    def __init__(self, llm: LLM, monitor=None):
+        self.llm, self.ids, self.cache, self.monitor = llm, [], None, monitor
+        self.projections: torch.Tensor | None = None  # [len(ids), monitored layers]
 
     def run(self, ids: list[int]) -> torch.Tensor:
         """Logits ``[vocab]`` of the last position of ``ids``, running only what the cache does not hold."""
@@ -97,8 +102,14 @@ class PrefixCache:
             self.cache = None
         elif common < len(self.ids):
             self.cache.crop(common - len(self.ids))  # negative: drop that many positions from the end
-        with torch.no_grad():
+        watch = self.monitor if self.monitor is not None else contextlib.nullcontext()
+        if self.monitor is not None:
+            self.monitor.reset()
+        with torch.no_grad(), watch:
             out = self.llm.model(torch.tensor([ids[common:]], device=self.llm.device), past_key_values=self.cache, use_cache=True)
+        if self.monitor is not None:
+            new = self.monitor.layer_projections()[0]
+            self.projections = torch.cat([self.projections[:common], new]) if common else new
         self.cache, self.ids = out.past_key_values, list(ids)
         return out.logits[0, -1]
 
@@ -138,11 +149,13 @@ class RagLoop:
             raise ValueError(f"configuration {config.name!r} has triggers but no retriever")
         self.llm, self.retriever, self.config, self.triggers = llm, retriever, config, list(triggers)
         self.steering, self.idf = steering, idf
-        self.cache = PrefixCache(llm)
+        ctrla = [t for t in self.triggers if isinstance(t, CtrlATrigger)]
+        self.cache = PrefixCache(llm, ctrla[0].monitor(llm) if ctrla else None)  # CtrlA reads the generation's own projections
         self.eos = llm.eos_token_ids  # as the early set's greedy answer
         realtime = [t for t in self.triggers if isinstance(t, RealtimeTrigger)]
         self.realtime = realtime[0].detector if realtime else None
         self.record_prompts = False
+        self._generated, self._prompts = 0, []  # per question (reset by answer)
 
     # ---- prompts -------------------------------------------------------------------------------------------
     def prompt_ids(self, question: str, hits: list[Hit] | None, query: str) -> list[int]:
@@ -200,6 +213,7 @@ class RagLoop:
             entropy=trace.entropy.astype(np.float64) if trace else np.zeros(0),
             text=self.llm.tokenizer.decode(gen, skip_special_tokens=True),
             mlp=trace.scores.astype(np.float64) if trace is not None and trace.scores is not None else None,
+            confidence=None if self.cache.projections is None else self.cache.projections[: len(context) + len(gen)].cpu().numpy(),
         )  # fmt: skip
         return segment, done
 

@@ -40,6 +40,7 @@ class Segment:
     entropy: np.ndarray
     text: str
     mlp: np.ndarray | None = None  # the real-time detector's P(hallucination) per token, when one is attached
+    confidence: np.ndarray | None = None  # CtrlA monitor projections [prompt + gen, layers] of the generation's own passes
 
 
 class Trigger:
@@ -129,29 +130,41 @@ class RealtimeTrigger(Trigger):
 @dataclasses.dataclass
 class CtrlATrigger(Trigger):
     """CtrlA (Alg. 1, App. B): ``-Eq. 2`` of each new content word's tokens (other tokens never fire), from the
-    confidence monitor run over the prompt and segment; a refusal (App. B.3.1) fires at the segment's start.
-    The segment is regenerated after retrieval."""
+    confidence monitor's projections of the prompt and segment; a refusal (App. B.3.1) fires at the segment's start.
+    The segment is regenerated after retrieval.
+
+    The projections are those of the generation's own forward passes (``Segment.confidence``: the loop attaches
+    the monitor while it generates, under its honesty steering, so nothing runs again); a segment without them
+    is run once more under ``steering``."""
 
     detector: Any  # detectors.ctrla.detectors.ConfidenceDetector
     name: str = "ctrla-confidence"
     threshold: float = 0.0
-    steering: dict | None = None  # honesty steering vectors active while the monitor runs (as during generation)
+    steering: dict | None = None  # honesty steering for segments that come without projections (as during generation)
     truncate: ClassVar = "segment"
 
     def __post_init__(self) -> None:
         self.eq2: np.ndarray = np.zeros(0)  # the last segment's Eq. 2 scores (CtrlA's masked query reads them)
 
+    def monitor(self, llm: "LLM"):
+        """The confidence monitor a loop attaches to its forward passes (the detector's layers)."""
+        from detectors.ctrla.monitor import ConfidenceMonitor
+
+        return ConfidenceMonitor(llm.model, self.detector.directions)
+
     def token_scores(self, llm: "LLM", segment: Segment) -> np.ndarray:
-        from detectors.ctrla.monitor import detect_refusal, score_sequences
+        from detectors.ctrla.monitor import detect_refusal, pooled_scores, project_sequences
         from detectors.ctrla.steering import steer
 
         n = len(segment.gen_ids)
         if n == 0:
             return np.zeros(0)
-        p = self.detector.params
-        with steer(llm.model, self.steering or {}):
-            scores = score_sequences(llm, self.detector.directions, [segment.prompt_ids + segment.gen_ids], 1, p.tau, p.clip)[0]
-        self.eq2 = scores[-n:]
+        p, directions = self.detector.params, self.detector.directions
+        projections = segment.confidence
+        if projections is None:
+            with steer(llm.model, self.steering or {}):
+                projections = project_sequences(llm, directions, [segment.prompt_ids + segment.gen_ids], directions.layers, 1)[0]
+        self.eq2 = pooled_scores(projections, p.tau, p.clip)[-n:]
         context = llm.tokenizer.decode(segment.prompt_ids, skip_special_tokens=True)  # the input and the preceding generation
         mask = np.asarray(content_mask(llm.tokenizer, context, segment.gen_ids), dtype=bool)
         out = np.where(mask, -self.eq2, -np.inf)
