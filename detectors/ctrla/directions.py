@@ -54,7 +54,7 @@ class DirectionsError(InputError, ValueError):
 class ContrastStats:
     """Per-layer contrast vectors of the statement tokens, grouped by statement."""
 
-    diffs: torch.Tensor  # [L, N_tokens, H] positive minus negative, float32 on CPU
+    diffs: torch.Tensor  # [L, N_tokens, H] positive minus negative, float32 on the LLM's device
     owner: np.ndarray  # [N_tokens] statement index of each token
     norms: torch.Tensor  # [L] mean residual-stream norm of the statement tokens (both instructions)
 
@@ -74,33 +74,31 @@ def contrast_differences(
     with plant():
         kvs = {"pos": prefix_cache(llm, pos)}
     kvs["neg"] = prefix_cache(llm, neg)
-    diffs: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-    owners: list[np.ndarray] = []
-    norm_sum, norm_count = torch.zeros(n_layers, dtype=torch.float64), 0
+    n_tokens, width = sum(len(r) for r in rows), llm.fingerprint.hidden_size
+    # filled in place on the LLM's device, batch by batch: no host copy, no second [L, N, H] array from a stack
+    diffs = torch.empty(n_layers, n_tokens, width, dtype=torch.float32, device=llm.device)
+    owner = np.empty(n_tokens, dtype=np.int64)
+    norm_sum, at = torch.zeros(n_layers, dtype=torch.float64, device=llm.device), 0
     with progress(total=len(rows), desc=desc, unit="stmt") as bar:
         for idx in batches(rows, batch_size):
             batch = [rows[i] for i in idx]
             states: dict[str, dict[int, torch.Tensor]] = {}
             for name, kv in kvs.items():
                 captured: dict[int, torch.Tensor] = {}
-                tap = LayerTap(llm.model, list(range(1, n_layers + 1)), lambda layer, h: captured.__setitem__(layer, h.detach().float().cpu()))
+                tap = LayerTap(llm.model, list(range(1, n_layers + 1)), lambda layer, h: captured.__setitem__(layer, h.detach().float()))
                 with plant() if name == "pos" else contextlib.nullcontext(), tap:
                     forward_rows(llm, kv, batch)
                 states[name] = captured
             for b, i in enumerate(idx):
                 n = len(rows[i])
-                owners.append(np.full(n, i))
+                owner[at : at + n] = i
                 for layer in range(1, n_layers + 1):
                     p, q = states["pos"][layer][b, :n], states["neg"][layer][b, :n]
-                    diffs[layer - 1].append(p - q)
+                    diffs[layer - 1, at : at + n] = p - q
                     norm_sum[layer - 1] += (p.norm(dim=-1).sum() + q.norm(dim=-1).sum()).double()
-                norm_count += 2 * n
+                at += n
             bar.update(len(idx))
-    return ContrastStats(
-        diffs=torch.stack([torch.cat(d) for d in diffs]),
-        owner=np.concatenate(owners),
-        norms=(norm_sum / max(norm_count, 1)).float(),
-    )
+    return ContrastStats(diffs=diffs, owner=owner, norms=(norm_sum.cpu() / max(2 * n_tokens, 1)).float())
 
 
 def fit_pca(diffs: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,17 +111,17 @@ def fit_pca(diffs: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
     if diffs.ndim != 3 or diffs.shape[1] < 2:
         raise StatementError(f"PCA needs at least 2 contrast vectors per layer, got shape {tuple(diffs.shape)}")
     gen = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (diffs.shape[1],), generator=gen).float() * 2 - 1
+    signs = (torch.randint(0, 2, (diffs.shape[1],), generator=gen).float() * 2 - 1).double().to(diffs.device)
     directions, explained = [], []
-    for layer in diffs:
-        x = layer.double() * signs[:, None].double()
+    for layer in diffs:  # one layer at a time, on the device the differences are on (float64: CPU and CUDA have it)
+        x = layer.double() * signs[:, None]
         x = x - x.mean(0, keepdim=True)
         evals, evecs = torch.linalg.eigh(x.T @ x)  # covariance route: [H, H], cheaper than an SVD of [N, H]
         v = evecs[:, -1]
         if (layer.double() @ v).mean() < 0:  # positive minus negative should project above zero
             v = -v
-        directions.append(v.float())
-        total = float(evals.clamp_min(0).sum())
+        directions.append(v.float().cpu())
+        total = float(evals.clamp_min(0).sum().cpu())
         explained.append(float(evals[-1]) / total if total > 0 else 0.0)
     return torch.stack(directions), torch.tensor(explained)
 
@@ -135,7 +133,7 @@ def size_curve(stats: ContrastStats, sizes: list[int], seed: int) -> dict[int, t
     for n in sorted(set(sizes)):
         if n >= n_statements:
             continue
-        keep = torch.from_numpy(stats.owner < n)
+        keep = torch.from_numpy(stats.owner < n).to(stats.diffs.device)
         out[n] = fit_pca(stats.diffs[:, keep], seed)[0]
     return out
 
