@@ -35,7 +35,6 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
