@@ -151,3 +151,37 @@ def test_query_masking_drops_only_new_unconfident_words(tiny_llm):
     scores = np.array([-1.0 if w in (0, 3) else 0.5 for w in words])
     query = masked_query(tok, "Where is Paris?", "", gen, scores)
     assert query.startswith("Where is Paris?") and "Spain" not in query and "Paris is in" in query
+
+
+def test_truthfulqa_questions_batched_score_as_each_alone_under_steering(tiny_llm):
+    """MC1 with several questions (and their candidates) per pass picks what a plain full forward of prefix +
+    question + candidate picks, with and without steering."""
+    from detectors.ctrla.evaluation import mc_accuracy
+
+    examples = [
+        {"input": "What is the capital of Egypt?", "target_scores": {"Cairo.": 1, "Paris.": 0, "The capital of Egypt is Lima.": 0}},
+        {"input": "Which river flows through Cairo?", "target_scores": {"The Seine.": 0, "The Nile.": 1}},
+        {"input": "Who ran fast?", "target_scores": {"Bolt.": 1, "Nobody at all, ever.": 0, "A cat.": 0, "Kenya.": 0}},
+        {"input": "What is the sport of Bolt?", "target_scores": {"Athletics.": 0, "Chess.": 1}},
+    ]
+    prefix = "Q: What is the capital of France?\nA: Paris."
+    vectors = {1: 2.0 * torch.nn.functional.normalize(torch.randn(tiny_llm.fingerprint.hidden_size, generator=torch.Generator().manual_seed(0)), dim=0)}
+
+    def reference(steering) -> list[bool]:
+        hits = []
+        with steer(tiny_llm.model, steering), torch.no_grad():
+            for ex in examples:
+                context = tiny_llm.tokenizer(prefix)["input_ids"] + tiny_llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"]
+                scores = []
+                for answer in ex["target_scores"]:
+                    a = tiny_llm.tokenizer(f" {answer}", add_special_tokens=False)["input_ids"]
+                    logp = torch.log_softmax(tiny_llm.model(torch.tensor([context + a])).logits[0].float(), -1)
+                    scores.append(float(sum(logp[len(context) - 1 + j, t] for j, t in enumerate(a))))
+                hits.append(bool(list(ex["target_scores"].values())[int(np.argmax(scores))]))
+        return hits
+
+    for steering in ({}, vectors):
+        expected = reference(steering)
+        for batch_size in (1, 3):
+            accuracy, hits = mc_accuracy(tiny_llm, prefix, examples, steering, progress=False, batch_size=batch_size)
+            assert hits.tolist() == expected and accuracy == pytest.approx(np.mean(expected))

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+from transformers import DynamicCache
 
 from detectors.config.schema import PromptParams
 from detectors.ctrla.directions import Directions
@@ -144,33 +145,47 @@ def load_truthfulqa(
 
 
 def mc_accuracy(
-    llm: LLM, prefix_text: str, examples: list[dict[str, Any]], vectors: dict[int, torch.Tensor], progress: bool = True
+    llm: LLM, prefix_text: str, examples: list[dict[str, Any]], vectors: dict[int, torch.Tensor], progress: bool = True,
+    batch_size: int = 8,
 ) -> tuple[float, np.ndarray]:
     """MC1 accuracy: the candidate with the highest summed log-likelihood must be the correct one.
 
-    The whole prompt, few-shot prefix included, runs under the steering ``vectors`` (none for λ = 0).
-    The prefix runs once, each question once, and its candidates together on the question's cache.
+    The whole prompt, few-shot prefix included, runs under the steering ``vectors`` (none for λ = 0). The
+    prefix runs once; ``batch_size`` questions run together on its cache (right-padded), then all their
+    candidates together, each on its own question's cache rows (the question's padding masked out). On a
+    2-core CPU 8 questions per pass take 0.18 s/question against 0.22 one at a time (and 32, 0.22).
     """
     prefix = llm.tokenizer(prefix_text)["input_ids"] if prefix_text else []
     head, decoder = llm.model.get_output_embeddings(), llm.model.get_decoder()
-    pad = llm.tokenizer.pad_token_id or 0
+    pad, dev = llm.tokenizer.pad_token_id or 0, llm.device
     hits = []
-    with steer(llm.model, vectors), torch.no_grad():
+    with steer(llm.model, vectors), torch.no_grad(), progress_bar(total=len(examples), desc="TruthfulQA", unit="q", disable=not progress) as bar:
         kv = prefix_cache(llm, prefix)
-        for ex in progress_bar(examples, desc="TruthfulQA", unit="q", disable=not progress):
-            question = llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"]
-            answers = [llm.tokenizer(f" {a}", add_special_tokens=False)["input_ids"] for a in ex["target_scores"]]
-            out = decoder(torch.tensor([question], device=llm.device), past_key_values=as_cache(kv, 1, llm.model.config), use_cache=True)
-            q_kv = cache_states(out.past_key_values)
-            width = max(len(a) for a in answers)
-            ids = torch.tensor([a + [pad] * (width - len(a)) for a in answers], device=llm.device)
-            hidden = decoder(ids, past_key_values=as_cache(q_kv, len(answers), llm.model.config), use_cache=True).last_hidden_state
-            last_q = out.last_hidden_state[0, -1:]
-            loglik = []
-            for b, a in enumerate(answers):
-                states = torch.cat([last_q, hidden[b, : len(a) - 1]])  # the state before each answer token
+        for start in range(0, len(examples), batch_size):
+            batch = examples[start : start + batch_size]
+            questions = [llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"] for ex in batch]
+            width = max(len(q) for q in questions)
+            ids = torch.tensor([q + [pad] * (width - len(q)) for q in questions], device=dev)
+            out = decoder(ids, past_key_values=as_cache(kv, len(batch), llm.model.config), use_cache=True)
+            last_q = out.last_hidden_state[torch.arange(len(batch)), torch.tensor([len(q) - 1 for q in questions])]
+            owner, answers = zip(*[(b, llm.tokenizer(f" {a}", add_special_tokens=False)["input_ids"])
+                                   for b, ex in enumerate(batch) for a in ex["target_scores"]])  # fmt: skip
+            rows = torch.tensor(owner, device=dev)
+            cache = DynamicCache(ddp_cache_data=[(k[rows], v[rows]) for k, v in cache_states(out.past_key_values)], config=llm.model.config)
+            seen = torch.zeros(len(rows), len(prefix) + width, dtype=torch.long, device=dev)
+            for r, b in enumerate(owner):
+                seen[r, : len(prefix) + len(questions[b])] = 1
+            a_width = max(len(a) for a in answers)
+            a_ids = torch.tensor([a + [pad] * (a_width - len(a)) for a in answers], device=dev)
+            positions = torch.tensor([[len(prefix) + len(questions[b]) + j for j in range(a_width)] for b in owner], device=dev)
+            mask = torch.cat([seen, torch.ones(len(rows), a_width, dtype=torch.long, device=dev)], dim=1)
+            hidden = decoder(a_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+            loglik = [[] for _ in batch]
+            for r, (b, a) in enumerate(zip(owner, answers)):
+                states = torch.cat([last_q[b : b + 1], hidden[r, : len(a) - 1]])  # the state before each answer token
                 logp = torch.log_softmax(head(states).float(), dim=-1)
-                loglik.append(float(logp.gather(1, torch.tensor(a, device=logp.device)[:, None]).sum()))
-            hits.append(bool(list(ex["target_scores"].values())[int(np.argmax(loglik))]))
+                loglik[b].append(float(logp.gather(1, torch.tensor(a, device=dev)[:, None]).sum()))
+            hits.extend(bool(list(ex["target_scores"].values())[int(np.argmax(ll))]) for ex, ll in zip(batch, loglik))
+            bar.update(len(batch))
     hits_arr = np.array(hits)
     return float(hits_arr.mean()), hits_arr
