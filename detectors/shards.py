@@ -16,12 +16,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import pandas as pd
 import torch
 
+from detectors.config.sections import ExecutionParams
 from detectors.errors import RecordError
+from detectors.execution import map_units
 from detectors.io import write_json
 from detectors.progress import progress
 
@@ -93,7 +95,6 @@ class ShardStore:
     def __init__(self, directory: str | Path, config: dict[str, Any]):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._written: set[int] = set()
         digest = config_hash(config)
         manifest = self.dir / "manifest.json"
         previous = json.loads(manifest.read_text()) if manifest.exists() else {}
@@ -127,7 +128,6 @@ class ShardStore:
         tmp = self.dir / f".shard-{index:05d}.parquet.part"
         frame.to_parquet(tmp, index=False)
         os.replace(tmp, self.path(index))
-        self._written.add(index)
 
     def read(self, indices: range) -> pd.DataFrame:
         frames = [pd.read_parquet(self.path(i)) for i in indices]
@@ -144,21 +144,33 @@ class ShardStore:
         stored = pd.read_parquet(self.path(index), columns=["id", "status"])
         return chunk[chunk["id"].isin(stored.loc[is_error(stored["status"]), "id"])]
 
-    def pending(self, table: pd.DataFrame, size: int, desc: str, unit: str) -> Iterator[tuple[int, pd.DataFrame]]:
-        """The work left in ``table`` (which has an ``id`` column) as ``(shard index, rows)``: every row of
-        an unfinished shard and the error records of a finished one, with a progress bar over those rows.
-        The caller writes shard ``index`` before asking for the next one."""
+    def todo(self, table: pd.DataFrame, size: int) -> list[tuple[int, pd.DataFrame]]:
+        """The work left in ``table`` (which has an ``id`` column) as ``(shard index, rows)``: every row of an
+        unfinished shard and the error records of a finished one."""
         chunks = [(k, self._todo(k, table.iloc[k * size : (k + 1) * size])) for k in range(self.count(len(table), size))]
-        todo = [(k, rows) for k, rows in chunks if len(rows)]
-        n_todo = sum(len(rows) for _, rows in todo)
-        log.info("%s: %d %s in %d shards, %d %s to compute", desc, len(table), unit, len(chunks), n_todo, unit)
-        with progress(total=len(table), initial=len(table) - n_todo, desc=desc, unit=unit) as bar:
-            for k, rows in todo:
-                yield k, rows
-                if k not in self._written:
-                    raise RuntimeError(f"shard {k} of {self.dir} was not written before the next one was asked for")
-                bar.update(len(rows))
+        return [(k, rows) for k, rows in chunks if len(rows)]
 
     def read_all(self, n_items: int, size: int) -> pd.DataFrame:
         """Every shard of a table of ``n_items`` rows, in order (all must be done)."""
         return self.read(range(self.count(n_items, size)))
+
+
+def run_shards(
+    store: ShardStore, table: pd.DataFrame, size: int, make_worker: Callable[[], Callable[[tuple[int, pd.DataFrame]], pd.DataFrame]],
+    execution: ExecutionParams, budget: FailureBudget, desc: str, unit: str,
+) -> None:
+    """Compute the work left in ``table`` in shards of ``size`` rows, where ``execution`` says (see
+    :mod:`detectors.execution`), with a progress bar over the records. ``make_worker()`` builds a worker (it loads
+    the LLM once); ``worker((k, rows))`` computes those rows of shard ``k``, writes the shard with ``store.write``
+    and returns the records' ``id`` and ``status``, which the failure budget counts. A worker that stops halfway
+    loses only its shard in flight: the others are on disk, and the next run computes only what is missing."""
+    todo = store.todo(table, size)
+    n_todo = sum(len(rows) for _, rows in todo)
+    log.info("%s: %d %s in %d shards, %d %s to compute", desc, len(table), unit, store.count(len(table), size), n_todo, unit)
+    with progress(total=len(table), initial=len(table) - n_todo, desc=desc, unit=unit) as bar:
+        for i, statuses in map_units(todo, make_worker, execution):
+            k, rows = todo[i]
+            if not store.done(k):
+                raise RuntimeError(f"the worker of shard {k} of {store.dir} returned without writing it")
+            budget.add(statuses)
+            bar.update(len(rows))

@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
+from detectors.execution import LLMSpec
 from detectors.imports import ROOT, import_closure
 from detectors.io import file_digest
-from detectors.llm.loading import LLM
 from detectors.shards import FailureBudget, ShardStore
 
 log = logging.getLogger(__name__)
@@ -42,22 +42,23 @@ def library_versions(names: Iterable[str]) -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in names}
 
 
-def record_key(module: str, params: dict[str, Any], llm: LLM, inputs: dict[str, str], libraries: Iterable[str]) -> dict[str, Any]:
+def record_key(module: str, params: dict[str, Any], llm: LLMSpec, inputs: dict[str, str], libraries: Iterable[str]) -> dict[str, Any]:
     """Everything that shapes the records of stage ``module``: the params that enter a record, the LLM
     (fingerprint, dtype, device type), the input tables' digests, the code and the library versions."""
     return {
         "params": params,
-        "llm": {**llm.fingerprint.to_dict(), "dtype": llm.dtype_name, "device": llm.device.type},
+        "llm": llm.key(),
         "inputs": {name: file_digest(path) for name, path in inputs.items()},
         "code": code_digest(module),
         "libraries": library_versions(libraries),
     }
 
 
-def open_shards(stage: str, params: Any, llm: LLM, inputs: dict[str, str], libraries: Iterable[str], directory: str, n_records: int):
+def open_shards(stage: str, params: Any, llm: LLMSpec, inputs: dict[str, str], libraries: Iterable[str], directory: str, n_records: int):
     """The shard store of build stage ``stage`` (section ``params``), keyed on what shapes its records
     (every key of the section but ``max_failed_share``), and the failure budget of its ``n_records``."""
     shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"}
     store = ShardStore(directory, record_key(f"pipelines.{stage}", shaping, llm, inputs, libraries))
-    log.info("%s: LLM %s (%s on %s)", stage, llm.fingerprint.name, llm.dtype_name, llm.device)
+    key = llm.key()
+    log.info("%s: LLM %s (%s on %s)", stage, key["name"], key["dtype"], key["device"])
     return store, FailureBudget(n_records, params.max_failed_share, f"{stage}.max_failed_share", store.dir)

@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from detectors.execution import LLMSpec
 from detectors.inference import load_detector
-from detectors.llm.loading import load_llm
 from detectors.rag.metrics import FAILED
 from detectors.rag.loop import RagConfig, RagLoop, RagResult, answer_after, question_trace
 from detectors.rag.queries import DiorWeights
@@ -26,8 +26,7 @@ class RagRuntime:
 
     def __init__(self, p, thresholds: dict[str, float]):
         self.p, self.params, self.thresholds = p, p["rag_eval"], thresholds
-        llm = p["llm"]
-        self.llm = load_llm(p["paths.llm"], llm.dtype, llm.device)
+        self.llm = LLMSpec.of(p).load()
         self.llm_name, self.llm_digest = self.llm.fingerprint.name, store.llm_digest(self.llm.fingerprint)
         self.tracking_uri = store.configure(p["mlflow"].tracking_uri)
         self._retrievers: dict[str, BM25Retriever] = {}

@@ -8,6 +8,7 @@ error costs only the record that causes it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -15,15 +16,15 @@ import pandas as pd
 import torch
 
 from detectors.dior.early import early_records
+from detectors.execution import LLMSpec
 from detectors.io import write_json
-from detectors.llm.loading import load_llm
-from detectors.shards import OK, failure_status, status_counts
+from detectors.shards import OK, ShardStore, failure_status, run_shards, status_counts
 from pipelines._provenance import open_shards
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_early")
 LIBRARIES = ("torch", "transformers", "tokenizers", "captum")  # their versions are part of the shard key
-READS = ("llm", "build_early", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report")
+READS = ("llm", "build_early", "execution", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report")
 
 
 def _records(llm, rows: list, params) -> list[dict]:
@@ -69,16 +70,26 @@ def report(frame: pd.DataFrame) -> dict:
     }
 
 
+class ShardWorker:
+    """Computes and writes shards of the early set; loads the LLM once (in the stage's process or a Ray actor)."""
+
+    def __init__(self, llm: LLMSpec, params, store: ShardStore):
+        self.llm, self.params, self.store = llm.load(), params, store
+
+    def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
+        k, rows = shard
+        records = pd.DataFrame(_records(self.llm, list(rows.itertuples(index=False)), self.params))
+        self.store.write(k, records)
+        return records[["id", "status"]]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "build_early")
-    llm_params, params = p["llm"], p["build_early"]
+    params = p["build_early"]
     table = pd.read_parquet(p["paths.qa"])
-    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
+    llm = LLMSpec.of(p)
     store, budget = open_shards("build_early", params, llm, {"qa": p["paths.qa"]}, LIBRARIES, p["paths.early_shards"], len(table))
-    for k, rows in store.pending(table, params.shard_size, "build_early", "q"):
-        records = pd.DataFrame(_records(llm, list(rows.itertuples(index=False)), params))
-        store.write(k, records)
-        budget.add(records)
+    run_shards(store, table, params.shard_size, functools.partial(ShardWorker, llm, params, store), p["execution"], budget, "build_early", "q")
     frame = store.read_all(len(table), params.shard_size)
     out = Path(p["paths.early"])
     out.parent.mkdir(parents=True, exist_ok=True)

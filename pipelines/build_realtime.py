@@ -8,6 +8,7 @@ records that failed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -19,16 +20,16 @@ from safetensors.numpy import load_file, save_file
 
 from detectors.dior.entities import PARTS, EntityTools, label_continuation, prepare_article
 from detectors.dior.recorder import generate_traced
+from detectors.execution import LLMSpec
 from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
-from detectors.llm.loading import load_llm
-from detectors.shards import OK, ShardStore, failure_status, status_counts
+from detectors.shards import OK, ShardStore, failure_status, run_shards, status_counts
 from pipelines._provenance import open_shards
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_realtime")
 READS = (
-    "llm", "build_realtime", "paths.llm", "paths.articles", "paths.realtime_shards", "paths.realtime",
+    "llm", "build_realtime", "execution", "paths.llm", "paths.articles", "paths.realtime_shards", "paths.realtime",
     "paths.realtime_hidden", "paths.realtime_report",
 )  # fmt: skip
 HIDDEN = ".hidden.safetensors"
@@ -117,24 +118,37 @@ def report(frame: pd.DataFrame) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "build_realtime")
-    llm_params, params = p["llm"], p["build_realtime"]
-    table = pd.read_parquet(p["paths.articles"])
-    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
-    state_indices = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_realtime.hidden_layers")
-    tools = EntityTools(params.spacy_model, params.embedding_model)
-    inputs = {"articles": p["paths.articles"]}
-    store, budget = open_shards("build_realtime", params, llm, inputs, LIBRARIES, p["paths.realtime_shards"], len(table))
-    for k, chunk in store.pending(table, params.shard_size, "build_realtime", "article"):
+class ShardWorker:
+    """Computes and writes shards of the real-time set (records, then the hidden-state sidecar); loads the LLM, spaCy
+    and the embedding model once (in the stage's process or a Ray actor)."""
+
+    def __init__(self, llm: LLMSpec, params, store: ShardStore):
+        self.llm, self.params, self.store = llm.load(), params, store
+        self.state_indices = hidden_state_indices(params.hidden_layers, self.llm.fingerprint.num_layers, "build_realtime.hidden_layers")
+        self.tools = EntityTools(params.spacy_model, params.embedding_model)
+
+    def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
+        k, chunk = shard
         with torch.no_grad():
-            rows, hidden = build_shard(llm, tools, chunk, state_indices, params)
-        sidecar = store.sidecar(k, HIDDEN)
-        kept = load_file(str(sidecar)) if store.done(k) else {}  # a retry adds to the shard's finished records
+            rows, hidden = build_shard(self.llm, self.tools, chunk, self.state_indices, self.params)
+        sidecar = self.store.sidecar(k, HIDDEN)
+        kept = load_file(str(sidecar)) if self.store.done(k) else {}  # a retry adds to the shard's finished records
         save_file(kept | hidden, str(sidecar))
         records = pd.DataFrame(rows)
-        store.write(k, records)
-        budget.add(records)
+        self.store.write(k, records)
+        return records[["id", "status"]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_params(__doc__, argv, READS, "build_realtime")
+    params = p["build_realtime"]
+    table = pd.read_parquet(p["paths.articles"])
+    llm = LLMSpec.of(p)
+    hidden_state_indices(params.hidden_layers, llm.key()["num_layers"], "build_realtime.hidden_layers")  # bad layers fail before any work
+    inputs = {"articles": p["paths.articles"]}
+    store, budget = open_shards("build_realtime", params, llm, inputs, LIBRARIES, p["paths.realtime_shards"], len(table))
+    worker = functools.partial(ShardWorker, llm, params, store)
+    run_shards(store, table, params.shard_size, worker, p["execution"], budget, "build_realtime", "article")
     write_outputs(store, ShardStore.count(len(table), params.shard_size), p["paths.realtime"], p["paths.realtime_hidden"], p["paths.realtime_report"])
 
 

@@ -8,6 +8,7 @@ per layer and how close directions fitted on fewer statements come to the full o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -18,12 +19,13 @@ import torch
 from detectors.ctrla.directions import extract
 from detectors.ctrla.layers import resolve_range
 from detectors.ctrla.statements import load_statements
+from detectors.execution import LLMSpec, map_units
 from detectors.io import write_json
-from detectors.llm.loading import load_llm, prepared_reference
+from detectors.llm.loading import prepared_reference
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("extract_directions")
-READS = ("llm", "extract_directions", "paths.llm", "paths.qa", "paths.directions", "paths.extract_directions_metrics")
+READS = ("llm", "extract_directions", "execution", "paths.llm", "paths.qa", "paths.directions", "paths.extract_directions_metrics")
 CONCEPTS = ("honesty", "confidence")
 
 
@@ -34,47 +36,55 @@ def curve_similarity(directions, layers: list[int]) -> dict[str, float]:
             for n, v in sorted(directions.curve.items())}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "extract_directions")
-    llm_params, params = p["llm"], p["extract_directions"]
-    statements = {c: load_statements(getattr(params, c).statements, p["paths.qa"]) for c in CONCEPTS}  # fail early
-    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
-    torch.manual_seed(params.seed)
-    _, llm_ref = prepared_reference(p["paths.llm"])  # extract() adds the dtype the directions are extracted in
-    layers = {
-        "honesty": resolve_range(params.steering.layers, llm.fingerprint.num_layers),
-        "confidence": resolve_range(params.monitor.layers, llm.fingerprint.num_layers),
-    }
-    metrics = {}
-    for concept in CONCEPTS:
-        start = time.time()
+class ConceptWorker:
+    """Extracts one concept's directions per call and saves them under ``out``; loads the LLM once (in the stage's
+    process or a Ray actor, so that honesty and confidence can be extracted side by side)."""
+
+    def __init__(self, llm: LLMSpec, params, statements: dict, out: str):
+        self.llm, self.params, self.statements, self.out = llm.load(), params, statements, Path(out)
+        torch.manual_seed(params.seed)
+        _, self.llm_ref = prepared_reference(llm.location)  # extract() adds the dtype the directions are extracted in
+        n_layers = self.llm.fingerprint.num_layers
+        self.layers = {"honesty": resolve_range(params.steering.layers, n_layers), "confidence": resolve_range(params.monitor.layers, n_layers)}
+
+    def __call__(self, concept: str) -> dict:
+        start, params = time.time(), self.params
         contrast = getattr(params, concept)
         config = {
-            "llm": llm_ref,
+            "llm": self.llm_ref,
             "instructions": {"positive": contrast.positive, "negative": contrast.negative, "chat": contrast.chat},
             "statements": dataclasses.asdict(contrast.statements),
             "steering": dataclasses.asdict(params.steering),
             "monitor": dataclasses.asdict(params.monitor),
             "seed": params.seed,
         }
-        directions, stats = extract(
-            llm, concept, contrast, statements[concept], layers[concept], params.batch_size, params.seed, params.size_curve, config
+        layers = self.layers[concept]
+        directions, _ = extract(
+            self.llm, concept, contrast, self.statements[concept], layers, params.batch_size, params.seed, params.size_curve, config
         )
-        directions.save(Path(p["paths.directions"]) / concept)
+        directions.save(self.out / concept)
         ev = directions.explained_variance.numpy()
-        chosen = np.array(layers[concept]) - 1
-        metrics[concept] = {
+        chosen = np.array(layers) - 1
+        metrics = {
             "n_statements": directions.config["n_statements"],
             "n_tokens": directions.config["n_tokens"],
-            "layers": layers[concept],
+            "layers": layers,
             "explained_variance_chosen": round(float(ev[chosen].mean()), 4),
             "explained_variance_per_layer": [round(float(x), 4) for x in ev],
-            "size_curve_cosine": curve_similarity(directions, layers[concept]),
+            "size_curve_cosine": curve_similarity(directions, layers),
             "seconds": round(time.time() - start, 1),
         }
-        log.info("%s: %s", concept, {k: v for k, v in metrics[concept].items() if k != "explained_variance_per_layer"})
-        del stats
-    write_json(p["paths.extract_directions_metrics"], metrics)
+        log.info("%s: %s", concept, {k: v for k, v in metrics.items() if k != "explained_variance_per_layer"})
+        return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_params(__doc__, argv, READS, "extract_directions")
+    params = p["extract_directions"]
+    statements = {c: load_statements(getattr(params, c).statements, p["paths.qa"]) for c in CONCEPTS}  # fail early
+    worker = functools.partial(ConceptWorker, LLMSpec.of(p), params, statements, p["paths.directions"])
+    metrics = {CONCEPTS[i]: result for i, result in map_units(CONCEPTS, worker, p["execution"])}
+    write_json(p["paths.extract_directions_metrics"], {c: metrics[c] for c in CONCEPTS})
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import pandas as pd
 
 from detectors.errors import InputError
+from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.progress import progress
 from detectors.rag.metrics import FAILED, summarise
@@ -39,7 +41,7 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("rag_eval")
 READS = (
-    "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "mlflow",
+    "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "mlflow", "execution",
     "paths.llm", "paths.qa", "paths.comparison", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla",
     "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_table", "paths.rag_curves", "paths.rag_prompts",
 )  # fmt: skip
@@ -155,38 +157,61 @@ def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[s
     return {corpus: {name: summarise(results, answers) for name, results in configs.items()} for corpus, configs in lines.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    from pipelines._rag_runtime import RagRuntime  # the loop, the retrievers and the LLM
+class RunFileWorker:
+    """Answers the questions of one run file per call (a corpus × configuration, or the sweep), resuming it; builds
+    the LLM, retrievers and triggers once (in the stage's process or a Ray actor). Returns the file's lines and the
+    digests that identify what answered them."""
 
+    def __init__(self, p, thresholds: dict[str, float], rows: pd.DataFrame, base_key: dict[str, Any]):
+        from pipelines._rag_runtime import RagRuntime  # the loop, the retrievers and the LLM
+
+        self.runtime, self.params, self.rows, self.base_key = RagRuntime(p, thresholds), p["rag_eval"], rows, base_key
+        self.runs_dir = Path(p["paths.rag_runs"])
+
+    def __call__(self, unit: tuple[str, str]) -> dict[str, Any]:
+        corpus, name = unit
+        runtime, params = self.runtime, self.params
+        base = {**self.base_key, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
+        out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
+        path = self.runs_dir / corpus / f"{name}.jsonl"
+        if name == SWEEP:
+            sweep_loop, out["triggers"] = runtime.sweep_loop(corpus)
+            key = config_hash({**base, "sweep": dataclasses.asdict(params.sweep), "triggers": out["triggers"]})
+            refs = {q: list(a) for q, a in zip(self.rows["question"], self.rows["answers"])}
+            out["lines"] = run_questions(path, key, self.rows, lambda q, _: sweep_loop(q, refs[q]), 0, f"{corpus} · sweep")
+        else:
+            config = params.configurations[name]
+            key = config_hash({**base, "configuration": dataclasses.asdict(config)})
+            out["lines"] = run_questions(path, key, self.rows, runtime.loop(name, config, corpus), params.prompts_sample, f"{corpus} · {name}")
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "rag_eval")
     params = p["rag_eval"]
     rows = sample_questions(pd.read_parquet(p["paths.qa"]), params.questions)
     answers = [list(a) for a in rows["answers"]]
     comparison = pd.read_parquet(p["paths.comparison"]) if Path(p["paths.comparison"]).exists() else None
-    runtime = RagRuntime(p, resolve_thresholds(params.thresholds, comparison))
+    thresholds = resolve_thresholds(params.thresholds, comparison)
     registries = {k: file_digest(p[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla") if Path(p[f"paths.registry_{k}"]).exists()}
-    base_key = {"code": code_digest("pipelines.rag_eval"), "llm": runtime.llm_digest, "registry": registries, "qa": file_digest(p["paths.qa"]),
-                "thresholds": runtime.thresholds, "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions")}}  # fmt: skip
-    runs_dir = Path(p["paths.rag_runs"])
-    lines: dict[str, dict[str, list[dict]]] = {}
-    for corpus in params.corpora:
-        lines[corpus] = {}
-        for name, config in params.configurations.items():
-            if not config.triggers and corpus != params.corpora[0]:  # never retrieves: the same answers on every corpus
-                lines[corpus][name] = lines[params.corpora[0]][name]
-                continue
-            loop = runtime.loop(name, config, corpus)
-            key = config_hash({**base_key, "configuration": dataclasses.asdict(config), "corpus": runtime.corpus_digest(corpus)})
-            lines[corpus][name] = run_questions(runs_dir / corpus / f"{name}.jsonl", key, rows, loop, params.prompts_sample, f"{corpus} · {name}")
-            check_failures(lines[corpus][name], f"{corpus} · {name}")
+    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "qa": file_digest(p["paths.qa"]), "thresholds": thresholds,
+                "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions")}}  # fmt: skip
+    first = params.corpora[0]
+    units = [(corpus, name) for corpus in params.corpora for name, config in params.configurations.items() if config.triggers or corpus == first]
+    units.append((params.sweep.corpus, SWEEP))  # a configuration that never retrieves answers the same on every corpus: run once
+    worker = functools.partial(RunFileWorker, p, thresholds, rows, base_key)
+    results = {units[i]: result for i, result in map_units(units, worker, p["execution"])}
+    lines = {corpus: {name: results[(corpus, name) if config.triggers else (first, name)]["lines"] for name, config in params.configurations.items()}
+             for corpus in params.corpora}  # fmt: skip
+    for corpus, name in units[:-1]:
+        check_failures(lines[corpus][name], f"{corpus} · {name}")
     metrics: dict[str, Any] = evaluate_lines(lines, answers)
-    sweep_loop, triggers = runtime.sweep_loop(params.sweep.corpus)
-    key = config_hash({**base_key, "sweep": dataclasses.asdict(params.sweep), "triggers": triggers, "corpus": runtime.corpus_digest(params.sweep.corpus)})
-    answer_refs = dict(zip(rows["question"], answers))
-    swept = run_questions(runs_dir / params.sweep.corpus / f"{SWEEP}.jsonl", key, rows, lambda q, _: sweep_loop(q, answer_refs[q]), 0, f"{params.sweep.corpus} · sweep")
-    curves = sweep_curves(swept, triggers)
+    swept = results[units[-1]]
+    curves = sweep_curves(swept["lines"], swept["triggers"])
     metrics[SWEEP] = {"corpus": params.sweep.corpus, "query": params.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
-    metrics["digests"] = {"llm": runtime.llm_digest, "corpora": {c: runtime.corpus_digest(c) for c in params.corpora}}
+    llm_name, llm_digest = swept["llm"]
+    digests = {corpus: result["corpus_digest"] for (corpus, _), result in results.items()}
+    metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in params.corpora}}
     write_json(p["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in params.corpora}
     markdown = markdown_table(table) + "\n" + curves_table(metrics[SWEEP])
@@ -196,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     write_curves(p["paths.rag_curves"], curves)
     write_prompts(p["paths.rag_prompts"], lines, params.prompts_sample)
     configs = {name: dataclasses.asdict(c) for name, c in params.configurations.items()}
-    tags = {"llm": runtime.llm_name, "llm_digest": runtime.llm_digest}
+    tags = {"llm": llm_name, "llm_digest": llm_digest}
     log_rag_runs(table, metrics[SWEEP], configs, params.experiment, tags, p["mlflow"].artifact_root, metrics["digests"]["corpora"])
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from detectors.config.sections import ExecutionParams
 from detectors.errors import RecordError
-from detectors.shards import FailedRecordsError, FailureBudget, ShardStore, failure_status, status_counts
+from detectors.shards import FailedRecordsError, FailureBudget, ShardStore, failure_status, run_shards, status_counts
+
+LOCAL = ExecutionParams(backend="local", address=None, workers=1, gpus_per_worker=0, cpus_per_worker=1)
 
 
 def rows(ids, status="ok", **cols) -> pd.DataFrame:
@@ -26,20 +29,24 @@ def test_shards_resume_and_are_cleared_by_another_config(tmp_path):
     assert not any(other.done(k) for k in range(3)) and not list(tmp_path.glob("shard-*"))
 
 
-def test_pending_yields_only_unfinished_shards_and_requires_each_to_be_written(tmp_path):
+def test_todo_is_the_unfinished_shards_and_run_shards_requires_each_to_be_written(tmp_path):
     table = pd.DataFrame({"id": [f"r{i}" for i in range(10)], "x": range(10)})
     store = ShardStore(tmp_path, {"a": 1})
     store.write(1, rows(["r4", "r5", "r6", "r7"], y=[4, 5, 6, 7]))  # finished by an earlier, killed run
-    seen = []
-    for k, chunk in store.pending(table, 4, "test", "item"):
-        seen.append((k, chunk["x"].tolist()))
-        store.write(k, chunk.assign(status="ok", y=chunk["x"]))
-    assert seen == [(0, [0, 1, 2, 3]), (2, [8, 9])]
-    assert store.read_all(10, 4)["y"].tolist() == list(range(10))
+    assert [(k, chunk["x"].tolist()) for k, chunk in store.todo(table, 4)] == [(0, [0, 1, 2, 3]), (2, [8, 9])]
+
+    def worker():
+        def compute(shard):
+            k, chunk = shard
+            store.write(k, chunk.assign(status="ok", y=chunk["x"]))
+            return store.read(range(k, k + 1))[["id", "status"]]
+        return compute
+
+    run_shards(store, table, 4, worker, LOCAL, FailureBudget(10, 0.0, "x", tmp_path), "test", "item")
+    assert store.read_all(10, 4)["y"].tolist() == list(range(10)) and store.todo(table, 4) == []
     fresh = ShardStore(tmp_path / "other", {"a": 1})
-    with pytest.raises(RuntimeError, match="shard 0 .* was not written"):
-        for _ in fresh.pending(table, 4, "test", "item"):
-            pass  # forgets to write: the next shard is refused instead of being silently skipped on resume
+    with pytest.raises(RuntimeError, match="shard 0 .* returned without writing it"):  # never silently skipped on resume
+        run_shards(fresh, table, 4, lambda: lambda shard: shard[1].assign(status="ok"), LOCAL, FailureBudget(10, 0.0, "x", tmp_path), "test", "item")
 
 
 def test_errors_are_retried_alone_and_merged_in_order_while_skipped_records_are_final(tmp_path):
@@ -49,15 +56,13 @@ def test_errors_are_retried_alone_and_merged_in_order_while_skipped_records_are_
     store.write(0, table.assign(status=first, y=[None, 2, None, 4]))
     assert first[0] == "error: OSError: disk gone" and first[2] == "skipped: no entity"
     store = ShardStore(tmp_path, {"a": 1})  # the next run
-    todo = store.pending(table, 4, "test", "item")
-    k, chunk = next(todo)
+    [(k, chunk)] = store.todo(table, 4)
     assert (k, chunk["id"].tolist()) == (0, ["a"])  # only the error, not the skipped record
     store.write(0, rows(["a"], y=[1]))
-    assert list(todo) == []
     merged = store.read_all(4, 4)
     assert merged["id"].tolist() == ["a", "b", "c", "d"] and merged["y"].tolist()[:2] == [1, 2]
     assert merged["status"].tolist() == ["ok", "ok", "skipped: no entity", "ok"]
-    assert list(ShardStore(tmp_path, {"a": 1}).pending(table, 4, "test", "item")) == []
+    assert ShardStore(tmp_path, {"a": 1}).todo(table, 4) == []
     counts = status_counts(merged)
     assert counts["skipped"] == 1 and counts["failed"] == 0 and counts["skip_reasons"] == {"no entity": 1}
 

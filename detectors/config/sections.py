@@ -352,6 +352,27 @@ class EvaluateDirectionsParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExecutionParams:
+    """Where the stages that load the LLM (build_early, build_realtime, extract_directions, rag_eval) run their units
+    of work (shards, concepts, run files): one after another in the stage's process, or on an actor pool of a Ray
+    cluster (:mod:`detectors.execution`). The outputs are the same either way; only the speed differs."""
+
+    backend: Literal["local", "ray"]
+    address: str | None  # ray: None = start Ray on this machine; "auto" = the cluster `ray start` runs here; ray://host:port
+    workers: int  # ray: actors, each loading the LLM once (one per GPU, or per CPU worker)
+    gpus_per_worker: float  # ray: GPUs per actor (0 = CPU workers)
+    cpus_per_worker: float  # ray: CPU cores per actor (its torch threads)
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.workers", self.workers)
+        positive(f"{where}.cpus_per_worker", self.cpus_per_worker)
+        if not self.gpus_per_worker >= 0:
+            fail(f"{where}.gpus_per_worker", self.gpus_per_worker, "must be >= 0 (0 = CPU workers, 1 = one actor per GPU)")
+        if self.address is not None and not (self.address == "auto" or self.address.startswith("ray://") or ":" in self.address):
+            fail(f"{where}.address", self.address, "use null (start Ray here), auto (the running cluster), host:port or ray://host:port")
+
+
+@dataclasses.dataclass(frozen=True)
 class RegisterCtrlAParams:
     honesty_name: str
     confidence_name: str
@@ -380,4 +401,5 @@ SECTIONS: dict[str, type] = {
     "register_ctrla": RegisterCtrlAParams,
     "index_corpus": IndexCorpusParams,
     "rag_eval": RagEvalParams,
+    "execution": ExecutionParams,
 }

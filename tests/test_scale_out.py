@@ -1,0 +1,197 @@
+"""The build stages on Ray: a cluster started in-process with 2 CPU workers builds the early and real-time sets and
+the CtrlA directions of the tiny Llama exactly as the local backend does; a worker killed mid-run loses only its
+shard in flight, and a shard that raises stops the run keeping every finished shard, so the next run computes only
+what is missing."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+import ray
+import torch
+import yaml
+from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_tensors
+
+from detectors.config import load_section
+from detectors.execution import LLMSpec, map_units
+from detectors.shards import run_shards
+from pipelines import build_early, build_realtime, extract_directions, prepare, prepare_articles
+from pipelines._provenance import open_shards
+from test_build_resume import edit_params
+from test_pipeline import write_params
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this module's workers travel to the actors by value
+RAY = {"backend": "ray", "address": None, "workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Ray in this process with room for 2 CPU workers (and the driver); the stages join it instead of starting one."""
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture()
+def project(tmp_path, tiny_checkpoint):
+    previous = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        write_params(tmp_path, tiny_checkpoint)
+        edit_params(tmp_path, "qa", limit=24)
+        edit_params(tmp_path, "build_early", shard_size=4)  # six shards: both workers get several
+        edit_params(tmp_path, "build_realtime", shard_size=4)
+        prepare.main(["--params", "params.yaml"])
+        prepare_articles.main(["--params", "params.yaml"])
+        yield tmp_path
+    finally:
+        os.chdir(previous)
+
+
+def outputs(project: Path) -> dict:
+    return {
+        "early": pd.read_parquet(project / "data/early/early.parquet"),
+        "realtime": pd.read_parquet(project / "data/realtime/realtime.parquet"),
+        "hidden": load_file(project / "data/realtime/hidden.safetensors")["hidden"],
+    }
+
+
+def assert_same(a: dict, b: dict) -> None:
+    pd.testing.assert_frame_equal(a["early"], b["early"])
+    pd.testing.assert_frame_equal(a["realtime"], b["realtime"])
+    assert (a["hidden"] == b["hidden"]).all()
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Torch threads of this process: a CPU's float reductions depend on how many threads share them, so the local
+    runs compute with the one thread of each Ray worker (``cpus_per_worker: 1``) when outputs are compared bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build(project: Path, backend: dict | None = None) -> dict:
+    if backend:
+        edit_params(project, "execution", **backend)
+    for shards in ("data/early/shards", "data/realtime/shards"):
+        for path in (project / shards).glob("*"):
+            path.unlink()
+    with threads(1):
+        build_early.main(["--params", "params.yaml"])
+        build_realtime.main(["--params", "params.yaml"])
+    return outputs(project)
+
+
+def shard_times(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in directory.glob("shard-*.parquet")}
+
+
+def test_map_units_starts_ray_when_none_runs_and_stops_it_after(tmp_path):
+    """``address: null`` starts a Ray of its own for the stage; the units come back by index whatever their order."""
+    assert not ray.is_initialized()  # runs before the module's cluster starts
+    execution = load_section("execution", data={"execution": RAY})
+    results = dict(map_units(list(range(5)), square_worker, execution))
+    assert results == {i: i * i for i in range(5)} and not ray.is_initialized()
+
+
+def square_worker():
+    return lambda x: x * x
+
+
+def test_ray_with_two_workers_builds_the_same_sets_as_local(project, cluster):
+    local = build(project)
+    assert (local["early"]["status"] == "ok").sum() > 12 and len(local["realtime"]) > 8
+    on_ray = build(project, RAY)
+    assert_same(local, on_ray)
+    assert len(list((project / "data/early/shards").glob("shard-*.parquet"))) == 6
+
+
+def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
+    local = build(project)
+    edit_params(project, "execution", **RAY)
+    for path in (project / "data/early/shards").glob("*"):
+        path.unlink()
+    shards, killed, finished_before = project / "data/early/shards", [], {}
+
+    def kill_one_worker_after_the_first_shard():
+        deadline = time.time() + 120
+        while not list(shards.glob("shard-*.parquet")) and time.time() < deadline:
+            time.sleep(0.02)
+        finished_before.update(shard_times(shards))
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if " ".join(proc.info["cmdline"] or []).startswith("ray::MapWorker(MapBatches(_Actor))"):
+                os.kill(proc.info["pid"], signal.SIGKILL)
+                killed.append(proc.info["pid"])
+                return
+
+    killer = threading.Thread(target=kill_one_worker_after_the_first_shard)
+    killer.start()
+    build_early.main(["--params", "params.yaml"])  # the killed actor is restarted and its shard computed again
+    killer.join()
+    assert killed, "no Ray worker was found to kill"
+    assert {name: t for name, t in shard_times(shards).items() if name in finished_before} == finished_before
+    pd.testing.assert_frame_equal(pd.read_parquet(project / "data/early/early.parquet"), local["early"])
+
+
+class FailingWorker(build_early.ShardWorker):
+    """build_early's worker, whose shard 2 raises (a device error, say) after the others are written."""
+
+    def __call__(self, shard):
+        if shard[0] == 2:
+            time.sleep(1.0)  # the other worker finishes its shards first
+            raise RuntimeError("device lost")
+        return super().__call__(shard)
+
+
+def test_a_shard_that_raises_stops_the_run_and_the_next_run_computes_only_what_is_missing(project, cluster):
+    local = build(project)
+    edit_params(project, "execution", **RAY)
+    for path in (project / "data/early/shards").glob("*"):
+        path.unlink()
+    p = yaml.safe_load((project / "params.yaml").read_text())
+    params, execution = load_section("build_early", data=p), load_section("execution", data=p)
+    table = pd.read_parquet(project / "data/prepared/qa.parquet")
+    llm = LLMSpec(p["paths"]["llm"], "float32", "cpu")
+    store, budget = open_shards("build_early", params, llm, {"qa": p["paths"]["qa"]}, build_early.LIBRARIES, p["paths"]["early_shards"], len(table))
+    with pytest.raises(Exception, match="device lost"):
+        run_shards(store, table, params.shard_size, functools.partial(FailingWorker, llm, params, store), execution, budget, "test", "q")
+    shards = project / "data/early/shards"
+    kept = shard_times(shards)
+    assert "shard-00002.parquet" not in kept and len(kept) >= 1
+    assert all((pd.read_parquet(shards / name)["status"] == "ok").all() for name in kept)
+    build_early.main(["--params", "params.yaml"])  # the real worker: only the missing shards are computed
+    assert {name: t for name, t in shard_times(shards).items() if name in kept} == kept
+    pd.testing.assert_frame_equal(pd.read_parquet(project / "data/early/early.parquet"), local["early"])
+
+
+def test_ctrla_directions_on_ray_equal_local(project, cluster):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    for concept in ("honesty", "confidence"):
+        params["extract_directions"][concept]["statements"].update(limit=12)
+    params["extract_directions"].update(size_curve=[4], batch_size=8)
+    directions = {}
+    for backend in ("local", "ray"):
+        params["execution"] = {**RAY, "backend": backend}
+        params["paths"]["directions"] = f"data/directions-{backend}"
+        (project / "params.yaml").write_text(yaml.safe_dump(params))
+        with threads(1):
+            extract_directions.main(["--params", "params.yaml"])
+        directions[backend] = {c: load_tensors(project / f"data/directions-{backend}/{c}/directions.safetensors") for c in ("honesty", "confidence")}
+    for concept, tensors in directions["local"].items():
+        assert set(tensors) == set(directions["ray"][concept])
+        assert all((tensors[k] == directions["ray"][concept][k]).all() for k in tensors), concept
