@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import sys
@@ -195,3 +196,32 @@ def test_ctrla_directions_on_ray_equal_local(project, cluster):
     for concept, tensors in directions["local"].items():
         assert set(tensors) == set(directions["ray"][concept])
         assert all((tensors[k] == directions["ray"][concept][k]).all() for k in tensors), concept
+
+
+def test_rag_eval_on_ray_answers_as_local(project, cluster):
+    """The RAG evaluation's run files (one per corpus × configuration, and the sweep) spread over the actors: every
+    answer, retrieval and metric as the local run's (only the wall times differ)."""
+    from pipelines import index_corpus, rag_eval
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["index_corpus"]["corpora"] = {"facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}}
+    configurations = {name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare")}
+    params["rag_eval"].update(questions=6, corpora=["facts"], configurations=configurations, sweep={"corpus": "facts", "query": "question"},
+                              thresholds={"flare": 0.5}, max_new_tokens=4)  # fmt: skip
+    results = {}
+    for backend in ("local", "ray"):
+        params["execution"] = {**RAY, "backend": backend}
+        params["paths"].update(rag_runs=f"data/rag/runs-{backend}", rag_metrics=f"data/metrics/rag-{backend}.json")
+        (project / "params.yaml").write_text(yaml.safe_dump(params))
+        with threads(1):
+            index_corpus.main(["--params", "params.yaml"])
+            rag_eval.main(["--params", "params.yaml"])
+        runs = {}
+        for path in sorted((project / f"data/rag/runs-{backend}/facts").glob("*.jsonl")):
+            lines = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+            runs[path.name] = [{k: v for k, v in line.items() if k not in ("wall_s", "seconds")} for line in lines]
+        metrics = json.loads((project / f"data/metrics/rag-{backend}.json").read_text())
+        results[backend] = runs, {name: {k: v for k, v in m.items() if "wall" not in k and "second" not in k} for name, m in metrics["facts"].items()}
+    assert set(results["local"][0]) == {"no-retrieval.jsonl", "single-round.jsonl", "flare.jsonl", "sweep.jsonl"}
+    assert all(len(lines) == 6 for lines in results["local"][0].values())
+    assert results["ray"] == results["local"]
