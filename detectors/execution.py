@@ -40,9 +40,18 @@ UNIT_RETRIES = 2  # a unit whose actor died is retried this many times (a unit t
 def worker_device(device: str, execution: ExecutionParams) -> str:
     """The device the workers load the LLM on: ``llm.device`` as given, but ``auto`` on Ray is decided by
     ``gpus_per_worker`` (the driver may have no GPU, the actors may have one)."""
-    if execution.backend != "ray" or device != "auto":
+    if execution.backend != "ray":
         return device
-    return "cuda" if execution.gpus_per_worker > 0 else "cpu"
+    if device == "auto":
+        return "cuda" if execution.gpus_per_worker > 0 else "cpu"
+    if device.startswith("cuda") and (device != "cuda" or execution.gpus_per_worker == 0):
+        raise InputError(
+            f"llm.device = {device!r} with execution.backend = ray and gpus_per_worker = {execution.gpus_per_worker}: Ray gives "
+            "each actor its own GPUs (its CUDA_VISIBLE_DEVICES), so use llm.device auto (or cuda) with gpus_per_worker > 0, or cpu"
+        )
+    if device == "cpu" and execution.gpus_per_worker > 0:
+        raise InputError(f"llm.device = cpu but execution.gpus_per_worker = {execution.gpus_per_worker}: set gpus_per_worker to 0 (CPU workers)")
+    return device
 
 
 @dataclasses.dataclass(frozen=True)

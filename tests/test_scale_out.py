@@ -225,3 +225,31 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
     assert set(results["local"][0]) == {"no-retrieval.jsonl", "single-round.jsonl", "flare.jsonl", "sweep.jsonl"}
     assert all(len(lines) == 6 for lines in results["local"][0].values())
     assert results["ray"] == results["local"]
+
+
+@pytest.mark.parametrize(
+    "device, gpus, expected",
+    [("auto", 0, "cpu"), ("auto", 1, "cuda"), ("cpu", 0, "cpu"), ("cuda", 0.5, "cuda"), ("cuda:1", 1, "cuda:1.*CUDA_VISIBLE_DEVICES"),
+     ("cuda", 0, "gpus_per_worker = 0"), ("cpu", 1, "set gpus_per_worker to 0")],
+)  # fmt: skip
+def test_the_workers_device_follows_their_gpus_and_contradictions_are_refused(device, gpus, expected):
+    from detectors.errors import InputError
+    from detectors.execution import worker_device
+
+    execution = load_section("execution", data={"execution": {**RAY, "gpus_per_worker": gpus}})
+    local = load_section("execution", data={"execution": {**RAY, "backend": "local"}})
+    assert worker_device(device, local) == device  # the local backend loads where llm.device says
+    if expected in ("cpu", "cuda"):
+        assert worker_device(device, execution) == expected
+    else:
+        with pytest.raises(InputError, match=expected):
+            worker_device(device, execution)
+
+
+def test_bad_execution_params_are_refused_naming_the_key():
+    from detectors.config.core import ParamsError
+
+    for key, value, message in [("backend", "dask", "backend"), ("workers", 0, "workers"), ("gpus_per_worker", -1, "gpus_per_worker"),
+                                ("address", "cluster", "address")]:  # fmt: skip
+        with pytest.raises(ParamsError, match=f"execution.{message}"):
+            load_section("execution", data={"execution": {**RAY, key: value}})
