@@ -10,6 +10,8 @@ import functools
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -112,6 +114,38 @@ def test_map_units_starts_ray_when_none_runs_and_stops_it_after(tmp_path):
 
 def square_worker():
     return lambda x: x * x
+
+
+def test_map_units_joins_a_running_cluster_and_works_in_the_drivers_directory(tmp_path):
+    """``address: host:port`` joins a cluster started with ``ray start`` (another process); the actors work in the
+    driver's directory (the params' relative paths) and the cluster keeps running after the stage."""
+    assert not ray.is_initialized()
+    port = free_port()
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    previous = Path.cwd()
+    try:
+        execution = load_section("execution", data={"execution": {**RAY, "address": f"127.0.0.1:{port}"}})
+        os.chdir(tmp_path)
+        results = dict(map_units(["a", "b", "c"], cwd_worker, execution))
+        assert results == {0: ("a", str(tmp_path)), 1: ("b", str(tmp_path)), 2: ("c", str(tmp_path))}
+        assert not ray.is_initialized()  # disconnected; the cluster itself is still up
+        assert subprocess.run([ray_cli, "status", f"--address=127.0.0.1:{port}"], capture_output=True, timeout=60).returncode == 0
+    finally:
+        os.chdir(previous)
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+
+
+def cwd_worker():
+    return lambda unit: (unit, os.getcwd())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_ray_with_two_workers_builds_the_same_sets_as_local(project, cluster):
