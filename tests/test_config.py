@@ -261,9 +261,26 @@ def test_file_store_tracking_uri_is_refused(shipped, tmp_path, uri):
     assert repr(uri) in msg
 
 
-@pytest.mark.parametrize("uri", ["sqlite:///data/mlflow/mlflow.db", "http://127.0.0.1:5000"])
-def test_database_or_server_tracking_uri_is_accepted(shipped, tmp_path, uri):
-    assert load_section("mlflow", edited(shipped, tmp_path, "mlflow.tracking_uri", uri)).tracking_uri == uri
+@pytest.mark.parametrize(
+    "uri, root",
+    [("sqlite:///data/mlflow/mlflow.db", "data/mlflow/artifacts"), ("postgresql://u@db/mlflow", "s3://bucket/mlflow"),
+     ("http://127.0.0.1:5000", None), ("https://mlflow.example.org", "s3://bucket/mlflow")],
+)  # fmt: skip
+def test_database_or_server_tracking_uri_is_accepted(shipped, tmp_path, uri, root):
+    data = copy.deepcopy(shipped)
+    data["mlflow"] = {"tracking_uri": uri, "artifact_root": root}
+    assert load_section("mlflow", write_params(tmp_path, data)).tracking_uri == uri
+
+
+@pytest.mark.parametrize(
+    "uri, root, why",
+    [("sqlite:///data/mlflow/mlflow.db", None, "only a tracking server"), ("http://127.0.0.1:5000", "data/mlflow/artifacts", "each client's")],
+)  # fmt: skip
+def test_an_artifact_root_that_clients_would_not_share_is_refused(shipped, tmp_path, uri, root, why):
+    data = copy.deepcopy(shipped)
+    data["mlflow"] = {"tracking_uri": uri, "artifact_root": root}
+    msg = params_error(write_params(tmp_path, data))
+    assert "mlflow.artifact_root" in msg and why in msg
 
 
 def test_unknown_top_level_section(shipped, tmp_path):

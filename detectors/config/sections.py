@@ -269,12 +269,20 @@ class EvaluateParams:
 
 @dataclasses.dataclass(frozen=True)
 class MLflowParams:
+    """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow server``."""
+
     tracking_uri: str
-    artifact_root: str
+    artifact_root: str | None  # where new experiments keep their artifacts: a directory, or an object-store URI (s3://...)
 
     def check(self, where: str) -> None:
         if not self.tracking_uri.startswith(("sqlite:///", "http://", "https://", "postgresql", "mysql")):
             fail(f"{where}.tracking_uri", self.tracking_uri, "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is refused)")
+        server = self.tracking_uri.startswith(("http://", "https://"))
+        if self.artifact_root is None and not server:
+            fail(f"{where}.artifact_root", None, "only a tracking server (http://host:port) chooses the artifact root itself: give a directory or an s3://... URI")
+        if server and self.artifact_root is not None and "://" not in self.artifact_root:
+            fail(f"{where}.artifact_root", self.artifact_root, "with a tracking server, a local directory would keep each client's artifacts on its own "
+                 "machine: use null (the server's --artifacts-destination) or a URI every client reaches (s3://bucket/path)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,7 +113,7 @@ def _text(value) -> str:
 
 
 def log_comparison(
-    table: pd.DataFrame, plots: dict[str, list[Path]], base_tags: dict[str, str], experiment_prefix: str, artifact_root: str
+    table: pd.DataFrame, plots: dict[str, list[Path]], base_tags: dict[str, str], experiment_prefix: str, artifact_root: str | None
 ) -> None:
     """Log ``table`` (the long comparison table) as one flat run per row in experiment
     ``f"{experiment_prefix}-{dataset}"`` (created under ``artifact_root``, see :func:`~detectors.registry.store.experiment`),

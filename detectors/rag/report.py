@@ -89,7 +89,7 @@ def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Map
 
 def log_rag_runs(
     metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], curves: Mapping[str, Any] | None, params: Mapping[str, Mapping[str, Any]],
-    experiment: str, tags: Mapping[str, str], artifact_root: str, corpus_digests: Mapping[str, str],
+    experiment: str, tags: Mapping[str, str], artifact_root: str | None, corpus_digests: Mapping[str, str],
 ) -> list[str]:
     """Log one run per corpus × configuration in ``experiment`` (created under ``artifact_root``), named
     ``"<configuration> · <corpus>"``, with the same metric names in every run (a None or NaN value is left out) and tags

@@ -65,8 +65,22 @@ def configure_params(params: str | Path = "params.yaml") -> str:
     return configure(load_section("mlflow", params).tracking_uri, params.parent)
 
 
-def experiment(name: str, artifact_root: str | Path, root: str | Path = ".") -> str:
-    """The id of experiment ``name``, created with an explicit artifact location under ``artifact_root``.
+def artifact_location(name: str, artifact_root: str | Path | None, root: str | Path = ".") -> str | None:
+    """Where experiment ``name`` keeps its artifacts: ``<artifact_root>/<name>`` (a directory, made absolute against
+    ``root``, or an object-store URI such as ``s3://bucket/path``); None leaves it to the tracking server (its
+    ``--artifacts-destination``, proxied as ``mlflow-artifacts:``)."""
+    if artifact_root is None:
+        return None
+    if "://" in str(artifact_root):
+        return f"{str(artifact_root).rstrip('/')}/{name}"
+    location = (Path(root) / artifact_root / name).resolve()
+    location.mkdir(parents=True, exist_ok=True)
+    return location.as_uri()
+
+
+def experiment(name: str, artifact_root: str | Path | None, root: str | Path = ".") -> str:
+    """The id of experiment ``name``, created with its artifact location under ``artifact_root``
+    (:func:`artifact_location`).
 
     The experiment is marked as custom model development (:data:`EXPERIMENT_KIND_TAG`), so the UI opens it on its
     runs table; an existing experiment without a kind (one an older version created) gets the mark too, one a person
@@ -74,10 +88,9 @@ def experiment(name: str, artifact_root: str | Path, root: str | Path = ".") -> 
     move with the store."""
     found = mlflow.get_experiment_by_name(name)
     if found is None:
-        location = (Path(root) / artifact_root / name).resolve()
-        location.mkdir(parents=True, exist_ok=True)
         tags = {EXPERIMENT_KIND_TAG: CUSTOM_MODEL_DEVELOPMENT}
-        found = mlflow.get_experiment(mlflow.create_experiment(name, artifact_location=location.as_uri(), tags=tags))
+        location = artifact_location(name, artifact_root, root)
+        found = mlflow.get_experiment(mlflow.create_experiment(name, artifact_location=location, tags=tags))
         db = sqlite_path(mlflow.get_tracking_uri())
         if db is not None:  # a store MLflow has just created (configure found no tables to anchor) is anchored now
             relocate(db)
