@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import mlflow
@@ -28,7 +23,6 @@ from detectors.config import ParamsError
 from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
-from detectors.registry import store
 from detectors.registry.store import register, validation_digest
 from pipelines import build_early, build_realtime, evaluate, prepare, prepare_articles, train_early, train_realtime
 from pipelines import register as register_stage
@@ -497,56 +491,3 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     with pytest.raises(LLMMismatchError, match="weights_digest"):
         load_detector("ctrla-honesty", tracking_uri=uri, llm=other)
 
-
-@pytest.fixture()
-def mlflow_server(tmp_path):
-    """A real ``mlflow server`` on a free loopback port (sqlite backend, artifacts proxied to a directory of its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path, artifacts = tmp_path / "server.log", tmp_path / "server-artifacts"
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-               "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}", time.time() + 90
-    try:
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"mlflow server did not start: {log_path.read_text()[-3000:]}")
-                time.sleep(0.3)
-        yield url, artifacts
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def test_a_shared_mlflow_server_registers_the_pipelines_detectors_and_serves_them(pipeline, tiny_llm, mlflow_server, tmp_path):
-    url, artifacts = mlflow_server
-    os.chdir(pipeline)
-    params = yaml.safe_load((pipeline / "params.yaml").read_text())
-    params["mlflow"] = {"tracking_uri": url, "artifact_root": None}  # the server chooses where artifacts go
-    params["paths"].update(registry_early=str(tmp_path / "early.json"), registry_realtime=str(tmp_path / "realtime.json"))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    local_uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
-    try:
-        register_stage.main(["--params", str(tmp_path / "params.yaml")])
-        first = json.loads((tmp_path / "early.json").read_text())["dior-early"]
-        assert first["version"] == 1 and first["alias_moved"]
-        assert any(artifacts.rglob("*.safetensors"))  # the weights went to the server's artifact store, not the project's
-        served = load_detector("dior-early", alias="champion", tracking_uri=url, llm=tiny_llm)
-        local = load_detector("dior-early", alias="champion", tracking_uri=local_uri, llm=tiny_llm)
-        for question in ("The capital of Spain is", "The river of Paris is"):
-            assert served.assess(question).probability == local.assess(question).probability
-        realtime = load_detector("dior-realtime", tracking_uri=url, llm=tiny_llm)
-        assert realtime.threshold == load_detector("dior-realtime", tracking_uri=local_uri, llm=tiny_llm).threshold
-        register_stage.main(["--params", str(tmp_path / "params.yaml")])  # the champion rule, through the server
-        second = json.loads((tmp_path / "early.json").read_text())["dior-early"]
-        assert second["version"] == 2 and second["alias_moved"]
-        assert int(mlflow.MlflowClient(url, url).get_model_version_by_alias("dior-early", "champion").version) == 2
-    finally:
-        store.configure(local_uri)  # the other tests read the project's store
