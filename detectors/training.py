@@ -1,7 +1,9 @@
 """Lightning training of a binary detector: BCE, AUROC per split, early stopping on validation AUROC.
 
 Seeded and deterministic (only while training: the process's torch flags are restored afterwards);
-``accelerator="auto"`` takes the GPU when there is one.
+``accelerator="auto"`` takes the GPU when there is one; ``devices`` > 1 trains data-parallel (``ddp_spawn`` unless
+``strategy`` says otherwise): each device takes a share of every epoch's batches, the validation AUROC is computed over
+all devices' predictions (torchmetrics syncs it), and the best epoch's weights come back to the calling process.
 """
 
 from __future__ import annotations
@@ -54,9 +56,19 @@ class BinaryDetector(pl.LightningModule):
 
     def validation_step(self, batch: dict, _: int) -> None:
         logits = self(batch)
-        self.log("val_loss", self.loss(logits, batch["label"].float()), on_epoch=True, batch_size=len(batch["label"]))
+        self.log("val_loss", self.loss(logits, batch["label"].float()), on_epoch=True, batch_size=len(batch["label"]), sync_dist=True)
         self.val_auroc.update(logits, batch["label"].long())
         self.log("val_auroc", self.val_auroc, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        """The best validation AUROC so far and the epochs trained, as metrics: they reach the calling process with
+        every strategy (a spawned DDP worker sends its metrics back, not its callbacks' state)."""
+        if self.trainer.sanity_checking:
+            return
+        score = float(self.trainer.callback_metrics["val_auroc"])  # over every device's predictions
+        self.best_val_auroc = max(getattr(self, "best_val_auroc", score), score)
+        self.log("best_val_auroc", self.best_val_auroc)
+        self.log("epochs_trained", float(self.current_epoch + 1))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
@@ -84,6 +96,19 @@ def deterministic_training() -> Iterator[None]:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
 
 
+@contextlib.contextmanager
+def host_tensors_by_file(enabled: bool) -> Iterator[None]:
+    """Spawned training processes receive the datasets' host tensors through shared-memory files instead of file
+    descriptors (torch's default, which fails to rebuild some storages in the children); put back afterwards."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    if enabled:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+
+
 def fit(
     make_net: Callable[[], nn.Module],
     train: list[dict],
@@ -103,11 +128,12 @@ def fit(
     train_loader = DataLoader(ListDataset(train), batch_size=batch_size, shuffle=True, collate_fn=collate, generator=gen)
     val_loader = DataLoader(ListDataset(val), batch_size=max(batch_size, 256), collate_fn=collate)
     module = BinaryDetector(net, params.lr, params.weight_decay)
-    with deterministic_training(), tempfile.TemporaryDirectory() as tmp:
+    with deterministic_training(), host_tensors_by_file(params.devices > 1), tempfile.TemporaryDirectory() as tmp:
         best = ModelCheckpoint(dirpath=tmp, monitor="val_auroc", mode="max", save_top_k=1, save_weights_only=True)
         trainer = pl.Trainer(
             accelerator=params.accelerator,
-            devices=1,
+            devices=params.devices,
+            strategy="ddp_spawn" if params.strategy == "auto" and params.devices > 1 else params.strategy,
             max_epochs=params.max_epochs,
             callbacks=[EarlyStopping(monitor="val_auroc", mode="max", patience=params.patience), best],
             deterministic=True,
@@ -121,11 +147,12 @@ def fit(
         if best.best_model_path:
             state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
             module.load_state_dict(state)
-        score = best.best_model_score
+        metrics = trainer.callback_metrics
         return net, {
-            "best_val_auroc": float(score) if score is not None else float("nan"),
-            "epochs": int(trainer.current_epoch),
+            "best_val_auroc": float(metrics["best_val_auroc"]) if "best_val_auroc" in metrics else float("nan"),
+            "epochs": int(metrics["epochs_trained"]) if "epochs_trained" in metrics else 0,
             "device": str(trainer.strategy.root_device),
+            "devices": int(trainer.world_size),
         }
 
 

@@ -75,6 +75,9 @@ class RealtimePromptParams:
             fail(f"{where}.template", self.template, "use {title} at most once")
 
 
+STRATEGIES = ("auto", "ddp_spawn", "ddp", "ddp_notebook")  # Lightning strategies for training.devices
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingParams:
     """How a detector network is trained (Lightning) and its threshold chosen; shared by both trainers."""
@@ -89,10 +92,14 @@ class TrainingParams:
     threshold: Literal["youden", "f1"]
     seed: int
     accelerator: str
+    devices: int = 1  # Lightning devices; more than one trains data-parallel (the train and val batches split across them)
+    strategy: str = "auto"  # Lightning strategy; auto = ddp_spawn with several devices (fit returns the net to its caller)
 
     def check(self, where: str) -> None:
-        for key in ("hidden", "lr", "batch_size", "max_epochs", "patience"):
+        for key in ("hidden", "lr", "batch_size", "max_epochs", "patience", "devices"):
             positive(f"{where}.{key}", getattr(self, key))
+        if self.strategy not in STRATEGIES:
+            fail(f"{where}.strategy", self.strategy, f"use one of {', '.join(STRATEGIES)} (ddp relaunches the whole stage once per device)")
         if not 0 <= self.dropout < 1:
             fail(f"{where}.dropout", self.dropout, "must be in [0, 1)")
         if not self.weight_decay >= 0:
