@@ -35,8 +35,10 @@ def load_detector(
     The tracking store is ``tracking_uri``, else the ``mlflow`` section of ``params`` when given, else
     ``$MLFLOW_TRACKING_URI`` (which ``mlflow.set_tracking_uri`` also sets, so an explicit ``params`` must win
     over it), else the ``mlflow`` section of ``params.yaml``; a sqlite store that was moved or cloned is re-anchored where it is now (see
-    :func:`detectors.registry.store.configure`). Pass ``llm`` to reuse an LLM already in memory; it must be
-    the detector's LLM, in the dtype the detector's features were computed in unless ``allow_dtype_mismatch``.
+    :func:`detectors.registry.store.configure`). A team's ``mlflow server`` is named by its URL (``http(s)://host:port``):
+    the model and its code are downloaded from the server's artifact store, through the server. Pass ``llm`` to reuse an
+    LLM already in memory; it must be the detector's LLM, in the dtype the detector's features were computed in unless
+    ``allow_dtype_mismatch``.
     """
     uri = tracking_uri or (None if params is not None else os.environ.get("MLFLOW_TRACKING_URI"))
     if uri:

@@ -3,7 +3,8 @@
 Seeded and deterministic (only while training: the process's torch flags are restored afterwards);
 ``accelerator="auto"`` takes the GPU when there is one; ``devices`` > 1 trains data-parallel (``ddp_spawn`` unless
 ``strategy`` says otherwise): each device takes a share of every epoch's batches, the validation AUROC is computed over
-all devices' predictions (torchmetrics syncs it), and the best epoch's weights come back to the calling process.
+all devices' predictions (torchmetrics syncs it; the validation split is sharded without padding, so every record counts
+once), and the best epoch's weights come back to the calling process.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import BinaryAUROC
@@ -96,6 +98,28 @@ def deterministic_training() -> Iterator[None]:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
 
 
+class Loaders(pl.LightningDataModule):
+    """The train and val loaders, built in the process that trains (a spawned worker under DDP).
+
+    The train split is shuffled with a seeded generator (under DDP Lightning shards it, seeded too). Under DDP the val
+    split is sharded without padding: Lightning's default sampler repeats records to even the shards out, and the
+    synced AUROC (the checkpoint and early-stopping criterion) would count those records twice."""
+
+    def __init__(self, train: list[dict], val: list[dict], collate: Callable[[list[dict]], dict], batch_size: int, seed: int):
+        super().__init__()
+        self.train, self.val, self.collate, self.batch_size, self.seed = train, val, collate, batch_size, seed
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.seed)
+        data = ListDataset(self.train)
+        return DataLoader(data, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate, generator=gen)
+
+    def val_dataloader(self) -> DataLoader:
+        data, world, rank = ListDataset(self.val), self.trainer.world_size, self.trainer.global_rank
+        sampler = UnrepeatedDistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        return DataLoader(data, batch_size=max(self.batch_size, 256), sampler=sampler, collate_fn=self.collate)
+
+
 @contextlib.contextmanager
 def host_tensors_by_file(enabled: bool) -> Iterator[None]:
     """Spawned training processes receive the datasets' host tensors through shared-memory files instead of file
@@ -124,9 +148,6 @@ def fit(
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)  # no banner per trained variant
     pl.seed_everything(seed, workers=True, verbose=False)
     net = make_net()
-    gen = torch.Generator().manual_seed(seed)
-    train_loader = DataLoader(ListDataset(train), batch_size=batch_size, shuffle=True, collate_fn=collate, generator=gen)
-    val_loader = DataLoader(ListDataset(val), batch_size=max(batch_size, 256), collate_fn=collate)
     module = BinaryDetector(net, params.lr, params.weight_decay)
     with deterministic_training(), host_tensors_by_file(params.devices > 1), tempfile.TemporaryDirectory() as tmp:
         best = ModelCheckpoint(dirpath=tmp, monitor="val_auroc", mode="max", save_top_k=1, save_weights_only=True)
@@ -143,7 +164,7 @@ def fit(
             fast_dev_run=fast_dev_run,
             default_root_dir=tmp,
         )
-        trainer.fit(module, train_loader, val_loader)
+        trainer.fit(module, datamodule=Loaders(train, val, collate, batch_size, seed))
         if best.best_model_path:
             state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
             module.load_state_dict(state)

@@ -163,14 +163,3 @@ def test_an_artifact_written_before_names_loads_as_dior_early(tmp_path):
     (directory / "detector.json").write_text(json.dumps(config))
     assert EarlyDetector.load(directory).name == "dior-early"
 
-
-def test_two_devices_train_data_parallel_and_the_caller_gets_the_trained_net():
-    """``devices: 2`` (two CPU processes here, two GPUs in a team): DDP through ``ddp_spawn``, the validation AUROC over
-    both devices' predictions, and the best epoch's weights back in the calling process."""
-    frame = synthetic_rows(240)
-    det = train(frame, ["attribution"], dataclasses.replace(PARAMS, devices=2, max_epochs=12, patience=12))
-    assert det.info["devices"] == 2
-    test = frame[frame["split"] == "test"]
-    assert auroc(test["label"], det.predict_proba(test.to_dict("records"))) > 0.85
-    one = train(frame, ["attribution"], dataclasses.replace(PARAMS, max_epochs=12, patience=12))
-    assert one.info["devices"] == 1 and one.info["best_val_auroc"] > 0.85
