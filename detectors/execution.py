@@ -117,7 +117,7 @@ def _ray_units(units: Sequence[Any], make_worker, execution: ExecutionParams) ->
     if started:
         runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}}
         if execution.address is None:  # a Ray of our own on this machine, sized for the pool (and the driver)
-            ray.init(num_cpus=execution.workers * execution.cpus_per_worker + 1, runtime_env=runtime_env,
+            ray.init(address="local", num_cpus=execution.workers * execution.cpus_per_worker + 1, runtime_env=runtime_env,
                      include_dashboard=False, logging_level=logging.WARNING)  # fmt: skip
         else:
             ray.init(address=execution.address, runtime_env=runtime_env, logging_level=logging.WARNING)

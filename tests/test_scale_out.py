@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,7 +40,7 @@ RAY = {"backend": "ray", "address": None, "workers": 2, "gpus_per_worker": 0, "c
 @pytest.fixture(scope="module")
 def cluster():
     """Ray in this process with room for 2 CPU workers (and the driver); the stages join it instead of starting one."""
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 
@@ -117,35 +116,31 @@ def square_worker():
 
 
 def test_map_units_joins_a_running_cluster_and_works_in_the_drivers_directory(tmp_path):
-    """``address: host:port`` joins a cluster started with ``ray start`` (another process); the actors work in the
-    driver's directory (the params' relative paths) and the cluster keeps running after the stage."""
+    """``address: host:port`` joins a cluster another process runs (here a Python process holding a Ray of its own, so
+    that no other Ray on this machine is touched); the actors work in the driver's directory (the params' relative
+    paths), and the cluster keeps running after the stage."""
     assert not ray.is_initialized()
-    port = free_port()
-    ray_cli = str(Path(sys.executable).parent / "ray")
-    started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert started.returncode == 0, started.stderr
+    head = ("import ray, sys; ray.init(address='local', num_cpus=2, include_dashboard=False); "
+            "print('ADDRESS', ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read(); ray.shutdown()")
+    proc = subprocess.Popen([sys.executable, "-c", head], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     previous = Path.cwd()
     try:
-        execution = load_section("execution", data={"execution": {**RAY, "address": f"127.0.0.1:{port}"}})
+        lines = iter(proc.stdout.readline, "")
+        address = next((line.split()[1] for line in lines if line.startswith("ADDRESS ")), None)
+        assert address, f"the head process did not start Ray (exit {proc.poll()})"
+        execution = load_section("execution", data={"execution": {**RAY, "address": address}})
         os.chdir(tmp_path)
         results = dict(map_units(["a", "b", "c"], cwd_worker, execution))
         assert results == {0: ("a", str(tmp_path)), 1: ("b", str(tmp_path)), 2: ("c", str(tmp_path))}
-        assert not ray.is_initialized()  # disconnected; the cluster itself is still up
-        assert subprocess.run([ray_cli, "status", f"--address=127.0.0.1:{port}"], capture_output=True, timeout=60).returncode == 0
+        assert not ray.is_initialized() and proc.poll() is None  # disconnected; the cluster itself is still up
     finally:
         os.chdir(previous)
-        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+        proc.stdin.close()
+        proc.wait(timeout=120)
 
 
 def cwd_worker():
     return lambda unit: (unit, os.getcwd())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ray_with_two_workers_builds_the_same_sets_as_local(project, cluster):
