@@ -163,10 +163,10 @@ def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
         while not list(shards.glob("shard-*.parquet")) and time.time() < deadline:
             time.sleep(0.02)
         finished_before.update(shard_times(shards))
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            if " ".join(proc.info["cmdline"] or []).startswith("ray::MapWorker(MapBatches(_Actor))"):
-                os.kill(proc.info["pid"], signal.SIGKILL)
-                killed.append(proc.info["pid"])
+        for proc in psutil.Process().children(recursive=True):  # this session's cluster only, never another Ray's
+            if " ".join(proc.cmdline()).startswith("ray::MapWorker(MapBatches(_Actor))"):
+                os.kill(proc.pid, signal.SIGKILL)
+                killed.append(proc.pid)
                 return
 
     killer = threading.Thread(target=kill_one_worker_after_the_first_shard)
