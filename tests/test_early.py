@@ -91,8 +91,10 @@ def test_a_batch_of_questions_equals_each_question_alone(tiny_llm, prompt, rows)
     for f, a, answer in zip(usable, alone, answers):
         assert f.question_tokens == a.question_tokens and f.first_token_id == a.first_token_id
         np.testing.assert_allclose(f.attribution, a.attribution, atol=1e-6)
+        # hidden state and first-token probability come from one padded fp32 pass: the kernels for the
+        # padded shape round differently by CPU (1.5e-6 on an AMD EPYC), so both get the same 1e-5
         np.testing.assert_allclose(f.hidden, a.hidden, atol=1e-5)
-        assert f.first_token_prob == pytest.approx(a.first_token_prob, abs=1e-6)
+        assert f.first_token_prob == pytest.approx(a.first_token_prob, abs=1e-5)
         assert answer == greedy_answer(tiny_llm, a, 6, stop=["\n"])  # padded rows decode as the question alone
     records = early_records(tiny_llm, BATCH, [["Madrid"], [], ["Nile"], ["athletics"], ["London"], ["Cairo"]], params, 6, ["\n"])
     assert isinstance(records[1], RecordError) and [r["answer"] for r in records if isinstance(r, dict)] == answers
