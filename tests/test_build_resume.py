@@ -4,7 +4,6 @@ on the next run; too many failures stop the stage, keeping what is finished."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +19,12 @@ from test_pipeline import write_params
 
 
 @pytest.fixture()
-def project(tmp_path, tiny_checkpoint):
-    previous = Path.cwd()
-    os.chdir(tmp_path)
-    try:
-        write_params(tmp_path, tiny_checkpoint)
-        edit_params(tmp_path, "qa", limit=24)  # three shards of 8 questions
-        prepare.main(["--params", "params.yaml"])
-        yield tmp_path
-    finally:
-        os.chdir(previous)
+def project(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, tiny_checkpoint)
+    edit_params(tmp_path, "qa", limit=24)  # three shards of 8 questions
+    prepare.main(["--params", "params.yaml"])
+    return tmp_path
 
 
 def edit_params(project: Path, section: str, **values) -> None:

@@ -46,19 +46,15 @@ def cluster():
 
 
 @pytest.fixture()
-def project(tmp_path, tiny_checkpoint):
-    previous = Path.cwd()
-    os.chdir(tmp_path)
-    try:
-        write_params(tmp_path, tiny_checkpoint)
-        edit_params(tmp_path, "qa", limit=24)
-        edit_params(tmp_path, "build_early", shard_size=4)  # six shards: both workers get several
-        edit_params(tmp_path, "build_realtime", shard_size=4)
-        prepare.main(["--params", "params.yaml"])
-        prepare_articles.main(["--params", "params.yaml"])
-        yield tmp_path
-    finally:
-        os.chdir(previous)
+def project(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, tiny_checkpoint)
+    edit_params(tmp_path, "qa", limit=24)
+    edit_params(tmp_path, "build_early", shard_size=4)  # six shards: both workers get several
+    edit_params(tmp_path, "build_realtime", shard_size=4)
+    prepare.main(["--params", "params.yaml"])
+    prepare_articles.main(["--params", "params.yaml"])
+    return tmp_path
 
 
 def outputs(project: Path) -> dict:
@@ -115,7 +111,7 @@ def square_worker():
     return lambda x: x * x
 
 
-def test_map_units_joins_a_running_cluster_and_works_in_the_drivers_directory(tmp_path):
+def test_map_units_joins_a_running_cluster_and_works_in_the_drivers_directory(tmp_path, monkeypatch):
     """``address: host:port`` joins a cluster another process runs (here a Python process holding a Ray of its own, so
     that no other Ray on this machine is touched); the actors work in the driver's directory (the params' relative
     paths), and the cluster keeps running after the stage."""
@@ -123,18 +119,16 @@ def test_map_units_joins_a_running_cluster_and_works_in_the_drivers_directory(tm
     head = ("import ray, sys; ray.init(address='local', num_cpus=2, include_dashboard=False); "
             "print('ADDRESS', ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read(); ray.shutdown()")
     proc = subprocess.Popen([sys.executable, "-c", head], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    previous = Path.cwd()
     try:
         lines = iter(proc.stdout.readline, "")
         address = next((line.split()[1] for line in lines if line.startswith("ADDRESS ")), None)
         assert address, f"the head process did not start Ray (exit {proc.poll()})"
         execution = load_section("execution", data={"execution": {**RAY, "address": address}})
-        os.chdir(tmp_path)
+        monkeypatch.chdir(tmp_path)
         results = dict(map_units(["a", "b", "c"], cwd_worker, execution))
         assert results == {0: ("a", str(tmp_path)), 1: ("b", str(tmp_path)), 2: ("c", str(tmp_path))}
         assert not ray.is_initialized() and proc.poll() is None  # disconnected; the cluster itself is still up
     finally:
-        os.chdir(previous)
         proc.stdin.close()
         proc.wait(timeout=120)
 
