@@ -13,7 +13,7 @@ import pytest
 from detectors.errors import SourceError
 from detectors.sources.ids import sample, split_of, stable_id
 from detectors.sources.qa import load_raw, normalize_records
-from detectors.sources.text import contains_reference, normalize_text
+from detectors.sources.text import contains_reference, normalize_text, split_sentences
 
 # --- normalize_text ---------------------------------------------------------------------------------
 
@@ -51,6 +51,17 @@ def test_normalize_text_keeps_articles_inside_words():
 def test_normalize_text_of_punctuation_only_is_empty():
     assert normalize_text(" ... !? — ") == ""
     assert normalize_text("The") == ""
+
+
+# --- split_sentences ---------------------------------------------------------------------------------
+
+
+def test_sentences_end_at_punctuation_before_what_can_open_a_sentence():
+    text = " Toulouse is in France. It has 500,000 people! Why? 1990 was a year. \"Quoted.\" (Aside.) e.g. the end "
+    assert split_sentences(text) == ["Toulouse is in France.", "It has 500,000 people!", "Why?", "1990 was a year.",
+                                     '"Quoted."', "(Aside.) e.g. the end"]  # fmt: skip
+    assert split_sentences("approx. two km, i.e. short.") == ["approx. two km, i.e. short."]
+    assert split_sentences("  ") == []
 
 
 # --- contains_reference (DioR: R ⊆ A) ---------------------------------------------------------------

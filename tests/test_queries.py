@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from detectors.llm.words import DEFAULT_STOPWORDS
+from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.rag.context import chunk_passage, render_passages, stepwise_retrieve
 from detectors.rag.corpus import Passage
 from detectors.rag.queries import DiorWeights, dior_query, flare_query, importance_scores, qfs_query
@@ -27,6 +27,17 @@ def test_flare_drops_exactly_the_words_with_a_low_probability_token(tiny_llm):
     query = flare_query(tiny_llm.tokenizer, "The capital of France is", gen, probs, 0.5)
     assert query.startswith("The capital of France is") and "Paris" not in query and query.endswith("is the capital"), (query, words)
     assert flare_query(tiny_llm.tokenizer, "Q", gen, np.full(len(gen), 0.9), 0.5) == "Q Paris is the capital"
+
+
+def test_words_decode_whole_even_when_a_character_spans_two_byte_tokens(tiny_llm):
+    tok = tiny_llm.tokenizer
+    gen = ids(tiny_llm, " Zürich is the city")
+    assert any("\ufffd" in tok.decode([t]) for t in gen)  # the fixture's tokenizer splits ü over two byte tokens
+    spans = word_spans(tok, gen)  # this tokenizer gives the leading space a token of its own: a word without content
+    assert [text for _, text in spans] == [" ", "Zürich", " is", " the", " city"]
+    assert [i for idx, _ in spans for i in idx] == list(range(len(gen)))  # every token once, in order
+    content = {" ": False, "Zürich": True, " is": False, " the": False, " city": True}
+    assert word_mask(tok, gen) == [content[text] for idx, text in spans for _ in idx]
 
 
 def test_qfs_takes_context_words_in_text_order_without_stopwords(tiny_llm):

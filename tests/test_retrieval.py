@@ -12,7 +12,7 @@ import yaml
 
 from conftest import QA_FIXTURE, ROOT
 from detectors.errors import InputError, SourceError
-from detectors.rag.corpus import Passage, check_passages, jsonl_passages, qa_fact_passages
+from detectors.rag.corpus import Passage, check_passages, jsonl_passages, qa_fact_passages, split_words
 from detectors.rag.retriever import BM25Retriever, Retriever
 from detectors.sources.text import contains_reference
 
@@ -27,6 +27,14 @@ PASSAGES = [
 @pytest.fixture(scope="module")
 def retriever() -> BM25Retriever:
     return BM25Retriever.build(PASSAGES, BM25)
+
+
+def test_passages_are_whole_sentences_of_at_most_the_word_limit():
+    text = "One two three. Four five six seven. Eight nine, i.e. ten eleven twelve. Thirteen."
+    assert split_words(text, 7) == ["One two three. Four five six seven.", "Eight nine, i.e. ten eleven twelve. Thirteen."]
+    assert split_words(text, 6) == ["One two three.", "Four five six seven.", "Eight nine, i.e. ten eleven twelve.", "Thirteen."]
+    assert split_words("A very long sentence of nine words right here.", 4) == ["A very long sentence of nine words right here."]
+    assert split_words(text, 100) == [text]
 
 
 def test_the_passage_that_holds_the_query_terms_ranks_first(retriever):

@@ -67,21 +67,19 @@ def _encode(llm: LLM, question: str, params: EarlyFeatureParams) -> tuple[torch.
 def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeatureParams) -> list[QuestionFeatures | RecordError]:
     """Features of each question before any answer token is generated, or the RecordError that makes it unusable."""
     layers = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_early.features.hidden_layers")
-    out: list[QuestionFeatures | RecordError] = []
+    out: dict[int, QuestionFeatures | RecordError] = {}
     encoded = {}
     for i, question in enumerate(questions):
         try:
             encoded[i] = _encode(llm, question, params)
         except RecordError as err:
-            out.append(err)
-        else:
-            out.append(None)  # type: ignore[arg-type]
+            out[i] = err
     if not encoded:
-        return out
+        return [out[i] for i in range(len(questions))]
     keys = list(encoded)
     ids = [encoded[i][0].tolist() for i in keys]
     starts = [int(encoded[i][1].nonzero()[0, 0]) for i in keys]
-    common = min(shared_prefix_length(ids) if len(ids) > 1 else len(ids[0]) - 1, *starts)
+    common = min(shared_prefix_length(ids), *starts)
     # one pass over the shared prompt prefix (cached for IG and the answers), one over the rest of every prompt
     prefix = prefix_states(llm.model, torch.tensor([ids[0][:common]], device=llm.device), common)
     rows = [r[common:] for r in ids]
@@ -116,7 +114,7 @@ def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeature
             cache=continuation,
             row=b,
         )
-    return out
+    return [out[i] for i in range(len(questions))]
 
 
 def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> QuestionFeatures:

@@ -26,11 +26,12 @@ def spacy_stopwords(model: str, key: str) -> frozenset[str]:
 
 
 def token_words(tokenizer, ids: list[int]) -> list[int]:
-    """The word index of each token: a token starting with whitespace, or a punctuation token, starts a word."""
+    """The word index of each token: a token starting with whitespace, or a punctuation token, starts a word. A
+    byte-level token holding part of a character (decoded alone as U+FFFD) belongs to the word around it."""
     word, out, prev_punct = -1, [], True
     for t in ids:
         piece = tokenizer.decode([t], skip_special_tokens=True)
-        punct = not any(c.isalnum() for c in piece)
+        punct = not any(c.isalnum() or c == "\ufffd" for c in piece)
         if word < 0 or piece[:1].isspace() or punct or prev_punct:
             word += 1
         out.append(word)
@@ -38,13 +39,20 @@ def token_words(tokenizer, ids: list[int]) -> list[int]:
     return out
 
 
+def word_spans(tokenizer, ids: list[int]) -> list[tuple[list[int], str]]:
+    """Each word of ``ids`` in order: its token indices and its text (the word's tokens decoded together, so a
+    character split over two byte-level tokens comes out whole)."""
+    groups: dict[int, list[int]] = {}
+    for i, w in enumerate(token_words(tokenizer, ids)):
+        groups.setdefault(w, []).append(i)
+    return [(idx, tokenizer.decode([ids[i] for i in idx], skip_special_tokens=True)) for idx in groups.values()]
+
+
 def _word_texts(tokenizer, ids: list[int]) -> tuple[list[int], dict[int, str]]:
     """Each token's word index and each word's normalised text."""
-    words = token_words(tokenizer, ids)
-    texts: dict[int, str] = {}
-    for t, w in zip(ids, words):
-        texts[w] = texts.get(w, "") + tokenizer.decode([t], skip_special_tokens=True)
-    return words, {w: normalize_text(text) for w, text in texts.items()}
+    spans = word_spans(tokenizer, ids)
+    words = [w for w, (idx, _) in enumerate(spans) for _ in idx]  # a word's tokens are consecutive
+    return words, {w: normalize_text(text) for w, (_, text) in enumerate(spans)}
 
 
 def _is_content(norm: str, stopwords: frozenset[str]) -> bool:

