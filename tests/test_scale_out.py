@@ -145,11 +145,30 @@ def test_ray_with_two_workers_builds_the_same_sets_as_local(project, cluster):
     assert len(list((project / "data/early/shards").glob("shard-*.parquet"))) == 6
 
 
+class RecordingWorker(build_early.ShardWorker):
+    """build_early's worker, leaving a mark ``writers/<shard file>.<pid>`` for every shard it writes."""
+
+    def __call__(self, shard):
+        out = super().__call__(shard)
+        marks = Path("writers")
+        marks.mkdir(exist_ok=True)
+        (marks / f"shard-{shard[0]:05d}.parquet.{os.getpid()}").touch()
+        return out
+
+
 def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
+    """A worker killed mid-run is restarted and only its unit in flight is computed again: every shard finished before
+    the kill stays as it was, except one the killed worker had written but not yet reported (its unit was still in
+    flight, so Ray retries it)."""
     local = build(project)
     edit_params(project, "execution", **RAY)
     for path in (project / "data/early/shards").glob("*"):
         path.unlink()
+    p = yaml.safe_load((project / "params.yaml").read_text())
+    params, execution = load_section("build_early", data=p), load_section("execution", data=p)
+    table = pd.read_parquet(project / "data/prepared/qa.parquet")
+    llm = LLMSpec(p["paths"]["llm"], "float32", "cpu")
+    store, budget = open_shards("build_early", params, llm, {"qa": p["paths"]["qa"]}, build_early.LIBRARIES, p["paths"]["early_shards"], len(table))
     shards, killed, finished_before = project / "data/early/shards", [], {}
 
     def kill_one_worker_after_the_first_shard():
@@ -165,10 +184,17 @@ def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
 
     killer = threading.Thread(target=kill_one_worker_after_the_first_shard)
     killer.start()
-    build_early.main(["--params", "params.yaml"])  # the killed actor is restarted and its shard computed again
+    run_shards(store, table, params.shard_size, functools.partial(RecordingWorker, llm, params, store), execution, budget, "test", "q")
     killer.join()
     assert killed, "no Ray worker was found to kill"
-    assert {name: t for name, t in shard_times(shards).items() if name in finished_before} == finished_before
+    after = shard_times(shards)
+    assert len(after) == 6 and finished_before
+    assert {mark.name.rsplit(".", 1)[0] for mark in (project / "writers").iterdir()} == set(after)  # every shard's writer is known
+    rewritten = [name for name, t in finished_before.items() if after[name] != t]
+    assert all((project / "writers" / f"{name}.{killed[0]}").exists() for name in rewritten), (rewritten, finished_before)
+    assert len(rewritten) <= 1  # the killed worker had at most one unit in flight
+    build_early.main(["--params", "params.yaml"])  # every shard is there: the stage only merges them
+    assert shard_times(shards) == after
     pd.testing.assert_frame_equal(pd.read_parquet(project / "data/early/early.parquet"), local["early"])
 
 
