@@ -145,6 +145,17 @@ def test_ray_with_two_workers_builds_the_same_sets_as_local(project, cluster):
     assert len(list((project / "data/early/shards").glob("shard-*.parquet"))) == 6
 
 
+def run_early_shards(project: Path, worker_class) -> None:
+    """build_early's shards of ``project`` computed by ``worker_class`` (a subclass of the stage's worker) on the
+    backend its params name, without the stage's merge."""
+    p = yaml.safe_load((project / "params.yaml").read_text())
+    params, execution = load_section("build_early", data=p), load_section("execution", data=p)
+    table = pd.read_parquet(project / "data/prepared/qa.parquet")
+    llm = LLMSpec(p["paths"]["llm"], "float32", "cpu")
+    store, budget = open_shards("build_early", params, llm, {"qa": p["paths"]["qa"]}, build_early.LIBRARIES, p["paths"]["early_shards"], len(table))
+    run_shards(store, table, params.shard_size, functools.partial(worker_class, llm, params, store), execution, budget, "test", "q")
+
+
 class RecordingWorker(build_early.ShardWorker):
     """build_early's worker, leaving a mark ``writers/<shard file>.<pid>`` for every shard it writes."""
 
@@ -152,7 +163,7 @@ class RecordingWorker(build_early.ShardWorker):
         out = super().__call__(shard)
         marks = Path("writers")
         marks.mkdir(exist_ok=True)
-        (marks / f"shard-{shard[0]:05d}.parquet.{os.getpid()}").touch()
+        (marks / f"{self.store.path(shard[0]).name}.{os.getpid()}").touch()
         return out
 
 
@@ -164,11 +175,6 @@ def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
     edit_params(project, "execution", **RAY)
     for path in (project / "data/early/shards").glob("*"):
         path.unlink()
-    p = yaml.safe_load((project / "params.yaml").read_text())
-    params, execution = load_section("build_early", data=p), load_section("execution", data=p)
-    table = pd.read_parquet(project / "data/prepared/qa.parquet")
-    llm = LLMSpec(p["paths"]["llm"], "float32", "cpu")
-    store, budget = open_shards("build_early", params, llm, {"qa": p["paths"]["qa"]}, build_early.LIBRARIES, p["paths"]["early_shards"], len(table))
     shards, killed, finished_before = project / "data/early/shards", [], {}
 
     def kill_one_worker_after_the_first_shard():
@@ -184,7 +190,7 @@ def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
 
     killer = threading.Thread(target=kill_one_worker_after_the_first_shard)
     killer.start()
-    run_shards(store, table, params.shard_size, functools.partial(RecordingWorker, llm, params, store), execution, budget, "test", "q")
+    run_early_shards(project, RecordingWorker)
     killer.join()
     assert killed, "no Ray worker was found to kill"
     after = shard_times(shards)
@@ -213,13 +219,8 @@ def test_a_shard_that_raises_stops_the_run_and_the_next_run_computes_only_what_i
     edit_params(project, "execution", **RAY)
     for path in (project / "data/early/shards").glob("*"):
         path.unlink()
-    p = yaml.safe_load((project / "params.yaml").read_text())
-    params, execution = load_section("build_early", data=p), load_section("execution", data=p)
-    table = pd.read_parquet(project / "data/prepared/qa.parquet")
-    llm = LLMSpec(p["paths"]["llm"], "float32", "cpu")
-    store, budget = open_shards("build_early", params, llm, {"qa": p["paths"]["qa"]}, build_early.LIBRARIES, p["paths"]["early_shards"], len(table))
     with pytest.raises(Exception, match="device lost"):
-        run_shards(store, table, params.shard_size, functools.partial(FailingWorker, llm, params, store), execution, budget, "test", "q")
+        run_early_shards(project, FailingWorker)
     shards = project / "data/early/shards"
     kept = shard_times(shards)
     assert "shard-00002.parquet" not in kept and len(kept) >= 1
