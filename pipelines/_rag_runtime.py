@@ -1,5 +1,6 @@
 """What the rag_eval stage runs: the LLM, the corpora's retrievers, the triggers and one RAG loop per configuration,
-each wrapped as ``answer(question, record_prompts) -> dict`` (a JSON-able RagResult) for the stage's run files."""
+each wrapped as ``answer(questions, record_prompts) -> [dict]`` (JSON-able RagResults, one per question) for the
+stage's run files."""
 
 from __future__ import annotations
 
@@ -10,15 +11,40 @@ from typing import Any, Callable
 
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
+from detectors.rag.loop import RagConfig, RagLoop, RagResult
 from detectors.rag.metrics import FAILED
-from detectors.rag.loop import RagConfig, RagLoop, RagResult, answer_after, question_trace
-from detectors.rag.queries import DiorWeights
+from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
 from detectors.rag.triggers import make_trigger
 from detectors.registry import store
 
 log = logging.getLogger("rag_eval")
+
+Answer = Callable[[list[str], list[bool]], list[dict]]
+
+
+def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagResult]]) -> Answer:
+    """``answer_all`` as JSON-able dicts; when a batch raises, its questions are answered one by one, so that only the
+    question that raises is recorded as failed (``failed: <error>``) and the others are answered."""
+
+    def answer(questions: list[str], records: list[bool]) -> list[dict]:
+        try:
+            return [dataclasses.asdict(r) for r in answer_all(questions, records)]
+        except Exception:  # noqa: BLE001 - retried one by one below, where a question's own failure is recorded
+            if len(questions) == 1:
+                raise
+            log.warning("%s: a batch of %d questions raised; answering them one by one", name, len(questions))
+        out = []
+        for question, record in zip(questions, records):
+            try:
+                out.append(dataclasses.asdict(answer_all([question], [record])[0]))
+            except Exception as err:  # recorded, never a crash halfway; the stage stops if most questions fail
+                log.exception("%s: %r failed", name, question)
+                out.append(dataclasses.asdict(RagResult(question, "", [], 0, 0, 0.0, [], f"{FAILED} {type(err).__name__}: {err}")))
+        return out
+
+    return answer
 
 
 class RagRuntime:
@@ -45,52 +71,54 @@ class RagRuntime:
             self._triggers[spec] = make_trigger(spec, self.llm, self.thresholds, self.p["build_realtime.spacy_model"], self.tracking_uri)
         return self._triggers[spec]
 
-    def rag_config(self, name: str, query: str, stepwise: bool = False, chunk: bool = False, max_retrievals: int | None = None) -> RagConfig:
+    def rag_config(self, name: str, stepwise: bool = False, chunk: bool = False, max_retrievals: int | None = None) -> RagConfig:
         r = self.params
         return RagConfig(
             name=name, prompt=self.p["build_early.features.prompt"], context=r.context, k=r.k,
             max_retrievals=r.max_retrievals if max_retrievals is None else max_retrievals, max_new_tokens=r.max_new_tokens,
-            stop=tuple(self.p["build_early.stop"]), query=query, stepwise=stepwise, chunk=chunk, qfs_top_n=r.query.qfs_top_n,
-            dior_top=r.query.dior_top, dior_weights=DiorWeights(**dataclasses.asdict(r.query.dior_weights)),
+            stop=tuple(self.p["build_early.stop"]), stepwise=stepwise, chunk=chunk, batch_size=r.batch_size,
         )  # fmt: skip
 
-    def loop(self, name: str, config, corpus: str) -> Callable[[str, bool], dict]:
-        """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus`` as ``answer(question, record)``."""
+    def query(self, name: str, triggers: list, retriever: BM25Retriever | None):
+        """Formulation ``name``; FLARE's masks words under 1 - the FLARE trigger's threshold (0.5 without one)."""
+        q = self.params.query
+        theta = next((1 - t.threshold for t in triggers if t.name == "flare"), 0.5)
+        weights = DiorWeights(**dataclasses.asdict(q.dior_weights))
+        return make_query(name, theta, q.qfs_top_n, weights, q.dior_top, retriever.idf if retriever else None)
+
+    def loop(self, name: str, config, corpus: str) -> Answer:
+        """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus`` as ``answer(questions, records)``."""
         triggers = [self.trigger(t) for t in config.triggers]
         steering = None
         if config.steering:
             steer_name, alias = config.steering.split("@", 1)
             steering = load_detector(steer_name, alias=alias, llm=self.llm, tracking_uri=self.tracking_uri).vectors()
         retriever = self.retriever(corpus) if triggers else None
-        rag = RagLoop(self.llm, retriever, self.rag_config(name, config.query, config.stepwise, config.chunk), triggers, steering,
-                      idf=retriever.idf if retriever else None)  # fmt: skip
+        rag = RagLoop(self.llm, retriever, self.rag_config(name, config.stepwise, config.chunk), triggers,
+                      self.query(config.query, triggers, retriever), steering)  # fmt: skip
+        return resilient(name, rag.answer_all)
 
-        def answer(question: str, record: bool) -> dict:
-            rag.record_prompts = record
-            try:
-                return dataclasses.asdict(rag.answer(question))
-            except Exception as err:  # recorded, never a crash halfway; the stage stops if most questions fail
-                log.exception("%s: %r failed", name, question)
-                return dataclasses.asdict(RagResult(question, "", [], 0, 0, 0.0, [], f"{FAILED} {type(err).__name__}: {err}"))
-
-        return answer
-
-    def sweep_loop(self, corpus: str) -> tuple[Callable[[str, list[str]], dict], list[str]]:
-        """The sweep over ``corpus``: ``sweep(question, references)`` (the stored line) and the swept triggers' names
+    def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], list[str]]:
+        """The sweep over ``corpus``: ``sweep(questions, references)`` (the stored lines) and the swept triggers' names
         (every trigger of the configurations but ``always``, which is the sweep's position-0 reference)."""
         specs = list(dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if t != "always"))
         triggers = [self.trigger(t) for t in specs]
         retriever = self.retriever(corpus)
-        rag = RagLoop(self.llm, retriever, self.rag_config("sweep", self.params.sweep.query, max_retrievals=1), triggers, idf=retriever.idf)
+        rag = RagLoop(self.llm, retriever, self.rag_config("sweep", max_retrievals=1), triggers)  # the query is the job's (the question)
 
-        def sweep(question: str, references: list[str]) -> dict:
-            trace = question_trace(rag, question)
-            events = trace_events(trace)
-            positions = sorted({0} | {p for e in events.values() for _, p in e})
-            after = {p: answer_after(rag, question, trace.gen_ids, p, question) for p in positions}
-            line = sweep_line(events, trace.answer, {p: r.answer for p, r in after.items()}, references)
-            line["forward_passes"] = trace.forward_passes + sum(r.forward_passes for r in after.values())
-            line["errors"] = {str(p): r.error for p, r in after.items() if r.error}
-            return line
+        def sweep(questions: list[str], references: list[list[str]]) -> list[dict]:
+            traces = rag.trace(questions)
+            events = [trace_events(t) for t in traces]
+            positions = [sorted({0} | {p for e in ev.values() for _, p in e}) for ev in events]
+            jobs = [(t.question, t.gen_ids, p, t.question) for t, ps in zip(traces, positions) for p in ps]
+            after = iter(rag.answer_after(jobs))
+            lines = []
+            for trace, ev, ps, refs in zip(traces, events, positions, references):
+                results = {p: next(after) for p in ps}
+                line = sweep_line(ev, trace.answer, {p: r.answer for p, r in results.items()}, refs)
+                line["forward_passes"] = trace.forward_passes + sum(r.forward_passes for r in results.values())
+                line["errors"] = {str(p): r.error for p, r in results.items() if r.error}
+                lines.append(line)
+            return lines
 
         return sweep, [t.name for t in triggers]

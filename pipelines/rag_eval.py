@@ -32,7 +32,7 @@ from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.progress import progress
 from detectors.rag.metrics import FAILED, summarise
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas
 from detectors.rag.sweep import curves as sweep_curves
 from detectors.shards import config_hash
 from detectors.sources.ids import sample
@@ -46,6 +46,9 @@ READS = (
     "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_table", "paths.rag_curves", "paths.rag_prompts",
 )  # fmt: skip
 SWEEP = "sweep"  # the sweep's run file, and the metrics file's key for the curves
+# rag_eval params that do not shape a run file's answers (each configuration, corpus and the sweep are keyed on their own;
+# the sample only adds questions; batch_size only groups them; the rest is reporting)
+NOT_KEYED = ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "bootstrap", "seed")
 CONTINUATION = "sentence"  # the comparison's continuation level, where `validation` thresholds are read
 
 
@@ -87,21 +90,26 @@ def read_run_file(path: Path, key: str) -> dict[str, dict]:
     return {line["id"]: line for line in lines[1:]}
 
 
-def run_questions(path: Path, key: str, rows: pd.DataFrame, answer: Callable[[str, bool], dict], prompts_sample: int, desc: str) -> list[dict]:
-    """Answer every row (``id``, ``question``) not yet in run file ``path`` with ``answer(question, record_prompts)``
-    (a JSON-able dict: ``dataclasses.asdict`` of a RagResult), appending one line per question and flushing it; the
-    first ``prompts_sample`` rows record their prompts. Returns the lines of every row, in the rows' order."""
+def run_questions(path: Path, key: str, rows: pd.DataFrame, answer: Callable[[list[str], list[bool]], list[dict]], prompts_sample: int,
+                  desc: str, batch: int) -> list[dict]:  # fmt: skip
+    """Answer every row (``id``, ``question``) not yet in run file ``path`` with ``answer(questions, record_prompts)``
+    (JSON-able dicts, ``dataclasses.asdict`` of RagResults), ``batch`` questions at a time, appending one line per
+    question and flushing after each batch; the first ``prompts_sample`` rows record their prompts. Returns the lines
+    of every row, in the rows' order."""
     path.parent.mkdir(parents=True, exist_ok=True)
     done = read_run_file(path, key)
     ids = list(rows["id"])
     todo = [(i, q) for i, (rid, q) in enumerate(zip(ids, rows["question"])) if rid not in done]
     with open(path, "a", encoding="utf-8") as f, progress(total=len(ids), initial=len(ids) - len(todo), desc=desc, unit="question") as bar:
-        for i, question in todo:
-            line = {"id": ids[i], **answer(question, i < prompts_sample)}
-            f.write(json.dumps(line) + "\n")
+        for start in range(0, len(todo), batch):
+            chunk = todo[start : start + batch]
+            results = answer([q for _, q in chunk], [i < prompts_sample for i, _ in chunk])
+            for (i, _), result in zip(chunk, results):
+                line = {"id": ids[i], **result}
+                f.write(json.dumps(line) + "\n")
+                done[ids[i]] = line
             f.flush()
-            done[ids[i]] = line
-            bar.update()
+            bar.update(len(chunk))
     return [done[i] for i in ids]
 
 
@@ -152,9 +160,27 @@ def check_failures(lines: list[dict], what: str, share: float = 0.5) -> None:
         raise RuntimeError(f"{what}: {len(failed)} of {len(lines)} questions failed, e.g. {failed[0]['error']}")
 
 
-def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[str]]) -> dict[str, dict[str, dict]]:
-    """``{corpus: {configuration: metrics}}`` of the stored lines (one per question, in the order of ``answers``)."""
-    return {corpus: {name: summarise(results, answers) for name, results in configs.items()} for corpus, configs in lines.items()}
+def references(configurations: dict) -> dict[str, str]:
+    """The reference configurations every other is compared with: ``never``, the first without triggers; ``always``,
+    the first that retrieves once with the question before generating (only ``always``, no post-retrieval)."""
+    out = {}
+    for name, c in configurations.items():
+        if not c.triggers:
+            out.setdefault("never", name)
+        elif c.triggers == ["always"] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
+            out.setdefault("always", name)
+    return out
+
+
+def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[str]], refs: dict[str, str], bootstrap: int,
+                   seed: int) -> dict[str, dict[str, dict]]:  # fmt: skip
+    """``{corpus: {configuration: metrics}}`` of the stored lines (one per question, in the order of ``answers``), with
+    each configuration's paired accuracy difference to the reference configurations ``refs``."""
+    out = {}
+    for corpus, configs in lines.items():
+        deltas = reference_deltas(configs, answers, refs, bootstrap, seed)
+        out[corpus] = {name: {**summarise(results, answers), **deltas[name]} for name, results in configs.items()}
+    return out
 
 
 class RunFileWorker:
@@ -178,11 +204,12 @@ class RunFileWorker:
             sweep_loop, out["triggers"] = runtime.sweep_loop(corpus)
             key = config_hash({**base, "sweep": dataclasses.asdict(params.sweep), "triggers": out["triggers"]})
             refs = {q: list(a) for q, a in zip(self.rows["question"], self.rows["answers"])}
-            out["lines"] = run_questions(path, key, self.rows, lambda q, _: sweep_loop(q, refs[q]), 0, f"{corpus} · sweep")
+            out["lines"] = run_questions(path, key, self.rows, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]), 0, f"{corpus} · sweep", params.batch_size)
         else:
             config = params.configurations[name]
             key = config_hash({**base, "configuration": dataclasses.asdict(config)})
-            out["lines"] = run_questions(path, key, self.rows, runtime.loop(name, config, corpus), params.prompts_sample, f"{corpus} · {name}")
+            out["lines"] = run_questions(path, key, self.rows, runtime.loop(name, config, corpus), params.prompts_sample, f"{corpus} · {name}",
+                                         params.batch_size)  # fmt: skip
         return out
 
 
@@ -195,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     thresholds = resolve_thresholds(params.thresholds, comparison)
     registries = {k: file_digest(p[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla") if Path(p[f"paths.registry_{k}"]).exists()}
     base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "qa": file_digest(p["paths.qa"]), "thresholds": thresholds,
-                "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions")}}  # fmt: skip
+                "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in NOT_KEYED}}  # fmt: skip
     first = params.corpora[0]
     units = [(corpus, name) for corpus in params.corpora for name, config in params.configurations.items() if config.triggers or corpus == first]
     units.append((params.sweep.corpus, SWEEP))  # a configuration that never retrieves answers the same on every corpus: run once
@@ -205,9 +232,10 @@ def main(argv: list[str] | None = None) -> None:
              for corpus in params.corpora}  # fmt: skip
     for corpus, name in units[:-1]:
         check_failures(lines[corpus][name], f"{corpus} · {name}")
-    metrics: dict[str, Any] = evaluate_lines(lines, answers)
+    refs = references(params.configurations)
+    metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, params.bootstrap, params.seed)
     swept = results[units[-1]]
-    curves = sweep_curves(swept["lines"], swept["triggers"])
+    curves = sweep_curves(swept["lines"], swept["triggers"], params.bootstrap, params.seed)
     metrics[SWEEP] = {"corpus": params.sweep.corpus, "query": params.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
     llm_name, llm_digest = swept["llm"]
     digests = {corpus: result["corpus_digest"] for (corpus, _), result in results.items()}

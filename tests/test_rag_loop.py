@@ -1,30 +1,38 @@
-"""The dynamic RAG loop with the tiny Llama and a three-passage corpus: every trigger kind, loaded the way users
-load it (registered detectors by name and alias), leads to a retrieval whose passage is in the next prompt."""
+"""The dynamic RAG loop with the tiny Llama: every trigger kind, loaded the way users load it (registered detectors
+by name and alias), leads to a retrieval whose passage is in the next prompt; the answers and retrievals do not
+depend on how many questions advance together; and every score a trigger reads while the LLM generates equals the
+offline score of the same tokens, computed the way the stored sets and the comparison compute it."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import mlflow
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, qa_rows
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.ctrla.detectors import ConfidenceDetector
 from detectors.ctrla.directions import Directions
+from detectors.ctrla.steering import steer
 from detectors.dior.early import SEQUENCE_DIM
 from detectors.dior.early_detector import EarlyDetector
 from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
-from detectors.rag.corpus import Passage
-from detectors.rag.loop import ForwardCounter, PrefixCache, RagConfig, RagLoop, answer_after, question_trace
+from detectors.interfaces import Level
+from detectors.llm.kv import PrefixStore, prefix_states
+from detectors.rag.corpus import Passage, qa_fact_passages
+from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.queries import CtrlAQuery, make_query
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.triggers import make_trigger
+from detectors.rag.triggers import Policy, Trigger, make_trigger
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 
@@ -37,11 +45,20 @@ PASSAGES = [
     Passage("p3", "Kenya", "The capital of Kenya is Nairobi, on the Athi plains."),
 ]
 QUESTION = "The capital of Occitania is"
+QUESTIONS = [r["question"] for r in qa_rows()[:16]]
+TOKEN_TRIGGERS = ["flare", "rind", "sit_min", "t-realtime@champion"]
 
 
 @pytest.fixture(scope="module")
 def retriever() -> BM25Retriever:
     return BM25Retriever.build(PASSAGES, PARAMS["index_corpus"]["bm25"])
+
+
+@pytest.fixture(scope="module")
+def facts() -> BM25Retriever:
+    """Every fixture fact as one passage (the `facts` corpus): retrieval can fix a wrong answer."""
+    qa = pd.DataFrame([{"id": f"q{i}", **r} for i, r in enumerate(qa_rows())])
+    return BM25Retriever.build(qa_fact_passages(qa), PARAMS["index_corpus"]["bm25"])
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +68,7 @@ def registry(tmp_path_factory, tiny_llm) -> str:
     root, fp = tmp_path_factory.mktemp("rag-registry"), tiny_llm.fingerprint
     torch.manual_seed(0)
     features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
-    features = dataclasses.replace(features, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
+    features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
     early = EarlyDetector(
         EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4), ["attribution", "entropy"], np.zeros(3, np.float32), np.ones(3, np.float32), 0.0,
         features, fp, {"dtype": "float32"}, {},
@@ -78,9 +95,12 @@ def registry(tmp_path_factory, tiny_llm) -> str:
     return uri
 
 
-def loop_for(spec, tiny_llm, retriever, registry, query="question", **config):
-    trigger = make_trigger(spec, tiny_llm, {"flare": -1.0, "rind": -1.0, "sit_min": -1.0}, SPACY, tracking_uri=registry)
-    return RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6, query=query, **config), [trigger])
+def trigger(spec, tiny_llm, registry, thresholds=None):
+    return make_trigger(spec, tiny_llm, thresholds or {"flare": -1.0, "rind": -1.0, "sit_min": -1.0}, SPACY, tracking_uri=registry)
+
+
+def loop_for(spec, tiny_llm, retriever, registry, **config):
+    return RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6, **config), [trigger(spec, tiny_llm, registry)])
 
 
 @pytest.mark.parametrize("spec", ["always", "t-early@champion", "t-realtime@champion", "t-confidence@champion", "flare", "rind", "sit_min"])
@@ -88,8 +108,7 @@ def test_a_trigger_leads_to_a_retrieval_whose_passage_is_in_the_next_prompt(spec
     # the tiny Llama answers "Paris." here: an entity, so Stitch-in-Time's concept-level score has something to score
     question, passage = ("The capital of Kenya is", PASSAGES[2]) if spec == "sit_min" else (QUESTION, PASSAGES[0])
     loop = loop_for(spec, tiny_llm, retriever, registry)
-    loop.record_prompts = True
-    result = loop.answer(question)
+    result = loop.answer(question, record_prompts=True)
     assert result.retrievals, f"{spec} did not fire"
     first = result.retrievals[0]
     assert first.passage_ids == [passage.id] and first.queries == [question]
@@ -102,27 +121,32 @@ def test_a_trigger_leads_to_a_retrieval_whose_passage_is_in_the_next_prompt(spec
 
 
 def test_no_retrieval_gives_the_early_sets_greedy_answer(tiny_llm):
-    from detectors.dior.early import greedy_answer, question_features
+    from detectors.dior.early import early_records
 
     features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
     features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
-    config = RagConfig("none", PROMPT, max_new_tokens=8)
-    loop = RagLoop(tiny_llm, None, config)
-    for q in [QUESTION, "The capital of Bavaria is", "The currency of Japan is"]:
-        expected = greedy_answer(tiny_llm, question_features(tiny_llm, q, features), 8, ["\n"])
-        result = loop.answer(q)
-        assert result.answer == expected and not result.retrievals
+    expected = [r["answer"] for r in early_records(tiny_llm, QUESTIONS, [["x"]] * len(QUESTIONS), features, 8, ["\n"])]
+    for batch_size in (1, 5):
+        results = RagLoop(tiny_llm, None, RagConfig("none", PROMPT, max_new_tokens=8, batch_size=batch_size)).answer_all(QUESTIONS)
+        assert [r.answer for r in results] == expected and not any(r.retrievals for r in results)
 
 
-def test_the_prefix_cache_runs_only_what_it_does_not_hold(tiny_llm):
-    cache = PrefixCache(tiny_llm)
-    ids = tiny_llm.tokenizer("The capital of France is Paris. The capital of Spain is", add_special_tokens=False)["input_ids"]
-    other = ids[:-3] + tiny_llm.tokenizer(" of Peru is", add_special_tokens=False)["input_ids"]
-    for seq in [ids, other, ids[:5] + ids[5:]]:
-        with torch.no_grad():
-            full = tiny_llm.model(torch.tensor([seq])).logits[0, -1]
-        assert torch.allclose(cache.run(seq), full, atol=1e-5)
-    assert cache.ids == ids
+def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm):
+    tok = tiny_llm.tokenizer
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    primer = ids("The capital of France is Paris.\nThe capital of")
+    rows = [primer + ids(" Spain is"), primer + ids(" Peru is")]
+    store_ = PrefixStore(tiny_llm)
+    shared = store_.get(rows)
+    assert store_.ids == rows[0][:shared] and store_.passes == 1
+    expected = prefix_states(tiny_llm.model, torch.tensor([rows[0]]), shared)
+    assert all(torch.allclose(k, ek, atol=1e-5) and torch.allclose(v, ev, atol=1e-5) for (k, v), (ek, ev) in zip(store_.kv, expected))
+    longer = [rows[1], rows[1] + ids(" a")]  # they share rows[1] but its last token (each row keeps one of its own)
+    assert store_.get(longer) == len(rows[1]) - 1 and store_.passes == 2  # extends the kept prefix by one pass
+    assert store_.get(rows) == shared and store_.passes == 2  # crops: nothing runs
+    expected = prefix_states(tiny_llm.model, torch.tensor([rows[1]]), len(rows[1]) - 1)
+    store_.get(longer)
+    assert all(torch.allclose(k, ek, atol=1e-5) for (k, _), (ek, _) in zip(store_.kv, expected))
 
 
 def test_a_query_that_retrieves_nothing_is_a_recorded_outcome(tiny_llm, retriever, registry):
@@ -150,40 +174,158 @@ def test_a_detector_registered_for_another_llm_is_refused(registry, tokenizer):
         make_trigger("t-realtime@champion", other, {}, SPACY, tracking_uri=registry)
 
 
+def test_a_query_whose_statistics_no_trigger_measures_is_refused(tiny_llm, retriever, registry):
+    with pytest.raises(ValueError, match="query 'ctrla' needs the statistic 'ctrla_eq2'"):
+        RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT), [trigger("flare", tiny_llm, registry)], CtrlAQuery())
+    two = [trigger("t-realtime@champion", tiny_llm, registry), dataclasses.replace(trigger("t-realtime@champion", tiny_llm, registry), name="again")]
+    RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT), two)  # one detector's calculator serves both
+
+
+def test_a_comparison_scorer_becomes_a_trigger_without_touching_the_loop(tiny_llm, retriever):
+    """The loop knows no concrete trigger: token entropy, a scorer of the comparison only, triggers retrieval once it is
+    given a threshold and a policy, and fires exactly where its offline token scores reach the threshold."""
+    from detectors.baselines.token_entropy import TokenEntropy
+
+    entropy = Trigger("token_entropy", TokenEntropy(Level.TOKEN), 0.0, Policy("token"))
+    loop = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1), [entropy])
+    (trace,) = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [entropy]).trace([QUESTION])
+    entropy.threshold = float(np.sort(trace.token_scores["token_entropy"])[-2])  # fires at the second most uncertain token or before
+    result = loop.answer(QUESTION)
+    expected = int(np.flatnonzero(trace.stats["entropy"] >= entropy.threshold)[0])
+    assert [(r.trigger, r.position) for r in result.retrievals] == [("token_entropy", expected)]
+
+
 def test_sweep_trace_and_retrieval_at_a_position(tiny_llm, retriever, registry):
-    loop = RagLoop(
-        tiny_llm, retriever, RagConfig("sweep", PROMPT, k=1, max_new_tokens=6),
-        [make_trigger(s, tiny_llm, {"flare": 0.5, "rind": 1.0}, SPACY, tracking_uri=registry) for s in ["t-early@champion", "flare", "rind"]],
-    )  # fmt: skip
-    trace = question_trace(loop, QUESTION)
+    triggers = [trigger(s, tiny_llm, registry, {"flare": 0.5, "rind": 1.0}) for s in ["t-early@champion", "flare", "rind"]]
+    loop = RagLoop(tiny_llm, retriever, RagConfig("sweep", PROMPT, k=1, max_new_tokens=6), triggers)
+    (trace,) = loop.trace([QUESTION])
     assert set(trace.question_scores) == {"t-early"} and set(trace.token_scores) == {"flare", "rind"}
     assert all(len(s) == len(trace.gen_ids) for s in trace.token_scores.values())
+    assert trace.truncate == {"flare": "segment", "rind": "token"}
     plain = RagLoop(tiny_llm, None, RagConfig("plain", PROMPT, max_new_tokens=6)).answer(QUESTION)
-    assert trace.answer == plain.answer
-    loop.record_prompts = True
-    after = answer_after(loop, QUESTION, trace.gen_ids, 1, QUESTION)
-    assert after.retrievals[0].passage_ids == ["p1"] and PASSAGES[0].text in after.prompts[0]
-    assert after.prompts[0].endswith(QUESTION)
+    assert trace.answer == plain.answer and not plain.retrievals
+    (after,) = loop.answer_after([(QUESTION, trace.gen_ids, 1, QUESTION)])
+    assert after.retrievals[0].passage_ids == ["p1"] and after.retrievals[0].position == 1
+    assert after.answer.startswith(tiny_llm.tokenizer.decode(trace.gen_ids[:1]).strip())
 
 
-def test_ctrla_scores_come_from_the_steered_generation_itself(tiny_llm, retriever, registry):
-    """The loop's own (steered) passes feed CtrlA's monitor: the trigger's Eq. 2 equals a teacher-forced re-run of
-    prompt + segment under the same steering, without that re-run; unsteered projections differ."""
-    trigger = make_trigger("t-confidence@champion", tiny_llm, {}, SPACY, tracking_uri=registry)
-    steering = {1: 3.0 * trigger.detector.directions.vectors[0]}
-    loop = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [trigger], steering)
-    prompt = loop.prompt_ids(QUESTION, None, QUESTION)
-    with ForwardCounter(tiny_llm.model) as counter:
-        segment, _ = loop.generate_segment(QUESTION, prompt, [])
-        passes = counter.calls
-        ours = trigger.token_scores(tiny_llm, segment)
-        assert counter.calls == passes  # scoring ran nothing
-    assert segment.confidence.shape == (len(prompt) + len(segment.gen_ids), 2)
-    eq2 = trigger.eq2.copy()  # Eq. 2 of every generated token (the trigger reads only new content words)
-    rerun = dataclasses.replace(segment, confidence=None)
-    trigger.steering = steering
-    np.testing.assert_allclose(trigger.token_scores(tiny_llm, rerun), ours, atol=1e-4)
-    np.testing.assert_allclose(trigger.eq2, eq2, atol=1e-4)
-    trigger.steering = None
-    trigger.token_scores(tiny_llm, rerun)
-    assert not np.allclose(trigger.eq2, eq2, atol=1e-3)  # the monitor sees the steered stream
+# ---- many questions at once ----------------------------------------------------------------------------------------
+
+
+def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
+    """Configurations whose triggers fire on some questions and not on others (thresholds at the median of their
+    scores), so that rows leave and rejoin the batch at different rounds."""
+    base = {"flare": 0.5, "rind": 1.0, "sit_min": 0.5}
+    specs = ["t-early@champion", *TOKEN_TRIGGERS]
+    probe = RagLoop(tiny_llm, facts, RagConfig("probe", PROMPT, max_new_tokens=8), [trigger(s, tiny_llm, registry, base) for s in specs])
+    traces = probe.trace(QUESTIONS)
+    triggers = {}
+    for t in probe.triggers:
+        if t.stage == "question":
+            scores = [tr.question_scores[t.name] for tr in traces]
+        else:
+            scores = [float(np.max(tr.token_scores[t.name], initial=-np.inf)) for tr in traces]
+        finite = [s for s in scores if np.isfinite(s)]
+        triggers[t.name] = dataclasses.replace(t, threshold=float(np.median(finite)))
+    confidence = trigger("t-confidence@champion", tiny_llm, registry)
+    steering = {1: 3.0 * confidence.calculators[0].detector.directions.vectors[0]}
+    config = lambda name, **kw: RagConfig(name, PROMPT, k=2, max_new_tokens=8, **kw)  # noqa: E731
+    return {
+        "dior": RagLoop(tiny_llm, facts, config("dior", stepwise=True, chunk=True), [triggers["t-early"], triggers["t-realtime"]],
+                        make_query("dior", idf=facts.idf)),
+        "training-free": RagLoop(tiny_llm, facts, config("training-free"), [triggers[t] for t in ("flare", "rind", "sit_min")], make_query("qfs")),
+        "ctrla": RagLoop(tiny_llm, facts, config("ctrla"), [confidence], make_query("ctrla"), steering),
+    }  # fmt: skip
+
+
+def comparable(result) -> dict:
+    out = dataclasses.asdict(result)
+    for r in out["retrievals"]:
+        r["score"] = round(r["score"], 4)
+    return {k: v for k, v in out.items() if k not in ("wall_s", "forward_passes")}
+
+
+def test_answers_and_retrievals_do_not_depend_on_how_many_questions_advance_together(tiny_llm, facts, registry):
+    loops = configurations(tiny_llm, facts, registry)
+    for name, loop in loops.items():
+        runs = {}
+        for batch_size in (1, 5, 16):
+            loop.config = dataclasses.replace(loop.config, batch_size=batch_size)
+            runs[batch_size] = [comparable(r) for r in loop.answer_all(QUESTIONS, record_prompts=True)]
+        assert runs[1] == runs[5] == runs[16], name
+        fired = [bool(r["retrievals"]) for r in runs[1]]
+        assert any(fired), f"{name}: no question retrieved"
+        if name != "ctrla":  # CtrlA's tau=100 fires on every new content word
+            assert not all(fired), f"{name}: every question retrieved"
+        rounds = {len(r["retrievals"]) for r in runs[1]}
+        assert len(rounds) > 1, f"{name}: every question retrieved {rounds} times (rows never left the batch apart)"
+
+
+# ---- one definition of each score: online equals offline ----------------------------------------------------------
+
+
+def offline_frame(tiny_llm, prompts: list[str], traces) -> tuple[pd.DataFrame, np.ndarray]:
+    """The traced answers as the real-time set stores them: build_realtime's generation recorder run on the same
+    prompts (its tokens must be the loop's), the loop's entity spans, and the hidden states at layer 1."""
+    from detectors.dior.recorder import generate_traced
+
+    rows, hidden = [], []
+    for i, (prompt, trace) in enumerate(zip(prompts, traces)):
+        prompt_ids, (recorded,) = generate_traced(tiny_llm, [prompt], [1], len(trace.gen_ids), chat=False)
+        assert recorded.gen_ids == trace.gen_ids
+        spans = trace.stats["entities"]
+        rows.append({
+            "id": f"r{i}", "split": "test", "status": "ok", "label": 0, "prompt_ids": prompt_ids[0], "gen_ids": recorded.gen_ids,
+            "prob": recorded.prob.tolist(), "entropy": recorded.entropy.tolist(), "token_label": [0] * len(trace.gen_ids),
+            "entities": json.dumps([{"tokens": s.tolist(), "hallucinated": 0} for s in spans]), "hidden_offset": sum(len(h) for h in hidden),
+        })  # fmt: skip
+        hidden.append(recorded.hidden)
+    return pd.DataFrame(rows), np.concatenate(hidden)
+
+
+def test_every_online_score_equals_the_offline_score_of_the_same_tokens(tiny_llm, facts, registry):
+    """For each trigger, the score it reads while the LLM generates equals the score the comparison computes from the
+    stored statistics of the same tokens (1e-5): FLARE, Stitch-in-Time, RIND, the real-time MLP and DioR's early detector
+    from the real-time and early sets' own functions, CtrlA's monitor from a teacher-forced pass under the same steering."""
+    from detectors.baselines.rind import rind_scores
+    from detectors.ctrla.evaluation import realtime_set
+    from detectors.dior.early import early_records
+    from detectors.evaluation.units import realtime_token_stats, realtime_units
+
+    specs = ["t-early@champion", *TOKEN_TRIGGERS]
+    loop = RagLoop(tiny_llm, facts, RagConfig("online", PROMPT, max_new_tokens=8), [trigger(s, tiny_llm, registry) for s in specs])
+    traces = [t for t in loop.trace(QUESTIONS) if t.gen_ids]
+    questions = [t.question for t in traces]
+    prompts = [tiny_llm.render(q, PROMPT)[0] for q in questions]
+    frame, hidden = offline_frame(tiny_llm, prompts, traces)
+    assert any(len(t.stats["entities"]) for t in traces), "no entity to score"
+    by = {t.name: t for t in loop.triggers}
+    mlp = by["t-realtime"].calculators[0].detector
+    frame["rind"] = [r.rind.tolist() for r in rind_scores(tiny_llm, list(frame["prompt_ids"]), list(frame["gen_ids"]))]
+    units = realtime_units(frame, realtime_token_stats(frame, mlp.record_scores(frame, hidden), ["rind"]))
+    token_units = units[Level.TOKEN]
+    for name in ("flare", "rind", "t-realtime"):
+        offline = by[name].scorer.score(token_units)
+        online = np.concatenate([by[name].scorer.token_scores(t.stats) for t in traces])
+        np.testing.assert_allclose(online, offline, atol=1e-5, err_msg=name)
+    entity_units = units[Level.ENTITY]
+    offline = by["sit_min"].scorer.score(entity_units)
+    online = [t.token_scores["sit_min"][s[0]] for t in traces for s in t.stats["entities"]]
+    np.testing.assert_allclose(online, offline, atol=1e-5, err_msg="sit_min")
+    early = by["t-early"]
+    features = early.calculators[0].detector.features
+    records = pd.DataFrame(early_records(tiny_llm, questions, [["x"]] * len(questions), features, 8, ["\n"]))
+    np.testing.assert_allclose([t.question_scores["t-early"] for t in traces], early.scorer.score(records), atol=1e-5, err_msg="t-early")
+
+    confidence = trigger("t-confidence@champion", tiny_llm, registry)
+    directions = confidence.calculators[0].detector.directions
+    steering = {1: 3.0 * directions.vectors[0]}
+    steered = RagLoop(tiny_llm, facts, RagConfig("steered", PROMPT, max_new_tokens=8), [confidence], steering=steering).trace(questions)
+    frame = pd.DataFrame({"id": [f"r{i}" for i in range(len(steered))], "split": "test", "prompt_ids": list(frame["prompt_ids"]),
+                          "gen_ids": [t.gen_ids for t in steered]})  # fmt: skip
+    params = confidence.calculators[0].params
+    with steer(tiny_llm.model, steering):
+        offline = realtime_set(tiny_llm, directions, frame, batch_size=4).token_scores(directions.layers, params.tau, params.clip)
+    np.testing.assert_allclose(np.concatenate([t.stats["ctrla_confidence"] for t in steered]), np.concatenate(offline), atol=1e-5)
+    unsteered = realtime_set(tiny_llm, directions, frame, batch_size=4).token_scores(directions.layers, params.tau, params.clip)
+    assert not np.allclose(np.concatenate(unsteered), np.concatenate(offline), atol=1e-3)  # the monitor sees the steered stream

@@ -18,10 +18,10 @@ from conftest import ROOT
 from detectors.config import ParamsError, load_section
 from detectors.errors import InputError
 from detectors.rag.metrics import METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas
 from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
 from detectors.registry import store
-from pipelines.rag_eval import read_run_file, resolve_thresholds, run_questions, sample_questions, write_curves, write_prompts
+from pipelines.rag_eval import read_run_file, references, resolve_thresholds, run_questions, sample_questions, write_curves, write_prompts
 
 
 def result(answer: str, retrievals: list[list[str]] = (), error: str | None = None, passes: int = 10, tokens: int = 4, wall: float = 0.5) -> dict:
@@ -163,6 +163,37 @@ def test_stored_sweep_lines_give_each_triggers_curve():
     assert out["dior-early"].rate_to_always == 1.0
 
 
+def test_paired_intervals_compare_each_configuration_with_the_references_on_the_same_questions():
+    refs = [["Rome"]] * 20
+    answers = {"no-retrieval": ["Rome"] * 10 + ["x"] * 10, "single-round": ["Rome"] * 16 + ["x"] * 4,
+               "one-more": ["Rome"] * 11 + ["x"] * 9, "reversed": ["x"] * 10 + ["Rome"] * 10}  # fmt: skip
+    results = {name: [result(a) for a in values] for name, values in answers.items()}
+    deltas = reference_deltas(results, refs, {"never": "no-retrieval", "always": "single-round"}, n=500, seed=1)
+    assert deltas["no-retrieval"]["accuracy_vs_never"] == 0 and deltas["no-retrieval"]["accuracy_vs_never_ci_low"] == 0
+    assert deltas["single-round"]["accuracy_vs_never"] == pytest.approx(0.3) and deltas["no-retrieval"]["accuracy_vs_always"] == pytest.approx(-0.3)
+    # paired: one question better and none worse never resamples below 0 (an unpaired interval would)
+    one = deltas["one-more"]
+    assert one["accuracy_vs_never"] == pytest.approx(0.05) and one["accuracy_vs_never_ci_low"] == 0 and 0 < one["accuracy_vs_never_ci_high"] <= 0.15
+    # the same accuracy on other questions: a zero difference with a wide interval
+    rev = deltas["reversed"]
+    assert rev["accuracy_vs_never"] == 0 and rev["accuracy_vs_never_ci_low"] < -0.2 and rev["accuracy_vs_never_ci_high"] > 0.2
+    assert reference_deltas(results, refs, {"never": "absent"})["one-more"] == {}  # a reference that did not run: no difference
+
+
+def test_the_references_are_the_configurations_that_never_and_always_retrieve():
+    section = load_section("rag_eval", data=rag_params())
+    assert references(section.configurations) == {"never": "no-retrieval", "always": "single-round"}
+
+
+def test_a_curves_area_over_random_has_a_bootstrap_interval():
+    lines = [sweep_line({"t": [(0.9, 0)] if needed else [(0.1, 0)]}, "x", {0: "Rome" if needed else "x"}, ["Rome"]) for needed in [True, False] * 10]
+    (c,) = curves(lines, ["t"], bootstrap=300, seed=0).values()
+    assert c.area - c.random_area == pytest.approx(0.125)  # a perfect trigger: 0.375 against 0.25
+    low, high = c.interval
+    assert 0 < low <= 0.125 <= high
+    assert np.isnan(curves(lines, ["t"])["t"].interval[0])  # none without resamples
+
+
 # ---- report and MLflow ---------------------------------------------------------------------------------------------
 
 
@@ -180,6 +211,10 @@ SWEEP = {"corpus": "facts", "query": "question", "curves": {"flare": curve("flar
 
 
 def test_markdown_table_has_a_block_per_corpus_and_the_best_in_bold():
+    assert "Acc − no retrieval" not in markdown_table(METRICS_BY_CORPUS)  # no row without differences
+    with_deltas = {corpus: {name: {**m, "accuracy_vs_never": 0.1 if name == "flare" else 0.0, "accuracy_vs_never_ci_low": -0.02,
+                                   "accuracy_vs_never_ci_high": 0.21} for name, m in configs.items()} for corpus, configs in METRICS_BY_CORPUS.items()}  # fmt: skip
+    assert "| Acc − no retrieval [95% CI] | +0.000 [-0.020, +0.210] | +0.100 [-0.020, +0.210] |" in markdown_table(with_deltas)
     md = markdown_table(METRICS_BY_CORPUS)
     wiki, facts = md.split("### corpus `facts`")
     assert "| metric | no-retrieval | flare |" in wiki
@@ -295,17 +330,22 @@ def test_test_questions_are_a_deterministic_sample_of_the_test_split():
 
 
 class Answerer:
-    """``answer(question, record)`` that counts its calls and stops (as a killed run) after ``stop_after``."""
+    """``answer(questions, records)`` that counts the questions it answered and stops (as a killed run) at the
+    ``stop_after``-th question: the batch it was in is lost."""
 
     def __init__(self, stop_after: int | None = None):
         self.calls, self.stop_after = [], stop_after
 
-    def __call__(self, question: str, record: bool) -> dict:
-        if self.stop_after is not None and len(self.calls) == self.stop_after:
-            raise KeyboardInterrupt
-        self.calls.append((question, record))
-        answer = "a0" if question.endswith("0") else "wrong"
-        return result(answer, error="no passage retrieved" if question.endswith("4") else None) | {"prompts": [f"prompt of {question}"] if record else []}
+    def __call__(self, questions: list[str], records: list[bool]) -> list[dict]:
+        out = []
+        for question, record in zip(questions, records):
+            if self.stop_after is not None and len(self.calls) == self.stop_after:
+                raise KeyboardInterrupt
+            self.calls.append((question, record))
+            answer = "a0" if question.endswith("0") else "wrong"
+            error = "no passage retrieved" if question.endswith("4") else None
+            out.append(result(answer, error=error) | {"prompts": [f"prompt of {question}"] if record else []})
+        return out
 
 
 def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
@@ -313,23 +353,24 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     path = tmp_path / "runs" / "wiki" / "flare.jsonl"
     killed = Answerer(stop_after=3)
     with pytest.raises(KeyboardInterrupt):
-        run_questions(path, "key1", rows, killed, 2, "wiki · flare")
-    assert len(killed.calls) == 3
+        run_questions(path, "key1", rows, killed, 2, "wiki · flare", batch=2)
+    assert len(killed.calls) == 3  # the first batch of two is written, the second was lost with the run
     with open(path, "a") as f:
-        f.write('{"id": "q3", "answ')  # killed while writing the fourth line
+        f.write('{"id": "q2", "answ')  # killed while writing a line
     again = Answerer()
-    lines = run_questions(path, "key1", rows, again, 2, "wiki · flare")
-    assert again.calls == [("question 3", False), ("question 4", False)]  # only the two missing, prompts only for the first 2
+    lines = run_questions(path, "key1", rows, again, 2, "wiki · flare", batch=2)
+    assert again.calls == [("question 2", False), ("question 3", False), ("question 4", False)]  # only the missing ones
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
+    assert lines[0]["prompts"] == ["prompt of question 0"] and lines[2]["prompts"] == []  # prompts of the first 2 only
     stored = [json.loads(x) for x in path.read_text().splitlines()]
     assert stored[0] == {"key": "key1"} and [s["id"] for s in stored[1:]] == [f"q{i}" for i in range(5)]
     m = summarise(lines, [[f"a{i}"] for i in range(5)])
     assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (0.2, 1, 0, 5)  # a recorded outcome is counted, not a crash
 
     nothing = Answerer()
-    assert run_questions(path, "key1", rows, nothing, 2, "wiki · flare") == lines and nothing.calls == []
+    assert run_questions(path, "key1", rows, nothing, 2, "wiki · flare", batch=2) == lines and nothing.calls == []
     other = Answerer()
-    run_questions(path, "key2", rows, other, 2, "wiki · flare")  # other params: every question again
+    run_questions(path, "key2", rows, other, 2, "wiki · flare", batch=3)  # other params: every question again
     assert len(other.calls) == 5 and json.loads(path.read_text().splitlines()[0]) == {"key": "key2"}
 
 

@@ -86,6 +86,13 @@ class ConfidenceMonitor:
             proj = torch.cat([prefix.to(proj.device).expand(proj.shape[0], -1, -1), proj], dim=1)
         return proj
 
+    def take(self) -> torch.Tensor:
+        """``[B, T, n_layers]`` projections of the passes since the last reset, which they become (a probe of the
+        RAG loop, whose passes feed it one at a time)."""
+        out = self.layer_projections()
+        self.reset()
+        return out
+
     def projections(self) -> torch.Tensor:
         """``[B, T]`` layer-mean projections of all positions recorded so far (Eq. 2's mean-pooling)."""
         return self.layer_projections().mean(-1)

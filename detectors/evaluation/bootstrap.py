@@ -77,3 +77,13 @@ def paired_bootstrap_delta(labels, scores, reference, groups=None, n: int = 1000
     index, counts = _cluster_counts(groups, n, seed)
     delta = clustered_auroc(labels, scores, index, counts) - clustered_auroc(labels, reference, index, counts)
     return (auroc(labels, scores) - auroc(labels, reference), *_interval(delta))
+
+
+def paired_mean_delta(values, reference, n: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+    """mean(``values``) - mean(``reference``) over the same units (e.g. one configuration's correctness per question
+    and no retrieval's) and its paired 95% bootstrap interval: both means are taken on the same resampled units."""
+    diff = np.asarray(values, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+    if not len(diff):
+        return float("nan"), float("nan"), float("nan")
+    _, counts = _cluster_counts(np.arange(len(diff)), n, seed)
+    return (float(diff.mean()), *_interval(counts @ diff / len(diff)))

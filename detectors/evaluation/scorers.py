@@ -4,7 +4,7 @@ detector, and scores computed from per-token statistics at the token, entity or 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
@@ -88,6 +88,25 @@ class TokenStatScorer:
 
     def continuation(self, stats: dict[str, np.ndarray], entities: list[np.ndarray]) -> float:
         return max(self.entity(stats[self.stat][idx]) for idx in entities)
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The statistics the score is computed from (``entities``: the token indices of each entity)."""
+        return (self.stat,) if Level.TOKEN in self.levels else (self.stat, "entities")
+
+    def token_scores(self, stats: Mapping[str, Any]) -> np.ndarray:
+        """The online form: a score for every generated token of a sequence whose per-token statistics are
+        ``stats`` (what a RAG trigger reads while the LLM generates). A token-level score scores each token as
+        :meth:`token` does; an entity-level one puts each entity's score (:meth:`entity`) on the entity's first
+        token, where a generation is cut before it, and -inf elsewhere."""
+        values = np.asarray(stats[self.stat], dtype=np.float64)
+        if Level.TOKEN in self.levels:
+            return np.asarray(self.token(values), dtype=np.float64)
+        out = np.full(len(values), -np.inf)
+        for idx in stats["entities"]:
+            if len(idx):
+                out[idx[0]] = max(out[idx[0]], self.entity(values[np.asarray(idx)]))
+        return out
 
     def score(self, units: pd.DataFrame) -> np.ndarray:
         out = np.full(len(units), np.nan)

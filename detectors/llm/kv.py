@@ -69,3 +69,106 @@ def forward_rows(llm: "LLM", kv: KV | None, rows: list[list[int]], logits: bool 
     cache = as_cache(kv, len(rows), llm.model.config)
     with torch.no_grad():
         return llm.model(ids, past_key_values=cache, use_cache=cache is not None, logits_to_keep=0 if logits else 1)
+
+
+class ForwardCounter:
+    """Counts the forward calls of a module while attached (``with ForwardCounter(model) as c: ...; c.calls``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.calls, self._handle = model, 0, None
+
+    def __enter__(self) -> "ForwardCounter":
+        self._handle = self.model.register_forward_pre_hook(self._count)
+        return self
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
+# ---- rows of a left-padded batch: each row's cache is a contiguous suffix of the batch's positions ----------
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def crop_states(kv: KV, length: int) -> KV:
+    """The first ``length`` positions of cached states (views: the key/value of a position depends only on the
+    positions before it, so a prefix of a cache is the cache of the prefix)."""
+    return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
+
+
+def stack_left(rows: list[KV], width: int) -> KV:
+    """One batch cache of per-row states ``[1, heads, n_r, dim]`` left-padded with zeros to ``width`` positions
+    (the padding is masked out by the caller's attention mask)."""
+    out = []
+    for layer in range(len(rows[0])):
+        ks, vs = [], []
+        for row in rows:
+            k, v = row[layer]
+            pad = width - k.shape[2]
+            ks.append(torch.nn.functional.pad(k, (0, 0, pad, 0)) if pad else k)
+            vs.append(torch.nn.functional.pad(v, (0, 0, pad, 0)) if pad else v)
+        out.append((torch.cat(ks), torch.cat(vs)))
+    return out
+
+
+def row_states(cache, row: int, start: int) -> KV:
+    """A copy of row ``row``'s states from position ``start`` on (its real positions in a left-padded batch cache);
+    a copy, so that the batch's tensors can be freed."""
+    return [(layer.keys[row : row + 1, :, start:].clone(), layer.values[row : row + 1, :, start:].clone()) for layer in cache.layers]
+
+
+def join_states(prefix: KV | None, rest: KV) -> KV:
+    """A prefix's states followed by a row's own."""
+    if not prefix:
+        return rest
+    return [(torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)) for (pk, pv), (k, v) in zip(prefix, rest)]
+
+
+class PrefixStore:
+    """The states of a token prefix shared by the rows of a batch, kept between batches: the next batch reuses
+    what it shares with the kept prefix (cropped) and runs only the rest of its own shared prefix.
+
+    ``probes`` (objects with ``take() -> [B, T, d]``, attached by ``hooks``) record values of every position the
+    LLM runs; the store keeps theirs for the prefix too (``values``), cropped and extended with it."""
+
+    def __init__(self, llm: "LLM", hooks=None, probes: dict | None = None):
+        self.llm, self.hooks, self.probes = llm, hooks, dict(probes or {})
+        self.ids: list[int] = []
+        self.kv: KV | None = None
+        self.values: dict[str, torch.Tensor] = {}  # probe key -> [len(ids), d]
+        self.passes = 0  # forward passes run for prefixes
+
+    def get(self, rows: list[list[int]]) -> int:
+        """Make the store hold the prefix every row shares (leaving each at least one token of its own); returns
+        its length (0: nothing shared)."""
+        shared = shared_prefix_length(rows)
+        kept = min(common_prefix(self.ids, rows[0]), shared)
+        if kept == len(self.ids) == shared:
+            return shared
+        kv = crop_states(self.kv, kept) if kept and self.kv else None
+        values = {key: v[:kept] for key, v in self.values.items()} if kept else {}
+        if shared > kept:
+            ids = torch.tensor([rows[0][kept:shared]], device=self.llm.device)
+            positions = torch.arange(kept, shared, device=self.llm.device)[None]
+            with torch.no_grad(), self.hooks() if self.hooks else _null():
+                out = self.llm.model(ids, position_ids=positions, past_key_values=as_cache(kv, 1, self.llm.model.config),
+                                     use_cache=True, logits_to_keep=1)  # fmt: skip
+                new = {key: probe.take()[0] for key, probe in self.probes.items()}
+            self.passes += 1
+            kv = cache_states(out.past_key_values)
+            values = {key: torch.cat([values[key], v]) if key in values else v for key, v in new.items()}
+        self.ids, self.kv, self.values = list(rows[0][:shared]), kv, values
+        return shared
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -70,3 +70,31 @@ class LayerTap:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+class StateTap:
+    """Forward hooks catching ``hidden_states[i]`` for each index of ``indices`` at every position of every pass
+    (see :func:`state_modules`); ``take()`` gives the last pass's ``[B, T, len(indices) * H]`` in ``dtype`` (float16,
+    as the real-time set stores them) and forgets it."""
+
+    def __init__(self, model: torch.nn.Module, indices: list[int], dtype: torch.dtype = torch.float16):
+        self.model, self.indices, self.dtype = model, list(indices), dtype
+        self.handles: list = []
+        self._caught: dict[int, torch.Tensor] = {}
+
+    def __enter__(self) -> "StateTap":
+        for i, module in enumerate(state_modules(self.model, self.indices)):
+            self.handles.append(module.register_forward_hook(lambda m, a, out, i=i: self._caught.__setitem__(i, layer_output(out).detach())))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def take(self) -> torch.Tensor:
+        if len(self._caught) != len(self.indices):
+            raise RuntimeError("the state tap caught no pass: run the LLM inside `with tap:`")
+        out = torch.cat([self._caught[i] for i in range(len(self.indices))], dim=-1).to(self.dtype)
+        self._caught = {}
+        return out

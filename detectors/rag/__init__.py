@@ -1,11 +1,15 @@
 """A small dynamic RAG package over any causal LM: a retriever interface with a bm25s index, retrieval triggers
-from registered detectors or training-free scores, query formulations, and the generation loop.
+from registered detectors or training-free scores, query formulations, and the generation loop, which answers many
+questions at once.
 
     from detectors.rag.retriever import BM25Retriever
     from detectors.rag.loop import RagConfig, RagLoop
+    from detectors.rag.queries import make_query
     from detectors.rag.triggers import make_trigger
 
-Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``), ``triggers`` (when to retrieve),
-``queries`` (what to retrieve), ``context`` (DioR's post-retrieval: stepwise selection, chunking, the passages
-block), ``loop`` (the loop, KV-cache reuse, the threshold sweep), ``metrics``, ``sweep``, ``report``.
+Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``), ``stats`` (what the loop measures
+while the LLM generates, under the stored sets' names, and the calculators that measure it), ``triggers`` (a scorer, a
+threshold and a policy: when to retrieve), ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
+stepwise selection, chunking, the passages block), ``loop`` (the batched loop, the threshold sweep's trace),
+``metrics``, ``sweep``, ``report``.
 """

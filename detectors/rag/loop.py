@@ -1,20 +1,27 @@
-"""A dynamic RAG loop over any causal LM: triggers decide when to retrieve, a query formulation what to retrieve.
+"""A dynamic RAG loop over any causal LM, answering many questions at once: triggers decide when to retrieve, a
+query formulation what to retrieve.
 
-One question at a time, greedy decoding:
+For every question, greedy decoding:
 
 1. question triggers (DioR early detection, ``always``) may retrieve before anything is generated;
-2. the LLM generates a segment (up to a sentence end, a stop string, end of sequence or the token budget) with a
-   :class:`~detectors.dior.recorder.GenerationRecorder` attached (each token's probability, entropy and, for the
-   real-time detector, its P(hallucination));
-3. token triggers score the segment; the earliest one that fires cuts the generation (before the flagged token,
-   or at the segment's start for FLARE and CtrlA), the query is formulated, passages are retrieved (replacing
-   the previous ones, as DRAGIN does) and generation continues from the cut under the new prompt;
+2. the LLM generates a segment (up to a sentence end, a stop string, end of sequence or the token budget) while the
+   loop measures every token (its probability and entropy, and what the triggers' probes record of the passes);
+3. token triggers score the segment from those statistics; the earliest cut of those that fire wins (the tokens
+   before the flagged one stay, or none when the trigger regenerates its segment), the query is formulated,
+   passages are retrieved (replacing the previous ones, as DRAGIN does) and generation continues from the cut
+   under the new prompt;
 4. until the answer is complete; at most ``max_retrievals`` retrievals per question.
 
-The prompt is the early set's prompt with the passages put right before the question, so the tokens before
-the passages (a few-shot primer, a chat header) are shared by every question and every retrieval: the LLM's
-key/value cache of the last sequence it ran is cropped to the longest common prefix and only the rest is run
-(:class:`PrefixCache`). Without retrieval the answer is the early set's greedy answer.
+**Many questions at once.** The questions advance together in rounds: the rows that need a prompt run it in
+left-padded batches (the prompt prefix they share, a few-shot primer, is cached once and kept between batches),
+then every row generates its next segment in lockstep, one batched pass per token, each row leaving the batch at
+its own stop; the rows whose segment ended are scored together (a calculator's work is batched across them), the
+retrievals of a round go through ``batch_search``, and rows that retrieved rejoin the next round with their new
+prompt. A batch of one is the one-question-at-a-time loop: answers and retrievals do not depend on the batch size
+(``tests/test_rag_loop.py``), and without retrieval the answer is the early set's greedy answer.
+
+The loop knows no concrete trigger: a trigger is a scorer, a threshold and a policy with the calculators of the
+statistics it reads (:mod:`detectors.rag.triggers`, :mod:`detectors.rag.stats`).
 """
 
 from __future__ import annotations
@@ -23,27 +30,27 @@ import contextlib
 import dataclasses
 import re
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from detectors.config.schema import PromptParams
-from detectors.dior.recorder import GenerationRecorder
+from detectors.llm.kv import PrefixStore, as_cache, join_states, row_states, stack_left
 from detectors.llm.loading import LLM
-from detectors.llm.words import DEFAULT_STOPWORDS, word_mask
 from detectors.rag.context import render_passages, stepwise_retrieve
-from detectors.rag.queries import DiorWeights, dior_query, flare_query, qfs_query
+from detectors.rag.metrics import FAILED
+from detectors.rag.queries import QueryInput, QuestionQuery
 from detectors.rag.retriever import Hit, Retriever
-from detectors.rag.triggers import CtrlATrigger, EarlyTrigger, FlareTrigger, RealtimeTrigger, Segment, Trigger
+from detectors.rag.stats import SegmentView, calculators_of, providers
+from detectors.rag.triggers import Trigger
 
-QUERIES = ("question", "flare", "qfs", "dior", "ctrla")
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
 
 
 @dataclasses.dataclass(frozen=True)
 class RagConfig:
-    """How one configuration of the loop generates, retrieves and formulates queries."""
+    """How one configuration of the loop generates and retrieves."""
 
     name: str
     prompt: PromptParams  # the no-retrieval prompt (``build_early.features.prompt``); must contain {question}
@@ -52,12 +59,9 @@ class RagConfig:
     max_retrievals: int = 3
     max_new_tokens: int = 8
     stop: tuple[str, ...] = ("\n",)
-    query: str = "question"  # question | flare | qfs | dior | ctrla
     stepwise: bool = False  # DioR post-retrieval: stepwise selection
     chunk: bool = False  # DioR post-retrieval: sentence-level chunking of the passages
-    qfs_top_n: int = 8
-    dior_top: int = 5
-    dior_weights: DiorWeights = DiorWeights(0.25, 0.25, 0.25, 0.25)
+    batch_size: int = 32  # questions advanced together (rows per batched pass)
 
 
 @dataclasses.dataclass
@@ -75,265 +79,11 @@ class RagResult:
     question: str
     answer: str
     retrievals: list[Retrieval]
-    forward_passes: int  # LLM forward passes: prefills, decoding steps, IG and teacher-forced passes of the triggers
+    forward_passes: int  # LLM forward passes the question took part in (its own, its batches', its triggers')
     generated_tokens: int  # tokens generated, discarded ones included
-    wall_s: float
+    wall_s: float  # its share of the batch's time, plus the cost of measurements reused from another configuration
     prompts: list[str]  # every prompt the LLM continued, in order (when recorded)
     error: str | None = None  # a recorded outcome, e.g. "no passage retrieved"
-
-
-class PrefixCache:
-    """The key/value cache of the last token sequence the LLM ran; the next sequence reuses their common prefix.
-
-    With a ``monitor`` (CtrlA's confidence monitor) attached to every pass, ``projections`` holds its per-layer
-    projections of every position of that sequence, cropped and extended with the cache."""
-
-    def __init__(self, llm: LLM, monitor=None):
-        self.llm, self.ids, self.cache, self.monitor = llm, [], None, monitor
-        self.projections: torch.Tensor | None = None  # [len(ids), monitored layers]
-
-    def run(self, ids: list[int]) -> torch.Tensor:
-        """Logits ``[vocab]`` of the last position of ``ids``, running only what the cache does not hold."""
-        common = 0
-        limit = min(len(self.ids), len(ids) - 1)
-        while common < limit and self.ids[common] == ids[common]:
-            common += 1
-        if common == 0:
-            self.cache = None
-        elif common < len(self.ids):
-            self.cache.crop(common - len(self.ids))  # negative: drop that many positions from the end
-        watch = self.monitor if self.monitor is not None else contextlib.nullcontext()
-        if self.monitor is not None:
-            self.monitor.reset()
-        with torch.no_grad(), watch:
-            out = self.llm.model(torch.tensor([ids[common:]], device=self.llm.device), past_key_values=self.cache, use_cache=True)
-        if self.monitor is not None:
-            new = self.monitor.layer_projections()[0]
-            self.projections = torch.cat([self.projections[:common], new]) if common else new
-        self.cache, self.ids = out.past_key_values, list(ids)
-        return out.logits[0, -1]
-
-
-class ForwardCounter:
-    """Counts forward calls of a module while attached."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.calls, self._handle = model, 0, None
-
-    def __enter__(self) -> "ForwardCounter":
-        self._handle = self.model.register_forward_pre_hook(self._count)
-        return self
-
-    def _count(self, module, args) -> None:
-        self.calls += 1
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-
-
-class RagLoop:
-    """Answer questions with retrieval decided by ``triggers`` (checked in order) from ``retriever``.
-
-    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation.
-    """
-
-    def __init__(self, llm: LLM, retriever: Retriever | None, config: RagConfig, triggers: list[Trigger] = (),
-                 steering: dict[int, torch.Tensor] | None = None, idf=None):  # fmt: skip
-        if "{question}" not in config.prompt.template:
-            raise ValueError(f"the RAG prompt template {config.prompt.template!r} has no {{question}}")
-        if config.query not in QUERIES:
-            raise ValueError(f"query formulation {config.query!r} is not one of {QUERIES}")
-        if config.query == "ctrla" and not any(isinstance(t, CtrlATrigger) for t in triggers):
-            raise ValueError(f"configuration {config.name!r}: CtrlA's masked query needs the ctrla-confidence trigger")
-        if triggers and retriever is None:
-            raise ValueError(f"configuration {config.name!r} has triggers but no retriever")
-        self.llm, self.retriever, self.config, self.triggers = llm, retriever, config, list(triggers)
-        self.steering, self.idf = steering, idf
-        ctrla = [t for t in self.triggers if isinstance(t, CtrlATrigger)]
-        self.cache = PrefixCache(llm, ctrla[0].monitor(llm) if ctrla else None)  # CtrlA reads the generation's own projections
-        self.eos = llm.eos_token_ids  # as the early set's greedy answer
-        realtime = [t for t in self.triggers if isinstance(t, RealtimeTrigger)]
-        self.realtime = realtime[0].detector if realtime else None
-        self.record_prompts = False
-        self._generated, self._prompts = 0, []  # per question (reset by answer)
-
-    # ---- prompts -------------------------------------------------------------------------------------------
-    def prompt_ids(self, question: str, hits: list[Hit] | None, query: str) -> list[int]:
-        """Token ids of the prompt, with the passages right before the question when there are any."""
-        p = self.config.prompt
-        if hits:
-            block = self.config.context.replace("{passages}", render_passages(hits, self.config.chunk, query))
-            p = dataclasses.replace(p, template=p.template.replace("{question}", block + "{question}", 1))
-        text, _ = self.llm.render(question, p)
-        if self.record_prompts:
-            self._prompts.append(text)
-        return self.llm.tokenizer(text, add_special_tokens=not p.chat)["input_ids"]
-
-    # ---- generation ----------------------------------------------------------------------------------------
-    def generate_segment(self, question: str, prompt: list[int], kept: list[int], whole: bool = False) -> tuple[Segment, bool]:
-        """Greedy tokens after ``prompt + kept`` up to a sentence end (or only the answer's end when ``whole``);
-        True when the answer is complete. Every generated token is run once, so each has its features."""
-        indices = self.realtime.state_indices if self.realtime is not None else [-1]
-        scorer = self.realtime.score_tokens if self.realtime is not None else None
-        recorder = GenerationRecorder(self.llm.model, indices, scorer)
-        context = prompt + kept
-        gen: list[int] = []
-        done = stopped = False
-        with recorder, _steering(self.llm, self.steering):
-            logits = self.cache.run(context)
-            recorder(torch.tensor([context]), logits[None])
-            while True:
-                token = int(logits.argmax())
-                if token in self.eos:
-                    done = True
-                    break
-                gen.append(token)
-                self._generated += 1
-                logits = self.cache.run(context + gen)
-                recorder(torch.tensor([context + gen]), logits[None])
-                text = self.llm.tokenizer.decode(kept + gen, skip_special_tokens=True)
-                if any(s in text for s in self.config.stop):
-                    done, stopped = True, True  # the token that completes a stop string is not judged
-                    break
-                if len(kept) + len(gen) >= self.config.max_new_tokens:
-                    done = True
-                    break
-                if not whole and _SENTENCE_END.search(self.llm.tokenizer.decode(gen[-1:], skip_special_tokens=True).rstrip()):
-                    break
-        trace = recorder.traces(set())[0] if gen else None
-        if stopped:
-            gen = gen[:-1]
-            trace = dataclasses.replace(trace, gen_ids=gen, prob=trace.prob[:-1], entropy=trace.entropy[:-1],
-                                        scores=None if trace.scores is None else trace.scores[:-1])  # fmt: skip
-            if not gen:
-                trace = None
-        segment = Segment(
-            question=question, prompt_ids=context, gen_ids=gen,
-            prob=trace.prob.astype(np.float64) if trace else np.zeros(0),
-            entropy=trace.entropy.astype(np.float64) if trace else np.zeros(0),
-            text=self.llm.tokenizer.decode(gen, skip_special_tokens=True),
-            mlp=trace.scores.astype(np.float64) if trace is not None and trace.scores is not None else None,
-            confidence=None if self.cache.projections is None else self.cache.projections[: len(context) + len(gen)].cpu().numpy(),
-        )  # fmt: skip
-        return segment, done
-
-    # ---- retrieval -----------------------------------------------------------------------------------------
-    def formulate(self, question: str, kept: list[int], segment: Segment | None, cut: int, trigger: Trigger | None) -> str:
-        c, tok = self.config, self.llm.tokenizer
-        if c.query == "question" or segment is None and c.query in ("flare", "ctrla"):
-            return question
-        if c.query == "flare":
-            theta = next((1 - t.threshold for t in self.triggers if isinstance(t, FlareTrigger)), 0.5)
-            return flare_query(tok, question, segment.gen_ids, segment.prob, theta)
-        if c.query == "ctrla":
-            from detectors.ctrla.monitor import masked_query
-
-            ctrla = next(t for t in self.triggers if isinstance(t, CtrlATrigger))
-            return masked_query(tok, question, tok.decode(segment.prompt_ids, skip_special_tokens=True), segment.gen_ids, ctrla.eq2)
-        generated = kept + (segment.gen_ids[: cut + 1] if segment is not None else [])
-        context = tok(question, add_special_tokens=False)["input_ids"] + generated
-        if c.query == "qfs":
-            return qfs_query(self.llm, context, len(context) - 1, c.qfs_top_n, DEFAULT_STOPWORDS)
-        return dior_query(self.llm, question, context, self._dior_candidates(question, kept, segment), c.dior_weights,
-                          self.idf or (lambda w: 1.0), c.dior_top)  # fmt: skip
-
-    def _dior_candidates(self, question: str, kept: list[int], segment: Segment | None) -> list[str]:
-        """DioR §3.2: the early detector's IG keywords (Eq. 3) and the real-time detector's unflagged entity tokens;
-        the question's content words when neither detector is attached."""
-        out: list[str] = []
-        for t in self.triggers:
-            if isinstance(t, EarlyTrigger):
-                out += t.keywords.get(question, [])
-        if self.realtime is not None and segment is not None and segment.mlp is not None:
-            out += self.realtime.keywords(segment.gen_ids, segment.mlp)
-        if not out:
-            ids = self.llm.tokenizer(question, add_special_tokens=False)["input_ids"]
-            mask = word_mask(self.llm.tokenizer, ids)
-            out = self.llm.tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True).split()
-        return list(dict.fromkeys(w for w in out if w.strip()))
-
-    def retrieve(self, query: str) -> tuple[list[Hit], list[str]]:
-        if self.config.stepwise:
-            return stepwise_retrieve(self.retriever, query, self.config.k, self.idf)
-        return self.retriever.search(query, self.config.k), [query]
-
-    # ---- one question --------------------------------------------------------------------------------------
-    def answer(self, question: str) -> RagResult:
-        start = time.perf_counter()
-        self._generated, self._prompts = 0, []
-        retrievals: list[Retrieval] = []
-        hits: list[Hit] | None = None
-        query = question
-        kept: list[int] = []
-        replayed = 0.0
-        with ForwardCounter(self.llm.model) as counter:
-            for t in (t for t in self.triggers if t.stage == "question"):
-                score = t.question_score(question)
-                replayed += self._replayed(t, counter)
-                if score >= t.threshold and len(retrievals) < self.config.max_retrievals:
-                    query = self.formulate(question, kept, None, 0, t)
-                    hits = self._retrieve_into(retrievals, t.name, 0, score, query)
-                    break
-            prompt = self.prompt_ids(question, hits, query)
-            token_triggers = [t for t in self.triggers if t.stage == "token"]
-            while True:
-                segment, done = self.generate_segment(question, prompt, kept)
-                fired = None
-                if token_triggers and len(retrievals) < self.config.max_retrievals:
-                    fired = self._first_firing(token_triggers, segment)
-                if fired is None:
-                    kept += segment.gen_ids
-                    if done or not segment.gen_ids:
-                        break
-                    continue
-                t, p, score = fired
-                cut = p if t.truncate == "token" else 0
-                query = self.formulate(question, kept, segment, p, t)
-                kept += segment.gen_ids[:cut]
-                hits = self._retrieve_into(retrievals, t.name, len(kept), score, query)
-                prompt = self.prompt_ids(question, hits, query)
-        error = "no passage retrieved" if retrievals and not any(r.passage_ids for r in retrievals) else None
-        return RagResult(question, self._final_text(kept), retrievals, counter.calls, self._generated,
-                         time.perf_counter() - start + replayed, list(self._prompts), error)  # fmt: skip
-
-    @staticmethod
-    def _replayed(trigger: Trigger, counter: "ForwardCounter") -> float:
-        """Add the cost of a decision the trigger reused (see :class:`EarlyTrigger`) to the question's counters."""
-        passes, seconds = getattr(trigger, "replayed", (0, 0.0))
-        counter.calls += passes
-        return seconds
-
-    def _first_firing(self, triggers: list[Trigger], segment: Segment) -> tuple[Trigger, int, float] | None:
-        best = None
-        for t in triggers:
-            scores = t.token_scores(self.llm, segment)
-            p = t.first(scores)
-            if p is None:
-                continue
-            cut = p if t.truncate == "token" else 0
-            if best is None or cut < best[0]:
-                best = (cut, t, p, float(scores[p]))
-        return None if best is None else best[1:]
-
-    def _retrieve_into(self, retrievals: list[Retrieval], trigger: str, position: int, score: float, query: str) -> list[Hit]:
-        hits, queries = self.retrieve(query)
-        retrievals.append(Retrieval(trigger, position, score, queries, [h.passage.id for h in hits], [h.passage.text for h in hits]))
-        return hits
-
-    def _final_text(self, ids: list[int]) -> str:
-        text = self.llm.tokenizer.decode(ids, skip_special_tokens=True)
-        for s in self.config.stop:
-            text = text.split(s, 1)[0]
-        return text.strip()
-
-
-def _steering(llm: LLM, vectors: dict | None):
-    from detectors.ctrla.steering import steer
-
-    return steer(llm.model, vectors or {})
-
-
-# ---- the accuracy vs retrieval-rate sweep: one retrieval at each trigger's first crossing -------------------
 
 
 @dataclasses.dataclass
@@ -345,41 +95,366 @@ class QuestionTrace:
     answer: str
     question_scores: dict[str, float]  # question triggers
     token_scores: dict[str, np.ndarray]  # token triggers, one score per generated token
-    truncate: dict[str, str]  # token trigger -> "token" | "segment"
+    truncate: dict[str, str]  # token trigger -> its cut ("token" | "segment")
     forward_passes: int
+    stats: dict[str, Any]  # the answer's per-token statistics (what the triggers' scorers read)
 
 
-def question_trace(loop: RagLoop, question: str) -> QuestionTrace:
-    """Generate the no-retrieval answer as one segment and score it with every trigger of ``loop``."""
-    loop._generated, loop._prompts = 0, []
-    with ForwardCounter(loop.llm.model) as counter:
-        q_scores = {t.name: float(t.question_score(question)) for t in loop.triggers if t.stage == "question"}
-        prompt = loop.prompt_ids(question, None, question)
-        segment, _ = loop.generate_segment(question, prompt, [], whole=True)
-        t_scores = {t.name: np.asarray(t.token_scores(loop.llm, segment), dtype=np.float64) for t in loop.triggers if t.stage == "token"}
-    truncate = {t.name: t.truncate for t in loop.triggers if t.stage == "token"}
-    return QuestionTrace(question, segment.gen_ids, loop._final_text(segment.gen_ids), q_scores, t_scores, truncate, counter.calls)
+@dataclasses.dataclass
+class _Row:
+    """One question's state in the loop."""
+
+    question: str
+    record: bool = False
+    kept: list[int] = dataclasses.field(default_factory=list)
+    query: str | None = None  # retrieve with this query before generating (the sweep); None: question triggers decide
+    whole: bool = False  # the answer is one segment (no cut at sentence ends)
+    retrievals: list[Retrieval] = dataclasses.field(default_factory=list)
+    question_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    question_scores: dict[str, float] = dataclasses.field(default_factory=dict)
+    prompt: list[int] = dataclasses.field(default_factory=list)
+    prompts: list[str] = dataclasses.field(default_factory=list)
+    # the cache of everything the LLM ran for this row (prompt + kept + segment so far) and the next logits
+    kv: Any = None
+    logits: torch.Tensor | None = None
+    values: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # probe values per position, in chunks
+    # the segment being generated
+    gen: list[int] = dataclasses.field(default_factory=list)
+    prob: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    entropy: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    done: bool = False  # the answer is complete
+    finished: bool = False
+    error: str | None = None
+    passes: int = 0
+    generated: int = 0
+    seconds: float = 0.0  # measurements reused from another configuration
+    segments: list[SegmentView] = dataclasses.field(default_factory=list)  # kept when tracing
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.kept) + len(self.gen)
 
 
-def answer_after(loop: RagLoop, question: str, gen_ids: list[int], position: int, query: str) -> RagResult:
-    """Keep the first ``position`` tokens of the no-retrieval answer ``gen_ids``, retrieve with ``query`` and
-    finish the answer without further triggers."""
-    start = time.perf_counter()
-    loop._generated, loop._prompts = 0, []
-    retrievals: list[Retrieval] = []
-    kept = list(gen_ids[:position])
-    with ForwardCounter(loop.llm.model) as counter:
-        hits = loop._retrieve_into(retrievals, "sweep", position, float("nan"), query)
-        prompt = loop.prompt_ids(question, hits, query)
-        segment, _ = loop.generate_segment(question, prompt, kept, whole=True)
-    kept += segment.gen_ids
-    error = None if hits else "no passage retrieved"
-    return RagResult(question, loop._final_text(kept), retrievals, counter.calls, loop._generated,
-                     time.perf_counter() - start, list(loop._prompts), error)  # fmt: skip
+class _Lockstep:
+    """Rows decoding together: one left-padded cache of their own states, its attention mask and each row's padding;
+    a row leaves the batch when its segment ends."""
+
+    def __init__(self, llm: LLM, rows: list[_Row]):
+        lengths = [r.kv[0][0].shape[2] for r in rows]
+        width = max(lengths)
+        self.llm, self.rows, self.pads = llm, list(rows), [width - n for n in lengths]
+        self.cache = as_cache(stack_left([r.kv for r in rows], width), len(rows), llm.model.config)
+        self.mask = torch.tensor([[0] * p + [1] * n for p, n in zip(self.pads, lengths)], device=llm.device)
+
+    def step(self, tokens: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
+        """Run one token per row at its own position; the next-token logits ``[rows, vocab]``."""
+        device = self.llm.device
+        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=device)], dim=1)
+        out = self.llm.model(torch.tensor(tokens, device=device), attention_mask=self.mask, position_ids=torch.tensor(positions, device=device),
+                             past_key_values=self.cache, use_cache=True)  # fmt: skip
+        self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+    def drop(self, leaving: list[int]) -> None:
+        """Rows ``leaving`` leave; those whose answer goes on keep a copy of their own states to continue from."""
+        if not leaving:
+            return
+        for i in leaving:
+            row = self.rows[i]
+            row.kv = None if row.done else row_states(self.cache, i, self.pads[i])
+        keep = [i for i in range(len(self.rows)) if i not in set(leaving)]
+        self.rows, self.mask, self.pads = [self.rows[i] for i in keep], self.mask[keep], [self.pads[i] for i in keep]
+        if keep:
+            self.cache.batch_select_indices(torch.tensor(keep, device=self.llm.device))
+
+
+class RagLoop:
+    """Answer questions with retrieval decided by ``triggers`` (checked in order) from ``retriever``, the query
+    formulated by ``query`` (default: the question).
+
+    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation.
+    """
+
+    def __init__(self, llm: LLM, retriever: Retriever | None, config: RagConfig, triggers: Sequence[Trigger] = (), query=None,
+                 steering: dict[int, torch.Tensor] | None = None):  # fmt: skip
+        if "{question}" not in config.prompt.template:
+            raise ValueError(f"the RAG prompt template {config.prompt.template!r} has no {{question}}")
+        if triggers and retriever is None:
+            raise ValueError(f"configuration {config.name!r} has triggers but no retriever")
+        if config.batch_size < 1:
+            raise ValueError(f"configuration {config.name!r}: batch_size must be >= 1, got {config.batch_size}")
+        self.llm, self.retriever, self.config, self.triggers = llm, retriever, config, list(triggers)
+        self.query = query if query is not None else QuestionQuery()
+        self.steering = steering or {}
+        self.calculators = calculators_of(self.triggers)
+        provided = providers(self.calculators)
+        for need, what in [(n, f"trigger {t.name!r}") for t in self.triggers for n in t.needs] + [(n, f"query {self.query.name!r}") for n in self.query.needs]:
+            if need not in provided:
+                raise ValueError(f"configuration {config.name!r}: {what} needs the statistic {need!r}, which none of its triggers measures")
+        self.lazy = {name: c for c in self.calculators for name in c.lazy}
+        self.probes = {c.key: c.probe for c in self.calculators if c.probe is not None}
+        self.prefix = PrefixStore(llm, self._hooks, self.probes)
+        self.eos = llm.eos_token_ids  # as the early set's greedy answer
+        self.pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(self.eos or {0})
+
+    # ---- public API ----------------------------------------------------------------------------------------
+    def answer(self, question: str, record_prompts: bool = False) -> RagResult:
+        """One question (a batch of one)."""
+        return self.answer_all([question], record_prompts)[0]
+
+    def answer_all(self, questions: Sequence[str], record_prompts: bool | Sequence[bool] = False) -> list[RagResult]:
+        """Every question, ``config.batch_size`` at a time; ``record_prompts`` (one flag, or one per question) keeps
+        every prompt the LLM continued. A question that cannot be answered (an unusable question for the early
+        detector) comes back with its error; the others are answered."""
+        flags = [record_prompts] * len(questions) if isinstance(record_prompts, bool) else list(record_prompts)
+        return self._in_batches([_Row(q, record=f) for q, f in zip(questions, flags)], observe=False)
+
+    def trace(self, questions: Sequence[str]) -> list[QuestionTrace]:
+        """The no-retrieval answer of each question as one segment, scored by every trigger (none fires)."""
+        rows = [_Row(q, whole=True) for q in questions]
+        results = self._in_batches(rows, observe=True)
+        out = []
+        for row, result in zip(rows, results):
+            segment = row.segments[0] if row.segments else None
+            stats = segment.stats if segment is not None else {}
+            token = {t.name: (t.token_scores(stats) if stats.get("prob") is not None and len(stats["prob"]) else np.zeros(0))
+                     for t in self.triggers if t.stage == "token"}  # fmt: skip
+            question = {t.name: row.question_scores.get(t.name, float("nan")) for t in self.triggers if t.stage == "question"}
+            out.append(QuestionTrace(row.question, list(row.kept), result.answer, question, token,
+                                     {t.name: t.policy.cut for t in self.triggers if t.stage == "token"}, result.forward_passes, stats))  # fmt: skip
+        return out
+
+    def answer_after(self, jobs: Sequence[tuple[str, list[int], int, str]]) -> list[RagResult]:
+        """For each ``(question, gen_ids, position, query)``: keep the first ``position`` tokens of the answer
+        ``gen_ids``, retrieve with ``query`` and finish the answer as one segment, without triggers."""
+        rows = [_Row(q, kept=list(gen[:p]), query=query, whole=True) for q, gen, p, query in jobs]
+        return self._in_batches(rows, observe=False, triggers=False)
+
+    # ---- rounds --------------------------------------------------------------------------------------------
+    def _in_batches(self, rows: list[_Row], observe: bool, triggers: bool = True) -> list[RagResult]:
+        out = []
+        for start in range(0, len(rows), self.config.batch_size):
+            batch = rows[start : start + self.config.batch_size]
+            began = time.perf_counter()
+            self._run(batch, observe, triggers)
+            share = (time.perf_counter() - began) / len(batch)
+            out += [self._result(row, share) for row in batch]
+        return out
+
+    def _run(self, rows: list[_Row], observe: bool, triggers: bool) -> None:
+        active = self._question_stage(rows, observe, triggers)
+        while active:
+            self._prefill([r for r in active if r.kv is None])
+            self._decode(active)
+            self._after_segment(active, observe, triggers)
+            active = [r for r in active if not r.finished]
+
+    def _question_stage(self, rows: list[_Row], observe: bool, triggers: bool) -> list[_Row]:
+        """Question triggers in order, then every row's first prompt; returns the rows that go on."""
+        forced = [r for r in rows if r.query is not None]
+        if forced:
+            self._retrieve(forced, [r.query for r in forced], "sweep", [float("nan")] * len(forced))
+        if triggers:
+            for calc in self.calculators:
+                if not calc.question:
+                    continue
+                for row, measured in zip(rows, calc.questions([r.question for r in rows])):
+                    row.passes += measured.passes
+                    row.seconds += 0.0 if measured.fresh else measured.seconds
+                    if isinstance(measured.value, Exception):
+                        row.error, row.finished = f"{type(measured.value).__name__}: {measured.value}", True
+                    else:
+                        row.question_stats.update(measured.value)
+            for trigger in (t for t in self.triggers if t.stage == "question"):
+                open_ = [r for r in rows if not r.finished and r.query is None and (observe or not r.retrievals)]
+                if not open_:
+                    break
+                scores = trigger.question_scores([r.question_stats for r in open_])
+                for row, score in zip(open_, scores):
+                    row.question_scores[trigger.name] = float(score)
+                fire = [(r, float(s)) for r, s in zip(open_, scores) if not observe and s >= trigger.threshold and len(r.retrievals) < self.config.max_retrievals]
+                if fire:
+                    queries = [self.query.formulate(self.llm, QueryInput(r.question, r.kept, question_stats=r.question_stats)) for r, _ in fire]
+                    self._retrieve([r for r, _ in fire], queries, trigger.name, [s for _, s in fire])
+        active = [r for r in rows if not r.finished]
+        for row in active:
+            if not row.retrievals:
+                self._set_prompt(row, None, row.question)
+        return active
+
+    # ---- forward passes ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _hooks(self):
+        """Steering and probes on the LLM for one of the loop's own passes (never on a trigger's passes)."""
+        from detectors.ctrla.steering import steer
+
+        with torch.no_grad(), steer(self.llm.model, self.steering), contextlib.ExitStack() as stack:
+            for probe in self.probes.values():
+                stack.enter_context(probe)
+            yield
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        """Run every row's prompt and kept tokens, batches of similar length on the shared cached prefix."""
+        if not rows:
+            return
+        rows = sorted(rows, key=lambda r: r.length)
+        for start in range(0, len(rows), self.config.batch_size):
+            chunk = rows[start : start + self.config.batch_size]
+            seqs = [r.prompt + r.kept for r in chunk]
+            passes = self.prefix.passes
+            shared = self.prefix.get(seqs)
+            rests = [s[shared:] for s in seqs]
+            width = max(len(r) for r in rests)
+            pads = [width - len(r) for r in rests]
+            ids = torch.tensor([[self.pad] * p + r for p, r in zip(pads, rests)], device=self.llm.device)
+            mask = torch.tensor([[1] * shared + [0] * p + [1] * len(r) for p, r in zip(pads, rests)], device=self.llm.device)
+            positions = torch.tensor([[shared + max(i - p, 0) for i in range(width)] for p in pads], device=self.llm.device)
+            with self._hooks():
+                out = self.llm.model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                                     past_key_values=as_cache(self.prefix.kv, len(chunk), self.llm.model.config) if shared else None)  # fmt: skip
+                values = {key: probe.take() for key, probe in self.probes.items()}
+            for b, (row, pad) in enumerate(zip(chunk, pads)):
+                row.kv = join_states(self.prefix.kv if shared else None, row_states(out.past_key_values, b, shared + pad))
+                row.logits = out.logits[b, -1]
+                row.values = {key: [self.prefix.values[key], v[b, pad:].clone()] if shared else [v[b, pad:].clone()] for key, v in values.items()}
+                row.passes += 1 + (self.prefix.passes - passes)
+
+    def _decode(self, rows: list[_Row]) -> None:
+        """Every row generates its next segment: one batched pass per token, each row leaving at its own stop."""
+        for row in rows:
+            row.gen, row.prob, row.entropy, row.done = [], [], [], False
+        batch = _Lockstep(self.llm, rows)
+        while batch.rows:
+            batch.drop([i for i, row in enumerate(batch.rows) if not self._choose(row)])
+            if not batch.rows:
+                break
+            tokens = [[r.gen[-1]] for r in batch.rows]
+            positions = [[r.length - 1] for r in batch.rows]  # the fed token's own position
+            with self._hooks():
+                logits = batch.step(tokens, positions)
+                values = {key: probe.take() for key, probe in self.probes.items()}
+            for i, row in enumerate(batch.rows):
+                row.logits = logits[i]
+                row.passes += 1
+                for key, v in values.items():
+                    row.values[key].append(v[i])
+            batch.drop([i for i, row in enumerate(batch.rows) if self._segment_ends(row)])
+
+    def _choose(self, row: _Row) -> bool:
+        """The row's next greedy token with its probability and entropy; False at the end of sequence (not kept)."""
+        logp = torch.log_softmax(row.logits.float(), dim=-1)
+        token = int(logp.argmax())
+        if token in self.eos:
+            row.done = True
+            return False
+        row.gen.append(token)
+        row.prob.append(logp[token].exp())
+        row.entropy.append(-(logp.exp() * logp).nan_to_num().sum())
+        row.generated += 1
+        return True
+
+    def _segment_ends(self, row: _Row) -> bool:
+        """After a token was run: whether the row's segment ends there (and the answer with it: ``row.done``)."""
+        tok = self.llm.tokenizer
+        if any(s in tok.decode(row.kept + row.gen, skip_special_tokens=True) for s in self.config.stop):
+            row.gen, row.prob, row.entropy = row.gen[:-1], row.prob[:-1], row.entropy[:-1]  # the token completing a stop string is not judged
+            row.done = True
+            return True
+        if len(row.kept) + len(row.gen) >= self.config.max_new_tokens:
+            row.done = True
+            return True
+        return not row.whole and bool(_SENTENCE_END.search(tok.decode(row.gen[-1:], skip_special_tokens=True).rstrip()))
+
+    # ---- after a segment -----------------------------------------------------------------------------------
+    def _after_segment(self, rows: list[_Row], observe: bool, triggers: bool) -> None:
+        tok = self.llm.tokenizer
+        views = []
+        for row in rows:
+            context = row.prompt + row.kept
+            n = len(context) + len(row.gen)
+            probes = {key: torch.cat(chunks)[:n] for key, chunks in row.values.items()}
+            stats = {"prob": torch.stack(row.prob).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0),
+                     "entropy": torch.stack(row.entropy).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0)}  # fmt: skip
+            views.append(SegmentView(row.question, context, list(row.gen), tok.decode(row.gen, skip_special_tokens=True), stats, probes,
+                                     row.question_stats, self.lazy))  # fmt: skip
+        token_triggers = [t for t in self.triggers if t.stage == "token"] if triggers else []
+        scored = [bool(token_triggers and view.gen_ids) and (observe or len(row.retrievals) < self.config.max_retrievals) for row, view in zip(rows, views)]
+        if any(scored):
+            for calc in self.calculators:
+                calc.segments([v for v, s in zip(views, scored) if s])
+        fires: list[tuple[_Row, SegmentView, Trigger, int, float]] = []
+        for row, view, score in zip(rows, views, scored):
+            if observe:
+                row.segments.append(view)
+            fired = self._first_firing(token_triggers, view) if score and not observe else None
+            if fired is None:
+                row.kept += row.gen
+                row.gen = []
+                if row.done or not view.gen_ids:
+                    row.finished = True
+                continue
+            fires.append((row, view, *fired))
+        if fires:
+            queries = [self.query.formulate(self.llm, QueryInput(r.question, r.kept, v, p, r.question_stats)) for r, v, _, p, _ in fires]
+            for row, view, trigger, p, _ in fires:
+                row.kept += row.gen[: trigger.cut_at(p)]
+                row.gen = []
+            self._retrieve([f[0] for f in fires], queries, [f[2].name for f in fires], [f[4] for f in fires])
+
+    @staticmethod
+    def _first_firing(triggers: list[Trigger], view: SegmentView) -> tuple[Trigger, int, float] | None:
+        """The trigger whose firing keeps the fewest tokens (the first one listed on a tie), where, and its score."""
+        best = None
+        for t in triggers:
+            scores = t.token_scores(view.stats)
+            p = t.first(scores)
+            if p is not None and (best is None or t.cut_at(p) < best[0]):
+                best = (t.cut_at(p), t, p, float(scores[p]))
+        return None if best is None else best[1:]
+
+    # ---- retrieval and prompts -----------------------------------------------------------------------------
+    def _retrieve(self, rows: list[_Row], queries: list[str], triggers: str | list[str], scores: list[float]) -> None:
+        """One retrieval for each row (``batch_search``; stepwise selection per row), recorded in its trace."""
+        names = [triggers] * len(rows) if isinstance(triggers, str) else triggers
+        c = self.config
+        if c.stepwise:
+            found = [stepwise_retrieve(self.retriever, q, c.k, getattr(self.retriever, "idf", None)) for q in queries]
+        else:
+            found = [(hits, [q]) for hits, q in zip(self.retriever.batch_search(list(queries), c.k), queries)]
+        for row, name, score, query, (hits, issued) in zip(rows, names, scores, queries, found):
+            row.retrievals.append(Retrieval(name, len(row.kept), score, issued, [h.passage.id for h in hits], [h.passage.text for h in hits]))
+            self._set_prompt(row, hits, query)
+
+    def _set_prompt(self, row: _Row, hits: list[Hit] | None, query: str) -> None:
+        """The row's prompt, with the passages ``hits`` (retrieved with ``query``) right before the question; it
+        must run again."""
+        p = self.config.prompt
+        if hits:
+            block = self.config.context.replace("{passages}", render_passages(hits, self.config.chunk, query))
+            p = dataclasses.replace(p, template=p.template.replace("{question}", block + "{question}", 1))
+        text, _ = self.llm.render(row.question, p)
+        if row.record:
+            row.prompts.append(text)
+        row.prompt = self.llm.tokenizer(text, add_special_tokens=not p.chat)["input_ids"]
+        row.kv, row.logits, row.values = None, None, {}
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def _result(self, row: _Row, share: float) -> RagResult:
+        if row.error is not None:
+            return RagResult(row.question, "", row.retrievals, row.passes, row.generated, share + row.seconds, row.prompts, f"{FAILED} {row.error}")
+        error = "no passage retrieved" if row.retrievals and not any(r.passage_ids for r in row.retrievals) else None
+        return RagResult(row.question, self.final_text(row.kept), row.retrievals, row.passes, row.generated, share + row.seconds, row.prompts, error)
+
+    def final_text(self, ids: list[int]) -> str:
+        """The answer: the kept tokens decoded, up to the first stop string."""
+        text = self.llm.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in self.config.stop:
+            text = text.split(s, 1)[0]
+        return text.strip()
 
 
 def loop_info(loop: RagLoop) -> dict[str, Any]:
     """What a configuration is, for logs and MLflow tags."""
     c = loop.config
-    return {"configuration": c.name, "triggers": ",".join(t.name for t in loop.triggers) or "none", "query": c.query,
+    return {"configuration": c.name, "triggers": ",".join(t.name for t in loop.triggers) or "none", "query": loop.query.name,
             "stepwise": c.stepwise, "chunk": c.chunk, "k": c.k, "max_retrievals": c.max_retrievals}  # fmt: skip

@@ -89,3 +89,4 @@ def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]
         "failed": sum(1 for r in results if str(r["error"] or "").startswith(FAILED)),
         "no_passage": sum(1 for r in results if r["error"] and not str(r["error"]).startswith(FAILED)),
     }
+

@@ -1,17 +1,23 @@
 """Query formulation: what to retrieve once a trigger fired.
 
-- the question itself (single-round RAG; the sweep's fixed query);
-- FLARE's masked query, as DRAGIN §5.4 describes it: the question and the tentative segment without its
-  low-probability words;
-- DRAGIN's QFS (§3.2): the words the flagged token attends to most (last layer, mean over heads), in text order;
-- DioR's pre-retrieval importance score (§3.3.1) over the detectors' keyword candidates;
-- CtrlA's masked query (Eq. 3) is :func:`detectors.ctrla.monitor.masked_query`.
+A formulation reads the question, the answer tokens kept so far and, when a token trigger fired, the segment with its
+statistics (:class:`~detectors.rag.stats.SegmentView`) and the position it fired at; ``needs`` names the segment
+statistics it cannot do without (the loop refuses a configuration whose triggers provide none of them).
+
+- :class:`QuestionQuery`: the question itself (single-round RAG; the sweep's fixed query);
+- :class:`FlareQuery`: FLARE's masked query, as DRAGIN §5.4 describes it: the question and the tentative segment
+  without its low-probability words;
+- :class:`QfsQuery`: DRAGIN's QFS (§3.2): the words the flagged token attends to most (last layer, mean over heads),
+  in text order;
+- :class:`DiorQuery`: DioR's pre-retrieval importance score (§3.3.1) over the detectors' keyword candidates (the
+  early detector's Eq. 3 keywords, the real-time detector's unflagged entity tokens);
+- :class:`CtrlAQuery`: CtrlA's masked query (Eq. 3), :func:`detectors.ctrla.monitor.masked_query`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,6 +25,18 @@ import torch
 from detectors.llm.loading import LLM
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.sources.text import normalize_text
+
+
+@dataclasses.dataclass
+class QueryInput:
+    """What a formulation reads: the question, the kept answer tokens and, after a token trigger fired at
+    ``position``, the segment (None before generating)."""
+
+    question: str
+    kept: list[int]
+    segment: Any = None  # SegmentView
+    position: int = 0
+    question_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +47,6 @@ class DiorWeights:
     tfidf: float
     position: float
     similarity: float
-
-
-def question_query(question: str) -> str:
-    return question.strip()
 
 
 def flare_query(tokenizer, question: str, gen_ids: list[int], probs: np.ndarray, theta: float) -> str:
@@ -109,3 +123,107 @@ def dior_query(llm: LLM, question: str, context_ids: list[int], candidates: list
     scores = importance_scores(llm, question, context_ids, candidates, weights, idf)
     order = np.argsort(-scores, kind="stable")[:top]
     return f"{question.strip()} {' '.join(candidates[i] for i in order)}".strip()
+
+
+# ---- the formulations the loop calls -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestionQuery:
+    name: str = "question"
+    needs: tuple[str, ...] = ()
+
+    def formulate(self, llm: LLM, q: QueryInput) -> str:
+        return q.question
+
+
+@dataclasses.dataclass(frozen=True)
+class FlareQuery:
+    """FLARE's masked query; ``theta``: the probability under which a word is masked (1 - FLARE's threshold)."""
+
+    theta: float = 0.5
+    name: str = "flare"
+    needs: tuple[str, ...] = ()
+
+    def formulate(self, llm: LLM, q: QueryInput) -> str:
+        if q.segment is None:
+            return q.question
+        return flare_query(llm.tokenizer, q.question, q.segment.gen_ids, q.segment.stats["prob"], self.theta)
+
+
+def _answer_context(llm: LLM, q: QueryInput) -> list[int]:
+    """The question and the answer up to the flagged token: what QFS and DioR's attention terms read."""
+    generated = q.kept + (q.segment.gen_ids[: q.position + 1] if q.segment is not None else [])
+    return llm.tokenizer(q.question, add_special_tokens=False)["input_ids"] + generated
+
+
+@dataclasses.dataclass(frozen=True)
+class QfsQuery:
+    top_n: int = 8
+    stopwords: frozenset[str] = DEFAULT_STOPWORDS
+    name: str = "qfs"
+    needs: tuple[str, ...] = ()
+
+    def formulate(self, llm: LLM, q: QueryInput) -> str:
+        context = _answer_context(llm, q)
+        return qfs_query(llm, context, len(context) - 1, self.top_n, self.stopwords)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiorQuery:
+    """DioR's importance-scored query over the keyword candidates the triggers measured (``keywords`` of the
+    question and of the segment), or the question's content words when no trigger measures any."""
+
+    weights: DiorWeights = DiorWeights(0.25, 0.25, 0.25, 0.25)
+    top: int = 5
+    idf: Callable[[str], float] | None = None
+    name: str = "dior"
+    needs: tuple[str, ...] = ()
+
+    def candidates(self, llm: LLM, q: QueryInput) -> list[str]:
+        out = list(q.question_stats.get("keywords", []))
+        if q.segment is not None:
+            out += list(q.segment.stat("keywords", []))
+        if not out:
+            ids = llm.tokenizer(q.question, add_special_tokens=False)["input_ids"]
+            mask = word_mask(llm.tokenizer, ids)
+            out = llm.tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True).split()
+        return list(dict.fromkeys(w for w in out if w.strip()))
+
+    def formulate(self, llm: LLM, q: QueryInput) -> str:
+        return dior_query(llm, q.question, _answer_context(llm, q), self.candidates(llm, q), self.weights, self.idf or (lambda w: 1.0), self.top)
+
+
+@dataclasses.dataclass(frozen=True)
+class CtrlAQuery:
+    """CtrlA's Eq. 3: the question and the segment without its new, unconfident words (Eq. 2 < 0)."""
+
+    name: str = "ctrla"
+    needs: tuple[str, ...] = ("ctrla_eq2",)
+
+    def formulate(self, llm: LLM, q: QueryInput) -> str:
+        from detectors.ctrla.monitor import masked_query
+
+        if q.segment is None:
+            return q.question
+        context = llm.tokenizer.decode(q.segment.context_ids, skip_special_tokens=True)
+        return masked_query(llm.tokenizer, q.question, context, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
+
+
+QUERIES = ("question", "flare", "qfs", "dior", "ctrla")
+
+
+def make_query(name: str, flare_theta: float = 0.5, qfs_top_n: int = 8, dior_weights: DiorWeights | None = None, dior_top: int = 5,
+               idf: Callable[[str], float] | None = None):  # fmt: skip
+    """The formulation ``name`` (one of :data:`QUERIES`) with its settings."""
+    if name == "question":
+        return QuestionQuery()
+    if name == "flare":
+        return FlareQuery(flare_theta)
+    if name == "qfs":
+        return QfsQuery(qfs_top_n)
+    if name == "dior":
+        return DiorQuery(dior_weights or DiorWeights(0.25, 0.25, 0.25, 0.25), dior_top, idf)
+    if name == "ctrla":
+        return CtrlAQuery()
+    raise ValueError(f"query formulation {name!r} is not one of {QUERIES}")

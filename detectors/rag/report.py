@@ -1,34 +1,54 @@
 """The RAG evaluation as Markdown (shaped like DioR's Tables 1–4: metrics as rows, configurations as columns, one
 block per corpus) and in MLflow (one run per corpus × configuration with the same metric names, one per swept
-trigger), from the metrics ``summarise`` gives and the curves' summaries ``sweep`` gives."""
+trigger), from the metrics ``summarise`` gives, each configuration's paired differences to the reference configurations
+(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives."""
 
 from __future__ import annotations
 
 import math
 import uuid
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import mlflow
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
+from detectors.evaluation.bootstrap import paired_mean_delta
+from detectors.rag.metrics import accuracy
 from detectors.registry import store
 
+DELTA = "delta"  # a paired difference with its interval: ``key``, ``key_ci_low``, ``key_ci_high``
 ROWS = (  # metric key, row label, format
     ("em", "EM", "{:.3f}"), ("f1", "F1", "{:.3f}"), ("accuracy", "Acc (containment)", "{:.3f}"),
     ("answer_recall_at_k", "answer recall@k", "{:.3f}"), ("retrievals_per_question", "retrievals / question", "{:.2f}"),
     ("trigger_rate", "trigger rate", "{:.2f}"), ("forward_passes_per_question", "forward passes / question", "{:.1f}"),
     ("generated_tokens_per_question", "generated tokens / question", "{:.1f}"), ("wall_s_per_question", "wall s / question", "{:.2f}"),
     ("n", "questions", "{:d}"), ("failed", "failed", "{:d}"), ("no_passage", "nothing retrieved", "{:d}"),
+    ("accuracy_vs_never", "Acc − no retrieval [95% CI]", DELTA), ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
 )  # fmt: skip
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
-SWEEP_METRICS = ("area", "random_area", "area_over_random", "never_accuracy", "always_accuracy", "rate_to_always")
+REFERENCES = ("never", "always")  # no retrieval, and retrieving once before generating: what every configuration is compared with
+SWEEP_METRICS = ("area", "random_area", "area_over_random", "area_over_random_ci_low", "area_over_random_ci_high", "never_accuracy",
+                 "always_accuracy", "rate_to_always")  # fmt: skip
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _cell(value: Any, fmt: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if _missing(value):
         return "–"
     return fmt.format(int(value) if fmt == "{:d}" else float(value))
+
+
+def _delta(values: Mapping[str, Any], key: str) -> str:
+    """``+0.120 [+0.070, +0.170]``: a difference and its interval."""
+    value, low, high = (values.get(k) for k in (key, f"{key}_ci_low", f"{key}_ci_high"))
+    if _missing(value):
+        return "–"
+    interval = "" if _missing(low) or _missing(high) else f" [{low:+.3f}, {high:+.3f}]"
+    return f"{value:+.3f}{interval}"
 
 
 def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
@@ -39,6 +59,10 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
         names = list(configs)
         out += [f"### corpus `{corpus}`", "", "| metric | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
         for key, label, fmt in ROWS:
+            if fmt == DELTA:
+                if any(key in configs[c] for c in names):
+                    out.append(f"| {label} | " + " | ".join(_delta(configs[c], key) for c in names) + " |")
+                continue
             values = [configs[c].get(key) for c in names]
             cells = [_cell(v, fmt) for v in values]
             if key in BOLD:
@@ -53,10 +77,10 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
 def curves_table(sweep: Mapping[str, Any]) -> str:
     """The curves' summaries (``{"corpus", "query", "curves": {trigger: summary}}``) as Markdown: a row per trigger."""
     out = [f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, query `{sweep['query']}`)", "",
-           "| trigger | area | random area | area − random | retrieval rate to reach always-accuracy |",
+           "| trigger | area | random area | area − random [95% CI] | retrieval rate to reach always-accuracy |",
            "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for trigger, s in sweep["curves"].items():
-        out.append(f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {s['area_over_random']:+.3f} | {_cell(s['rate_to_always'], '{:.2f}')} |")
+        out.append(f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {_cell(s['rate_to_always'], '{:.2f}')} |")
     if sweep["curves"]:
         first = next(iter(sweep["curves"].values()))
         out += ["", f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: {first['always_accuracy']:.3f}."]
@@ -85,6 +109,22 @@ def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Map
     absent = sorted(set(metrics) - set(corpus_digests))
     if absent:
         raise ValueError(f"log_rag_runs: corpora {absent} have no digest: pass corpus_digests[corpus] (the index manifest's digest)")
+
+
+def reference_deltas(results: dict[str, Sequence[dict]], answers: Sequence[Sequence[str]], references: dict[str, str], n: int = 1000,
+                     seed: int = 0) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
+    "always": name}``, see :data:`REFERENCES`) on the same questions, with the paired 95% bootstrap interval:
+    ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``. A reference absent from ``results`` is left out."""
+    correct = {name: [accuracy(r["answer"], refs) for r, refs in zip(lines, answers)] for name, lines in results.items()}
+    out: dict[str, dict[str, float]] = {name: {} for name in results}
+    for ref, ref_name in references.items():
+        if ref_name not in correct:
+            continue
+        for name, values in correct.items():
+            delta, low, high = paired_mean_delta(values, correct[ref_name], n, seed)
+            out[name].update({f"accuracy_vs_{ref}": delta, f"accuracy_vs_{ref}_ci_low": low, f"accuracy_vs_{ref}_ci_high": high})
+    return out
 
 
 def log_rag_runs(

@@ -79,10 +79,13 @@ class Curve:
     random_area: float
     rate_to_always: float | None
 
+    interval: tuple[float, float] = (float("nan"), float("nan"))  # 95% bootstrap interval of area - random_area
+
     def summary(self) -> dict[str, Any]:
         """The curve's numbers for the metrics file (JSON-able)."""
         return {
             "area": self.area, "random_area": self.random_area, "area_over_random": self.area - self.random_area,
+            "area_over_random_ci_low": self.interval[0], "area_over_random_ci_high": self.interval[1],
             "never_accuracy": self.never_accuracy, "always_accuracy": self.always_accuracy,
             "rate_to_always": self.rate_to_always, "points": len(self.threshold),
         }  # fmt: skip
@@ -143,10 +146,25 @@ def outcome_from_json(data: dict[str, Any], trigger: str) -> Outcome:
     return Outcome([(float(s), int(p)) for s, p in data["events"][trigger]], bool(data["never"]), {int(p): bool(c) for p, c in data["at"].items()})
 
 
-def curves(lines: Iterable[dict[str, Any]], triggers: Sequence[str]) -> dict[str, Curve]:
-    """Every trigger's curve over the stored sweep lines (see :func:`outcome_from_json`)."""
+def area_interval(trigger: str, outcomes: Sequence[Outcome], n: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of a curve's area minus a random trigger's, resampling the questions (both areas are
+    measured on the same resampled questions, so what they share cancels out)."""
+    draws = np.random.default_rng(seed).integers(0, len(outcomes), (n, len(outcomes)))
+    values = [(c.area - c.random_area) for c in (curve(trigger, [outcomes[i] for i in row]) for row in draws)]
+    low, high = np.percentile(values, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def curves(lines: Iterable[dict[str, Any]], triggers: Sequence[str], bootstrap: int = 0, seed: int = 0) -> dict[str, Curve]:
+    """Every trigger's curve over the stored sweep lines (see :func:`outcome_from_json`), with the interval of its
+    area minus random from ``bootstrap`` resamples of the questions (none for 0)."""
     lines = list(lines)
-    return {t: curve(t, [outcome_from_json(line, t) for line in lines]) for t in triggers}
+    out = {}
+    for t in triggers:
+        outcomes = [outcome_from_json(line, t) for line in lines]
+        c = curve(t, outcomes)
+        out[t] = dataclasses.replace(c, interval=area_interval(t, outcomes, bootstrap, seed)) if bootstrap else c
+    return out
 
 
 def sweep_line(events: dict[str, list[tuple[float, int]]], never_answer: str, answers_at: dict[int, str], references: list[str]) -> dict[str, Any]:

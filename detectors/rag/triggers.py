@@ -1,259 +1,185 @@
-"""Retrieval triggers: when a RAG loop retrieves, from registered detectors or training-free scores.
+"""Retrieval triggers: a scorer, a threshold and a policy.
 
-Every trigger gives a hallucination score (higher = retrieve) and fires at or above its ``threshold``:
-- a *question* trigger scores the question before any token is generated (DioR early detection; ``always``,
-  single-round RAG);
-- a *token* trigger scores every token of the segment just generated (:class:`Segment`) and fires at the
-  first token at or above the threshold. ``truncate`` says what is kept: ``"token"`` keeps the tokens before
-  the flagged one (DioR real-time detection, DRAGIN, Stitch-in-Time: the generation continues from there),
-  ``"segment"`` regenerates the whole segment (FLARE's look-ahead sentence, CtrlA's output segment).
+The scorer is the one the comparison evaluates offline (:mod:`detectors.baselines`, :mod:`detectors.evaluation.scorers`),
+computed online from the statistics the loop measures while the LLM generates (:mod:`detectors.rag.stats`, same names
+as the stored sets); the trigger fires at or above its threshold. The policy says when and how:
 
-Scores are the comparison's (``detectors.baselines``): FLARE 1 - p, RIND entropy x attention x content word,
-Stitch-in-Time MIN 1 - min p over an entity's tokens (put on the entity's first token, where the generation is
-cut), CtrlA ``-Eq. 2`` on new content words (so its threshold 0 is Eq. 2's τ) plus the refusal detector.
+- ``stage="question"``: the question is scored before anything is generated (DioR early detection; ``always``,
+  single-round RAG) from the early set's columns;
+- ``stage="token"``: every token of the segment just generated is scored, and the trigger fires at the first one at
+  or above the threshold; ``cut="token"`` keeps the tokens before it (DioR real-time detection, DRAGIN,
+  Stitch-in-Time: generation continues from there), ``cut="segment"`` regenerates the whole segment (FLARE's
+  look-ahead sentence, CtrlA's output segment); ``eligible`` names a per-token boolean statistic outside of which it
+  never fires (CtrlA: new content words), ``forced`` a boolean statistic of the segment that fires it at the
+  segment's first token (CtrlA's refusal detector).
+
+A trigger brings the calculators of the statistics its scorer needs; the loop knows no concrete trigger.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
+import pandas as pd
 
 from detectors.errors import InputError
-from detectors.llm.words import DEFAULT_STOPWORDS, content_mask
+from detectors.interfaces import Level
+from detectors.rag.stats import Calculator
 
 if TYPE_CHECKING:
     from detectors.llm.loading import LLM
 
-TRAINING_FREE = ("always", "flare", "rind", "sit_min")
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """When a trigger is read and what its firing does (see the module's docstring)."""
+
+    stage: Literal["question", "token"]
+    cut: Literal["token", "segment"] = "token"
+    eligible: str | None = None
+    forced: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """The same score for every question: single-round RAG retrieves for every question below it."""
+
+    name: str = "always"
+    value: float = 1.0
+    level: Level = Level.QUESTION
+    kind: str = "baseline"
+    is_probability: bool = False
+    threshold: float | None = None
+    features: str = "none"
+
+    def score(self, units: pd.DataFrame) -> np.ndarray:
+        return np.full(len(units), self.value)
 
 
 @dataclasses.dataclass
-class Segment:
-    """The tokens generated since the last check, with what the loop measured while generating them."""
-
-    question: str
-    prompt_ids: list[int]  # everything before the segment: prompt (passages, question) and kept generated tokens
-    gen_ids: list[int]
-    prob: np.ndarray  # probability the LLM gave each token when choosing it
-    entropy: np.ndarray
-    text: str
-    mlp: np.ndarray | None = None  # the real-time detector's P(hallucination) per token, when one is attached
-    confidence: np.ndarray | None = None  # CtrlA monitor projections [prompt + gen, layers] of the generation's own passes
-
-
 class Trigger:
-    """One way of deciding to retrieve."""
+    """A scorer, the threshold at or above which it fires, the policy, and the calculators its scorer needs."""
 
     name: str
+    scorer: Any  # question stage: ``score(units)`` over the early set's columns; token stage: ``token_scores(stats)``
     threshold: float
-    stage: ClassVar[Literal["question", "token"]] = "token"
-    truncate: ClassVar[Literal["token", "segment"]] = "token"
-    needs_mlp: ClassVar[bool] = False
+    policy: Policy
+    calculators: tuple[Calculator, ...] = ()
 
-    def question_score(self, question: str) -> float:
-        raise NotImplementedError
+    @property
+    def stage(self) -> str:
+        return self.policy.stage
 
-    def token_scores(self, llm: "LLM", segment: Segment) -> np.ndarray:
-        raise NotImplementedError
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The segment statistics it reads (none for a question trigger, whose calculators provide its columns)."""
+        if self.stage == "question":
+            return ()
+        return tuple(dict.fromkeys((*self.scorer.needs, *(s for s in (self.policy.eligible, self.policy.forced) if s))))
+
+    def question_scores(self, rows: list[dict]) -> np.ndarray:
+        """One score per question from its early-set columns (``rows``), with the scorer's offline function."""
+        return np.asarray(self.scorer.score(pd.DataFrame(rows)), dtype=np.float64)
+
+    def token_scores(self, stats: dict[str, Any]) -> np.ndarray:
+        """One score per generated token of a segment: the scorer's, -inf where the policy says it cannot fire, +inf
+        on the first token when the policy's ``forced`` statistic is set."""
+        scores = np.array(self.scorer.token_scores(stats), dtype=np.float64)
+        if self.policy.eligible:
+            scores = np.where(np.asarray(stats[self.policy.eligible], dtype=bool), scores, -np.inf)
+        if self.policy.forced and stats[self.policy.forced] and len(scores):
+            scores[0] = np.inf
+        return scores
 
     def first(self, scores: np.ndarray) -> int | None:
         """The first token at or above the threshold (None: the trigger does not fire)."""
         hits = np.flatnonzero(np.asarray(scores, dtype=np.float64) >= self.threshold)
         return int(hits[0]) if len(hits) else None
 
-
-@dataclasses.dataclass
-class Always(Trigger):
-    """Single-round RAG: retrieve once, before generating."""
-
-    name: str = "always"
-    threshold: float = 0.0
-    stage: ClassVar = "question"
-
-    def question_score(self, question: str) -> float:
-        return 1.0
+    def cut_at(self, position: int) -> int:
+        """How many tokens of the segment stay when it fires at ``position``."""
+        return position if self.policy.cut == "token" else 0
 
 
-@dataclasses.dataclass
-class EarlyTrigger(Trigger):
-    """DioR early detection (Eq. 2): retrieve before generating when P(hallucination) >= the detector's threshold.
-    Its keywords (Eq. 3) are kept for DioR's query.
-
-    A question is assessed once (IG is the costly part) and the decision reused by every configuration and corpus
-    that asks again; ``replayed`` then holds the forward passes and seconds it cost, which the loop adds to the
-    question's counters, so each configuration reports the cost it would have had on its own."""
-
-    detector: Any  # detectors.dior.early_detector.EarlyDetector
-    name: str = "dior-early"
-    threshold: float = 0.5
-    stage: ClassVar = "question"
-
-    def __post_init__(self) -> None:
-        self.keywords: dict[str, list[str]] = {}
-        self._assessed: dict[str, tuple[float, int, float]] = {}
-        self.replayed: tuple[int, float] = (0, 0.0)
-
-    def question_score(self, question: str) -> float:
-        if question in self._assessed:
-            probability, passes, seconds = self._assessed[question]
-            self.replayed = (passes, seconds)
-            return probability
-        import time
-
-        from detectors.rag.loop import ForwardCounter
-
-        start = time.perf_counter()
-        with ForwardCounter(self.detector.llm.model) as counter:
-            decision = self.detector.assess(question)
-        self.keywords[question] = decision.keywords
-        self._assessed[question] = (decision.probability, counter.calls, time.perf_counter() - start)
-        self.replayed = (0, 0.0)
-        return decision.probability
+# ---- building triggers by name -----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class RealtimeTrigger(Trigger):
-    """DioR real-time detection (Eq. 4): the MLP's P(hallucination) of each generated token; the generation is cut
-    before the first token at or above the served threshold."""
+def _spacy(model: str):
+    import spacy
 
-    detector: Any  # detectors.dior.realtime_detector.RealtimeDetector
-    name: str = "dior-realtime"
-    threshold: float = 0.5
-    needs_mlp: ClassVar[bool] = True
-
-    def token_scores(self, llm: "LLM", segment: Segment) -> np.ndarray:
-        return np.asarray(segment.mlp, dtype=np.float64)
+    return spacy.load(model)
 
 
-@dataclasses.dataclass
-class CtrlATrigger(Trigger):
-    """CtrlA (Alg. 1, App. B): ``-Eq. 2`` of each new content word's tokens (other tokens never fire), from the
-    confidence monitor's projections of the prompt and segment; a refusal (App. B.3.1) fires at the segment's start.
-    The segment is regenerated after retrieval.
-
-    The projections are those of the generation's own forward passes (``Segment.confidence``: the loop attaches
-    the monitor while it generates, under its honesty steering, so nothing runs again); a segment without them
-    is run once more under ``steering``."""
-
-    detector: Any  # detectors.ctrla.detectors.ConfidenceDetector
-    name: str = "ctrla-confidence"
-    threshold: float = 0.0
-    steering: dict | None = None  # honesty steering for segments that come without projections (as during generation)
-    truncate: ClassVar = "segment"
-
-    def __post_init__(self) -> None:
-        self.eq2: np.ndarray = np.zeros(0)  # the last segment's Eq. 2 scores (CtrlA's masked query reads them)
-
-    def monitor(self, llm: "LLM"):
-        """The confidence monitor a loop attaches to its forward passes (the detector's layers)."""
-        from detectors.ctrla.monitor import ConfidenceMonitor
-
-        return ConfidenceMonitor(llm.model, self.detector.directions)
-
-    def token_scores(self, llm: "LLM", segment: Segment) -> np.ndarray:
-        from detectors.ctrla.monitor import detect_refusal, pooled_scores, project_sequences
-        from detectors.ctrla.steering import steer
-
-        n = len(segment.gen_ids)
-        if n == 0:
-            return np.zeros(0)
-        p, directions = self.detector.params, self.detector.directions
-        projections = segment.confidence
-        if projections is None:
-            with steer(llm.model, self.steering or {}):
-                projections = project_sequences(llm, directions, [segment.prompt_ids + segment.gen_ids], directions.layers, 1)[0]
-        self.eq2 = pooled_scores(projections, p.tau, p.clip)[-n:]
-        context = llm.tokenizer.decode(segment.prompt_ids, skip_special_tokens=True)  # the input and the preceding generation
-        mask = np.asarray(content_mask(llm.tokenizer, context, segment.gen_ids), dtype=bool)
-        out = np.where(mask, -self.eq2, -np.inf)
-        if detect_refusal(segment.text, list(p.refusal_patterns)):
-            out[0] = np.inf
-        return out
+def _always(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+    return Trigger("always", Constant(), 0.0, Policy("question"))
 
 
-@dataclasses.dataclass
-class FlareTrigger(Trigger):
-    """FLARE: 1 - p of each token of the look-ahead segment; the segment is regenerated with retrieval."""
+def _flare(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+    from detectors.baselines.flare import Flare
 
-    name: str = "flare"
-    threshold: float = 0.5
-    truncate: ClassVar = "segment"
-
-    def token_scores(self, llm: "LLM", segment: Segment) -> np.ndarray:
-        return 1.0 - np.asarray(segment.prob, dtype=np.float64)
+    return Trigger("flare", Flare(Level.TOKEN), threshold, Policy("token", cut="segment"))
 
 
-@dataclasses.dataclass
-class RindTrigger(Trigger):
-    """DRAGIN RIND of each token (one teacher-forced eager pass over prompt + segment): the generation is cut
-    before the first token at or above the threshold."""
+def _rind(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+    from detectors.baselines.rind import Rind
+    from detectors.rag.stats import RindCalculator
 
-    name: str = "rind"
-    threshold: float = 1.0
-    stopwords: frozenset[str] = DEFAULT_STOPWORDS
-
-    def token_scores(self, llm: "LLM", segment: Segment) -> np.ndarray:
-        from detectors.baselines.rind import rind_scores
-
-        if not segment.gen_ids:
-            return np.zeros(0)
-        return rind_scores(llm, [segment.prompt_ids], [segment.gen_ids], self.stopwords)[0].rind
+    stopwords = frozenset(_spacy(spacy_model).Defaults.stop_words)
+    return Trigger("rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),))
 
 
-@dataclasses.dataclass
-class SitMinTrigger(Trigger):
-    """Stitch-in-Time's concept-level MIN: 1 - the smallest probability of an entity's tokens (spaCy entities of
-    the segment), on the entity's first token, where the generation is cut."""
+def _sit_min(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+    from detectors.baselines.stitch_in_time import SitMin
+    from detectors.rag.stats import EntityCalculator
 
-    nlp: Any = None  # a loaded spaCy pipeline
-    name: str = "sit_min"
-    threshold: float = 0.5
+    return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, _spacy(spacy_model)),))
 
-    def token_scores(self, llm: "LLM", segment: Segment) -> np.ndarray:
-        from detectors.dior.entities import entity_tokens, token_offsets
 
-        out = np.full(len(segment.gen_ids), -np.inf)
-        if not segment.gen_ids:
-            return out
-        offsets = token_offsets(llm, segment.gen_ids)
-        text = llm.tokenizer.decode(segment.gen_ids, skip_special_tokens=True)
-        for ent in self.nlp(text).ents:
-            tokens = entity_tokens(offsets, ent.start_char, ent.end_char)
-            if tokens:
-                out[tokens[0]] = max(out[tokens[0]], 1.0 - float(np.min(segment.prob[tokens])))
-        return out
+def _early(name: str, detector) -> Trigger:
+    from detectors.evaluation.scorers import DetectorScorer
+    from detectors.rag.stats import EarlyCalculator
+
+    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),))
+
+
+def _realtime(name: str, detector) -> Trigger:
+    from detectors.evaluation.scorers import realtime_detector_scorer
+    from detectors.rag.stats import MlpCalculator
+
+    scorer = realtime_detector_scorer(Level.TOKEN, name)
+    return Trigger(name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),))
+
+
+def _ctrla(name: str, detector) -> Trigger:
+    from detectors.baselines.ctrla_confidence import CtrlAConfidence
+    from detectors.rag.stats import CtrlACalculator
+
+    policy = Policy("token", cut="segment", eligible="new_content", forced="refusal")
+    return Trigger(name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),))  # Eq. 2 already subtracts tau
+
+
+# name -> builder(llm, threshold, spacy model); the ones with a threshold take it from rag_eval.thresholds
+TRAINING_FREE: dict[str, Callable[..., Trigger]] = {"always": _always, "flare": _flare, "rind": _rind, "sit_min": _sit_min}
+# registered detector kind -> builder(name, detector attached to the loop's LLM)
+DETECTOR_KINDS: dict[str, Callable[[str, Any], Trigger]] = {"dior-early": _early, "dior-realtime": _realtime, "ctrla-confidence": _ctrla}
 
 
 def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_model: str, tracking_uri: str | None = None) -> Trigger:
-    """The trigger named ``spec``: ``always``, ``flare``, ``rind``, ``sit_min`` (thresholds from ``thresholds``) or
+    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (thresholds from ``thresholds``) or
     ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from ``tracking_uri``) onto ``llm``;
     the detector's kind decides the trigger, and a detector built with another LLM is refused by its fingerprint."""
-    if spec == "always":
-        return Always()
     if spec in TRAINING_FREE:
-        if spec not in thresholds:
+        if spec != "always" and spec not in thresholds:
             raise InputError(f"trigger {spec!r} has no threshold: give rag_eval.thresholds.{spec} (a number or `validation`)")
-        if spec == "flare":
-            return FlareTrigger(threshold=thresholds[spec])
-        import spacy
-
-        nlp = spacy.load(spacy_model)
-        if spec == "rind":
-            return RindTrigger(threshold=thresholds[spec], stopwords=frozenset(nlp.Defaults.stop_words))
-        return SitMinTrigger(nlp=nlp, threshold=thresholds[spec])
+        return TRAINING_FREE[spec](llm, thresholds.get(spec), spacy_model)
     if "@" not in spec:
         raise InputError(f"trigger {spec!r}: name one of {', '.join(TRAINING_FREE)} or a registered detector as <name>@<alias>")
     name, alias = spec.split("@", 1)
     from detectors.inference import load_detector
 
     detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)
-    kind = detector.KIND
-    if kind == "dior-early":
-        return EarlyTrigger(detector=detector, name=name, threshold=float(detector.threshold))
-    if kind == "dior-realtime":
-        return RealtimeTrigger(detector=detector, name=name, threshold=float(detector.threshold))
-    if kind == "ctrla-confidence":
-        return CtrlATrigger(detector=detector, name=name, threshold=0.0)  # Eq. 2 already subtracts tau
-    raise InputError(f"trigger {spec!r}: a {kind!r} detector does not decide retrieval (use dior-early, dior-realtime or ctrla-confidence)")
+    if detector.KIND not in DETECTOR_KINDS:
+        raise InputError(f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of {', '.join(DETECTOR_KINDS)})")
+    return DETECTOR_KINDS[detector.KIND](name, detector)
