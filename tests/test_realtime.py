@@ -176,13 +176,15 @@ def test_recorder_batches_with_left_padding(tiny_llm):
 
 def test_hooks_are_removed_even_when_generation_raises(tiny_llm):
     model = tiny_llm.model
-    recorder = GenerationRecorder(model, [1, 2])
-    before = [len(m._forward_hooks) for m in recorder.modules]
+    from detectors.llm.layers import state_modules
+
+    recorder, modules = GenerationRecorder(model, [1, 2]), state_modules(model, [1, 2])
+    before = [len(m._forward_hooks) for m in modules]
     with pytest.raises(ValueError):
         with recorder:
-            assert [len(m._forward_hooks) for m in recorder.modules] == [n + 1 for n in before]
+            assert [len(m._forward_hooks) for m in modules] == [n + 1 for n in before]
             model.generate(torch.tensor([[1, 2]]), logits_processor=[recorder], max_new_tokens=-1)
-    assert [len(m._forward_hooks) for m in recorder.modules] == before
+    assert [len(m._forward_hooks) for m in modules] == before
     with pytest.raises(RuntimeError, match="inside `with recorder:`"):
         model.generate(torch.tensor([[5, 6]]), logits_processor=[recorder], max_new_tokens=3, do_sample=False)
 

@@ -15,7 +15,7 @@ import torch
 from transformers import LogitsProcessor
 
 from detectors.config.schema import RealtimePromptParams
-from detectors.llm.layers import layer_output, state_modules
+from detectors.llm.layers import StateTap
 from detectors.llm.loading import LLM
 
 
@@ -43,13 +43,11 @@ class GenerationRecorder(LogitsProcessor):
 
     def __init__(self, model: torch.nn.Module, state_indices: list[int], scorer: Callable | None = None):
         self.model, self.state_indices, self.scorer = model, state_indices, scorer
-        self.modules = state_modules(model, state_indices)
-        self._handles: list = []
+        self.tap = StateTap(model, state_indices)  # the hooks (the RAG loop's probe of the same states)
         self.reset()
 
     def reset(self) -> None:
         self.calls = 0
-        self._caught: dict[int, torch.Tensor] = {}
         self._prev_logp: torch.Tensor | None = None
         self._prev_entropy: torch.Tensor | None = None
         self.tokens: list[torch.Tensor] = []
@@ -58,31 +56,22 @@ class GenerationRecorder(LogitsProcessor):
         self.entropy: list[torch.Tensor] = []
         self.scores: list[torch.Tensor] = []
 
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            if self.calls > 0:  # not the prompt's prefill: the last position is the token just generated
-                self._caught[index] = layer_output(output)[:, -1].detach()
-
-        return hook
-
     def __enter__(self) -> "GenerationRecorder":
         self.reset()
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self.modules)]
+        self.tap.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self.tap.__exit__(*exc)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # everything stays on the LLM's device (no host copy, no sync): ``traces`` moves it to the host once
         logp = torch.log_softmax(scores.float(), dim=-1)
-        if self.calls > 0:
-            if len(self._caught) != len(self.modules):
+        if self.calls > 0:  # not the prompt's prefill: the last position is the token just generated
+            if not self.tap.caught:
                 raise RuntimeError("the recorder's hooks caught nothing: use it inside `with recorder:`")
             token = input_ids[:, -1].to(logp.device, copy=True)  # a copy: a view would keep every step's input_ids
-            hidden = torch.cat([self._caught[i] for i in range(len(self.modules))], dim=-1).to(torch.float16)
+            hidden = self.tap.take()[:, -1]
             prob = self._prev_logp.gather(1, token[:, None])[:, 0].exp()
             entropy = self._prev_entropy
             self.tokens.append(token)
@@ -91,7 +80,6 @@ class GenerationRecorder(LogitsProcessor):
             self.entropy.append(entropy)
             if self.scorer is not None:
                 self.scores.append(torch.as_tensor(self.scorer(hidden, prob, entropy)))
-            self._caught = {}
         self._prev_logp = logp
         self._prev_entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
         self.calls += 1

@@ -75,7 +75,8 @@ class LayerTap:
 class StateTap:
     """Forward hooks catching ``hidden_states[i]`` for each index of ``indices`` at every position of every pass
     (see :func:`state_modules`); ``take()`` gives the last pass's ``[B, T, len(indices) * H]`` in ``dtype`` (float16,
-    as the real-time set stores them) and forgets it."""
+    as the real-time set stores them) and forgets it. The generation recorder and the RAG loop's real-time probe
+    capture hidden states with it."""
 
     def __init__(self, model: torch.nn.Module, indices: list[int], dtype: torch.dtype = torch.float16):
         self.model, self.indices, self.dtype = model, list(indices), dtype
@@ -92,8 +93,13 @@ class StateTap:
             handle.remove()
         self.handles.clear()
 
+    @property
+    def caught(self) -> bool:
+        """Whether a pass ran since the last ``take``."""
+        return len(self._caught) == len(self.indices)
+
     def take(self) -> torch.Tensor:
-        if len(self._caught) != len(self.indices):
+        if not self.caught:
             raise RuntimeError("the state tap caught no pass: run the LLM inside `with tap:`")
         out = torch.cat([self._caught[i] for i in range(len(self.indices))], dim=-1).to(self.dtype)
         self._caught = {}

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from detectors.config.schema import PromptParams
-from detectors.llm.kv import PrefixStore, as_cache, join_states, row_states, stack_left
+from detectors.llm.kv import PrefixStore, as_cache, cache_states, common_prefix, crop_states, join_states, row_states, stack_left
 from detectors.llm.loading import LLM
 from detectors.rag.context import render_passages, stepwise_retrieve
 from detectors.rag.metrics import FAILED
@@ -114,10 +114,12 @@ class _Row:
     question_scores: dict[str, float] = dataclasses.field(default_factory=dict)
     prompt: list[int] = dataclasses.field(default_factory=list)
     prompts: list[str] = dataclasses.field(default_factory=list)
-    # the cache of everything the LLM ran for this row (prompt + kept + segment so far) and the next logits
+    # what the LLM ran for this row (a prompt and what was generated after it), its states and the next logits (None:
+    # the current prompt must run)
+    ran: list[int] = dataclasses.field(default_factory=list)
     kv: Any = None
     logits: torch.Tensor | None = None
-    values: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # probe values per position, in chunks
+    values: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # probe values per position of ``ran``, in chunks
     # the segment being generated
     gen: list[int] = dataclasses.field(default_factory=list)
     prob: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -130,9 +132,19 @@ class _Row:
     seconds: float = 0.0  # measurements reused from another configuration
     segments: list[SegmentView] = dataclasses.field(default_factory=list)  # kept when tracing
 
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.kept) + len(self.gen)
+
+def _similar_lengths(items: list[tuple[_Row, list[int]]], batch_size: int, tokens: int = 16384) -> list[list[tuple[_Row, list[int]]]]:
+    """Rows in batches of at most ``batch_size`` rows and ``tokens`` tokens whose lengths differ by at most an eighth
+    (or 8 tokens): the padding of a left-padded pass stays small."""
+    out: list[list] = []
+    for item in sorted(items, key=lambda it: len(it[1])):
+        n = len(item[1])
+        last = out[-1] if out else None
+        if last is None or len(last) >= batch_size or (len(last) + 1) * n > tokens or n - len(last[0][1]) > max(8, n // 8):
+            out.append([item])
+        else:
+            last.append(item)
+    return out
 
 
 class _Lockstep:
@@ -140,7 +152,7 @@ class _Lockstep:
     a row leaves the batch when its segment ends."""
 
     def __init__(self, llm: LLM, rows: list[_Row]):
-        lengths = [r.kv[0][0].shape[2] for r in rows]
+        lengths = [len(r.ran) for r in rows]
         width = max(lengths)
         self.llm, self.rows, self.pads = llm, list(rows), [width - n for n in lengths]
         self.cache = as_cache(stack_left([r.kv for r in rows], width), len(rows), llm.model.config)
@@ -156,12 +168,11 @@ class _Lockstep:
         return out.logits[:, -1]
 
     def drop(self, leaving: list[int]) -> None:
-        """Rows ``leaving`` leave; those whose answer goes on keep a copy of their own states to continue from."""
+        """Rows ``leaving`` leave with a copy of their own states (to continue from, or to reuse after a retrieval)."""
         if not leaving:
             return
         for i in leaving:
-            row = self.rows[i]
-            row.kv = None if row.done else row_states(self.cache, i, self.pads[i])
+            self.rows[i].kv = row_states(self.cache, i, self.pads[i])
         keep = [i for i in range(len(self.rows)) if i not in set(leaving)]
         self.rows, self.mask, self.pads = [self.rows[i] for i in keep], self.mask[keep], [self.pads[i] for i in keep]
         if keep:
@@ -244,7 +255,7 @@ class RagLoop:
     def _run(self, rows: list[_Row], observe: bool, triggers: bool) -> None:
         active = self._question_stage(rows, observe, triggers)
         while active:
-            self._prefill([r for r in active if r.kv is None])
+            self._prefill([r for r in active if r.logits is None])
             self._decode(active)
             self._after_segment(active, observe, triggers)
             active = [r for r in active if not r.finished]
@@ -294,30 +305,53 @@ class RagLoop:
             yield
 
     def _prefill(self, rows: list[_Row]) -> None:
-        """Run every row's prompt and kept tokens, batches of similar length on the shared cached prefix."""
-        if not rows:
-            return
-        rows = sorted(rows, key=lambda r: r.length)
-        for start in range(0, len(rows), self.config.batch_size):
-            chunk = rows[start : start + self.config.batch_size]
-            seqs = [r.prompt + r.kept for r in chunk]
-            passes = self.prefix.passes
-            shared = self.prefix.get(seqs)
-            rests = [s[shared:] for s in seqs]
-            width = max(len(r) for r in rests)
-            pads = [width - len(r) for r in rests]
-            ids = torch.tensor([[self.pad] * p + r for p, r in zip(pads, rests)], device=self.llm.device)
-            mask = torch.tensor([[1] * shared + [0] * p + [1] * len(r) for p, r in zip(pads, rests)], device=self.llm.device)
-            positions = torch.tensor([[shared + max(i - p, 0) for i in range(width)] for p in pads], device=self.llm.device)
-            with self._hooks():
-                out = self.llm.model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                                     past_key_values=as_cache(self.prefix.kv, len(chunk), self.llm.model.config) if shared else None)  # fmt: skip
-                values = {key: probe.take() for key, probe in self.probes.items()}
-            for b, (row, pad) in enumerate(zip(chunk, pads)):
-                row.kv = join_states(self.prefix.kv if shared else None, row_states(out.past_key_values, b, shared + pad))
-                row.logits = out.logits[b, -1]
-                row.values = {key: [self.prefix.values[key], v[b, pad:].clone()] if shared else [v[b, pad:].clone()] for key, v in values.items()}
-                row.passes += 1 + (self.prefix.passes - passes)
+        """Run every row's prompt and kept tokens on the longest prefix already run: its own previous sequence (a new
+        retrieval that returned the same first passages) one row at a time, or the prefix rows share (the few-shot
+        primer, cached once) in batches of similar length, so that little is padding (a prompt's pass is
+        arithmetic-bound: batching buys nothing there, padding costs)."""
+        shared = []
+        for row in rows:
+            seq = row.prompt + row.kept
+            own = min(common_prefix(row.ran, seq), len(seq) - 1) if row.kv is not None else 0
+            if own > common_prefix(self.prefix.ids, seq):
+                self._extend(row, seq, own)
+            else:
+                shared.append((row, seq))
+        for chunk in _similar_lengths(shared, self.config.batch_size):
+            self._prefill_chunk(chunk)
+
+    def _extend(self, row: _Row, seq: list[int], common: int) -> None:
+        """Run ``seq[common:]`` on the row's own states of ``seq[:common]``."""
+        ids = torch.tensor([seq[common:]], device=self.llm.device)
+        positions = torch.arange(common, len(seq), device=self.llm.device)[None]
+        with self._hooks():
+            out = self.llm.model(ids, position_ids=positions, past_key_values=as_cache(crop_states(row.kv, common), 1, self.llm.model.config),
+                                 use_cache=True, logits_to_keep=1)  # fmt: skip
+            values = {key: probe.take() for key, probe in self.probes.items()}
+        row.kv, row.logits, row.ran = cache_states(out.past_key_values), out.logits[0, -1], list(seq)
+        row.values = {key: [torch.cat(row.values[key])[:common], v[0]] for key, v in values.items()}
+        row.passes += 1
+
+    def _prefill_chunk(self, chunk: list[tuple[_Row, list[int]]]) -> None:
+        """One left-padded pass over the rows' sequences after the prefix they share (kept in the prefix store)."""
+        seqs = [seq for _, seq in chunk]
+        passes = self.prefix.passes
+        shared = self.prefix.get(seqs)
+        rests = [s[shared:] for s in seqs]
+        width = max(len(r) for r in rests)
+        pads = [width - len(r) for r in rests]
+        ids = torch.tensor([[self.pad] * p + r for p, r in zip(pads, rests)], device=self.llm.device)
+        mask = torch.tensor([[1] * shared + [0] * p + [1] * len(r) for p, r in zip(pads, rests)], device=self.llm.device)
+        positions = torch.tensor([[shared + max(i - p, 0) for i in range(width)] for p in pads], device=self.llm.device)
+        with self._hooks():
+            out = self.llm.model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                                 past_key_values=as_cache(self.prefix.kv, len(chunk), self.llm.model.config) if shared else None)  # fmt: skip
+            values = {key: probe.take() for key, probe in self.probes.items()}
+        for b, ((row, seq), pad) in enumerate(zip(chunk, pads)):
+            row.kv = join_states(self.prefix.kv if shared else None, row_states(out.past_key_values, b, shared + pad))
+            row.logits, row.ran = out.logits[b, -1], list(seq)
+            row.values = {key: [self.prefix.values[key], v[b, pad:].clone()] if shared else [v[b, pad:].clone()] for key, v in values.items()}
+            row.passes += 1 + (self.prefix.passes - passes)
 
     def _decode(self, rows: list[_Row]) -> None:
         """Every row generates its next segment: one batched pass per token, each row leaving at its own stop."""
@@ -328,8 +362,10 @@ class RagLoop:
             batch.drop([i for i, row in enumerate(batch.rows) if not self._choose(row)])
             if not batch.rows:
                 break
+            for row in batch.rows:
+                row.ran.append(row.gen[-1])
             tokens = [[r.gen[-1]] for r in batch.rows]
-            positions = [[r.length - 1] for r in batch.rows]  # the fed token's own position
+            positions = [[len(r.ran) - 1] for r in batch.rows]  # the fed token's own position
             with self._hooks():
                 logits = batch.step(tokens, positions)
                 values = {key: probe.take() for key, probe in self.probes.items()}
@@ -392,6 +428,7 @@ class RagLoop:
                 row.gen = []
                 if row.done or not view.gen_ids:
                     row.finished = True
+                    row.kv, row.logits, row.values = None, None, {}
                 continue
             fires.append((row, view, *fired))
         if fires:
@@ -436,7 +473,7 @@ class RagLoop:
         if row.record:
             row.prompts.append(text)
         row.prompt = self.llm.tokenizer(text, add_special_tokens=not p.chat)["input_ids"]
-        row.kv, row.logits, row.values = None, None, {}
+        row.logits = None  # its states of what it ran so far stay: the new prompt may begin as the old one did
 
     # ---- results -------------------------------------------------------------------------------------------
     def _result(self, row: _Row, share: float) -> RagResult:
