@@ -10,7 +10,8 @@ retrieval-rate sweep answer the questions twice:
 * **reference**: the loop of ``--reference`` (a git commit, default ``19913cf``: the last one-question-at-a-time loop),
   checked out into a temporary git worktree and run in a child process with that commit's code and params file (its
   ``rag_eval`` paths point at the same data, index and registry);
-* **ours**: this checkout's loop, ``rag_eval.batch_size`` questions at a time.
+* **ours**: this checkout's loop, ``rag_eval.batch_size`` questions at a time; and on the first ``--batch-one``
+  questions one at a time, to check that batching changes no answer nor retrieval on the real LLM.
 
 Both time only the answering (loading the LLM, the detectors and the indexes is left out), in configuration order, so
 that the early detector's assessment of a question is paid by the first configuration that needs it on both sides.
@@ -50,8 +51,11 @@ def trace(line: dict) -> list:
     return [(r["trigger"], r["position"], r["queries"], r["passage_ids"]) for r in line.get("retrievals", [])]
 
 
-def run_side(side: str, params_path: str, n: int, only: list[str] | None) -> dict:
-    """Answer the questions with the loop of the importable code (this checkout, or the reference worktree)."""
+def run_side(side: str, params_path: str, n: int, only: list[str] | None, batch_size: int | None = None) -> dict:
+    """Answer the questions with the loop of the importable code (this checkout, or the reference worktree); ours
+    ``batch_size`` questions at a time (None: ``rag_eval.batch_size``)."""
+    import dataclasses
+
     import pandas as pd
     import torch
 
@@ -65,6 +69,8 @@ def run_side(side: str, params_path: str, n: int, only: list[str] | None) -> dic
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
     comparison = pd.read_parquet(p["paths.comparison"]) if Path(p["paths.comparison"]).exists() else None
     runtime = RagRuntime(p, stage.resolve_thresholds(params.thresholds, comparison))
+    if batch_size is not None:
+        runtime.params = dataclasses.replace(params, batch_size=batch_size)
     out = {"side": side, "threads": torch.get_num_threads(), "questions": len(questions), "units": {}}
     for corpus, name in units(params):
         if only and name not in only:
@@ -105,7 +111,7 @@ def compare(reference: dict, ours: dict) -> dict:
     rows, total_ref, total_ours = {}, 0.0, 0.0
     for unit, ref in reference["units"].items():
         new = ours["units"][unit]
-        n = len(ref["answers"])
+        n = min(len(ref["answers"]), len(new["answers"]))
         total_ref, total_ours = total_ref + ref["seconds"], total_ours + new["seconds"]
         rows[unit] = {
             "reference_s_per_question": ref["seconds"] / n, "ours_s_per_question": new["seconds"] / n,
@@ -122,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=40, help="test questions (the first of rag_eval's sample)")
     parser.add_argument("--reference", default="19913cf", help="git commit of the reference loop")
     parser.add_argument("--only", nargs="*", help="configurations to run (default: all, and the sweep)")
+    parser.add_argument("--batch-one", type=int, default=32, help="questions also answered one at a time by our loop (0: none)")
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default="benchmarks/results/rag_speed_cpu.json")
     parser.add_argument("--side", choices=["reference", "ours"], help=argparse.SUPPRESS)  # one side, in this process
@@ -134,12 +141,19 @@ def main(argv: list[str] | None = None) -> None:
     ours = run_side("ours", args.params, args.questions, args.only)
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": ours["threads"]},
               "reference": args.reference, "questions": args.questions, **compare(reference, ours)}  # fmt: skip
+    if args.batch_one:  # our loop one question at a time: the same answers and retrievals as batched
+        one = compare(run_side("ours", args.params, args.batch_one, args.only, batch_size=1), ours)
+        result["batch_one"] = {"questions": args.batch_one, **{unit: {k: row[k] for k in ("same_answers", "same_traces", "same_answers_after", "different")}
+                                                              for unit, row in one["units"].items()}}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for unit, row in result["units"].items():
         print(f"{unit:32s} {row['reference_s_per_question']:6.2f} -> {row['ours_s_per_question']:6.3f} s/question ({row['speedup']:5.1f}x), "
               f"same answers {row['same_answers']}/{row['questions']}, same retrievals {row['same_traces']}/{row['questions']}")  # fmt: skip
     print(f"total {result['reference_s']:.0f} s -> {result['ours_s']:.0f} s: {result['speedup']:.2f}x")
+    for unit, row in result.get("batch_one", {}).items():
+        if isinstance(row, dict):
+            print(f"one at a time vs batched, {unit:32s} same answers {row['same_answers']}, same retrievals {row['same_traces']}")
 
 
 if __name__ == "__main__":

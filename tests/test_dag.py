@@ -82,3 +82,37 @@ def test_every_path_a_stage_reads_is_a_dep_or_an_out(name):
     paths = [key for key in reads if key.startswith("paths.") and key != "paths.raw"]
     missing = [key for key in paths if not any(n.startswith("${" + key + "}") for n in named)]
     assert not missing, f"dvc.yaml stage {name} reads {missing} but names them in no dep, out, metric or plot"
+
+
+def import_cycle(root: Path = ROOT, package: str = "detectors") -> list[str] | None:
+    """A cycle among the library's modules (imports inside functions included; a module's own packages left out), or
+    None."""
+    from detectors.imports import imported_modules, module_file
+
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p for p in (root / package).rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in imported_modules(path):
+            while imported and imported not in modules:  # a name imported from a module: the module
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + ".") and module_file(imported, root):
+                deps.add(imported)
+        graph[name] = deps
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [dep]
+            if dep not in state and (found := visit(dep, path + [dep])):
+                return found
+        state[name] = 2
+        return None
+
+    return next((c for name in sorted(graph) if name not in state and (c := visit(name, [name]))), None)
+
+
+def test_the_library_has_no_import_cycle():
+    assert import_cycle() is None

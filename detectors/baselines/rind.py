@@ -10,11 +10,11 @@
 - ``s_i``: 0 when the token's word is a stop word or punctuation (spaCy's list, DRAGIN §4.5), else 1 (Eq. 4).
 
 :func:`rind_scores` computes it from one teacher-forced pass with eager attention (the only kind that
-returns attention weights), batched with right padding. **While the LLM generates**, call it on the prompt
-and the tokens generated so far after each step: every token gets its value over the later tokens seen so
-far, which only grows as generation goes on (``a_max`` is a running maximum). The newest token has no
-later token yet and reads 0; its first value is there one step later. DRAGIN triggers retrieval when any
-token generated so far exceeds θ, so the trigger reads ``max`` of the returned ``rind`` after each step.
+returns attention weights), batched with right padding. **While the LLM generates**, every token gets its value
+over the later tokens seen so far, which only grows as generation goes on (``a_max`` is a running maximum); the
+newest token has no later token yet and reads 0. :func:`rind_on_states` scores generated tokens from the cached
+states of their prompt (only the generated tokens run again) and the entropies recorded while generating: the RAG
+loop's DRAGIN trigger.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from detectors.evaluation.scorers import TokenStatScorer
-from detectors.llm.kv import batches, forward_rows
+from detectors.llm.kv import KV, as_cache, batches, forward_rows, stack_left
 from detectors.llm.layers import decoder_layers
 from detectors.llm.loading import LLM
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask
@@ -126,6 +126,33 @@ def rind_scores(
             if progress is not None:
                 progress.update(len(idx))
     return out  # type: ignore[return-value]
+
+
+def rind_on_states(
+    llm: LLM, contexts: list[KV], continuations: list[list[int]], entropies: list[np.ndarray], stopwords: frozenset[str] = DEFAULT_STOPWORDS,
+) -> list[RindTrace]:
+    """RIND of each continuation while the LLM generates it (the RAG loop's trigger): the continuation runs once more, in
+    one eager batch, on the cached states of everything before it (``contexts``: per row, its key/value states), so
+    only its own tokens are computed; ``H_i`` is the entropy recorded when each token was chosen, the distribution
+    :func:`rind_scores` recomputes by teacher forcing. The same Eq. 3 and content words, the same values."""
+    lengths = [ctx[0][0].shape[2] for ctx in contexts]
+    width, n = max(lengths), max(len(c) for c in continuations)
+    pad = llm.tokenizer.pad_token_id or 0
+    device = llm.device
+    ids = torch.tensor([list(c) + [pad] * (n - len(c)) for c in continuations], device=device)
+    mask = torch.tensor([[0] * (width - m) + [1] * (m + n) for m in lengths], device=device)  # right padding: only padding attends to it
+    positions = torch.tensor([[m + i for i in range(n)] for m in lengths], device=device)
+    cache = as_cache(stack_left(contexts, width), len(contexts), llm.model.config)
+    with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:
+        llm.model.get_decoder()(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    a_max = later_attention_max(tap.weights[:, :, :, width:], torch.tensor([len(c) for c in continuations])).cpu().numpy()
+    out = []
+    for b, (c, entropy) in enumerate(zip(continuations, entropies)):
+        entropy = np.asarray(entropy, dtype=np.float64)
+        attention = a_max[b, : len(c)].astype(np.float64)
+        content = np.asarray(word_mask(llm.tokenizer, list(c), stopwords), dtype=np.float64)
+        out.append(RindTrace(entropy, attention, content, entropy * attention * content))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

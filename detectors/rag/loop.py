@@ -306,18 +306,25 @@ class RagLoop:
 
     def _prefill(self, rows: list[_Row]) -> None:
         """Run every row's prompt and kept tokens on the longest prefix already run: its own previous sequence (a new
-        retrieval that returned the same first passages) one row at a time, or the prefix rows share (the few-shot
-        primer, cached once) in batches of similar length, so that little is padding (a prompt's pass is
-        arithmetic-bound: batching buys nothing there, padding costs)."""
-        shared = []
+        retrieval that returned the same first passages) one row at a time, or the prefix rows share (a prompt that
+        several rows continue, or the few-shot primer, cached once) in batches of similar length, so that little is
+        padding (a prompt's pass is arithmetic-bound: batching buys nothing there, padding costs)."""
+        by_prompt: dict[tuple[int, ...], list] = {}
         for row in rows:
             seq = row.prompt + row.kept
             own = min(common_prefix(row.ran, seq), len(seq) - 1) if row.kv is not None else 0
             if own > common_prefix(self.prefix.ids, seq):
                 self._extend(row, seq, own)
             else:
-                shared.append((row, seq))
-        for chunk in _similar_lengths(shared, self.config.batch_size):
+                by_prompt.setdefault(tuple(row.prompt), []).append((row, seq))
+        # rows with the same prompt (the sweep's retrievals at several positions of one answer) run it once, as their
+        # shared prefix; the others in batches of similar length
+        same = [group for group in by_prompt.values() if len(group) > 1]
+        alone = [group[0] for group in by_prompt.values() if len(group) == 1]
+        for group in same:
+            for start in range(0, len(group), self.config.batch_size):
+                self._prefill_chunk(group[start : start + self.config.batch_size])
+        for chunk in _similar_lengths(alone, self.config.batch_size):
             self._prefill_chunk(chunk)
 
     def _extend(self, row: _Row, seq: list[int], common: int) -> None:
@@ -412,7 +419,7 @@ class RagLoop:
             stats = {"prob": torch.stack(row.prob).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0),
                      "entropy": torch.stack(row.entropy).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0)}  # fmt: skip
             views.append(SegmentView(row.question, context, list(row.gen), tok.decode(row.gen, skip_special_tokens=True), stats, probes,
-                                     row.question_stats, self.lazy))  # fmt: skip
+                                     row.question_stats, self.lazy, row.kv))  # fmt: skip
         token_triggers = [t for t in self.triggers if t.stage == "token"] if triggers else []
         scored = [bool(token_triggers and view.gen_ids) and (observe or len(row.retrievals) < self.config.max_retrievals) for row, view in zip(rows, views)]
         if any(scored):

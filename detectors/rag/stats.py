@@ -41,6 +41,7 @@ class SegmentView:
     probes: dict[str, torch.Tensor]  # calculator key -> its probe's values at every position of context + segment, [len, d]
     question_stats: dict[str, Any]
     providers: dict[str, "Calculator"] = dataclasses.field(default_factory=dict)  # who computes a lazy statistic
+    states: Any = None  # the LLM's key/value states of context + segment (what the loop ran), for calculators that run more
 
     def stat(self, name: str, default: Any = None) -> Any:
         """Statistic ``name``, computed now by its calculator when it is a lazy one (e.g. the keywords of a query)."""
@@ -113,8 +114,10 @@ class MlpCalculator(Calculator):
 
 
 class RindCalculator(Calculator):
-    """``rind``: DRAGIN's RIND of each generated token (:func:`~detectors.baselines.rind.rind_scores`, the function
-    that scores the real-time set): one teacher-forced eager pass over context + segment per row, batched."""
+    """``rind``: DRAGIN's RIND of each generated token (:func:`~detectors.baselines.rind.rind_on_states`): the segments
+    run once more, in one eager batch, on the loop's cached states of their contexts, with the entropies the loop
+    recorded (the real-time set's RIND, :func:`~detectors.baselines.rind.rind_scores`, teacher-forces the whole
+    sequence; the values are the same)."""
 
     key, provides = "rind", ("rind",)
 
@@ -122,9 +125,12 @@ class RindCalculator(Calculator):
         self.llm, self.stopwords = llm, stopwords
 
     def segments(self, views: list[SegmentView]) -> None:
-        from detectors.baselines.rind import rind_scores
+        from detectors.baselines.rind import rind_on_states
+        from detectors.llm.kv import crop_states
 
-        for v, trace in zip(views, rind_scores(self.llm, [v.context_ids for v in views], [v.gen_ids for v in views], self.stopwords)):
+        contexts = [crop_states(v.states, len(v.context_ids)) for v in views]
+        traces = rind_on_states(self.llm, contexts, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords)
+        for v, trace in zip(views, traces):
             v.stats["rind"] = trace.rind
 
 
