@@ -47,8 +47,9 @@ def units(params) -> list[tuple[str, str]]:
 
 
 def trace(line: dict) -> list:
-    """What must not change: the retrievals (trigger, position, queries, passages)."""
-    return [(r["trigger"], r["position"], r["queries"], r["passage_ids"]) for r in line.get("retrievals", [])]
+    """What must not change: the retrievals (trigger, position, queries, passages), as JSON stores them (the reference's
+    come from another process through JSON)."""
+    return json.loads(json.dumps([[r["trigger"], r["position"], r["queries"], r["passage_ids"]] for r in line.get("retrievals", [])]))
 
 
 def run_side(side: str, params_path: str, n: int, only: list[str] | None, batch_size: int | None = None) -> dict:

@@ -12,9 +12,10 @@ For every question, greedy decoding:
    under the new prompt;
 4. until the answer is complete; at most ``max_retrievals`` retrievals per question.
 
-**Many questions at once.** The questions advance together in rounds: the rows that need a prompt run it in
-left-padded batches (the prompt prefix they share, a few-shot primer, is cached once and kept between batches),
-then every row generates its next segment in lockstep, one batched pass per token, each row leaving the batch at
+**Many questions at once.** The questions advance together in rounds: the rows that need a prompt run it on the
+longest prefix already run (their own earlier prompt when a retrieval returned the same first passages; a prompt
+several rows continue; the few-shot primer, cached once and kept between batches), in left-padded batches of
+similar length (a prompt's pass is arithmetic-bound: padding costs, batching buys nothing), then every row generates its next segment in lockstep, one batched pass per token, each row leaving the batch at
 its own stop; the rows whose segment ended are scored together (a calculator's work is batched across them), the
 retrievals of a round go through ``batch_search``, and rows that retrieved rejoin the next round with their new
 prompt. A batch of one is the one-question-at-a-time loop: answers and retrievals do not depend on the batch size
