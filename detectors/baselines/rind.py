@@ -80,6 +80,14 @@ class _LastLayerAttention:
         self.handle.remove()
 
 
+def rind_trace(llm: LLM, continuation: list[int], entropy, attention, stopwords: frozenset[str]) -> RindTrace:
+    """Eq. 5 of one continuation from its tokens' entropies ``H_i`` and attention maxima ``a_max(i)``: ``s_i`` from its
+    words, and the product."""
+    entropy, attention = np.asarray(entropy, dtype=np.float64), np.asarray(attention, dtype=np.float64)
+    content = np.asarray(word_mask(llm.tokenizer, list(continuation), stopwords), dtype=np.float64)
+    return RindTrace(entropy, attention, content, entropy * attention * content)
+
+
 def later_attention_max(weights: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Eq. 3 per position: ``max_{i<j<length} A[j, i]`` per head, averaged over heads; ``[B, T]``.
 
@@ -119,10 +127,8 @@ def rind_scores(
             for b, i in enumerate(idx):
                 start, n = len(prompts[i]), len(continuations[i])
                 logp = torch.log_softmax(logits[b, start - 1 : start - 1 + n].float(), dim=-1)
-                entropy = (-(logp.exp() * logp).nan_to_num().sum(-1)).cpu().numpy().astype(np.float64)
-                attention = a_max[b, start : start + n].astype(np.float64)
-                content = np.asarray(word_mask(llm.tokenizer, list(continuations[i]), stopwords), dtype=np.float64)
-                out[i] = RindTrace(entropy, attention, content, entropy * attention * content)
+                entropy = (-(logp.exp() * logp).nan_to_num().sum(-1)).cpu().numpy()
+                out[i] = rind_trace(llm, continuations[i], entropy, a_max[b, start : start + n], stopwords)
             if progress is not None:
                 progress.update(len(idx))
     return out  # type: ignore[return-value]
@@ -146,13 +152,7 @@ def rind_on_states(
     with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:
         llm.model.get_decoder()(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     a_max = later_attention_max(tap.weights[:, :, :, width:], torch.tensor([len(c) for c in continuations])).cpu().numpy()
-    out = []
-    for b, (c, entropy) in enumerate(zip(continuations, entropies)):
-        entropy = np.asarray(entropy, dtype=np.float64)
-        attention = a_max[b, : len(c)].astype(np.float64)
-        content = np.asarray(word_mask(llm.tokenizer, list(c), stopwords), dtype=np.float64)
-        out.append(RindTrace(entropy, attention, content, entropy * attention * content))
-    return out
+    return [rind_trace(llm, c, entropy, a_max[b, : len(c)], stopwords) for b, (c, entropy) in enumerate(zip(continuations, entropies))]
 
 
 @dataclasses.dataclass(frozen=True)

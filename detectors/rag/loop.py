@@ -227,10 +227,9 @@ class RagLoop:
         results = self._in_batches(rows, observe=True)
         out = []
         for row, result in zip(rows, results):
-            segment = row.segments[0] if row.segments else None
-            stats = segment.stats if segment is not None else {}
-            token = {t.name: (t.token_scores(stats) if stats.get("prob") is not None and len(stats["prob"]) else np.zeros(0))
-                     for t in self.triggers if t.stage == "token"}  # fmt: skip
+            stats = row.segments[0].stats if row.segments else {}  # none when the question could not be answered
+            scored = len(row.kept) > 0  # an empty answer has no token to score
+            token = {t.name: t.token_scores(stats) if scored else np.zeros(0) for t in self.triggers if t.stage == "token"}
             question = {t.name: row.question_scores.get(t.name, float("nan")) for t in self.triggers if t.stage == "question"}
             out.append(QuestionTrace(row.question, list(row.kept), result.answer, question, token,
                                      {t.name: t.policy.cut for t in self.triggers if t.stage == "token"}, result.forward_passes, stats))  # fmt: skip

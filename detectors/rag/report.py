@@ -27,7 +27,6 @@ ROWS = (  # metric key, row label, format
     ("accuracy_vs_never", "Acc − no retrieval [95% CI]", DELTA), ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
 )  # fmt: skip
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
-REFERENCES = ("never", "always")  # no retrieval, and retrieving once before generating: what every configuration is compared with
 SWEEP_METRICS = ("area", "random_area", "area_over_random", "area_over_random_ci_low", "area_over_random_ci_high", "never_accuracy",
                  "always_accuracy", "rate_to_always")  # fmt: skip
 
@@ -114,7 +113,7 @@ def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Map
 def reference_deltas(results: dict[str, Sequence[dict]], answers: Sequence[Sequence[str]], references: dict[str, str], n: int = 1000,
                      seed: int = 0) -> dict[str, dict[str, float]]:  # fmt: skip
     """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
-    "always": name}``, see :data:`REFERENCES`) on the same questions, with the paired 95% bootstrap interval:
+    "always": name}``, no retrieval and retrieving once before generating) on the same questions, with the paired 95% bootstrap interval:
     ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``. A reference absent from ``results`` is left out."""
     correct = {name: [accuracy(r["answer"], refs) for r, refs in zip(lines, answers)] for name, lines in results.items()}
     out: dict[str, dict[str, float]] = {name: {} for name in results}

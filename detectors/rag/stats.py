@@ -110,7 +110,7 @@ class MlpCalculator(Calculator):
             v.stats["mlp"] = part
 
     def lazy_stat(self, name: str, view: SegmentView) -> Any:
-        return self.detector.keywords(view.gen_ids, view.stats.get("mlp", np.zeros(len(view.gen_ids))))
+        return self.detector.keywords(view.gen_ids, view.stats["mlp"])  # asked of a scored segment (one that fired)
 
 
 class RindCalculator(Calculator):
@@ -171,10 +171,8 @@ class CtrlACalculator(Calculator):
         from detectors.llm.words import content_mask
 
         tok = self.detector.llm.tokenizer
-        for v in views:
-            n = len(v.gen_ids)
-            projections = v.probes[self.key][: len(v.context_ids) + n].cpu().numpy()
-            eq2 = pooled_scores(projections, self.params.tau, self.params.clip)[len(v.context_ids) :].astype(np.float64)
+        for v in views:  # the probe's values cover exactly context + segment
+            eq2 = pooled_scores(v.probes[self.key].cpu().numpy(), self.params.tau, self.params.clip)[len(v.context_ids) :].astype(np.float64)
             v.stats["ctrla_eq2"], v.stats["ctrla_confidence"] = eq2, -eq2
             context = tok.decode(v.context_ids, skip_special_tokens=True)  # the input and the preceding generation
             v.stats["new_content"] = np.asarray(content_mask(tok, context, v.gen_ids), dtype=bool)
