@@ -54,10 +54,12 @@ def record_key(module: str, params: dict[str, Any], llm: LLMSpec, inputs: dict[s
     }
 
 
-def open_shards(stage: str, params: Any, llm: LLMSpec, inputs: dict[str, str], libraries: Iterable[str], directory: str, n_records: int):
+def open_shards(stage: str, params: Any, llm: LLMSpec, inputs: dict[str, str], libraries: Iterable[str], directory: str, n_records: int,
+                shared: dict[str, Any] | None = None):  # fmt: skip
     """The shard store of build stage ``stage`` (section ``params``), keyed on what shapes its records
-    (every key of the section but ``max_failed_share``), and the failure budget of its ``n_records``."""
-    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"}
+    (every key of the section but ``max_failed_share``, and the ``shared`` params it reads from other sections), and
+    the failure budget of its ``n_records``."""
+    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"} | (shared or {})
     store = ShardStore(directory, record_key(f"pipelines.{stage}", shaping, llm, inputs, libraries))
     key = llm.key()
     log.info("%s: LLM %s (%s on %s)", stage, key["name"], key["dtype"], key["device"])

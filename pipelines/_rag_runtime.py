@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Any, Callable
 
+from detectors.config.rag import THRESHOLD_TRIGGERS
+from detectors.errors import InputError
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
 from detectors.rag.loop import RagConfig, RagLoop, RagResult
@@ -50,8 +53,8 @@ def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagR
 class RagRuntime:
     """The stage's LLM, retrievers (loaded once per corpus) and triggers (loaded once per name)."""
 
-    def __init__(self, p, thresholds: dict[str, float]):
-        self.p, self.params, self.thresholds = p, p["rag_eval"], thresholds
+    def __init__(self, p):
+        self.p, self.params = p, p["rag_eval"]
         self.llm = LLMSpec.of(p).load()
         self.llm_name, self.llm_digest = self.llm.fingerprint.name, store.llm_digest(self.llm.fingerprint)
         self.tracking_uri = store.configure(p["mlflow"].tracking_uri)
@@ -66,10 +69,19 @@ class RagRuntime:
     def corpus_digest(self, corpus: str) -> str:
         return self.retriever(corpus).digest
 
-    def trigger(self, spec: str):
+    def trigger(self, spec: str, corpus: str, thresholds: dict[str, float] | None = None):
+        """Trigger ``spec`` for ``corpus`` (``{corpus}`` in a spec names the corpus: a utility trigger is trained per
+        corpus) at its threshold in ``thresholds`` (by trigger name; None: a sweep, where no threshold is read)."""
+        spec = spec.replace("{corpus}", corpus)
         if spec not in self._triggers:
-            self._triggers[spec] = make_trigger(spec, self.llm, self.thresholds, self.p["build_realtime.spacy_model"], self.tracking_uri)
-        return self._triggers[spec]
+            unread = {name: math.inf for name in THRESHOLD_TRIGGERS}  # each loop sets its triggers' thresholds below
+            self._triggers[spec] = make_trigger(spec, self.llm, unread, self.p["build_realtime.spacy_model"], self.tracking_uri)
+        trigger = self._triggers[spec]
+        if thresholds is None or trigger.name == "always":
+            return trigger
+        if trigger.name not in thresholds:
+            raise InputError(f"trigger {trigger.name!r} has no threshold on corpus {corpus!r}: its validation sweep did not measure it")
+        return dataclasses.replace(trigger, threshold=thresholds[trigger.name])
 
     def rag_config(self, name: str, stepwise: bool = False, chunk: bool = False, max_retrievals: int | None = None) -> RagConfig:
         r = self.params
@@ -86,9 +98,10 @@ class RagRuntime:
         weights = DiorWeights(**dataclasses.asdict(q.dior_weights))
         return make_query(name, theta, q.qfs_top_n, weights, q.dior_top, retriever.idf if retriever else None)
 
-    def loop(self, name: str, config, corpus: str) -> Answer:
-        """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus`` as ``answer(questions, records)``."""
-        triggers = [self.trigger(t) for t in config.triggers]
+    def loop(self, name: str, config, corpus: str, thresholds: dict[str, float]) -> Answer:
+        """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus``, its triggers at ``thresholds``,
+        as ``answer(questions, records)``."""
+        triggers = [self.trigger(t, corpus, thresholds) for t in config.triggers]
         steering = None
         if config.steering:
             steer_name, alias = config.steering.split("@", 1)
@@ -98,11 +111,12 @@ class RagRuntime:
                       self.query(config.query, triggers, retriever), steering)  # fmt: skip
         return resilient(name, rag.answer_all)
 
-    def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], list[str]]:
-        """The sweep over ``corpus``: ``sweep(questions, references)`` (the stored lines) and the swept triggers' names
-        (every trigger of the configurations but ``always``, which is the sweep's position-0 reference)."""
+    def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], dict[str, str]]:
+        """The sweep over ``corpus``: ``sweep(questions, references)`` (the stored lines) and the swept triggers' kinds by
+        name (``baseline``: training-free; ``detector``: trained), every trigger of the configurations but ``always``,
+        which is the sweep's position-0 reference."""
         specs = list(dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if t != "always"))
-        triggers = [self.trigger(t) for t in specs]
+        triggers = [self.trigger(t, corpus) for t in specs]
         retriever = self.retriever(corpus)
         rag = RagLoop(self.llm, retriever, self.rag_config("sweep", max_retrievals=1), triggers)  # the query is the job's (the question)
 
@@ -121,4 +135,4 @@ class RagRuntime:
                 lines.append(line)
             return lines
 
-        return sweep, [t.name for t in triggers]
+        return sweep, {t.name: t.scorer.kind for t in triggers}

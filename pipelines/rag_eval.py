@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,8 +31,9 @@ from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.progress import progress
 from detectors.rag.metrics import FAILED, summarise
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, thresholds_table
 from detectors.rag.sweep import curves as sweep_curves
+from detectors.rag.sweep import operating_point
 from detectors.shards import config_hash
 from detectors.sources.ids import sample
 from pipelines._provenance import code_digest
@@ -42,25 +42,25 @@ from pipelines._stage import run, stage_params
 log = logging.getLogger("rag_eval")
 READS = (
     "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "mlflow", "execution",
-    "paths.llm", "paths.qa", "paths.comparison", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla",
+    "paths.llm", "paths.qa", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla", "paths.registry_utility",
     "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_table", "paths.rag_curves", "paths.rag_prompts",
 )  # fmt: skip
-SWEEP = "sweep"  # the sweep's run file, and the metrics file's key for the curves
+SWEEP = "sweep"  # the test sweep's run file, and the metrics file's key for the curves
+VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions, where every operating threshold is chosen
 # rag_eval params that do not shape a run file's answers (each configuration, corpus and the sweep are keyed on their own;
 # the sample only adds questions; batch_size only groups them; the rest is reporting)
-NOT_KEYED = ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "bootstrap", "seed")
-CONTINUATION = "sentence"  # the comparison's continuation level, where `validation` thresholds are read
+NOT_KEYED = ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "bootstrap", "seed", "thresholds")
 
 
-def sample_questions(qa: pd.DataFrame, limit: int | None) -> pd.DataFrame:
-    """The first ``limit`` test questions by id hash (all of them for None), in the QA table's order."""
+def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> pd.DataFrame:
+    """The first ``limit`` questions of ``split`` by id hash (all of them for None), in the QA table's order."""
     missing = [c for c in ("id", "question", "answers", "split") if c not in qa.columns]
     if missing:
         raise InputError(f"the QA table lacks columns {missing}: rerun the prepare stage")
-    test = qa[qa["split"] == "test"].reset_index(drop=True)
-    if test.empty:
-        raise InputError("the QA table has no test question: check qa.splits in params.yaml")
-    return sample(test, limit)
+    rows = qa[qa["split"] == split].reset_index(drop=True)
+    if rows.empty:
+        raise InputError(f"the QA table has no {split} question: check qa.splits in params.yaml")
+    return sample(rows, limit)
 
 
 # ---- resumable run files -------------------------------------------------------------------------------------
@@ -116,19 +116,12 @@ def run_questions(path: Path, key: str, rows: pd.DataFrame, answer: Callable[[li
 # ---- thresholds and outputs --------------------------------------------------------------------------
 
 
-def resolve_thresholds(thresholds: dict[str, float | str], comparison: pd.DataFrame | None) -> dict[str, float]:
-    """Numbers as given; ``validation``: the threshold ``evaluate`` chose on the real-time validation split at the
-    continuation level (the comparison table's row of that scorer)."""
-    out = {}
-    for name, value in thresholds.items():
-        if value != "validation":
-            out[name] = float(value)
-            continue
-        rows = None if comparison is None else comparison[(comparison["dataset"] == "realtime") & (comparison["level"] == CONTINUATION) & (comparison["scorer"] == name)]
-        if rows is None or rows.empty or not math.isfinite(float(rows["threshold"].iloc[0])):
-            raise InputError(f"rag_eval.thresholds.{name} = validation, but the comparison has no realtime {CONTINUATION}-level threshold for {name!r}: run evaluate or give a number")
-        out[name] = float(rows["threshold"].iloc[0])
-    return out
+def choose_thresholds(lines: list[dict], triggers: list[str], fixed: dict[str, float]) -> dict[str, float]:
+    """Each trigger's operating threshold: the number ``fixed`` gives it, else the most accurate point of its curve on
+    the validation sweep's ``lines`` (:func:`~detectors.rag.sweep.operating_point`; +inf when never retrieving is the
+    most accurate). Test questions never enter."""
+    curves = sweep_curves(lines, [t for t in triggers if t not in fixed])
+    return {t: float(fixed[t]) if t in fixed else operating_point(curves[t]) for t in triggers}
 
 
 def write_curves(path: str | Path, curves: dict) -> None:
@@ -184,14 +177,14 @@ def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[s
 
 
 class RunFileWorker:
-    """Answers the questions of one run file per call (a corpus × configuration, or the sweep), resuming it; builds
-    the LLM, retrievers and triggers once (in the stage's process or a Ray actor). Returns the file's lines and the
-    digests that identify what answered them."""
+    """Answers the questions of one run file per call (a corpus × configuration at its corpus's ``thresholds``, or a
+    sweep: of the test questions, or of the validation ones), resuming it; builds the LLM, retrievers and triggers once
+    (in the stage's process or a Ray actor). Returns the file's lines and the digests that identify what answered them."""
 
-    def __init__(self, p, thresholds: dict[str, float], rows: pd.DataFrame, base_key: dict[str, Any]):
+    def __init__(self, p, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, float]] | None = None):
         from pipelines._rag_runtime import RagRuntime  # the loop, the retrievers and the LLM
 
-        self.runtime, self.params, self.rows, self.base_key = RagRuntime(p, thresholds), p["rag_eval"], rows, base_key
+        self.runtime, self.params, self.rows, self.base_key, self.thresholds = RagRuntime(p), p["rag_eval"], rows, base_key, thresholds
         self.runs_dir = Path(p["paths.rag_runs"])
 
     def __call__(self, unit: tuple[str, str]) -> dict[str, Any]:
@@ -200,49 +193,57 @@ class RunFileWorker:
         base = {**self.base_key, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
         out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
         path = self.runs_dir / corpus / f"{name}.jsonl"
-        if name == SWEEP:
+        if name in (SWEEP, VAL_SWEEP):
+            rows = self.rows["val" if name == VAL_SWEEP else "test"]
             sweep_loop, out["triggers"] = runtime.sweep_loop(corpus)
-            key = config_hash({**base, "sweep": dataclasses.asdict(params.sweep), "triggers": out["triggers"]})
-            refs = {q: list(a) for q, a in zip(self.rows["question"], self.rows["answers"])}
-            out["lines"] = run_questions(path, key, self.rows, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]), 0, f"{corpus} · sweep", params.batch_size)
+            key = config_hash({**base, "sweep": dataclasses.asdict(params.sweep), "triggers": out["triggers"], "questions": name})
+            refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
+            out["lines"] = run_questions(path, key, rows, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]), 0, f"{corpus} · {name}", params.batch_size)
         else:
             config = params.configurations[name]
-            key = config_hash({**base, "configuration": dataclasses.asdict(config)})
-            out["lines"] = run_questions(path, key, self.rows, runtime.loop(name, config, corpus), params.prompts_sample, f"{corpus} · {name}",
-                                         params.batch_size)  # fmt: skip
+            thresholds = {t: v for t, v in self.thresholds[corpus].items() if any(s.replace("{corpus}", corpus).split("@")[0] == t for s in config.triggers)}
+            key = config_hash({**base, "configuration": dataclasses.asdict(config), "thresholds": thresholds})
+            out["lines"] = run_questions(path, key, self.rows["test"], runtime.loop(name, config, corpus, self.thresholds[corpus]), params.prompts_sample,
+                                         f"{corpus} · {name}", params.batch_size)  # fmt: skip
         return out
 
 
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "rag_eval")
     params = p["rag_eval"]
-    rows = sample_questions(pd.read_parquet(p["paths.qa"]), params.questions)
-    answers = [list(a) for a in rows["answers"]]
-    comparison = pd.read_parquet(p["paths.comparison"]) if Path(p["paths.comparison"]).exists() else None
-    thresholds = resolve_thresholds(params.thresholds, comparison)
-    registries = {k: file_digest(p[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla") if Path(p[f"paths.registry_{k}"]).exists()}
-    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "qa": file_digest(p["paths.qa"]), "thresholds": thresholds,
+    qa = pd.read_parquet(p["paths.qa"])
+    rows = {"test": split_questions(qa, "test", params.questions), "val": split_questions(qa, "val")}
+    answers = [list(a) for a in rows["test"]["answers"]]
+    registries = {k: file_digest(p[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla", "utility") if Path(p[f"paths.registry_{k}"]).exists()}
+    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "qa": file_digest(p["paths.qa"]),
                 "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in NOT_KEYED}}  # fmt: skip
+    # first every corpus's validation sweep (the operating thresholds) and the test sweep (the curves)
+    sweeps = [(corpus, VAL_SWEEP) for corpus in params.corpora] + [(params.sweep.corpus, SWEEP)]
+    swept = {sweeps[i]: result for i, result in map_units(sweeps, functools.partial(RunFileWorker, p, rows, base_key), p["execution"])}
+    thresholds = {c: choose_thresholds(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"]), params.thresholds) for c in params.corpora}
+    for corpus, chosen in thresholds.items():
+        log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
     first = params.corpora[0]
     units = [(corpus, name) for corpus in params.corpora for name, config in params.configurations.items() if config.triggers or corpus == first]
-    units.append((params.sweep.corpus, SWEEP))  # a configuration that never retrieves answers the same on every corpus: run once
-    worker = functools.partial(RunFileWorker, p, thresholds, rows, base_key)
+    # a configuration that never retrieves answers the same on every corpus: run once
+    worker = functools.partial(RunFileWorker, p, rows, base_key, thresholds)
     results = {units[i]: result for i, result in map_units(units, worker, p["execution"])}
     lines = {corpus: {name: results[(corpus, name) if config.triggers else (first, name)]["lines"] for name, config in params.configurations.items()}
              for corpus in params.corpora}  # fmt: skip
-    for corpus, name in units[:-1]:
+    for corpus, name in units:
         check_failures(lines[corpus][name], f"{corpus} · {name}")
     refs = references(params.configurations)
     metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, params.bootstrap, params.seed)
-    swept = results[units[-1]]
-    curves = sweep_curves(swept["lines"], swept["triggers"], params.bootstrap, params.seed)
+    test_sweep = swept[(params.sweep.corpus, SWEEP)]
+    curves = sweep_curves(test_sweep["lines"], list(test_sweep["triggers"]), params.bootstrap, params.seed, test_sweep["triggers"])
     metrics[SWEEP] = {"corpus": params.sweep.corpus, "query": params.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
-    llm_name, llm_digest = swept["llm"]
-    digests = {corpus: result["corpus_digest"] for (corpus, _), result in results.items()}
+    metrics["thresholds"] = thresholds
+    llm_name, llm_digest = test_sweep["llm"]
+    digests = {corpus: result["corpus_digest"] for (corpus, _), result in {**swept, **results}.items()}
     metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in params.corpora}}
     write_json(p["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in params.corpora}
-    markdown = markdown_table(table) + "\n" + curves_table(metrics[SWEEP])
+    markdown = markdown_table(table) + "\n" + thresholds_table(thresholds, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
     Path(p["paths.rag_table"]).parent.mkdir(parents=True, exist_ok=True)
     Path(p["paths.rag_table"]).write_text(markdown, encoding="utf-8")
     log.info("RAG evaluation:\n%s", markdown)

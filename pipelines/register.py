@@ -2,7 +2,8 @@
 
 The early detectors of ``register_early.names`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``:
 the stronger feature set), each from ``paths.early_model/<name>/`` under its own registered name, their results
-in one JSON keyed by detector; and ``dior-realtime`` (the MLP; its test metrics are the continuation level's).
+in one JSON keyed by detector; ``dior-realtime`` (the MLP; its test metrics are the continuation level's); and the retrieval-utility trigger of
+each corpus (``utility-<corpus>``; its test metrics are train_utility's).
 Each version is tagged with the digest of the validation records its AUROC was computed on (the ok records of
 the set's val split; for the real-time set those with entity tokens), so only comparable versions compete.
 """
@@ -28,10 +29,10 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register")
 READS = (
-    "build_realtime.hidden_layers", "register_early", "register_realtime", "mlflow",
-    "paths.early", "paths.realtime", "paths.early_model", "paths.realtime_model",
-    "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
-    "paths.registry_early", "paths.registry_realtime",
+    "build_realtime.hidden_layers", "register_early", "register_realtime", "register_utility", "build_utility.corpora", "mlflow",
+    "paths.early", "paths.realtime", "paths.early_model", "paths.realtime_model", "paths.utility", "paths.utility_model",
+    "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics", "paths.train_utility_metrics",
+    "paths.registry_early", "paths.registry_realtime", "paths.registry_utility",
 )  # fmt: skip
 
 
@@ -105,6 +106,22 @@ def register_early(p, experiment_id: str) -> dict[str, dict]:
     return results
 
 
+def register_utility(p, experiment_id: str) -> dict[str, dict]:
+    """The utility trigger of each corpus as ``<register_utility.name>-<corpus>``, compared by the validation AUROC of
+    its retrieval decision on that corpus's val labels: ``{corpus: result}``."""
+    params = p["register_utility"]
+    labels = pd.read_parquet(p["paths.utility"], columns=["corpus", "id", "split", "status"])
+    tests = json.loads(Path(p["paths.train_utility_metrics"]).read_text())
+    results = {}
+    for corpus in p["build_utility.corpora"]:
+        val = labels[(labels["corpus"] == corpus) & (labels["split"] == "val") & (labels["status"] == "ok")]
+        artifact = Path(p["paths.utility_model"]) / corpus
+        features = ",".join(read_config(artifact)["pre_groups"])
+        results[corpus] = register_detector(artifact, val["id"].astype(str).tolist(), tests[corpus]["test"], f"{params.name}-{corpus}", params.alias,
+                                            experiment_id, {"corpus": corpus, "features": features}, f"{corpus}: {features}")  # fmt: skip
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "register")
     mlflow_params = p["mlflow"]
@@ -124,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         {"hidden_layers": layers}, f"hidden layers {layers}; served validation AUROC", val_key="val_served_auroc",
     )  # a champion compared on another number (older versions: token AUROC) is not compared: the new one waits as challenger
     write_json(p["paths.registry_realtime"], result)
+    exp = store.experiment(p["register_utility"].experiment, mlflow_params.artifact_root)
+    write_json(p["paths.registry_utility"], register_utility(p, exp))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_llama(tokenizer, seed: int = 0, train_steps: int = 300) -> LlamaForCausalLM:
+def build_tiny_llama(tokenizer, seed: int = 0, train_steps: int = 300, texts: list[str] | None = None) -> LlamaForCausalLM:
+    """The tiny Llama, trained ``train_steps`` on ``texts`` (default: the known facts, each ``<question> <answer>.``)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -64,7 +65,7 @@ def build_tiny_llama(tokenizer, seed: int = 0, train_steps: int = 300) -> LlamaF
     )
     model = LlamaForCausalLM(config)
     if train_steps:
-        texts = [f"{r['question']} {r['answers'][0]}.</s>" for r in known_facts()]
+        texts = texts or [f"{r['question']} {r['answers'][0]}.</s>" for r in known_facts()]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -24,7 +24,7 @@ from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
 from detectors.registry.store import register, validation_digest
-from pipelines import build_early, build_realtime, evaluate, prepare, prepare_articles, train_early, train_realtime
+from pipelines import build_early, build_realtime, build_utility, evaluate, prepare, prepare_articles, train_early, train_realtime, train_utility
 from pipelines import register as register_stage
 
 
@@ -45,6 +45,7 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
         hidden_layers=[1, -1], max_new_tokens=6, batch_size=4, shard_size=8, max_article_chars=400, prompt={"template": "{text}", "chat": False}
     )
     params["train_realtime"]["training"].update(hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator="cpu")
+    params["build_utility"]["corpora"] = []  # the tiny Llama never learnt to read passages (tests/test_utility.py trains one that did)
     path = workdir / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
@@ -58,7 +59,8 @@ def pipeline(tmp_path_factory, tiny_checkpoint):
     os.chdir(workdir)
     try:
         write_params(workdir, tiny_checkpoint)
-        for stage in (prepare, prepare_articles, build_early, build_realtime, train_early, train_realtime, evaluate, register_stage):
+        for stage in (prepare, prepare_articles, build_early, build_realtime, train_early, train_realtime, evaluate, build_utility, train_utility,
+                      register_stage):  # fmt: skip
             stage.main(["--params", "params.yaml"])
         yield workdir
     finally:

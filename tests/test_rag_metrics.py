@@ -21,7 +21,7 @@ from detectors.rag.metrics import METRICS, accuracy, answer_recall, exact_match,
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas
 from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
 from detectors.registry import store
-from pipelines.rag_eval import read_run_file, references, resolve_thresholds, run_questions, sample_questions, write_curves, write_prompts
+from pipelines.rag_eval import read_run_file, references, run_questions, split_questions, write_curves, write_prompts
 
 
 def result(answer: str, retrievals: list[list[str]] = (), error: str | None = None, passes: int = 10, tokens: int = 4, wall: float = 0.5) -> dict:
@@ -194,6 +194,20 @@ def test_a_curves_area_over_random_has_a_bootstrap_interval():
     assert np.isnan(curves(lines, ["t"])["t"].interval[0])  # none without resamples
 
 
+def test_a_trained_triggers_area_is_compared_with_the_best_training_free_ones_on_the_same_questions():
+    # "perfect" ranks the questions that need retrieval first; "half" only half of them; "blind" none
+    lines = []
+    for i, needed in enumerate([True, False] * 10):
+        events = {"perfect": [(0.9 if needed else 0.1, 0)], "half": [(0.9 if needed and i % 4 == 0 else 0.5, 0)], "blind": [(0.5, 0)]}
+        lines.append(sweep_line(events, "x", {0: "Rome" if needed else "x"}, ["Rome"]))
+    out = curves(lines, ["perfect", "half", "blind"], bootstrap=300, seed=0, kinds={"perfect": "detector", "half": "baseline", "blind": "baseline"})
+    assert out["perfect"].best_free == out["blind"].best_free == out["half"].best_free == "half" and out["half"].over_best_free == 0
+    assert out["perfect"].over_best_free == pytest.approx(out["perfect"].area - out["half"].area) and out["perfect"].over_best_free > 0
+    low, high = out["perfect"].over_best_free_interval
+    assert 0 <= low <= out["perfect"].over_best_free <= high  # paired: never worse on a resample
+    assert out["perfect"].summary()["best_training_free"] == "half"
+
+
 # ---- report and MLflow ---------------------------------------------------------------------------------------------
 
 
@@ -222,7 +236,7 @@ def test_markdown_table_has_a_block_per_corpus_and_the_best_in_bold():
     assert "| EM | **0.200** | **0.200** |" in facts  # ties: both in bold
     assert "| answer recall@k | – | 0.500 |" in wiki and "| questions | 10 | 10 |" in wiki
     table = curves_table(SWEEP)
-    assert "| flare | 0.875 | 0.750 | +0.125 | 0.50 |" in table
+    assert "| flare | 0.875 | 0.750 | +0.125 | – | 0.50 |" in table
     assert "No retrieval: accuracy 0.500; always retrieving before generating: 1.000." in table
 
 
@@ -272,8 +286,9 @@ def rag_params() -> dict:
     (("configurations", "flare", "steering"), "ctrla-honesty", r"steering = 'ctrla-honesty'.*<name>@<alias>"),
     (("sweep", "corpus"), "web", r"sweep.corpus = 'web': must be one of rag_eval.corpora"),
     (("sweep", "query"), "dior", r"sweep.query = 'dior': must be one of \['question'\]"),
-    (("thresholds", "rind"), "val", r"thresholds.rind = 'val'"),
-    (("thresholds", "entropy"), 0.5, r"thresholds.entropy = 0.5: thresholds are for"),
+    (("thresholds", "rind"), "validation", r"thresholds.rind = 'validation': expected a number"),
+    (("thresholds", "entropy"), 0.5, r"thresholds.entropy = 0.5: not a trigger of the configurations"),
+    (("configurations", "utility", "triggers"), ["utility-{corpus}"], r"utility-\{corpus\}.*<name>@<alias>"),
     (("context",), "{question}", r"context = '\{question\}': must contain \{passages\}"),
     (("corpora",), [], r"corpora = \[\]: name at least one corpus"),
     (("corpora",), ["wiki", "sweep"], r"corpora\[1\] = 'sweep': .* keys of the metrics file"),
@@ -289,27 +304,12 @@ def test_bad_rag_eval_params_are_refused_naming_the_key(path, value, message):
         load_section("rag_eval", data=data)
 
 
-def test_rag_eval_params_read_numbers_and_validation_thresholds():
+def test_rag_eval_params_fix_thresholds_by_trigger_name():
     data = rag_params()
-    data["rag_eval"]["thresholds"]["flare"] = 0.5
+    data["rag_eval"]["thresholds"] = {"flare": 0.5, "utility-wiki": 0.2, "ctrla-confidence": 0}
     section = load_section("rag_eval", data=data)
-    assert section.thresholds == {"flare": 0.5, "rind": "validation", "sit_min": "validation"}
-    assert section.configurations["dior"].triggers == ["dior-early@champion", "dior-realtime@champion"]
-    del data["rag_eval"]["thresholds"]["sit_min"]
-    with pytest.raises(ParamsError, match=r"triggers \['sit_min'\] are used but have no threshold"):
-        load_section("rag_eval", data=data)
-
-
-def test_validation_thresholds_come_from_the_comparisons_continuation_level():
-    table = pd.DataFrame([
-        {"dataset": "realtime", "level": "sentence", "scorer": "flare", "threshold": 0.9},
-        {"dataset": "realtime", "level": "token", "scorer": "rind", "threshold": 0.04},
-    ])  # fmt: skip
-    assert resolve_thresholds({"flare": "validation", "sit_min": 0.7}, table) == {"flare": 0.9, "sit_min": 0.7}
-    with pytest.raises(InputError, match="thresholds.rind = validation.*run evaluate or give a number"):
-        resolve_thresholds({"rind": "validation"}, table)
-    with pytest.raises(InputError, match="thresholds.flare = validation"):
-        resolve_thresholds({"flare": "validation"}, None)
+    assert section.thresholds == {"flare": 0.5, "utility-wiki": 0.2, "ctrla-confidence": 0}
+    assert section.configurations["utility"].triggers == ["utility-{corpus}@champion"]
 
 
 # ---- the stage's run files -----------------------------------------------------------------------------------------
@@ -321,12 +321,12 @@ def qa_table() -> pd.DataFrame:
 
 
 def test_test_questions_are_a_deterministic_sample_of_the_test_split():
-    rows = sample_questions(qa_table(), 3)
+    rows = split_questions(qa_table(), "test", 3)
     assert len(rows) == 3 and set(rows["id"]) <= {"q0", "q2", "q4", "q6"}
-    assert set(rows["id"]) == set(sample_questions(qa_table().iloc[::-1], 3)["id"])  # by id hash, not by order
-    assert len(sample_questions(qa_table(), None)) == 4
+    assert set(rows["id"]) == set(split_questions(qa_table().iloc[::-1], "test", 3)["id"])  # by id hash, not by order
+    assert len(split_questions(qa_table(), "test", None)) == 4
     with pytest.raises(InputError, match="no test question"):
-        sample_questions(qa_table().assign(split="train"), 3)
+        split_questions(qa_table().assign(split="train"), "test", 3)
 
 
 class Answerer:

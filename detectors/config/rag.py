@@ -14,14 +14,22 @@ QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
 TRAINING_FREE_TRIGGERS = ("always", "flare", "rind", "sit_min")
 THRESHOLD_TRIGGERS = ("flare", "rind", "sit_min")  # the training-free triggers with a threshold
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-RESERVED = ("sweep", "digests")  # keys of paths.rag_metrics beside the corpora
+RESERVED = ("sweep", "digests", "thresholds")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
+CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configuration runs on (utility-{corpus}@champion)
 
 
 def check_trigger(key: str, trigger: str) -> None:
-    """A trigger name: a training-free one or a registered detector as ``<name>@<alias>``."""
-    if trigger not in TRAINING_FREE_TRIGGERS and not REGISTERED.fullmatch(trigger):
-        fail(key, trigger, f"name one of {list(TRAINING_FREE_TRIGGERS)} or a registered detector as <name>@<alias>, e.g. dior-early@champion")
+    """A trigger name: a training-free one or a registered detector as ``<name>@<alias>`` (``{corpus}`` in the name
+    stands for the corpus the configuration runs on)."""
+    if trigger not in TRAINING_FREE_TRIGGERS and not REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1)):
+        fail(key, trigger, f"name one of {list(TRAINING_FREE_TRIGGERS)} or a registered detector as <name>@<alias>, e.g. dior-early@champion "
+             f"or utility-{CORPUS}@champion")
+
+
+def trigger_names(spec: str, corpora: list[str]) -> list[str]:
+    """The names a configured trigger goes by on ``corpora`` (a registered detector by its model name)."""
+    return list(dict.fromkeys(spec.replace(CORPUS, c).split("@", 1)[0] for c in corpora))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +102,7 @@ class RagEvalParams:
     max_new_tokens: int
     context: str  # inserted right before {question} of the early prompt when passages were retrieved
     configurations: dict[str, RagConfigurationParams]
-    thresholds: dict[str, float | Literal["validation"]]
+    thresholds: dict[str, float]  # fixed operating thresholds by trigger name; every other one is chosen on the validation sweep
     query: RagQueryParams
     sweep: RagSweepParams
     prompts_sample: int
@@ -124,13 +132,10 @@ class RagEvalParams:
         for name in self.configurations:
             if not NAME.fullmatch(name):
                 fail(f"{where}.configurations", name, "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit")
-        unknown = sorted(set(self.thresholds) - set(THRESHOLD_TRIGGERS))
-        if unknown:
-            fail(f"{where}.thresholds.{unknown[0]}", self.thresholds[unknown[0]], f"thresholds are for {list(THRESHOLD_TRIGGERS)} (registered detectors bring their own)")
-        used = {t for c in self.configurations.values() for t in c.triggers if t in THRESHOLD_TRIGGERS}
-        missing = sorted(used - set(self.thresholds))
-        if missing:
-            fail(f"{where}.thresholds", self.thresholds, f"triggers {missing} are used but have no threshold: give a number or `validation`")
+        swept = {n for c in self.configurations.values() for t in c.triggers if t != "always" for n in trigger_names(t, self.corpora)}
+        for name, value in self.thresholds.items():
+            if name not in swept:
+                fail(f"{where}.thresholds.{name}", value, f"not a trigger of the configurations (their names: {sorted(swept)})")
         if self.sweep.corpus not in self.corpora:
             fail(f"{where}.sweep.corpus", self.sweep.corpus, f"must be one of rag_eval.corpora {self.corpora}")
         if self.prompts_sample < 0:

@@ -73,6 +73,25 @@ class Retrieval:
     queries: list[str]  # every query sent to the retriever for this retrieval
     passage_ids: list[str]
     passages: list[str]
+    scores: list[float] = dataclasses.field(default_factory=list)  # the retriever's score of each passage
+    used: bool = True  # False: the trigger's gate judged the passages and answered without them
+    gate_score: float | None = None  # the gate's score (None: no gate)
+
+
+@dataclasses.dataclass
+class PostRetrieval:
+    """What a gate sees of a question once its passages are in the prompt, before any answer token: the question's
+    early-set columns, the LLM's first-token distribution with the passages (the early set's ``first_token_*``
+    statistics, measured on the new prompt), the hidden state of the prompt's last token at the gate's layers (its
+    probe) and the retriever's scores."""
+
+    question: str
+    question_stats: dict[str, Any]
+    first_token_prob: float
+    first_token_entropy: float
+    first_token_margin: float
+    hidden: np.ndarray | None
+    retrieval_scores: list[float]
 
 
 @dataclasses.dataclass
@@ -132,6 +151,7 @@ class _Row:
     generated: int = 0
     seconds: float = 0.0  # measurements reused from another configuration
     segments: list[SegmentView] = dataclasses.field(default_factory=list)  # kept when tracing
+    gate: Any = None  # the gate that judges the passages just retrieved, once their prompt has run
 
 
 def _similar_lengths(items: list[tuple[_Row, list[int]]], batch_size: int, tokens: int = 16384) -> list[list[tuple[_Row, list[int]]]]:
@@ -205,6 +225,7 @@ class RagLoop:
                 raise ValueError(f"configuration {config.name!r}: {what} needs the statistic {need!r}, which none of its triggers measures")
         self.lazy = {name: c for c in self.calculators for name in c.lazy}
         self.probes = {c.key: c.probe for c in self.calculators if c.probe is not None}
+        self.probes.update({t.gate.key: t.gate.probe for t in self.triggers if t.gate is not None and t.gate.probe is not None})
         self.prefix = PrefixStore(llm, self._hooks, self.probes)
         self.eos = llm.eos_token_ids  # as the early set's greedy answer
         self.pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(self.eos or {0})
@@ -256,6 +277,7 @@ class RagLoop:
         active = self._question_stage(rows, observe, triggers)
         while active:
             self._prefill([r for r in active if r.logits is None])
+            self._prefill(self._gate([r for r in active if r.gate is not None]))
             self._decode(active)
             self._after_segment(active, observe, triggers)
             active = [r for r in active if not r.finished]
@@ -287,6 +309,8 @@ class RagLoop:
                 if fire:
                     queries = [self.query.formulate(self.llm, QueryInput(r.question, r.kept, question_stats=r.question_stats)) for r, _ in fire]
                     self._retrieve([r for r, _ in fire], queries, trigger.name, [s for _, s in fire])
+                    for row, _ in fire:
+                        row.gate = trigger.gate
         active = [r for r in rows if not r.finished]
         for row in active:
             if not row.retrievals:
@@ -408,6 +432,32 @@ class RagLoop:
             return True
         return not row.whole and bool(_SENTENCE_END.search(tok.decode(row.gen[-1:], skip_special_tokens=True).rstrip()))
 
+    def _gate(self, rows: list[_Row]) -> list[_Row]:
+        """Each row's gate judges the passages its question trigger just retrieved, from what their prompt's pass
+        gave (:class:`PostRetrieval`); a row whose passages it rejects goes back to the prompt without them (returned:
+        it must run that prompt)."""
+        rejected = []
+        by_gate: dict[int, list[_Row]] = {}
+        for row in rows:
+            by_gate.setdefault(id(row.gate), []).append(row)
+        for group in by_gate.values():
+            gate = group[0].gate
+            items = []
+            for row in group:
+                logp = torch.log_softmax(row.logits.float(), dim=-1)
+                top2 = torch.topk(logp.exp(), 2)
+                hidden = torch.cat(row.values[gate.key])[len(row.ran) - 1].float().cpu().numpy() if gate.probe is not None else None
+                items.append(PostRetrieval(row.question, row.question_stats, float(top2.values[0]), float(-(logp.exp() * logp).nan_to_num().sum()),
+                                           float(top2.values[0] - top2.values[1]), hidden, row.retrievals[-1].scores))  # fmt: skip
+            for row, score in zip(group, gate.judge(items)):
+                retrieval, row.gate = row.retrievals[-1], None
+                retrieval.gate_score = float(score)
+                if score < gate.threshold:
+                    retrieval.used = False
+                    self._set_prompt(row, None, row.question)
+                    rejected.append(row)
+        return rejected
+
     # ---- after a segment -----------------------------------------------------------------------------------
     def _after_segment(self, rows: list[_Row], observe: bool, triggers: bool) -> None:
         tok = self.llm.tokenizer
@@ -466,7 +516,8 @@ class RagLoop:
         else:
             found = [(hits, [q]) for hits, q in zip(self.retriever.batch_search(list(queries), c.k), queries)]
         for row, name, score, query, (hits, issued) in zip(rows, names, scores, queries, found):
-            row.retrievals.append(Retrieval(name, len(row.kept), score, issued, [h.passage.id for h in hits], [h.passage.text for h in hits]))
+            row.retrievals.append(Retrieval(name, len(row.kept), score, issued, [h.passage.id for h in hits], [h.passage.text for h in hits],
+                                            [float(h.score) for h in hits]))  # fmt: skip
             self._set_prompt(row, hits, query)
 
     def _set_prompt(self, row: _Row, hits: list[Hit] | None, query: str) -> None:

@@ -76,13 +76,26 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
 def curves_table(sweep: Mapping[str, Any]) -> str:
     """The curves' summaries (``{"corpus", "query", "curves": {trigger: summary}}``) as Markdown: a row per trigger."""
     out = [f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, query `{sweep['query']}`)", "",
-           "| trigger | area | random area | area − random [95% CI] | retrieval rate to reach always-accuracy |",
-           "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+           "| trigger | area | random area | area − random [95% CI] | area − best training-free [95% CI] | retrieval rate to reach always-accuracy |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for trigger, s in sweep["curves"].items():
-        out.append(f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {_cell(s['rate_to_always'], '{:.2f}')} |")
+        best = s.get("best_training_free")
+        versus = "–" if best is None else "(the best)" if best == trigger else f"{_delta(s, 'area_over_best_training_free')} vs {best}"
+        out.append(f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {versus} | {_cell(s['rate_to_always'], '{:.2f}')} |")
     if sweep["curves"]:
         first = next(iter(sweep["curves"].values()))
         out += ["", f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: {first['always_accuracy']:.3f}."]
+    return "\n".join(out) + "\n"
+
+
+def thresholds_table(thresholds: Mapping[str, Mapping[str, float]], n_val: int) -> str:
+    """Each corpus's operating thresholds (chosen on its validation sweep) as Markdown: a row per trigger."""
+    corpora = list(thresholds)
+    triggers = list(dict.fromkeys(t for chosen in thresholds.values() for t in chosen))
+    out = [f"### operating thresholds, chosen on the {n_val} validation questions (the most accurate point of each curve; inf = never retrieve)", "",
+           "| trigger | " + " | ".join(corpora) + " |", "| --- |" + " ---: |" * len(corpora)]  # fmt: skip
+    for t in triggers:
+        out.append(f"| {t} | " + " | ".join(_cell(thresholds[c].get(t), "{:.4g}") for c in corpora) + " |")
     return "\n".join(out) + "\n"
 
 

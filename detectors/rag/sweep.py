@@ -80,6 +80,9 @@ class Curve:
     rate_to_always: float | None
 
     interval: tuple[float, float] = (float("nan"), float("nan"))  # 95% bootstrap interval of area - random_area
+    best_free: str | None = None  # the training-free trigger of largest area on the same questions (itself, if it is that one)
+    over_best_free: float = float("nan")  # area - its area
+    over_best_free_interval: tuple[float, float] = (float("nan"), float("nan"))  # paired 95% bootstrap interval
 
     def summary(self) -> dict[str, Any]:
         """The curve's numbers for the metrics file (JSON-able)."""
@@ -87,7 +90,9 @@ class Curve:
             "area": self.area, "random_area": self.random_area, "area_over_random": self.area - self.random_area,
             "area_over_random_ci_low": self.interval[0], "area_over_random_ci_high": self.interval[1],
             "never_accuracy": self.never_accuracy, "always_accuracy": self.always_accuracy,
-            "rate_to_always": self.rate_to_always, "points": len(self.threshold),
+            "rate_to_always": self.rate_to_always, "points": len(self.threshold), "best_training_free": self.best_free,
+            "area_over_best_training_free": self.over_best_free, "area_over_best_training_free_ci_low": self.over_best_free_interval[0],
+            "area_over_best_training_free_ci_high": self.over_best_free_interval[1],
         }  # fmt: skip
 
     def rows(self) -> list[dict[str, Any]]:
@@ -140,30 +145,57 @@ def curve(trigger: str, outcomes: Sequence[Outcome], tolerance: float = 1e-9) ->
     )  # fmt: skip
 
 
+def operating_point(c: Curve, budget: float | None = None) -> float:
+    """The threshold of ``c``'s most accurate point (the one retrieving least among equally accurate points), or of the
+    most accurate point retrieving at most ``budget`` of the questions: how a trigger's operating threshold is chosen on
+    validation questions (never on the questions it is then judged on)."""
+    ok = np.ones(len(c.threshold), dtype=bool) if budget is None else c.retrieval_rate <= budget + 1e-12
+    best = np.flatnonzero(ok & (c.accuracy >= c.accuracy[ok].max() - 1e-12))
+    return float(c.threshold[best[np.argmin(c.retrieval_rate[best])]])
+
+
+def question_outcomes(scores: Sequence[float], correct_without: Sequence[bool], correct_with: Sequence[bool]) -> list[Outcome]:
+    """Outcomes of a question-level score (one event at position 0; none for NaN) from each question's correctness
+    without and with its passages."""
+    return [Outcome([] if math.isnan(s) else [(float(s), 0)], bool(n), {0: bool(w)}) for s, n, w in zip(scores, correct_without, correct_with)]
+
+
 def outcome_from_json(data: dict[str, Any], trigger: str) -> Outcome:
     """One trigger's :class:`Outcome` from a stored sweep line (``events: {trigger: [[score, position], ...]}``,
     ``never``, ``at: {"<position>": correct}``; JSON keys are strings)."""
     return Outcome([(float(s), int(p)) for s, p in data["events"][trigger]], bool(data["never"]), {int(p): bool(c) for p, c in data["at"].items()})
 
 
-def area_interval(trigger: str, outcomes: Sequence[Outcome], n: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of a curve's area minus a random trigger's, resampling the questions (both areas are
-    measured on the same resampled questions, so what they share cancels out)."""
+def area_interval(trigger: str, outcomes: Sequence[Outcome], n: int = 1000, seed: int = 0,
+                  reference: Sequence[Outcome] | None = None) -> tuple[float, float]:  # fmt: skip
+    """95% bootstrap interval of a curve's area minus a random trigger's (or, paired, minus the area of the
+    ``reference`` trigger's outcomes on the same questions), resampling the questions: both areas are measured on the
+    same resampled questions, so what they share cancels out."""
     draws = np.random.default_rng(seed).integers(0, len(outcomes), (n, len(outcomes)))
-    values = [(c.area - c.random_area) for c in (curve(trigger, [outcomes[i] for i in row]) for row in draws)]
+    values = []
+    for row in draws:
+        c = curve(trigger, [outcomes[i] for i in row])
+        values.append(c.area - (c.random_area if reference is None else curve("reference", [reference[i] for i in row]).area))
     low, high = np.percentile(values, [2.5, 97.5])
     return float(low), float(high)
 
 
-def curves(lines: Iterable[dict[str, Any]], triggers: Sequence[str], bootstrap: int = 0, seed: int = 0) -> dict[str, Curve]:
+def curves(lines: Iterable[dict[str, Any]], triggers: Sequence[str], bootstrap: int = 0, seed: int = 0,
+           kinds: dict[str, str] | None = None) -> dict[str, Curve]:  # fmt: skip
     """Every trigger's curve over the stored sweep lines (see :func:`outcome_from_json`), with the interval of its
-    area minus random from ``bootstrap`` resamples of the questions (none for 0)."""
+    area minus random from ``bootstrap`` resamples of the questions (none for 0). With the triggers' ``kinds``
+    (``baseline`` = training-free), each other trigger's area is also compared with the best training-free one's."""
     lines = list(lines)
-    out = {}
-    for t in triggers:
-        outcomes = [outcome_from_json(line, t) for line in lines]
-        c = curve(t, outcomes)
-        out[t] = dataclasses.replace(c, interval=area_interval(t, outcomes, bootstrap, seed)) if bootstrap else c
+    outcomes = {t: [outcome_from_json(line, t) for line in lines] for t in triggers}
+    out = {t: curve(t, o) for t, o in outcomes.items()}
+    if bootstrap:
+        out = {t: dataclasses.replace(c, interval=area_interval(t, outcomes[t], bootstrap, seed)) for t, c in out.items()}
+    free = [t for t in triggers if (kinds or {}).get(t) == "baseline"]
+    if free and bootstrap:
+        best = max(free, key=lambda t: out[t].area)
+        for t in triggers:
+            interval = (0.0, 0.0) if t == best else area_interval(t, outcomes[t], bootstrap, seed, outcomes[best])
+            out[t] = dataclasses.replace(out[t], best_free=best, over_best_free=out[t].area - out[best].area, over_best_free_interval=interval)
     return out
 
 

@@ -19,7 +19,7 @@ A trigger brings the calculators of the statistics its scorer needs; the loop kn
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import numpy as np
 import pandas as pd
@@ -58,6 +58,18 @@ class Constant:
         return np.full(len(units), self.value)
 
 
+class Gate(Protocol):
+    """Judges the passages a question trigger retrieved, once their prompt has run and before the answer is generated
+    (:class:`~detectors.rag.loop.PostRetrieval`): the loop keeps them when the score is at or above ``threshold`` and
+    answers without them otherwise. ``probe`` (or None) records the hidden states it reads, under ``key``."""
+
+    key: str
+    probe: Any
+    threshold: float
+
+    def judge(self, items: list) -> list[float]: ...
+
+
 @dataclasses.dataclass
 class Trigger:
     """A scorer, the threshold at or above which it fires, the policy, and the calculators its scorer needs."""
@@ -67,6 +79,7 @@ class Trigger:
     threshold: float
     policy: Policy
     calculators: tuple[Calculator, ...] = ()
+    gate: Any = None  # question stage: judges the passages it retrieved before the answer is generated (see Gate)
 
     @property
     def stage(self) -> str:
@@ -144,6 +157,14 @@ def _early(name: str, detector) -> Trigger:
     return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),))
 
 
+def _utility(name: str, detector) -> Trigger:
+    from detectors.evaluation.scorers import DetectorScorer
+    from detectors.rag.stats import EarlyCalculator
+    from detectors.utility.detector import UtilityGate
+
+    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), UtilityGate(detector))
+
+
 def _realtime(name: str, detector) -> Trigger:
     from detectors.evaluation.scorers import realtime_detector_scorer
     from detectors.rag.stats import MlpCalculator
@@ -163,7 +184,8 @@ def _ctrla(name: str, detector) -> Trigger:
 # name -> builder(llm, threshold, spacy model); the ones with a threshold take it from rag_eval.thresholds
 TRAINING_FREE: dict[str, Callable[..., Trigger]] = {"always": _always, "flare": _flare, "rind": _rind, "sit_min": _sit_min}
 # registered detector kind -> builder(name, detector attached to the loop's LLM)
-DETECTOR_KINDS: dict[str, Callable[[str, Any], Trigger]] = {"dior-early": _early, "dior-realtime": _realtime, "ctrla-confidence": _ctrla}
+DETECTOR_KINDS: dict[str, Callable[[str, Any], Trigger]] = {"dior-early": _early, "dior-realtime": _realtime, "ctrla-confidence": _ctrla,
+                                                         "utility": _utility}  # fmt: skip
 
 
 def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_model: str, tracking_uri: str | None = None) -> Trigger:

@@ -26,10 +26,14 @@ def detector_class(kind: str) -> type[Detector]:
         from detectors.ctrla.detectors import ConfidenceDetector
 
         return ConfidenceDetector
+    if kind == "utility":
+        from detectors.utility.detector import UtilityDetector
+
+        return UtilityDetector
     raise ValueError(f"no detector kind {kind!r}; known kinds: {list(KINDS)}")
 
 
-KINDS = ("dior-early", "dior-realtime", "ctrla-honesty", "ctrla-confidence")
+KINDS = ("dior-early", "dior-realtime", "ctrla-honesty", "ctrla-confidence", "utility")
 
 
 def load_artifact(directory: str | Path) -> Detector:

@@ -1,0 +1,110 @@
+"""Stage build_utility: retrieval-utility labels (does retrieving for a question help its answer, hurt it, or neither?).
+
+Every usable question of the early set (all splits) is answered with the top-k passages retrieved with the question
+from each corpus of ``build_utility.corpora``, by the RAG loop of rag_eval (its prompt, context, k and decoding: the
+answer is single-round RAG's), beside its answer without passages (the early set's); see
+:mod:`detectors.utility.labels`. Work is written in resumable shards; writes ``paths.utility`` (one row per corpus x
+question: label, both answers, post-retrieval columns) and the label balance per corpus and split
+(``paths.utility_report``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+
+import pandas as pd
+
+from detectors.execution import LLMSpec
+from detectors.io import write_json
+from detectors.llm.layers import hidden_state_indices
+from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.retriever import BM25Retriever
+from detectors.rag.triggers import TRAINING_FREE
+from detectors.shards import OK, ShardStore, run_shards, status_counts
+from detectors.utility.labels import RecordingGate, balance, utility_records
+from pipelines._provenance import open_shards
+from pipelines._stage import run, stage_params
+
+log = logging.getLogger("build_utility")
+LIBRARIES = ("torch", "transformers", "tokenizers", "bm25s")
+READS = (
+    "llm", "build_utility", "execution", "build_early.features.prompt", "build_early.features.hidden_layers", "build_early.stop",
+    "rag_eval.k", "rag_eval.context", "rag_eval.max_new_tokens",
+    "paths.llm", "paths.early", "paths.rag_index", "paths.utility_shards", "paths.utility", "paths.utility_report",
+)  # fmt: skip
+
+
+def rag_config(p, batch_size: int) -> RagConfig:
+    """Single-round RAG as rag_eval runs it: one retrieval with the question, before the answer."""
+    return RagConfig("utility-labels", prompt=p["build_early.features.prompt"], context=p["rag_eval.context"], k=p["rag_eval.k"],
+                     max_retrievals=1, max_new_tokens=p["rag_eval.max_new_tokens"], stop=tuple(p["build_early.stop"]), batch_size=batch_size)  # fmt: skip
+
+
+class ShardWorker:
+    """Labels shards of (corpus, question) rows; loads the LLM once and each corpus's retriever when first needed."""
+
+    def __init__(self, llm: LLMSpec, p, store: ShardStore):
+        self.llm, self.p, self.store = llm.load(), p, store
+        layers = hidden_state_indices(p["build_early.features.hidden_layers"], self.llm.fingerprint.num_layers, "build_early.features.hidden_layers")
+        self.gate = RecordingGate(self.llm, layers)
+        always = dataclasses.replace(TRAINING_FREE["always"](self.llm, None, ""), gate=self.gate)
+        self.config, self.always, self.loops = rag_config(p, p["build_utility"].batch_size), always, {}
+
+    def loop(self, corpus: str) -> RagLoop:
+        if corpus not in self.loops:
+            retriever = BM25Retriever.load(Path(self.p["paths.rag_index"]) / corpus)
+            self.loops[corpus] = RagLoop(self.llm, retriever, self.config, [self.always])
+        return self.loops[corpus]
+
+    def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
+        k, rows = shard
+        out = []
+        for corpus, group in rows.groupby("corpus", sort=False):
+            records = utility_records(self.loop(corpus), self.gate, list(group["question"]), [list(a) for a in group["answers"]], list(group["answer"]))
+            for base, rec in zip(group.to_dict("records"), records):
+                error = rec.pop("error")
+                out.append({**base, **rec, "status": OK if error is None else f"skipped: {error}"})
+        frame = pd.DataFrame(out)
+        self.store.write(k, frame)
+        return frame[["id", "status"]]
+
+
+def questions(early: pd.DataFrame, corpora: list[str]) -> pd.DataFrame:
+    """One row per corpus x usable early-set question: what the labels need of it."""
+    ok = early[early["status"] == OK][["id", "split", "question", "answers", "answer"]]
+    table = pd.concat([ok.assign(corpus=c) for c in corpora] or [ok.iloc[:0].assign(corpus="")], ignore_index=True)
+    return table.assign(key=table["corpus"] + "/" + table["id"].astype(str))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_params(__doc__, argv, READS, "build_utility")
+    params = p["build_utility"]
+    missing = [c for c in params.corpora if not (Path(p["paths.rag_index"]) / c).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"build_utility.corpora {missing} have no index under {p['paths.rag_index']}: add them to index_corpus.corpora and run `dvc repro index_corpus`")
+    table = questions(pd.read_parquet(p["paths.early"]), params.corpora)
+    out = Path(p["paths.utility"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if table.empty:  # no corpus: no utility trigger is trained
+        table.assign(status=[]).to_parquet(out, index=False)
+        write_json(p["paths.utility_report"], {"records": 0, "balance": {}})
+        return
+    llm = LLMSpec.of(p)
+    inputs = {"early": p["paths.early"], **{f"index_{c}": str(Path(p["paths.rag_index"]) / c / "manifest.json") for c in params.corpora}}
+    shared = {k: p[k] for k in READS if k.startswith(("build_early.", "rag_eval."))}
+    store, budget = open_shards("build_utility", params, llm, inputs, LIBRARIES, p["paths.utility_shards"], len(table), shared)
+    work = table.rename(columns={"id": "question_id", "key": "id"})  # a shard row's id is corpus/question id
+    run_shards(store, work, params.shard_size, functools.partial(ShardWorker, llm, p, store), p["execution"], budget, "build_utility", "q")
+    frame = store.read_all(len(work), params.shard_size).rename(columns={"id": "key", "question_id": "id"})
+    frame.to_parquet(out, index=False)
+    ok = frame[frame["status"] == OK]
+    summary = {**status_counts(frame), "balance": {c: balance(g) for c, g in ok.groupby("corpus")}}
+    write_json(p["paths.utility_report"], summary)
+    log.info("done: %s", summary["balance"])
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,84 @@
+"""Stage train_utility: the retrieval-utility trigger of each corpus (Lightning, GPU when present).
+
+For each corpus of ``build_utility.corpora``, :func:`~detectors.utility.detector.train_utility_detector` trains the
+retrieval decision (P(helps)) and the post-retrieval gate on the train split of the labels, with every operating
+point chosen on validation, and writes ``paths.utility_model/<corpus>/``. ``paths.train_utility_metrics`` holds per
+corpus the thresholds, the training summaries and what the test split says: the AUROC of P(helps) for ``helps`` and
+its paired difference with the first-token probability's (the signal left after the LLM's confidence), the gate's
+AUROC for a right answer with the passages, and the test accuracy and retrieval rate at each operating point.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from detectors.evaluation.bootstrap import bootstrap_auroc, paired_bootstrap_delta
+from detectors.evaluation.metrics import auroc
+from detectors.io import write_json
+from detectors.llm.loading import prepared_reference
+from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
+from detectors.utility.labels import HELPS, as_post
+from pipelines._stage import run, stage_params
+
+log = logging.getLogger("train_utility")
+READS = ("build_early.features", "build_utility.corpora", "train_utility", "rag_eval.k", "evaluate.bootstrap", "evaluate.seed",
+         "paths.llm", "paths.early", "paths.utility", "paths.utility_model", "paths.train_utility_metrics")  # fmt: skip
+
+
+def test_report(detector: UtilityDetector, test: pd.DataFrame, n: int, seed: int) -> dict:
+    """What the test split says of a trained utility trigger (nothing here chooses anything)."""
+    rows = test.to_dict("records")
+    helps = (test["utility"] == HELPS).to_numpy().astype(int)
+    pre = detector.predict_proba(rows)
+    gate = detector.gate_proba(rows, [as_post(r) for r in rows])
+    confidence = -test["first_token_prob"].to_numpy()  # low first-token probability: retrieve
+    without, with_ = test["correct_without"].to_numpy(bool), test["correct_with"].to_numpy(bool)
+
+    def at(retrieve: np.ndarray, keep: np.ndarray | None = None) -> dict:
+        used = retrieve if keep is None else retrieve & keep
+        return {"accuracy": float(np.where(used, with_, without).mean()), "retrieval_rate": float(retrieve.mean())}
+
+    delta, low, high = paired_bootstrap_delta(helps, pre, confidence, n=n, seed=seed)
+    return {
+        "n": len(test), "helps_rate": float(helps.mean()), "auroc": auroc(helps, pre), "auroc_ci": list(bootstrap_auroc(helps, pre, n=n, seed=seed)),
+        "first_token_auroc": auroc(helps, confidence), "auroc_minus_first_token": delta, "auroc_minus_first_token_ci": [low, high],
+        "gate_auroc": auroc(with_.astype(int), gate),
+        "never": at(np.zeros(len(test), bool)), "always": at(np.ones(len(test), bool)),
+        "at_threshold": at(pre >= detector.threshold), "at_budget": at(pre >= detector.budget_threshold),
+        "at_threshold_gated": at(pre >= detector.threshold, gate >= detector.gate_threshold),
+        "oracle": at(helps.astype(bool)),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = stage_params(__doc__, argv, READS, "train_utility")
+    params, features = p["train_utility"], p["build_early.features"]
+    fingerprint, llm_ref = prepared_reference(p["paths.llm"])
+    labels, early = pd.read_parquet(p["paths.utility"]), pd.read_parquet(p["paths.early"])
+    labels = labels[labels["status"] == "ok"]
+    out = Path(p["paths.utility_model"])
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    metrics = {}
+    for corpus in p["build_utility.corpora"]:
+        rows = joined(labels[labels["corpus"] == corpus].drop(columns=["corpus"]), early)
+        detector = train_utility_detector(rows, corpus, params.pre_features, params.training, params.budget, p["rag_eval.k"], features,
+                                          fingerprint, llm_ref, name=f"utility-{corpus}")  # fmt: skip
+        detector.save(partial / corpus)
+        test = test_report(detector, rows[rows["split"] == "test"], p["evaluate.bootstrap"], p["evaluate.seed"])
+        metrics[corpus] = {"threshold": detector.threshold, "budget_threshold": detector.budget_threshold, "gate_threshold": detector.gate_threshold,
+                           **detector.info, "test": test}  # fmt: skip
+        log.info("%s: %s", corpus, metrics[corpus])
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    write_json(p["paths.train_utility_metrics"], metrics)
+
+
+if __name__ == "__main__":
+    run(main)
