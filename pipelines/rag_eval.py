@@ -1,17 +1,22 @@
 """Stage rag_eval: registered detectors and training-free triggers inside a dynamic RAG loop, measured end to end.
 
 On a deterministic sample of the QA test split (by id hash), every configuration of ``rag_eval.configurations``
-answers every question over every corpus of ``rag_eval.corpora`` (the bm25s indexes of ``index_corpus``). Each
-finished question is appended as one JSON line to ``paths.rag_runs/<corpus>/<configuration>.jsonl`` (flushed per
-line): a killed run resumes where it stopped, and a file written under other params, code, LLM, corpus or registered
-detectors is started again (its first line holds the key it was written under). On the sweep corpus, every trigger's
-accuracy vs retrieval-rate curve is measured too (``sweep.jsonl``: the no-retrieval answer, each trigger's score
-records and the answer after one retrieval at each position where a trigger can first fire).
+answers every question over every corpus of ``rag_eval.corpora`` (the bm25s indexes of ``index_corpus``), each
+trigger at its operating threshold for that corpus: the number ``rag_eval.thresholds`` gives it, else the most
+accurate point of its accuracy vs retrieval-rate curve on the corpus's QA *validation* questions
+(``sweep-val.jsonl``; test questions never choose anything). Each finished question is appended as one JSON line to
+``paths.rag_runs/<corpus>/<configuration>.jsonl`` (flushed per batch): a killed run resumes where it stopped, and a
+file written under other params, code, LLM, corpus, thresholds or registered detectors is started again (its first
+line holds the key it was written under). On the sweep corpus, every trigger's curve is measured on the test
+questions too (``sweep.jsonl``: the no-retrieval answer, each trigger's score records and the answer after one
+retrieval at each position where a trigger can first fire), its area compared with random's and with the best
+training-free trigger's (paired bootstrap intervals).
 
-Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries) and
-``digests`` (LLM and corpora)), the Markdown table ``paths.rag_table``, the curves CSV ``paths.rag_curves`` (dvc
-plots), every prompt of the first ``prompts_sample`` questions per configuration (``paths.rag_prompts``) and one
-MLflow run per corpus × configuration (plus one per swept trigger).
+Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries),
+``thresholds`` (``{corpus: {trigger: threshold}}``) and ``digests`` (LLM and corpora)), the Markdown table
+``paths.rag_table``, the curves CSV ``paths.rag_curves`` (dvc plots), every prompt of the first ``prompts_sample``
+questions per configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration (plus one per
+swept trigger).
 """
 
 from __future__ import annotations

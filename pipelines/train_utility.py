@@ -5,7 +5,7 @@ retrieval decision (P(helps)) and the post-retrieval gate on the train split of 
 point chosen on validation, and writes ``paths.utility_model/<corpus>/``. ``paths.train_utility_metrics`` holds per
 corpus the thresholds, the training summaries and what the test split says: the AUROC of P(helps) for ``helps`` and
 its paired difference with the first-token probability's (the signal left after the LLM's confidence), the gate's
-AUROC for a right answer with the passages, and the test accuracy and retrieval rate at each operating point.
+AUROC for ``helps`` against ``hurts``, and the test accuracy and retrieval rate at each operating point.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def test_report(detector: UtilityDetector, test: pd.DataFrame, n: int, seed: int
     gate = detector.gate_proba(rows, [as_post(r) for r in rows])
     confidence = -test["first_token_prob"].to_numpy()  # low first-token probability: retrieve
     without, with_ = test["correct_without"].to_numpy(bool), test["correct_with"].to_numpy(bool)
+    changed = without != with_
 
     def at(retrieve: np.ndarray, keep: np.ndarray | None = None) -> dict:
         used = retrieve if keep is None else retrieve & keep
@@ -47,7 +48,7 @@ def test_report(detector: UtilityDetector, test: pd.DataFrame, n: int, seed: int
     return {
         "n": len(test), "helps_rate": float(helps.mean()), "auroc": auroc(helps, pre), "auroc_ci": list(bootstrap_auroc(helps, pre, n=n, seed=seed)),
         "first_token_auroc": auroc(helps, confidence), "auroc_minus_first_token": delta, "auroc_minus_first_token_ci": [low, high],
-        "gate_auroc": auroc(with_.astype(int), gate),
+        "gate_auroc": auroc(helps[changed], gate[changed]) if len(set(helps[changed])) == 2 else float("nan"),  # helps vs hurts
         "never": at(np.zeros(len(test), bool)), "always": at(np.ones(len(test), bool)),
         "at_threshold": at(pre >= detector.threshold), "at_budget": at(pre >= detector.budget_threshold),
         "at_threshold_gated": at(pre >= detector.threshold, gate >= detector.gate_threshold),

@@ -6,9 +6,10 @@ head and hidden states through a projection), trained in Lightning on the train 
 
 - **retrieve?** (before retrieval): P(``helps``) from the early set's columns of the question (``pre_groups``: the
   first-token statistics and the last-prompt hidden state by default), the question trigger the RAG loop reads;
-- **keep the passages?** (the gate, after retrieval, before the answer): P(the answer with the passages is right)
-  from the same columns, the first-token statistics and last-prompt hidden state with the passages in the prompt and
-  the retriever's scores. The loop answers without the passages when it is below ``gate_threshold``.
+- **keep the passages?** (the gate, after retrieval, before the answer): P(``helps`` | the passages change whether the
+  answer is right), trained on the ``helps`` and ``hurts`` questions only (where the decision matters), from the same
+  columns, the first-token statistics and last-prompt hidden state with the passages in the prompt and the
+  retriever's scores. The loop answers without the passages when it is below ``gate_threshold``.
 
 Operating points are chosen on the validation split only (:func:`~detectors.rag.sweep.operating_point` over the
 accuracy vs retrieval-rate curve of the labels): ``threshold``, the most accurate; ``budget_threshold``, the most
@@ -38,7 +39,7 @@ from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
-from detectors.utility.labels import HELPS, as_post
+from detectors.utility.labels import HELPS, NEITHER, as_post
 
 PRE_STAGE, GATE_STAGE = "pre", "gate"
 
@@ -107,7 +108,7 @@ class UtilityDetector(Detector):
     k: int  # passages per retrieval the gate's scores were measured with
     threshold: float  # retrieve when P(helps) >= this (validation's most accurate point)
     budget_threshold: float  # the most accurate point retrieving at most ``info['budget']`` of validation questions
-    gate_threshold: float  # keep the passages when P(right with them) >= this
+    gate_threshold: float  # keep the passages when P(helps | they change the answer's correctness) >= this
     features: EarlyFeatureParams
     fingerprint: Fingerprint
     llm_ref: dict[str, Any]
@@ -154,8 +155,8 @@ class UtilityDetector(Detector):
         return predict(self.nets.pre, self.pre_inputs.items(raw), collate)
 
     def gate_proba(self, pre_rows: list[dict], post_rows: list[dict]) -> np.ndarray:
-        """P(the answer with the passages is right) from the question's early-set columns and the post-retrieval ones
-        (``first_token_*``, ``hidden``, ``retrieval_scores``)."""
+        """P(the passages fix the answer rather than break it) from the question's early-set columns and the
+        post-retrieval ones (``first_token_*``, ``hidden``, ``retrieval_scores``)."""
         if not pre_rows:
             return np.zeros(0, dtype=np.float32)
         raw = np.stack([gate_row(pre, post, self.k) for pre, post in zip(pre_rows, post_rows)])
@@ -170,7 +171,7 @@ class UtilityDetector(Detector):
 
 class UtilityGate:
     """A utility detector's gate in the RAG loop (:class:`~detectors.rag.triggers.Gate`): it reads the last prompt
-    token's hidden states through its probe and keeps the passages when P(right with them) >= ``gate_threshold``."""
+    token's hidden states through its probe and keeps the passages when the gate's P(helps) >= ``gate_threshold``."""
 
     key = "utility-gate"
 
@@ -216,19 +217,21 @@ def train_utility_detector(
     nets: dict[str, EarlyGRU] = {}
     inputs: dict[str, Standardised] = {}
     summaries: dict[str, dict] = {}
-    for stage, target, featurize, n_scalars in (
-        (PRE_STAGE, lambda r: r["utility"] == HELPS, lambda r: per_question(r, pre_groups), len(scalar_features(train[0], pre_groups))),
-        (GATE_STAGE, lambda r: bool(r["correct_with"]), lambda r: gate_row(r, as_post(r), k), len(gate_scalars(train[0], as_post(train[0]), k))),
+    changed = lambda rows: [r for r in rows if r["utility"] != NEITHER]  # noqa: E731 - where the gate's decision matters
+    for stage, used, featurize, n_scalars in (
+        (PRE_STAGE, lambda rows: rows, lambda r: per_question(r, pre_groups), len(scalar_features(train[0], pre_groups))),
+        (GATE_STAGE, changed, lambda r: gate_row(r, as_post(r), k), len(gate_scalars(train[0], as_post(train[0]), k))),
     ):  # fmt: skip
-        raw = {split: np.stack([featurize(r) for r in data]) for split, data in (("train", train), ("val", val))}
-        y = {split: np.array([int(target(r)) for r in data]) for split, data in (("train", train), ("val", val))}
+        data = {"train": used(train), "val": used(val)}
+        raw = {split: np.stack([featurize(r) for r in rows]) for split, rows in data.items()}
+        y = {split: np.array([int(r["utility"] == HELPS) for r in rows]) for split, rows in data.items()}
         require_both_classes(y["train"], f"the {corpus} {stage} train labels")
         require_both_classes(y["val"], f"the {corpus} {stage} validation labels")
         inputs[stage] = Standardised.fit(raw["train"], n_scalars)
         width = raw["train"].shape[1] - n_scalars
         nets[stage], summaries[stage] = fit(lambda: EarlyGRU(0, n_scalars, width, params.hidden, params.dropout), inputs[stage].items(raw["train"], y["train"]),
                                             inputs[stage].items(raw["val"], y["val"]), collate, params, fast_dev_run=fast_dev_run)  # fmt: skip
-        summaries[stage]["positive_rate_train"] = float(y["train"].mean())
+        summaries[stage].update(n_train=len(data["train"]), n_val=len(data["val"]), helps_rate_train=float(y["train"].mean()))
     bundle = UtilityNets(nets[PRE_STAGE].config, nets[GATE_STAGE].config)
     bundle.pre.load_state_dict(nets[PRE_STAGE].state_dict())
     bundle.gate.load_state_dict(nets[GATE_STAGE].state_dict())
