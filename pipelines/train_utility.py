@@ -5,7 +5,8 @@ retrieval decision (P(helps)) and the post-retrieval gate on the train split of 
 point chosen on validation, and writes ``paths.utility_model/<corpus>/``. ``paths.train_utility_metrics`` holds per
 corpus the thresholds, the training summaries and what the test split says: the AUROC of P(helps) for ``helps`` and
 its paired difference with the first-token probability's (the signal left after the LLM's confidence), the gate's
-AUROC for ``helps`` against ``hurts``, and the test accuracy and retrieval rate at each operating point.
+AUROC for ``helps`` against ``hurts``, the same AUROC and difference for the trained early detectors (they learnt
+"the unaided answer is wrong", not "retrieval fixes it"), and the test accuracy and retrieval rate at each operating point.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from detectors.dior.early_detector import load_early_detectors
 from detectors.evaluation.bootstrap import bootstrap_auroc, paired_bootstrap_delta
 from detectors.evaluation.metrics import auroc
 from detectors.io import write_json
@@ -27,11 +29,19 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("train_utility")
 READS = ("build_early.features", "build_utility.corpora", "train_utility", "rag_eval.k", "evaluate.bootstrap", "evaluate.seed",
-         "paths.llm", "paths.early", "paths.utility", "paths.utility_model", "paths.train_utility_metrics")  # fmt: skip
+         "paths.llm", "paths.early", "paths.early_model", "paths.utility", "paths.utility_model", "paths.train_utility_metrics")  # fmt: skip
 
 
-def test_report(detector: UtilityDetector, test: pd.DataFrame, n: int, seed: int) -> dict:
-    """What the test split says of a trained utility trigger (nothing here chooses anything)."""
+def helps_auroc(scores: np.ndarray, helps: np.ndarray, confidence: np.ndarray, n: int, seed: int) -> dict:
+    """AUROC of ``scores`` for ``helps`` and its paired difference with the first-token probability's."""
+    delta, low, high = paired_bootstrap_delta(helps, scores, confidence, n=n, seed=seed)
+    return {"auroc": auroc(helps, scores), "auroc_ci": list(bootstrap_auroc(helps, scores, n=n, seed=seed)), "auroc_minus_first_token": delta,
+            "auroc_minus_first_token_ci": [low, high]}  # fmt: skip
+
+
+def test_report(detector: UtilityDetector, early: dict, test: pd.DataFrame, n: int, seed: int) -> dict:
+    """What the test split says of a trained utility trigger, and of the trained early detectors ``early`` (by name)
+    as detectors of ``helps`` (nothing here chooses anything)."""
     rows = test.to_dict("records")
     helps = (test["utility"] == HELPS).to_numpy().astype(int)
     pre = detector.predict_proba(rows)
@@ -44,14 +54,14 @@ def test_report(detector: UtilityDetector, test: pd.DataFrame, n: int, seed: int
         used = retrieve if keep is None else retrieve & keep
         return {"accuracy": float(np.where(used, with_, without).mean()), "retrieval_rate": float(retrieve.mean())}
 
-    delta, low, high = paired_bootstrap_delta(helps, pre, confidence, n=n, seed=seed)
     return {
-        "n": len(test), "helps_rate": float(helps.mean()), "auroc": auroc(helps, pre), "auroc_ci": list(bootstrap_auroc(helps, pre, n=n, seed=seed)),
-        "first_token_auroc": auroc(helps, confidence), "auroc_minus_first_token": delta, "auroc_minus_first_token_ci": [low, high],
+        "n": len(test), "helps_rate": float(helps.mean()), **helps_auroc(pre, helps, confidence, n, seed), "first_token_auroc": auroc(helps, confidence),
+        "early_detectors": {name: helps_auroc(d.predict_proba(rows), helps, confidence, n, seed) for name, d in early.items()},
         "gate_auroc": auroc(helps[changed], gate[changed]) if len(set(helps[changed])) == 2 else float("nan"),  # helps vs hurts
         "never": at(np.zeros(len(test), bool)), "always": at(np.ones(len(test), bool)),
         "at_threshold": at(pre >= detector.threshold), "at_budget": at(pre >= detector.budget_threshold),
         "at_threshold_gated": at(pre >= detector.threshold, gate >= detector.gate_threshold),
+        "always_gated": at(np.ones(len(test), bool), gate >= detector.gate_threshold),
         "oracle": at(helps.astype(bool)),
     }  # fmt: skip
 
@@ -61,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     params, features = p["train_utility"], p["build_early.features"]
     fingerprint, llm_ref = prepared_reference(p["paths.llm"])
     labels, early = pd.read_parquet(p["paths.utility"]), pd.read_parquet(p["paths.early"])
+    early_detectors = {name: d for name, d in load_early_detectors(p["paths.early_model"]).items() if not name.startswith("gru[")}
     labels = labels[labels["status"] == "ok"]
     out = Path(p["paths.utility_model"])
     partial = out.with_name(out.name + ".partial")
@@ -72,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         detector = train_utility_detector(rows, corpus, params.pre_features, params.training, params.budget, p["rag_eval.k"], features,
                                           fingerprint, llm_ref, name=f"utility-{corpus}")  # fmt: skip
         detector.save(partial / corpus)
-        test = test_report(detector, rows[rows["split"] == "test"], p["evaluate.bootstrap"], p["evaluate.seed"])
+        test = test_report(detector, early_detectors, rows[rows["split"] == "test"], p["evaluate.bootstrap"], p["evaluate.seed"])
         metrics[corpus] = {"threshold": detector.threshold, "budget_threshold": detector.budget_threshold, "gate_threshold": detector.gate_threshold,
                            **detector.info, "test": test}  # fmt: skip
         log.info("%s: %s", corpus, metrics[corpus])
