@@ -9,15 +9,13 @@ it holds exactly this run's detectors (evaluate loads every sub-directory) and a
 from __future__ import annotations
 
 import logging
-import shutil
-from pathlib import Path
-
 import pandas as pd
 
 from detectors.dior.early_detector import train_early_detector
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
 from pipelines._stage import run, stage_params
+from pipelines._swap import swapped_in
 
 log = logging.getLogger("train_early")
 READS = ("build_early.features", "train_early", "paths.llm", "paths.early", "paths.early_model", "paths.train_early_metrics")
@@ -32,18 +30,14 @@ def main(argv: list[str] | None = None) -> None:
     params, features = p["train_early"], p["build_early.features"]
     fingerprint, llm_ref = prepared_reference(p["paths.llm"])
     frame = pd.read_parquet(p["paths.early"])
-    out = Path(p["paths.early_model"])
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
     variants = {**params.detectors, **{ablation_name(g): g for g in params.ablation}}
     metrics = {}
-    for name, groups in variants.items():
-        detector = train_early_detector(frame, groups, params.training, features, fingerprint, llm_ref, name=name)
-        detector.save(partial / name)
-        metrics[name] = {"features": groups, "threshold": detector.threshold, **detector.info}
-        log.info("%s: %s", name, metrics[name])
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+    with swapped_in(p["paths.early_model"]) as partial:
+        for name, groups in variants.items():
+            detector = train_early_detector(frame, groups, params.training, features, fingerprint, llm_ref, name=name)
+            detector.save(partial / name)
+            metrics[name] = {"features": groups, "threshold": detector.threshold, **detector.info}
+            log.info("%s: %s", name, metrics[name])
     write_json(p["paths.train_early_metrics"], metrics)
 
 

@@ -12,9 +12,6 @@ AUROC for ``helps`` against ``hurts``, the same AUROC and difference for the tra
 from __future__ import annotations
 
 import logging
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
@@ -26,6 +23,7 @@ from detectors.llm.loading import prepared_reference
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
 from detectors.utility.labels import HELPS, as_post
 from pipelines._stage import run, stage_params
+from pipelines._swap import swapped_in
 
 log = logging.getLogger("train_utility")
 READS = ("build_early.features", "build_utility.corpora", "train_utility", "rag_eval.k", "evaluate.bootstrap", "evaluate.seed",
@@ -73,22 +71,17 @@ def main(argv: list[str] | None = None) -> None:
     labels, early = pd.read_parquet(p["paths.utility"]), pd.read_parquet(p["paths.early"])
     early_detectors = {name: d for name, d in load_early_detectors(p["paths.early_model"]).items() if not name.startswith("gru[")}
     labels = labels[labels["status"] == "ok"]
-    out = Path(p["paths.utility_model"])
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     metrics = {}
-    for corpus in p["build_utility.corpora"]:
-        rows = joined(labels[labels["corpus"] == corpus].drop(columns=["corpus"]), early)
-        detector = train_utility_detector(rows, corpus, params.pre_features, params.training, params.budget, p["rag_eval.k"], features,
-                                          fingerprint, llm_ref, name=f"utility-{corpus}")  # fmt: skip
-        detector.save(partial / corpus)
-        test = test_report(detector, early_detectors, rows[rows["split"] == "test"], p["evaluate.bootstrap"], p["evaluate.seed"])
-        metrics[corpus] = {"threshold": detector.threshold, "budget_threshold": detector.budget_threshold, "gate_threshold": detector.gate_threshold,
-                           **detector.info, "test": test}  # fmt: skip
-        log.info("%s: %s", corpus, metrics[corpus])
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+    with swapped_in(p["paths.utility_model"]) as partial:
+        for corpus in p["build_utility.corpora"]:
+            rows = joined(labels[labels["corpus"] == corpus].drop(columns=["corpus"]), early)
+            detector = train_utility_detector(rows, corpus, params.pre_features, params.training, params.budget, p["rag_eval.k"], features,
+                                              fingerprint, llm_ref, name=f"utility-{corpus}")  # fmt: skip
+            detector.save(partial / corpus)
+            test = test_report(detector, early_detectors, rows[rows["split"] == "test"], p["evaluate.bootstrap"], p["evaluate.seed"])
+            metrics[corpus] = {"threshold": detector.threshold, "budget_threshold": detector.budget_threshold, "gate_threshold": detector.gate_threshold,
+                               **detector.info, "test": test}  # fmt: skip
+            log.info("%s: %s", corpus, metrics[corpus])
     write_json(p["paths.train_utility_metrics"], metrics)
 
 
