@@ -249,7 +249,7 @@ def test_ctrla_directions_on_ray_equal_local(project, cluster):
 
 
 def test_rag_eval_on_ray_answers_as_local(project, cluster):
-    """The RAG evaluation's run files (one per corpus × configuration, and the sweep) spread over the actors: every
+    """The RAG evaluation's run files (one per corpus × configuration, and the sweeps) spread over the actors: every
     answer, retrieval and metric as the local run's (only the wall times differ)."""
     from pipelines import index_corpus, rag_eval
 
@@ -272,8 +272,8 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
             runs[path.name] = [{k: v for k, v in line.items() if k not in ("wall_s", "seconds")} for line in lines]
         metrics = json.loads((project / f"data/metrics/rag-{backend}.json").read_text())
         results[backend] = runs, {name: {k: v for k, v in m.items() if "wall" not in k and "second" not in k} for name, m in metrics["facts"].items()}
-    assert set(results["local"][0]) == {"no-retrieval.jsonl", "single-round.jsonl", "flare.jsonl", "sweep.jsonl"}
-    assert all(len(lines) == 6 for lines in results["local"][0].values())
+    assert set(results["local"][0]) == {"no-retrieval.jsonl", "single-round.jsonl", "flare.jsonl", "sweep.jsonl", "sweep-val.jsonl"}
+    assert all(len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val.jsonl")  # the validation sweep: every val question
     assert results["ray"] == results["local"]
 
 
