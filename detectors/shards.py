@@ -18,8 +18,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pandas as pd
 import torch
+from safetensors.numpy import load_file, save_file
 
 from detectors.config.sections import ExecutionParams
 from detectors.errors import RecordError
@@ -117,6 +119,33 @@ class ShardStore:
 
     def done(self, index: int) -> bool:
         return self.path(index).exists()
+
+    def write_arrays(self, index: int, suffix: str, arrays: dict[str, np.ndarray]) -> None:
+        """Per-record arrays of shard ``index`` (by record id, e.g. hidden states of generated tokens) in its sidecar
+        ``suffix``: write them before the shard. A retry of a finished shard's errors adds to what its finished
+        records stored."""
+        sidecar = self.sidecar(index, suffix)
+        kept = load_file(str(sidecar)) if self.done(index) and sidecar.exists() else {}
+        save_file(kept | arrays, str(sidecar))
+
+    def read_with_arrays(self, n_items: int, size: int, suffix: str, column: str) -> tuple[pd.DataFrame, np.ndarray]:
+        """Every shard in order (as :meth:`read_all`) and the arrays of its ok records (:meth:`write_arrays`) stacked
+        into one: ``column`` holds each record's first row in it (-1 for a record without arrays)."""
+        frames, blocks, offset = [], [], 0
+        for k in range(self.count(n_items, size)):
+            shard = self.read(range(k, k + 1))
+            sidecar = self.sidecar(k, suffix)
+            arrays = load_file(str(sidecar)) if sidecar.exists() else {}
+            offsets = []
+            for row in shard.itertuples():
+                stored = row.status == OK and row.id in arrays
+                offsets.append(offset if stored else -1)
+                if stored:
+                    blocks.append(arrays[row.id])
+                    offset += len(arrays[row.id])
+            frames.append(shard.assign(**{column: offsets}))
+        width = blocks[0].shape[1] if blocks else 0
+        return pd.concat(frames, ignore_index=True), np.concatenate(blocks) if blocks else np.zeros((0, width), np.float16)
 
     def write(self, index: int, frame: pd.DataFrame) -> None:
         """Write shard ``index``; when it exists already (a retry of its errors), ``frame``'s records

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from detectors.config.rag import THRESHOLD_TRIGGERS
+from detectors.config.rag import THRESHOLD_TRIGGERS, on_corpus
 from detectors.errors import InputError
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
@@ -72,7 +72,7 @@ class RagRuntime:
     def trigger(self, spec: str, corpus: str, thresholds: dict[str, float] | None = None):
         """Trigger ``spec`` for ``corpus`` (``{corpus}`` in a spec names the corpus: a utility trigger is trained per
         corpus) at its threshold in ``thresholds`` (by trigger name; None: a sweep, where no threshold is read)."""
-        spec = spec.replace("{corpus}", corpus)
+        spec = on_corpus(spec, corpus)
         if spec not in self._triggers:
             unread = {name: math.inf for name in THRESHOLD_TRIGGERS}  # each loop sets its triggers' thresholds below
             self._triggers[spec] = make_trigger(spec, self.llm, unread, self.p["build_realtime.spacy_model"], self.tracking_uri)

@@ -1,4 +1,5 @@
-"""Stage build_early: the early-detection set (DioR Alg. 1): answer, label and IG features per question.
+"""Stage build_early: the early-detection set (DioR Alg. 1): answer, label and IG features per question, and the
+hidden states of every answer token (the real-time detector's candidate training set of QA answers).
 
 Work is written in shards; a rerun computes only the unfinished shards and the records that failed.
 A shard's questions are computed as one batch (shared prompt prefix, IG steps of many questions per
@@ -14,20 +15,26 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from safetensors.numpy import save_file
 
 from detectors.dior.early import early_records
 from detectors.execution import LLMSpec
 from detectors.io import write_json
+from detectors.llm.layers import hidden_state_indices
 from detectors.shards import OK, ShardStore, failure_status, run_shards, status_counts
 from pipelines._provenance import open_shards
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_early")
 LIBRARIES = ("torch", "transformers", "tokenizers", "captum")  # their versions are part of the shard key
-READS = ("llm", "build_early", "execution", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report")
+READS = (
+    "llm", "build_early", "execution", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report",
+    "paths.early_answer_hidden",
+)  # fmt: skip
+HIDDEN = ".answer-hidden.safetensors"
 
 
-def _records(llm, rows: list, params) -> list[dict]:
+def _records(llm, rows: list, params, state_indices: list[int]) -> list[dict]:
     """The shard's records, the questions computed together; a batch that raises is retried one question at a time."""
     bases = [
         {"id": r.id, "split": r.split, "question": r.question, "answers": list(r.answers), "feature_dtype": llm.dtype_name}
@@ -36,7 +43,7 @@ def _records(llm, rows: list, params) -> list[dict]:
 
     def compute(group: list[dict]) -> list:
         return early_records(llm, [b["question"] for b in group], [b["answers"] for b in group], params.features,
-                             params.max_new_tokens, params.stop)  # fmt: skip
+                             params.max_new_tokens, params.stop, state_indices)  # fmt: skip
 
     try:
         results = compute(bases)
@@ -75,10 +82,14 @@ class ShardWorker:
 
     def __init__(self, llm: LLMSpec, params, store: ShardStore):
         self.llm, self.params, self.store = llm.load(), params, store
+        self.state_indices = hidden_state_indices(params.answer_hidden_layers, self.llm.fingerprint.num_layers, "build_early.answer_hidden_layers")
 
     def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
         k, rows = shard
-        records = pd.DataFrame(_records(self.llm, list(rows.itertuples(index=False)), self.params))
+        records = _records(self.llm, list(rows.itertuples(index=False)), self.params, self.state_indices)
+        hidden = {r["id"]: r.pop("answer_hidden") for r in records if "answer_hidden" in r}
+        self.store.write_arrays(k, HIDDEN, {i: h for i, h in hidden.items() if len(h)})
+        records = pd.DataFrame(records)
         self.store.write(k, records)
         return records[["id", "status"]]
 
@@ -88,12 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     params = p["build_early"]
     table = pd.read_parquet(p["paths.qa"])
     llm = LLMSpec.of(p)
+    hidden_state_indices(params.answer_hidden_layers, llm.key()["num_layers"], "build_early.answer_hidden_layers")  # fail before any work
     store, budget = open_shards("build_early", params, llm, {"qa": p["paths.qa"]}, LIBRARIES, p["paths.early_shards"], len(table))
     run_shards(store, table, params.shard_size, functools.partial(ShardWorker, llm, params, store), p["execution"], budget, "build_early", "q")
-    frame = store.read_all(len(table), params.shard_size)
-    out = Path(p["paths.early"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_parquet(out, index=False)
+    frame, hidden = store.read_with_arrays(len(table), params.shard_size, HIDDEN, "answer_hidden_offset")
+    for path in (p["paths.early"], p["paths.early_answer_hidden"]):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(p["paths.early"], index=False)
+    save_file({"hidden": hidden}, p["paths.early_answer_hidden"])
     summary = report(frame)
     write_json(p["paths.early_report"], summary)
     log.info("done: %s", {k: v for k, v in summary.items() if k != "failures"})

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from detectors.dior.entities import PARTS, EntityTools, label_continuation, prepare_article
 from detectors.dior.recorder import generate_traced
@@ -131,9 +131,7 @@ class ShardWorker:
         k, chunk = shard
         with torch.no_grad():
             rows, hidden = build_shard(self.llm, self.tools, chunk, self.state_indices, self.params)
-        sidecar = self.store.sidecar(k, HIDDEN)
-        kept = load_file(str(sidecar)) if self.store.done(k) else {}  # a retry adds to the shard's finished records
-        save_file(kept | hidden, str(sidecar))
+        self.store.write_arrays(k, HIDDEN, hidden)
         records = pd.DataFrame(rows)
         self.store.write(k, records)
         return records[["id", "status"]]
@@ -149,27 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     store, budget = open_shards("build_realtime", params, llm, inputs, LIBRARIES, p["paths.realtime_shards"], len(table))
     worker = functools.partial(ShardWorker, llm, params, store)
     run_shards(store, table, params.shard_size, worker, p["execution"], budget, "build_realtime", "article")
-    write_outputs(store, ShardStore.count(len(table), params.shard_size), p["paths.realtime"], p["paths.realtime_hidden"], p["paths.realtime_report"])
+    write_outputs(store, len(table), params.shard_size, p["paths.realtime"], p["paths.realtime_hidden"], p["paths.realtime_report"])
 
 
-def write_outputs(store: ShardStore, n_shards: int, out: str, hidden_out: str, report_path: str) -> None:
+def write_outputs(store: ShardStore, n_items: int, size: int, out: str, hidden_out: str, report_path: str) -> None:
     """One table and one float16 tensor of all generated tokens' hidden states (rows ``hidden_offset`` on)."""
-    frames, blocks, offset = [], [], 0
-    for k in range(n_shards):
-        shard, hidden = store.read(range(k, k + 1)), load_file(str(store.sidecar(k, HIDDEN)))
-        offsets = []
-        for row in shard.itertuples():
-            offsets.append(offset if row.status == OK else -1)
-            if row.status == OK:
-                blocks.append(hidden[row.id])
-                offset += len(hidden[row.id])
-        frames.append(shard.assign(hidden_offset=offsets))
-    frame = pd.concat(frames, ignore_index=True)
+    frame, hidden = store.read_with_arrays(n_items, size, HIDDEN, "hidden_offset")
     for path in (out, hidden_out):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     frame.to_parquet(out, index=False)
-    width = blocks[0].shape[1] if blocks else 0
-    save_file({"hidden": np.concatenate(blocks) if blocks else np.zeros((0, width), np.float16)}, hidden_out)
+    save_file({"hidden": hidden}, hidden_out)
     summary = report(frame)
     write_json(report_path, summary)
     log.info("done: %s", {k: v for k, v in summary.items() if k != "failures"})

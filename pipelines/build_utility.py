@@ -10,7 +10,6 @@ question: label, both answers, post-retrieval columns) and the label balance per
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -22,9 +21,9 @@ from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.triggers import TRAINING_FREE
 from detectors.shards import OK, ShardStore, run_shards, status_counts
 from detectors.utility.labels import RecordingGate, balance, utility_records
+from detectors.utility.recording import recording_loop
 from pipelines._provenance import open_shards
 from pipelines._stage import run, stage_params
 
@@ -48,22 +47,22 @@ class ShardWorker:
 
     def __init__(self, llm: LLMSpec, p, store: ShardStore):
         self.llm, self.p, self.store = llm.load(), p, store
-        layers = hidden_state_indices(p["build_early.features.hidden_layers"], self.llm.fingerprint.num_layers, "build_early.features.hidden_layers")
-        self.gate = RecordingGate(self.llm, layers)
-        always = dataclasses.replace(TRAINING_FREE["always"](self.llm, None, ""), gate=self.gate)
-        self.config, self.always, self.loops = rag_config(p, p["build_utility"].batch_size), always, {}
+        key = "build_early.features.hidden_layers"
+        self.layers = hidden_state_indices(p[key], self.llm.fingerprint.num_layers, key)
+        self.config, self.loops = rag_config(p, p["build_utility"].batch_size), {}
 
-    def loop(self, corpus: str) -> RagLoop:
+    def loop(self, corpus: str) -> tuple[RagLoop, RecordingGate]:
+        """The corpus's recording loop and its gate (:func:`~detectors.utility.recording.recording_loop`)."""
         if corpus not in self.loops:
             retriever = BM25Retriever.load(Path(self.p["paths.rag_index"]) / corpus)
-            self.loops[corpus] = RagLoop(self.llm, retriever, self.config, [self.always])
+            self.loops[corpus] = recording_loop(self.llm, retriever, self.config, self.layers)
         return self.loops[corpus]
 
     def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
         k, rows = shard
         out = []
         for corpus, group in rows.groupby("corpus", sort=False):
-            records = utility_records(self.loop(corpus), self.gate, list(group["question"]), [list(a) for a in group["answers"]], list(group["answer"]))
+            records = utility_records(*self.loop(corpus), list(group["question"]), [list(a) for a in group["answers"]], list(group["answer"]))
             for base, rec in zip(group.to_dict("records"), records):
                 error = rec.pop("error")
                 out.append({**base, **rec, "status": OK if error is None else f"skipped: {error}"})

@@ -31,12 +31,13 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from detectors.config.rag import trigger_names
 from detectors.errors import InputError
 from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.progress import progress
 from detectors.rag.metrics import FAILED, summarise
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, thresholds_table
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, thresholds_table, versus_always
 from detectors.rag.sweep import curves as sweep_curves
 from detectors.rag.sweep import operating_point
 from detectors.shards import config_hash
@@ -173,11 +174,15 @@ def references(configurations: dict) -> dict[str, str]:
 def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[str]], refs: dict[str, str], bootstrap: int,
                    seed: int) -> dict[str, dict[str, dict]]:  # fmt: skip
     """``{corpus: {configuration: metrics}}`` of the stored lines (one per question, in the order of ``answers``), with
-    each configuration's paired accuracy difference to the reference configurations ``refs``."""
+    each configuration's paired accuracy difference to the reference configurations ``refs`` and, with an ``always``
+    reference, the retrievals it saves at always's accuracy or the accuracy it loses (:func:`versus_always`)."""
     out = {}
     for corpus, configs in lines.items():
         deltas = reference_deltas(configs, answers, refs, bootstrap, seed)
         out[corpus] = {name: {**summarise(results, answers), **deltas[name]} for name, results in configs.items()}
+        if "always" in refs:
+            trade = versus_always(out[corpus], refs["always"])
+            out[corpus] = {name: {**values, **trade[name]} for name, values in out[corpus].items()}
     return out
 
 
@@ -206,7 +211,8 @@ class RunFileWorker:
             out["lines"] = run_questions(path, key, rows, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]), 0, f"{corpus} · {name}", params.batch_size)
         else:
             config = params.configurations[name]
-            thresholds = {t: v for t, v in self.thresholds[corpus].items() if any(s.replace("{corpus}", corpus).split("@")[0] == t for s in config.triggers)}
+            names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
+            thresholds = {t: v for t, v in self.thresholds[corpus].items() if t in names}
             key = config_hash({**base, "configuration": dataclasses.asdict(config), "thresholds": thresholds})
             out["lines"] = run_questions(path, key, self.rows["test"], runtime.loop(name, config, corpus, self.thresholds[corpus]), params.prompts_sample,
                                          f"{corpus} · {name}", params.batch_size)  # fmt: skip

@@ -5,7 +5,8 @@ the stronger feature set), each from ``paths.early_model/<name>/`` under its own
 in one JSON keyed by detector; ``dior-realtime`` (the MLP; its test metrics are the continuation level's); and the retrieval-utility trigger of
 each corpus (``utility-<corpus>``; its test metrics are train_utility's).
 Each version is tagged with the digest of the validation records its AUROC was computed on (the ok records of
-the set's val split; for the real-time set those with entity tokens), so only comparable versions compete.
+the set's val split; for the real-time detector those of the set it was chosen on: the QA answers with a token, or the
+continuations with entity tokens), so only comparable versions compete.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pandas as pd
 
 from detectors.config import ParamsError
 from detectors.errors import InputError
+from detectors.dior.realtime_detector import answer_records
+from detectors.dior.realtime_training import ANSWERS, CONTINUATIONS
 from detectors.dior.served import SERVED
 from detectors.interfaces import Level
 from detectors.io import write_json
@@ -42,9 +45,14 @@ def early_val_ids(path: str | Path) -> list[str]:
     return frame.loc[(frame["status"] == "ok") & (frame["split"] == "val"), "id"].astype(str).tolist()
 
 
-def realtime_val_ids(path: str | Path) -> list[str]:
-    """Ids of the real-time set's records the MLP's validation AUROC is computed on: ok val records with entity tokens."""
-    frame = pd.read_parquet(path, columns=["id", "split", "status", "token_label"])
+def realtime_val_ids(realtime: str | Path, early: str | Path, chosen_on: str) -> list[str]:
+    """Ids of the records the MLP's served validation AUROC is computed on: the QA answers' (ok val questions whose
+    answer has a token) or the continuations' (ok val records with entity tokens), as ``train_realtime.choose_on`` chose."""
+    if chosen_on == ANSWERS:
+        frame = answer_records(pd.read_parquet(early, columns=["id", "split", "status", "label", "feature_dtype", "answer_ids",
+                                                                "answer_prob", "answer_entropy", "answer_hidden_offset"]))  # fmt: skip
+        return frame.loc[frame["split"] == "val", "id"].astype(str).tolist()
+    frame = pd.read_parquet(realtime, columns=["id", "split", "status", "token_label"])
     frame = frame[(frame["status"] == "ok") & (frame["split"] == "val")]
     return [str(i) for i, labels in zip(frame["id"], frame["token_label"]) if (np.asarray(labels) >= 0).any()]
 
@@ -136,10 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     realtime_test = json.loads(Path(p["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value][SERVED]
     exp = store.experiment(realtime.experiment, mlflow_params.artifact_root)
     layers = ",".join(map(str, p["build_realtime.hidden_layers"]))
+    chosen_on = read_config(p["paths.realtime_model"])["info"].get("chosen_on", CONTINUATIONS)
     result = register_detector(
-        p["paths.realtime_model"], realtime_val_ids(p["paths.realtime"]), realtime_test, realtime.name, realtime.alias, exp,
-        {"hidden_layers": layers}, f"hidden layers {layers}; served validation AUROC", val_key="val_served_auroc",
-    )  # a champion compared on another number (older versions: token AUROC) is not compared: the new one waits as challenger
+        p["paths.realtime_model"], realtime_val_ids(p["paths.realtime"], p["paths.early"], chosen_on), realtime_test, realtime.name,
+        realtime.alias, exp, {"hidden_layers": layers, "chosen_on": chosen_on},
+        f"hidden layers {layers}; served validation AUROC on the {chosen_on}", val_key="val_served_auroc",
+    )  # a champion compared on another number (older versions: token AUROC, or the other set) is not compared: the new one waits as challenger
     write_json(p["paths.registry_realtime"], result)
     exp = store.experiment(p["register_utility"].experiment, mlflow_params.artifact_root)
     write_json(p["paths.registry_utility"], register_utility(p, exp))

@@ -1,6 +1,7 @@
 """Stage train_realtime: the MLP real-time detector (Lightning, GPU when present), trained on each candidate
-token set of ``train_realtime.tokens`` (entity tokens, all generated tokens); the one whose served score has the
-best validation continuation AUROC is saved, and the metrics record every candidate's."""
+training set of ``train_realtime.tokens`` (the continuations' entity tokens or all their tokens, the early set's QA
+answer tokens, or several); the one whose served score has the best validation AUROC on ``train_realtime.choose_on``
+is saved, and the metrics record every candidate's served AUROC on both sets' validation and test records."""
 
 from __future__ import annotations
 
@@ -9,26 +10,35 @@ import logging
 import pandas as pd
 from safetensors.numpy import load_file
 
-from detectors.dior.realtime_training import train_and_choose
+from detectors.dior.realtime_detector import answer_records
+from detectors.dior.realtime_training import TokenSets, train_and_choose
+from detectors.errors import InputError
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("train_realtime")
 READS = (
-    "build_realtime.hidden_layers", "build_realtime.prompt", "build_realtime.spacy_model", "train_realtime",
-    "paths.llm", "paths.realtime", "paths.realtime_hidden", "paths.realtime_model", "paths.train_realtime_metrics",
+    "build_realtime.hidden_layers", "build_realtime.prompt", "build_realtime.spacy_model", "build_early.answer_hidden_layers",
+    "train_realtime", "paths.llm", "paths.realtime", "paths.realtime_hidden", "paths.early", "paths.early_answer_hidden",
+    "paths.realtime_model", "paths.train_realtime_metrics",
 )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "train_realtime")
     fingerprint, llm_ref = prepared_reference(p["paths.llm"])
-    frame = pd.read_parquet(p["paths.realtime"])
-    hidden = load_file(p["paths.realtime_hidden"])["hidden"]
+    layers, answer_layers = p["build_realtime.hidden_layers"], p["build_early.answer_hidden_layers"]
+    if layers != answer_layers:
+        raise InputError(f"build_early.answer_hidden_layers = {answer_layers} but build_realtime.hidden_layers = {layers}: the real-time "
+                         "detector reads one set of layers, so set both to the same list")  # fmt: skip
+    sets = TokenSets(
+        (pd.read_parquet(p["paths.realtime"]), load_file(p["paths.realtime_hidden"])["hidden"]),
+        (answer_records(pd.read_parquet(p["paths.early"])), load_file(p["paths.early_answer_hidden"])["hidden"]),
+    )
     params = p["train_realtime"]
     detector = train_and_choose(
-        frame, hidden, params.training, params.tokens,
+        sets, params.training, params.tokens, params.choose_on,
         hidden_layers=p["build_realtime.hidden_layers"], prompt=p["build_realtime.prompt"], spacy_model=p["build_realtime.spacy_model"],
         fingerprint=fingerprint, llm_ref=llm_ref,
     )  # fmt: skip

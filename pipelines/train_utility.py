@@ -70,11 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     fingerprint, llm_ref = prepared_reference(p["paths.llm"])
     labels, early = pd.read_parquet(p["paths.utility"]), pd.read_parquet(p["paths.early"])
     early_detectors = {name: d for name, d in load_early_detectors(p["paths.early_model"]).items() if not name.startswith("gru[")}
-    labels = labels[labels["status"] == "ok"]
     metrics = {}
     with swapped_in(p["paths.utility_model"]) as partial:
         for corpus in p["build_utility.corpora"]:
-            rows = joined(labels[labels["corpus"] == corpus].drop(columns=["corpus"]), early)
+            rows = joined(labels[labels["corpus"] == corpus].drop(columns=["corpus"]), early)  # its labelled rows only
             detector = train_utility_detector(rows, corpus, params.pre_features, params.training, params.budget, p["rag_eval.k"], features,
                                               fingerprint, llm_ref, name=f"utility-{corpus}")  # fmt: skip
             detector.save(partial / corpus)

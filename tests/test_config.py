@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from detectors.config import ParamsError, from_dict, load_all, load_section
+from detectors.config.rag import on_corpus, trigger_names
 from detectors.config.sections import BuildEarlyParams, LLMParams, QAParams, TrainEarlyParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -403,3 +404,10 @@ def test_empty_stop_string_is_refused(shipped):
     with pytest.raises(ParamsError, match=r"build_early\.stop\[1\] = ''"):
         from_dict(BuildEarlyParams, {**shipped["build_early"], "stop": ["\n", ""]}, "build_early")
     assert from_dict(BuildEarlyParams, {**shipped["build_early"], "stop": []}, "build_early").stop == []
+
+
+def test_a_configured_trigger_names_the_corpus_it_runs_on():
+    assert on_corpus("utility-{corpus}@champion", "wiki") == "utility-wiki@champion"
+    assert on_corpus("flare", "wiki") == "flare"
+    assert trigger_names("utility-{corpus}@champion", ["wiki", "facts"]) == ["utility-wiki", "utility-facts"]
+    assert trigger_names("dior-early@champion", ["wiki", "facts"]) == ["dior-early"]

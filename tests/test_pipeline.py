@@ -14,7 +14,6 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-
 from safetensors.numpy import load_file
 
 from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
@@ -37,7 +36,7 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     params["qa"].update(source=str(QA_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
     params["build_early"]["features"].update(n_steps=4, ig_batch_size=4, hidden_layers=[1, -1])
     params["build_early"]["features"]["prompt"].update(template="{question}", chat=False)  # as the tiny Llama learnt them
-    params["build_early"].update(max_new_tokens=4, shard_size=8)
+    params["build_early"].update(max_new_tokens=4, shard_size=8, answer_hidden_layers=[1, -1])
     params["train_early"].update(ablation=[["attribution"]])
     params["train_early"]["training"].update(max_epochs=15, patience=5, batch_size=8, accelerator="cpu")
     params["articles"].update(source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
@@ -93,6 +92,10 @@ def test_early_set_has_both_labels_and_valid_features(pipeline):
         assert np.isclose(np.sum(row.attribution), 1.0, atol=1e-5)
         assert 0 <= row.entropy <= np.log(len(row.attribution)) + 1e-6
         assert len(row.hidden) == 2 * 64
+        assert len(row.answer_ids) == len(row.answer_prob) == len(row.answer_entropy) and (row.answer_hidden_offset >= 0) == (len(row.answer_ids) > 0)
+    # every answer token's hidden states at build_early.answer_hidden_layers (2 layers of 64), rows in answer order
+    hidden = load_file(str(pipeline / "data/early/answer_hidden.safetensors"))["hidden"]
+    assert hidden.shape == (sum(map(len, frame["answer_ids"])), 2 * 64)
     # memorised facts are answered correctly far more often than the others
     report = json.loads((pipeline / "data/early/report.json").read_text())
     assert report["hallucination_rate"] == pytest.approx(frame["label"].mean(), abs=1e-3)
@@ -403,6 +406,9 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
     # versions compete on what is served: the validation AUROC of the max over every generated token, and its test one
     trained = json.loads((pipeline / "data/metrics/train_realtime.json").read_text())["mlp"]
     served = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())["sentence"]["mlp[served]"]
+    # four candidate training sets, chosen on the QA validation answers, each reported on both sets
+    assert trained["chosen_on"] == "answers" and set(trained["candidates"]) == {"entity", "all", "answers", "all+answers"}
+    assert all(set(c["served_auroc"]) == {"continuations", "answers"} for c in trained["candidates"].values())
     assert out["val_auroc"] == pytest.approx(trained["val_served_auroc"])  # (equal to the token AUROC on this tiny set)
     assert out["test_auroc"] == pytest.approx(served["auroc"])
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"

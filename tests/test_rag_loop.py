@@ -131,6 +131,35 @@ def test_no_retrieval_gives_the_early_sets_greedy_answer(tiny_llm):
         assert [r.answer for r in results] == expected and not any(r.retrievals for r in results)
 
 
+def test_the_early_sets_answer_tokens_are_what_the_loop_serves_the_realtime_detector(tiny_llm, retriever, registry):
+    """build_early keeps every answer token's features while it decodes (the real-time detector's `answers` training
+    candidate): scored offline they give the probabilities the registered detector gives the same tokens in the loop."""
+    from detectors.dior.early import early_records
+    from detectors.dior.realtime_detector import answer_records
+
+    features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
+    features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
+    served = trigger("t-realtime@champion", tiny_llm, registry)
+    detector = served.calculators[0].detector  # the registered detector the trigger serves
+    records = early_records(tiny_llm, QUESTIONS, [["Paris"]] * len(QUESTIONS), features, 8, ["\n"], detector.state_indices)
+    offsets = np.cumsum([0] + [len(r["answer_ids"]) for r in records])[:-1]
+    early = pd.DataFrame([{**{k: v for k, v in r.items() if k != "answer_hidden"}, "id": f"q{i}", "split": "test", "status": "ok",
+                           "feature_dtype": "float32", "answer_hidden_offset": o} for i, (r, o) in enumerate(zip(records, offsets))])  # fmt: skip
+    hidden = np.concatenate([r["answer_hidden"] for r in records])
+    assert hidden.shape == (sum(len(r["answer_ids"]) for r in records), tiny_llm.fingerprint.hidden_size) and hidden.dtype == np.float16
+    answers = answer_records(early)
+    offline = detector.record_scores(answers, hidden)
+    traces = RagLoop(tiny_llm, retriever, RagConfig("none", PROMPT, max_new_tokens=8, batch_size=5), [served]).trace(QUESTIONS)
+    assert len(answers) == sum(len(t.gen_ids) > 0 for t in traces) > 10
+    for i, (record, t) in enumerate(zip(records, traces)):
+        assert record["answer_ids"] == t.gen_ids and record["answer"] == t.answer
+        np.testing.assert_allclose(record["answer_prob"], t.stats["prob"], atol=1e-5)
+        np.testing.assert_allclose(record["answer_entropy"], t.stats["entropy"], atol=1e-4)
+        if t.gen_ids:
+            np.testing.assert_allclose(offline[f"q{i}"], t.token_scores[served.name], atol=1e-3)
+            assert answers.set_index("id").loc[f"q{i}", "token_label"] == [int("Paris" not in record["answer"])] * len(t.gen_ids)
+
+
 def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm):
     tok = tiny_llm.tokenizer
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731

@@ -18,7 +18,7 @@ from conftest import ROOT
 from detectors.config import ParamsError, load_section
 from detectors.errors import InputError
 from detectors.rag.metrics import METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
 from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
 from detectors.registry import store
 from pipelines.rag_eval import read_run_file, references, run_questions, split_questions, write_curves, write_prompts
@@ -206,6 +206,18 @@ def test_a_trained_triggers_area_is_compared_with_the_best_training_free_ones_on
     low, high = out["perfect"].over_best_free_interval
     assert 0 <= low <= out["perfect"].over_best_free <= high  # paired: never worse on a resample
     assert out["perfect"].summary()["best_training_free"] == "half"
+
+
+def test_against_always_a_configuration_saves_retrievals_at_its_accuracy_or_loses_accuracy():
+    configs = {"single-round": {"accuracy": 0.80, "retrievals_per_question": 1.0}, "thrifty": {"accuracy": 0.81, "retrievals_per_question": 0.7},
+               "eager": {"accuracy": 0.92, "retrievals_per_question": 3.0}, "lossy": {"accuracy": 0.78, "retrievals_per_question": 0.5}}  # fmt: skip
+    trade = versus_always(configs, "single-round")
+    assert trade["single-round"] == {"retrievals_saved_vs_always": 0.0}
+    assert trade["thrifty"]["retrievals_saved_vs_always"] == pytest.approx(0.3) and trade["eager"]["retrievals_saved_vs_always"] == pytest.approx(-2.0)
+    assert trade["lossy"] == {"accuracy_lost_vs_always": pytest.approx(0.02)}
+    assert versus_always(configs, "absent") == {name: {} for name in configs}
+    md = markdown_table({"facts": {name: {**metrics_of(0.5), **configs[name], **trade[name]} for name in configs}})
+    assert "| saves 0% | saves 30% | 3.0× the retrievals | loses 0.020 |" in md
 
 
 # ---- report and MLflow ---------------------------------------------------------------------------------------------

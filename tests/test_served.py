@@ -5,6 +5,7 @@ by validation (synthetic frames where one candidate must win)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -16,7 +17,7 @@ from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.config.sections import TrainRealtimeParams
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector, token_table
-from detectors.dior.realtime_training import train_and_choose
+from detectors.dior.realtime_training import TokenSets, train_and_choose
 from detectors.dior.recorder import generate_traced
 from detectors.dior.served import SERVED, ServedMax, served_auroc, served_behaviour, served_scorer
 from detectors.errors import InputError
@@ -165,10 +166,26 @@ def synthetic_set(
     return pd.DataFrame(rows), np.concatenate(blocks)
 
 
-def choose(frame: pd.DataFrame, hidden: np.ndarray, candidates: list[str]) -> RealtimeDetector:
+def synthetic_answers(n: int, seed: int, offset: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """QA answers of 3 tokens, all labelled as the answer, in the real-time schema; hidden rows from ``offset`` on. Here
+    hidden feature 2 carries the label (+2 wrong, -2 right) and feature 0, the continuations' signal, is noise."""
+    rng = np.random.default_rng(seed)
+    rows, blocks = [], []
+    for i in range(n):
+        split, label = ("train", "train", "val", "test")[i % 4], int(rng.random() < 0.5)
+        h = rng.normal(0, 0.3, (3, 4))
+        h[:, 2] += 2.0 if label else -2.0
+        h[:, 0] += rng.normal(0, 2.0)
+        rows.append({**record(f"q{i}", [label] * 3, split=split), "hidden_offset": offset + 3 * i, "feature_dtype": "float32"})
+        blocks.append(h.astype(np.float16))
+    return pd.DataFrame(rows), np.concatenate(blocks)
+
+
+def choose(frame: pd.DataFrame, hidden: np.ndarray, candidates: list[str], answers=None, choose_on: str = "continuations") -> RealtimeDetector:
     return train_and_choose(
-        frame, hidden, PARAMS, candidates, hidden_layers=[1], prompt=PROMPT, spacy_model="x", fingerprint=FP, llm_ref={}
-    )
+        TokenSets((frame, hidden), answers), PARAMS, candidates, choose_on, hidden_layers=[1], prompt=PROMPT, spacy_model="x", fingerprint=FP,
+        llm_ref={},
+    )  # fmt: skip
 
 
 def test_all_tokens_training_labels_non_entity_tokens_supported():
@@ -211,6 +228,34 @@ def test_the_kept_training_tokens_are_the_ones_that_serve_best_on_validation():
     assert set(cands) == {"entity", "all"} and all(c["threshold"] is not None for c in cands.values())
 
 
+def test_the_qa_answers_are_a_candidate_chosen_on_the_task_it_serves():
+    # the continuations' signal (feature 0) says nothing about the answers, whose label sits in feature 2: judged on
+    # the validation answers, a candidate that saw answers wins; judged on the continuations, one that did not
+    frame, hidden = synthetic_set(160, 1, True)
+    answers, answer_hidden = synthetic_answers(160, 2, 0)
+    candidates = ["all", "answers", "all+answers"]
+    det = choose(frame, hidden, candidates, (answers, answer_hidden), "answers")
+    cands = det.info["candidates"]
+    assert det.info["tokens"] in ("answers", "all+answers") and det.info["chosen_on"] == "answers"
+    assert min(cands["answers"]["val_served_auroc"], cands["all+answers"]["val_served_auroc"]) > 0.9 > 0.7 > cands["all"]["val_served_auroc"]
+    assert cands["all+answers"]["served_auroc"]["continuations"]["test"] > 0.85  # both sets learnt at once
+    for c in candidates:  # every candidate reported on both sets' validation and test records
+        assert set(cands[c]["served_auroc"]) == {"continuations", "answers"} and set(cands[c]["served_auroc"]["answers"]) == {"val", "test"}
+        assert cands[c]["served_auroc"]["answers"]["val"] == cands[c]["val_served_auroc"]
+    n_train = {"all": 6 * (frame["split"] == "train").sum(), "answers": 3 * (answers["split"] == "train").sum()}
+    assert det.info["n_train_tokens"] == sum(n_train[p] for p in det.info["tokens"].split("+"))
+    # the served threshold is chosen on the validation answers
+    val = answers[answers["split"] == "val"]
+    maxima = [s.max() for s in (det.record_scores(val, answer_hidden)[i] for i in val["id"])]
+    assert det.threshold in maxima
+    on_continuations = choose(frame, hidden, candidates, (answers, answer_hidden), "continuations")
+    assert on_continuations.info["tokens"] in ("all", "all+answers") and on_continuations.info["chosen_on"] == "continuations"
+    with pytest.raises(InputError, match="no QA answer tokens"):
+        choose(frame, hidden, ["all"], None, "answers")
+    with pytest.raises(InputError, match=r"answer_hidden_layers = build_realtime.hidden_layers"):
+        TokenSets((frame, hidden), (answers, answer_hidden[:, :3]))
+
+
 def test_one_candidate_with_a_one_class_validation_split_is_kept_but_two_cannot_be_chosen():
     frame, hidden = synthetic_set(40, 2, True)
     val = frame["split"] == "val"
@@ -225,9 +270,13 @@ def test_one_candidate_with_a_one_class_validation_split_is_kept_but_two_cannot_
 
 def test_training_tokens_are_validated():
     training = {k: getattr(PARAMS, k) for k in PARAMS.__dataclass_fields__}
-    assert from_dict(TrainRealtimeParams, {"tokens": ["entity", "all"], "training": training}, "train_realtime").tokens == ["entity", "all"]
-    with pytest.raises(ParamsError, match=r"train_realtime.tokens\[1\] = 'every'"):
-        from_dict(TrainRealtimeParams, {"tokens": ["entity", "every"], "training": training}, "train_realtime")
+    ok = {"tokens": ["entity", "all", "answers", "entity+answers"], "choose_on": "answers", "training": training}
+    assert from_dict(TrainRealtimeParams, ok, "train_realtime").tokens == ok["tokens"]
+    for bad in ("every", "entity+all", "answers+answers"):
+        with pytest.raises(ParamsError, match=f"train_realtime.tokens = '{re.escape(bad)}'"):
+            from_dict(TrainRealtimeParams, {**ok, "tokens": ["entity", bad]}, "train_realtime")
     for tokens in ([], ["all", "all"]):
         with pytest.raises(ParamsError, match="list each candidate once"):
-            from_dict(TrainRealtimeParams, {"tokens": tokens, "training": training}, "train_realtime")
+            from_dict(TrainRealtimeParams, {**ok, "tokens": tokens}, "train_realtime")
+    with pytest.raises(ParamsError, match="train_realtime.choose_on"):
+        from_dict(TrainRealtimeParams, {**ok, "choose_on": "test"}, "train_realtime")

@@ -20,14 +20,25 @@ from detectors.dior.early import early_records
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.rag.corpus import qa_fact_passages
-from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.loop import PostRetrieval, RagConfig, RagLoop
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import curve, operating_point, question_outcomes
 from detectors.rag.triggers import TRAINING_FREE, make_trigger
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
-from detectors.utility.labels import HELPS, HURTS, NEITHER, RecordingGate, as_post, utility_label, utility_records
+from detectors.utility.labels import (
+    HELPS,
+    HURTS,
+    NEITHER,
+    RecordingGate,
+    as_post,
+    post_columns,
+    post_features,
+    utility_label,
+    utility_records,
+)
+from detectors.utility.recording import recording_loop
 from pipelines.rag_eval import choose_thresholds
 
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -69,16 +80,16 @@ def features() -> EarlyFeatureParams:
     return dataclasses.replace(f, prompt=PROMPT, n_steps=2, ig_batch_size=4, hidden_layers=[1, -1])
 
 
-def recording_loop(tiny_llm, facts, features, batch_size: int = 8) -> tuple[RagLoop, RecordingGate]:
-    gate = RecordingGate(tiny_llm, hidden_state_indices(features.hidden_layers, tiny_llm.fingerprint.num_layers, "layers"))
-    always = dataclasses.replace(TRAINING_FREE["always"](tiny_llm, None, ""), gate=gate)
-    return RagLoop(tiny_llm, facts, dataclasses.replace(CONFIG, batch_size=batch_size), [always]), gate
+def labelling_loop(tiny_llm, facts, features, batch_size: int) -> tuple[RagLoop, RecordingGate]:
+    """The labels' recording loop on the facts corpus, at the features' hidden layers."""
+    layers = hidden_state_indices(features.hidden_layers, tiny_llm.fingerprint.num_layers, "layers")
+    return recording_loop(tiny_llm, facts, dataclasses.replace(CONFIG, batch_size=batch_size), layers)
 
 
 def test_labels_say_whether_retrieval_helps_hurts_or_neither(reader, facts, features):
     tiny_llm = reader
     assert [utility_label(a, b) for a, b in [(False, True), (True, False), (True, True), (False, False)]] == [HELPS, HURTS, NEITHER, NEITHER]
-    loop, gate = recording_loop(tiny_llm, facts, features)
+    loop, gate = labelling_loop(tiny_llm, facts, features, batch_size=8)
     with_passages = [r.answer for r in RagLoop(tiny_llm, facts, loop.config, [TRAINING_FREE["always"](tiny_llm, None, "")]).answer_all(QUESTIONS[:3])]
     assert all(a.split() for a in with_passages)
     # planted: the first answer's word is the reference and the answer without passages misses it (helps); the
@@ -108,7 +119,7 @@ def labelled(reader, facts, features) -> pd.DataFrame:
     questions, refs = [r["question"] for r in ROWS], [list(r["answers"]) for r in ROWS]
     early = pd.DataFrame([{"id": f"q{i}", "status": "ok", "feature_dtype": "float32", **rec}
                           for i, rec in enumerate(early_records(tiny_llm, questions, refs, features, 6, ["\n"]))])  # fmt: skip
-    loop, gate = recording_loop(tiny_llm, facts, features, batch_size=16)
+    loop, gate = labelling_loop(tiny_llm, facts, features, batch_size=16)
     records = utility_records(loop, gate, questions, refs, list(early["answer"]))
     splits = ["train", "train", "val", "val", "test", "test"] * 8  # a known fact and an unknown one in each split, in turn
     labels = pd.DataFrame([{"id": f"q{i}", "split": splits[i], "question": q, "answers": a, **r} for i, (q, a, r) in enumerate(zip(questions, refs, records))])
@@ -179,6 +190,23 @@ def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(lab
         assert retrieval.used == (retrieval.gate_score >= detector.gate_threshold)
         assert result.answer == (always.answer if retrieval.used else none.answer)
     assert any(kept) and not all(kept)
+
+
+def test_the_gate_reads_in_the_loop_what_the_labels_store():
+    item = PostRetrieval("q", {}, 0.5, 1.25, 0.125, np.array([0.1, -2.0], dtype=np.float32), [3.0, 1.5])
+    stored = ["post_first_token_prob", "post_first_token_entropy", "post_first_token_margin", "post_hidden", "retrieval_scores"]
+    assert list(post_columns(item)) == stored
+    assert as_post(post_columns(item)) == post_features(item)
+    assert post_features(item)["hidden"] == [np.float32(0.1), -2.0] and post_features(dataclasses.replace(item, hidden=None))["hidden"] is None
+
+
+def test_only_labelled_rows_are_joined_from_records_or_from_the_labels_table():
+    early = pd.DataFrame({"id": ["a", "b", "c"], "status": ["ok", "ok", "skipped: empty"], "first_token_prob": [0.1, 0.2, 0.3]})
+    records = pd.DataFrame([{"id": "a", "utility": HELPS, "error": None}, {"id": "b", "error": "failed: too long"},
+                            {"id": "c", "utility": NEITHER, "error": None}])  # fmt: skip
+    table = pd.DataFrame({"id": ["a", "b", "c"], "utility": [HELPS, None, NEITHER], "status": ["ok", "skipped: too long", "ok"]})
+    assert list(joined(records, early)["id"]) == ["a"] == list(joined(table, early)["id"])  # c: its question is not usable
+    assert joined(records[records["id"] == "b"].dropna(axis=1), early).empty  # no row labelled: no utility column
 
 
 def test_operating_thresholds_are_the_most_accurate_point_of_the_validation_sweep():

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from detectors.evaluation.scorers import TokenStatScorer
+from detectors.llm.distribution import entropy as token_entropy
 from detectors.llm.kv import KV, as_cache, batches, forward_rows, stack_left
 from detectors.llm.layers import decoder_layers
 from detectors.llm.loading import LLM
@@ -127,7 +128,7 @@ def rind_scores(
             for b, i in enumerate(idx):
                 start, n = len(prompts[i]), len(continuations[i])
                 logp = torch.log_softmax(logits[b, start - 1 : start - 1 + n].float(), dim=-1)
-                entropy = (-(logp.exp() * logp).nan_to_num().sum(-1)).cpu().numpy()
+                entropy = token_entropy(logp).cpu().numpy()
                 out[i] = rind_trace(llm, continuations[i], entropy, a_max[b, start : start + n], stopwords)
             if progress is not None:
                 progress.update(len(idx))

@@ -27,9 +27,14 @@ def check_trigger(key: str, trigger: str) -> None:
              f"or utility-{CORPUS}@champion")
 
 
+def on_corpus(spec: str, corpus: str) -> str:
+    """A configured trigger as it runs on ``corpus`` (its ``{corpus}`` replaced by the corpus's name)."""
+    return spec.replace(CORPUS, corpus)
+
+
 def trigger_names(spec: str, corpora: list[str]) -> list[str]:
     """The names a configured trigger goes by on ``corpora`` (a registered detector by its model name)."""
-    return list(dict.fromkeys(spec.replace(CORPUS, c).split("@", 1)[0] for c in corpora))
+    return list(dict.fromkeys(on_corpus(spec, c).split("@", 1)[0] for c in corpora))
 
 
 @dataclasses.dataclass(frozen=True)

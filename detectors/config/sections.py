@@ -43,6 +43,7 @@ class PathsParams:
     early_shards: str
     early: str
     early_report: str
+    early_answer_hidden: str
     early_model: str
     train_early_metrics: str
     articles: str
@@ -127,13 +128,20 @@ class QAParams:
 
 @dataclasses.dataclass(frozen=True)
 class BuildEarlyParams:
+    """``answer_hidden_layers``: the layers whose hidden state of every answer token is kept while the answers are
+    decoded (the real-time detector's ``answers`` candidate reads them beside the same token's probability and
+    entropy, so they are ``build_realtime.hidden_layers``)."""
+
     features: EarlyFeatureParams
     max_new_tokens: int
     stop: list[str]
+    answer_hidden_layers: list[int]
     shard_size: int
     max_failed_share: float
 
     def check(self, where: str) -> None:
+        if not self.answer_hidden_layers:
+            fail(f"{where}.answer_hidden_layers", self.answer_hidden_layers, "name at least one layer, e.g. build_realtime.hidden_layers")
         positive(f"{where}.max_new_tokens", self.max_new_tokens)
         positive(f"{where}.shard_size", self.shard_size)
         check_share(f"{where}.max_failed_share", self.max_failed_share)
@@ -216,16 +224,27 @@ class BuildRealtimeParams:
 
 @dataclasses.dataclass(frozen=True)
 class TrainRealtimeParams:
-    """``tokens``: the candidates to train on, ``entity`` (entity tokens) and/or ``all`` (every generated token,
-    non-entity tokens labelled supported); the one whose served max over all tokens has the best validation
-    continuation AUROC is kept."""
+    """``tokens``: the candidate training sets, each a token set or several joined by ``+``: ``entity`` (the
+    Wikipedia continuations' entity tokens), ``all`` (every token of those continuations, non-entity tokens labelled
+    supported), ``answers`` (every token of the early set's QA answers, labelled by the answer's label).
+    ``choose_on``: the validation records whose served AUROC (max over all their tokens) chooses the candidate and
+    its served threshold: ``answers`` (the QA validation answers, the task the RAG loop serves it on) or
+    ``continuations``."""
 
-    tokens: list[Literal["entity", "all"]]
+    tokens: list[str]
+    choose_on: Literal["answers", "continuations"]
     training: TrainingParams
 
     def check(self, where: str) -> None:
         if not self.tokens or len(set(self.tokens)) != len(self.tokens):
-            fail(f"{where}.tokens", self.tokens, "list each candidate once: [entity], [all] or [entity, all]")
+            fail(f"{where}.tokens", self.tokens, "list each candidate once, e.g. [entity, all, answers, all+answers]")
+        for name in self.tokens:
+            parts = name.split("+")
+            if any(p not in TOKEN_SETS for p in parts) or len(set(parts)) != len(parts) or {"entity", "all"} <= set(parts):
+                fail(f"{where}.tokens", name, f"a candidate is one of {list(TOKEN_SETS)} or several joined by '+' (not entity with all)")
+
+
+TOKEN_SETS = ("entity", "all", "answers")  # what the real-time detector's candidates train on (TrainRealtimeParams)
 
 
 @dataclasses.dataclass(frozen=True)

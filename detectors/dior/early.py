@@ -8,6 +8,7 @@ their greedy answers are decoded together. One question is a batch of one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -18,7 +19,8 @@ from detectors.config.schema import EarlyFeatureParams
 from detectors.dior.attribution import IGItem, attribution_distribution, attribution_entropy, batch_token_attributions, keyword_candidates
 from detectors.errors import RecordError
 from detectors.llm.kv import as_cache, prefix_states, shared_prefix_length
-from detectors.llm.layers import hidden_state_indices
+from detectors.llm.distribution import entropy
+from detectors.llm.layers import StateTap, hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.sources.text import contains_reference
 
@@ -90,9 +92,9 @@ def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeature
         res = llm.model(batch, past_key_values=as_cache(prefix, len(rows), llm.model.config), output_hidden_states=True, use_cache=True)
     last = torch.tensor([len(r) - 1 for r in rows], device=llm.device)
     at = torch.arange(len(rows), device=llm.device)
-    probs = torch.softmax(res.logits[at, last].float(), dim=-1)
-    top2 = torch.topk(probs, 2, dim=-1)
-    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    logp = torch.log_softmax(res.logits[at, last].float(), dim=-1)
+    top2 = torch.topk(logp.exp(), 2, dim=-1)
+    first_entropy = entropy(logp)
     hidden = torch.cat([res.hidden_states[layer][at, last].float() for layer in layers], dim=-1).cpu().numpy()
     continuation = Continuation(res.past_key_values, [common + len(r) for r in rows], common + width)
     items = [IGItem(encoded[i][0][common:], encoded[i][1][common:], int(top2.indices[b, 0])) for b, i in enumerate(keys)]
@@ -108,7 +110,7 @@ def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeature
             keywords=keyword_candidates(tokens, p),
             first_token_id=int(top2.indices[b, 0]),
             first_token_prob=float(top2.values[b, 0]),
-            first_token_entropy=float(entropy[b]),
+            first_token_entropy=float(first_entropy[b]),
             first_token_margin=float(top2.values[b, 0] - top2.values[b, 1]),
             hidden=hidden[b].astype(np.float32),
             cache=continuation,
@@ -125,55 +127,99 @@ def question_features(llm: LLM, question: str, params: EarlyFeatureParams) -> Qu
     return f
 
 
-def greedy_answers(llm: LLM, feats: list[QuestionFeatures], max_new_tokens: int, stop: list[str] = ()) -> list[str]:
+@dataclasses.dataclass
+class Answer:
+    """A question's greedy answer and what the LLM did while decoding it, token by token, as the RAG loop sees a
+    segment: ``ids`` are the answer's tokens without the one that completes a stop string (the text is what comes
+    before the stop string), each with the probability it had when chosen and that distribution's entropy, and,
+    when layers were asked for, its hidden states at its own position (as the real-time detector reads them)."""
+
+    text: str
+    ids: list[int]
+    prob: np.ndarray  # [n]
+    entropy: np.ndarray  # [n] nats
+    hidden: np.ndarray | None  # [n, len(layers) * H] float16, or None
+
+
+def decode_answers(
+    llm: LLM, feats: list[QuestionFeatures], max_new_tokens: int, stop: list[str] = (), state_indices: list[int] | None = None
+) -> list[Answer]:
     """Each question's greedy continuation up to the first stop string or end of sequence, decoded together.
 
     Continues from the prompts' shared cache and first tokens (``feats`` from one
     :func:`batch_question_features` call), so no prompt runs again. Padding positions of the cache are
-    masked out; every row keeps its own positions.
+    masked out; every row keeps its own positions. With ``state_indices`` (hidden-state indices, see
+    :mod:`detectors.llm.layers`) every kept token is run (a row that reaches ``max_new_tokens`` runs its last
+    token too) and its hidden states at those indices are captured on the way.
     """
     if not feats:
         return []
     cont = feats[0].cache
     if any(f.cache is not cont for f in feats):
-        raise ValueError("greedy_answers continues one batch: pass features from one batch_question_features call")
+        raise ValueError("decode_answers continues one batch: pass features from one batch_question_features call")
     eos = llm.eos_token_ids
     n_rows = len(cont.lengths)
-    tokens: list[list[int]] = [[] for _ in range(n_rows)]
-    current = {f.row: f.first_token_id for f in feats}
+    said: list[list[int]] = [[] for _ in range(n_rows)]  # every token generated before the end (the text is cut at the stop)
+    kept: list[list[tuple[int, float, float]]] = [[] for _ in range(n_rows)]  # (token, prob, entropy) of the answer's tokens
+    hidden: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
+    current = {f.row: (f.first_token_id, f.first_token_prob, f.first_token_entropy) for f in feats}
     live = set(current)
     cache = cont.cache
     mask = torch.zeros(n_rows, cont.width, dtype=torch.long, device=llm.device)
     for r, n in enumerate(cont.lengths):
         mask[r, :n] = 1
-    step = 0
-    with torch.no_grad():
+    tap = StateTap(llm.model, state_indices) if state_indices else contextlib.nullcontext()
+    step, width = 0, 0
+    with torch.no_grad(), tap:
         while True:
             for r in sorted(live):
-                token = current[r]
+                token, prob, ent = current[r]
                 if token in eos:
                     live.discard(r)
                     continue
-                tokens[r].append(token)
-                text = llm.tokenizer.decode(tokens[r], skip_special_tokens=True)
-                if len(tokens[r]) >= max_new_tokens or any(s in text for s in stop):
-                    live.discard(r)
-            if not live:
+                said[r].append(token)
+                if any(s in llm.tokenizer.decode(said[r], skip_special_tokens=True) for s in stop):
+                    live.discard(r)  # the token completing a stop string is not part of the answer
+                    continue
+                kept[r].append((token, prob, ent))
+            if not live or (not state_indices and all(len(kept[r]) >= max_new_tokens for r in live)):
                 break
-            feed = torch.tensor([[current.get(r, 0) if r in live else 0] for r in range(n_rows)], device=llm.device)
+            feed = torch.tensor([[current[r][0] if r in live else 0] for r in range(n_rows)], device=llm.device)
             mask = torch.cat([mask, torch.ones(n_rows, 1, dtype=torch.long, device=llm.device)], dim=1)
             positions = torch.tensor([[n + step] for n in cont.lengths], device=llm.device)
             out = llm.model(feed, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
             cache, step = out.past_key_values, step + 1
-            nxt = out.logits[:, -1].argmax(-1).tolist()
-            current = {r: nxt[r] for r in live}
+            states = tap.take()[:, -1] if state_indices else None
+            width = states.shape[-1] if states is not None else 0
+            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+            nxt, ent = logp.argmax(-1), entropy(logp)
+            prob = logp.gather(1, nxt[:, None])[:, 0].exp()
+            for r in sorted(live):
+                if states is not None:
+                    hidden[r].append(states[r])
+                if len(kept[r]) >= max_new_tokens:
+                    live.discard(r)
+                else:
+                    current[r] = (int(nxt[r]), float(prob[r]), float(ent[r]))
+            if not live:
+                break
     answers = []
     for f in feats:
-        text = llm.tokenizer.decode(tokens[f.row], skip_special_tokens=True)
+        text = llm.tokenizer.decode(said[f.row], skip_special_tokens=True)
         for s in stop:  # the answer is what comes before the first stop string
             text = text.split(s, 1)[0]
-        answers.append(text.strip())
+        ids = [t for t, _, _ in kept[f.row]]
+        states = None
+        if state_indices:
+            states = torch.stack(hidden[f.row]).cpu().numpy() if hidden[f.row] else np.zeros((0, width), np.float16)
+        answers.append(Answer(text.strip(), ids, np.array([p for _, p, _ in kept[f.row]], np.float32),
+                              np.array([e for _, _, e in kept[f.row]], np.float32), states))  # fmt: skip
     return answers
+
+
+def greedy_answers(llm: LLM, feats: list[QuestionFeatures], max_new_tokens: int, stop: list[str] = ()) -> list[str]:
+    """Each question's greedy answer (the text of :func:`decode_answers`)."""
+    return [a.text for a in decode_answers(llm, feats, max_new_tokens, stop)]
 
 
 def greedy_answer(llm: LLM, f: QuestionFeatures, max_new_tokens: int, stop: list[str] = ()) -> str:
@@ -182,20 +228,29 @@ def greedy_answer(llm: LLM, f: QuestionFeatures, max_new_tokens: int, stop: list
 
 
 def early_records(
-    llm: LLM, questions: list[str], answers: list[list[str]], features: EarlyFeatureParams, max_new_tokens: int, stop: list[str]
+    llm: LLM, questions: list[str], answers: list[list[str]], features: EarlyFeatureParams, max_new_tokens: int, stop: list[str],
+    state_indices: list[int] | None = None,
 ) -> list[dict | RecordError]:
     """Rows of the early-detection set for a batch of questions: features, greedy answer and the containment
-    label (1 = hallucination: no reference answer contained in the answer), or the RecordError of an unusable one."""
+    label (1 = hallucination: no reference answer contained in the answer), or the RecordError of an unusable one.
+
+    Each row also has its answer's tokens (``answer_ids``) with their probability and entropy; with
+    ``state_indices`` also ``answer_hidden``, their hidden states (:class:`Answer`), which a caller storing the row
+    in a table keeps elsewhere: the real-time detector's candidate training set of QA answers."""
     feats = batch_question_features(llm, questions, features)
     usable = [f for f in feats if isinstance(f, QuestionFeatures)]
-    said = iter(greedy_answers(llm, usable, max_new_tokens, stop))
+    said = iter(decode_answers(llm, usable, max_new_tokens, stop, state_indices))
     out: list[dict | RecordError] = []
     for f, refs in zip(feats, answers):
         if isinstance(f, RecordError):
             out.append(f)
             continue
         answer = next(said)
-        out.append({"answer": answer, "label": int(not contains_reference(answer, refs)), **features_to_row(f)})
+        row = {"answer": answer.text, "label": int(not contains_reference(answer.text, refs)), **features_to_row(f),
+               "answer_ids": answer.ids, "answer_prob": answer.prob.tolist(), "answer_entropy": answer.entropy.tolist()}  # fmt: skip
+        if answer.hidden is not None:
+            row["answer_hidden"] = answer.hidden
+        out.append(row)
     return out
 
 

@@ -59,6 +59,19 @@ def token_table(frame: pd.DataFrame, hidden: np.ndarray, tokens: str = "entity")
     return np.concatenate(feats), np.concatenate(labels).astype(np.int64), pd.concat(where, ignore_index=True)
 
 
+def answer_records(early: pd.DataFrame) -> pd.DataFrame:
+    """The early set's answers as records of the real-time set's schema (what :func:`token_table`, ``record_scores``
+    and :mod:`detectors.dior.served` read): every ok question whose answer has a token, its tokens (``gen_ids``,
+    ``prob``, ``entropy``, hidden-state rows from ``answer_hidden_offset``) all labelled with the answer's label."""
+    ok = early[(early["status"] == "ok") & (early["answer_ids"].map(len) > 0)]
+    return pd.DataFrame({
+        "id": ok["id"], "split": ok["split"], "status": "ok", "label": ok["label"].astype(int), "feature_dtype": ok["feature_dtype"],
+        "gen_ids": ok["answer_ids"], "prob": ok["answer_prob"], "entropy": ok["answer_entropy"],
+        "token_label": [[int(label)] * len(ids) for label, ids in zip(ok["label"], ok["answer_ids"])],
+        "hidden_offset": ok["answer_hidden_offset"],
+    }).reset_index(drop=True)  # fmt: skip
+
+
 class TriggerStop(StoppingCriteria):
     """Stops ``model.generate`` once every sequence has a token at or above the detector's threshold (on the
     scores' device: only the tokens scored since the last call are compared)."""

@@ -1,9 +1,11 @@
-"""Training the real-time detector: one MLP per candidate token set (entity tokens, or every generated token),
-kept by the validation continuation AUROC of what is served, the max of its probability over all generated
-tokens (:func:`detectors.dior.served.served_auroc`)."""
+"""Training the real-time detector: one MLP per candidate training set (the Wikipedia continuations' entity
+tokens or all their tokens, the QA answers' tokens, or several of them), kept by the validation AUROC of what is
+served, the max of its probability over all of a record's tokens (:func:`detectors.dior.served.served_auroc`), on
+the continuations or on the QA answers (``choose_on``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -15,6 +17,7 @@ from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector, collate, token_table
 from detectors.dior.served import served_auroc, served_threshold
+from detectors.errors import InputError
 from detectors.evaluation.metrics import OneClassError, choose_threshold, require_both_classes
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
@@ -23,10 +26,57 @@ from detectors.training import fit, training_info
 
 log = logging.getLogger(__name__)
 
+CONTINUATIONS, ANSWERS = "continuations", "answers"  # the record sets a detector is trained and judged on
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSets:
+    """What the real-time detector can learn from: ``continuations``, the real-time set's records and hidden-state
+    rows; ``answers``, the early set's answers as records of the same schema
+    (:func:`~detectors.dior.realtime_detector.answer_records`) and theirs, captured at the same layers."""
+
+    continuations: tuple[pd.DataFrame, np.ndarray]
+    answers: tuple[pd.DataFrame, np.ndarray] | None = None
+
+    def __post_init__(self) -> None:
+        if self.answers is None:
+            return
+        (cont, h_cont), (ans, h_ans) = self.continuations, self.answers
+        if h_cont.shape[1] != h_ans.shape[1]:
+            raise InputError(
+                f"the QA answers' hidden states have width {h_ans.shape[1]}, the continuations' {h_cont.shape[1]}: capture both at the "
+                "same layers (build_early.answer_hidden_layers = build_realtime.hidden_layers) and rerun build_early"
+            )
+        if frame_dtype(cont, "the real-time set") != frame_dtype(ans, "the early set's answers"):
+            raise InputError("the real-time set and the early set were computed in different dtypes: rebuild one of them (llm.dtype)")
+
+    def records(self, source: str) -> tuple[pd.DataFrame, np.ndarray]:
+        if source == CONTINUATIONS:
+            return self.continuations
+        if source != ANSWERS:
+            raise ValueError(f"source = {source!r}: use {CONTINUATIONS!r} or {ANSWERS!r}")
+        if self.answers is None:
+            raise InputError("no QA answer tokens were given: the 'answers' candidate and choose_on: answers need build_early's answer tokens")
+        return self.answers
+
+    @property
+    def sources(self) -> list[str]:
+        return [CONTINUATIONS] + ([ANSWERS] if self.answers is not None else [])
+
+    def table(self, candidate: str) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+        """:func:`token_table` of a candidate: ``entity`` or ``all`` of the continuations, ``answers`` (every answer
+        token), or several joined by ``+``, stacked."""
+        parts = []
+        for part in candidate.split("+"):
+            frame, hidden = self.records(ANSWERS if part == ANSWERS else CONTINUATIONS)
+            parts.append(token_table(frame, hidden, "all" if part == ANSWERS else part))
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate([x for x, _, _ in parts]), np.concatenate([y for _, y, _ in parts]), pd.concat([w for _, _, w in parts], ignore_index=True)
+
 
 def train_realtime_detector(
-    frame: pd.DataFrame,
-    hidden: np.ndarray,
+    sets: TokenSets,
     params: TrainingParams,
     *,
     tokens: str = "entity",
@@ -37,15 +87,15 @@ def train_realtime_detector(
     llm_ref: dict[str, Any],
     fast_dev_run: bool = False,
 ) -> RealtimeDetector:
-    """Train on the ``tokens`` (``entity`` or ``all``, see :func:`token_table`) of ``train``; early-stop and choose
-    the threshold on the same tokens of ``val`` only.
+    """Train on the ``tokens`` (a candidate of :meth:`TokenSets.table`) of ``train``; early-stop and choose the
+    threshold on the same tokens of ``val`` only.
 
     ``hidden_layers``, ``prompt`` and ``spacy_model`` are how the set was recorded: the detector stores
     them (and the layers' hidden-state indices for ``fingerprint``'s depth) so that serving captures the
-    same features, and the dtype they were computed in (the set's ``feature_dtype`` column) in ``llm_ref``.
+    same features, and the dtype they were computed in (the sets' ``feature_dtype`` column) in ``llm_ref``.
     """
-    llm_ref = {**llm_ref, "dtype": frame_dtype(frame, "the real-time set")}
-    x, y, where = token_table(frame, hidden, tokens)
+    llm_ref = {**llm_ref, "dtype": frame_dtype(sets.continuations[0], "the real-time set")}
+    x, y, where = sets.table(tokens)
     train, val = (where["split"] == "train").to_numpy(), (where["split"] == "val").to_numpy()
     require_both_classes(y[train], f"the train split's {tokens} tokens")
     require_both_classes(y[val], f"the validation split's {tokens} tokens")
@@ -73,39 +123,53 @@ def train_realtime_detector(
     return detector
 
 
-def train_and_choose(
-    frame: pd.DataFrame, hidden: np.ndarray, params: TrainingParams, candidates: list[str], **kwargs
-) -> RealtimeDetector:
-    """Train one detector per token set in ``candidates`` (``train_realtime.tokens``) and keep the one whose served
-    score (max over all generated tokens) has the best continuation AUROC on validation; the first listed wins a tie.
+def _served(detector: RealtimeDetector, sets: TokenSets, source: str, split: str) -> tuple[float | None, dict]:
+    """The served AUROC on ``split`` of ``source``'s records (None when that split is empty or of one class) and the
+    scores."""
+    frame, hidden = sets.records(source)
+    part = frame[frame["split"] == split]
+    scores = detector.record_scores(part, hidden)
+    try:
+        return served_auroc(part, scores, split), scores
+    except InputError:  # no record, or one class (OneClassError)
+        return None, scores
 
-    The kept detector's ``info`` records the choice (``tokens``), its ``val_served_auroc`` and every candidate's
-    (``candidates``). Its ``threshold`` is then chosen for serving: on the validation continuations' max over all
-    generated tokens (the token-level one stays in ``info["token_threshold"]``), because served it fires at the
-    first token that reaches it; a token-level threshold fires on most correct continuations. With one candidate a
-    one-class validation split leaves its served AUROC None (and the token-level threshold); with more, it is an
-    error (nothing to choose by).
+
+def train_and_choose(
+    sets: TokenSets, params: TrainingParams, candidates: list[str], choose_on: str = CONTINUATIONS, **kwargs
+) -> RealtimeDetector:
+    """Train one detector per candidate in ``candidates`` (``train_realtime.tokens``) and keep the one whose served
+    score (max over all of a record's tokens) has the best AUROC on the validation records of ``choose_on``
+    (``continuations`` or ``answers``); the first listed wins a tie.
+
+    The kept detector's ``info`` records the choice (``tokens``, ``chosen_on``), its ``val_served_auroc`` and every
+    candidate's (``candidates``), with each candidate's served AUROC on the validation and test records of every
+    set (``served_auroc``: reported, never chosen by). Its ``threshold`` is then chosen for serving, on the
+    validation records of ``choose_on`` by their max over all tokens (the token-level one stays in
+    ``info["token_threshold"]``), because served it fires at the first token that reaches it; a token-level
+    threshold fires on most correct records. With one candidate a one-class validation split leaves its served
+    AUROC None (and the token-level threshold); with more, it is an error (nothing to choose by).
     """
-    val = frame[frame["split"] == "val"]
+    sets.records(choose_on)  # the set to choose on exists before anything trains
     best, best_auroc, best_scores, summary = None, float("-inf"), {}, {}
     for tokens in candidates:
-        detector = train_realtime_detector(frame, hidden, params, tokens=tokens, **kwargs)
-        val_scores = detector.record_scores(val, hidden)
-        try:
-            value = served_auroc(val, val_scores, "val")
-        except OneClassError as err:
-            if len(candidates) > 1:
-                raise OneClassError(f"train_realtime.tokens = {candidates}: cannot choose a candidate by validation ({err})") from err
-            value = None
-        info = detector.info
-        summary[tokens] = {"val_served_auroc": value, "best_val_auroc": info["best_val_auroc"], "threshold": detector.threshold}
-        log.info("trained on %s tokens: validation served continuation AUROC %s", tokens, value)
+        detector = train_realtime_detector(sets, params, tokens=tokens, **kwargs)
+        served = {source: {split: _served(detector, sets, source, split) for split in ("val", "test")} for source in sets.sources}
+        value, val_scores = served[choose_on]["val"]
+        if value is None and len(candidates) > 1:
+            raise OneClassError(f"train_realtime.tokens = {candidates}: cannot choose a candidate by validation (the {choose_on}' validation "
+                                "records are all of one class)")  # fmt: skip
+        summary[tokens] = {
+            "val_served_auroc": value, "best_val_auroc": detector.info["best_val_auroc"], "threshold": detector.threshold,
+            "served_auroc": {source: {split: auroc for split, (auroc, _) in by_split.items()} for source, by_split in served.items()},
+        }  # fmt: skip
+        log.info("trained on %s tokens: validation served AUROC on the %s %s", tokens, choose_on, value)
         if best is None or (value is not None and value > best_auroc):
             best, best_auroc, best_scores = detector, value, val_scores
-    best.info = {**best.info, "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"], "candidates": summary}
+    best.info = {**best.info, "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"], "chosen_on": choose_on, "candidates": summary}
     if best_auroc is not None:  # serving fires when the max so far reaches the threshold
         token_threshold = best.threshold
-        best.threshold = served_threshold(val, best_scores, params.threshold)
-        best.info |= {"token_threshold": token_threshold, "threshold_chosen_on": "validation continuations (max over tokens)"}
+        best.threshold = served_threshold(sets.records(choose_on)[0], best_scores, params.threshold)
+        best.info |= {"token_threshold": token_threshold, "threshold_chosen_on": f"validation {choose_on} (max over tokens)"}
         log.info("served threshold %.4f (token-level %.4f)", best.threshold, token_threshold)
     return best

@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessor
 
 from detectors.config.schema import RealtimePromptParams
+from detectors.llm.distribution import entropy as token_entropy
 from detectors.llm.layers import StateTap
 from detectors.llm.loading import LLM
 
@@ -81,7 +82,7 @@ class GenerationRecorder(LogitsProcessor):
             if self.scorer is not None:
                 self.scores.append(torch.as_tensor(self.scorer(hidden, prob, entropy)))
         self._prev_logp = logp
-        self._prev_entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
+        self._prev_entropy = token_entropy(logp)
         self.calls += 1
         return scores
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from detectors.config.schema import PromptParams
+from detectors.llm.distribution import entropy
 from detectors.llm.kv import PrefixStore, as_cache, cache_states, common_prefix, crop_states, join_states, row_states, stack_left
 from detectors.llm.loading import LLM
 from detectors.rag.context import render_passages, stepwise_retrieve
@@ -416,7 +417,7 @@ class RagLoop:
             return False
         row.gen.append(token)
         row.prob.append(logp[token].exp())
-        row.entropy.append(-(logp.exp() * logp).nan_to_num().sum())
+        row.entropy.append(entropy(logp))
         row.generated += 1
         return True
 
@@ -447,7 +448,7 @@ class RagLoop:
                 logp = torch.log_softmax(row.logits.float(), dim=-1)
                 top2 = torch.topk(logp.exp(), 2)
                 hidden = torch.cat(row.values[gate.key])[len(row.ran) - 1].float().cpu().numpy() if gate.probe is not None else None
-                items.append(PostRetrieval(row.question, row.question_stats, float(top2.values[0]), float(-(logp.exp() * logp).nan_to_num().sum()),
+                items.append(PostRetrieval(row.question, row.question_stats, float(top2.values[0]), float(entropy(logp)),
                                            float(top2.values[0] - top2.values[1]), hidden, row.retrievals[-1].scores))  # fmt: skip
             for row, score in zip(group, gate.judge(items)):
                 retrieval, row.gate = row.retrievals[-1], None

@@ -26,6 +26,8 @@ ROWS = (  # metric key, row label, format
     ("n", "questions", "{:d}"), ("failed", "failed", "{:d}"), ("no_passage", "nothing retrieved", "{:d}"),
     ("accuracy_vs_never", "Acc − no retrieval [95% CI]", DELTA), ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
 )  # fmt: skip
+TRADE = ("retrievals_saved_vs_always", "accuracy_lost_vs_always")  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
+TRADE_ROW = "vs always retrieve: retrievals saved at its accuracy or more, else accuracy lost"
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
 SWEEP_METRICS = ("area", "random_area", "area_over_random", "area_over_random_ci_low", "area_over_random_ci_high", "never_accuracy",
                  "always_accuracy", "rate_to_always")  # fmt: skip
@@ -69,8 +71,35 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
                 best = max(present, default=None)
                 cells = [f"**{c}**" if v is not None and best is not None and float(v) == best else c for v, c in zip(values, cells)]
             out.append(f"| {label} | " + " | ".join(cells) + " |")
+        if any(k in configs[c] for c in names for k in TRADE):
+            out.append(f"| {TRADE_ROW} | " + " | ".join(_trade(configs[c]) for c in names) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def _trade(values: Mapping[str, Any]) -> str:
+    saved, lost = (values.get(k) for k in TRADE)
+    if not _missing(saved):
+        return f"saves {saved:.0%}" if saved >= 0 else f"{1 - saved:.1f}× the retrievals"
+    return "–" if _missing(lost) else f"loses {lost:.3f}"
+
+
+def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict[str, dict[str, float]]:
+    """AdaRAGUE's comparison with always retrieving, per configuration of one corpus: where its accuracy is at least the
+    ``always`` configuration's, ``retrievals_saved_vs_always`` = 1 − its retrievals per question / always's (negative:
+    it retrieves more); else ``accuracy_lost_vs_always``, always's accuracy minus its own (the paired interval of that
+    difference is ``accuracy_vs_always``'s)."""
+    if always not in configs:
+        return {name: {} for name in configs}
+    ref = configs[always]
+    out = {}
+    for name, values in configs.items():
+        lost = float(ref["accuracy"]) - float(values["accuracy"])
+        if lost <= 0:
+            out[name] = {TRADE[0]: 1.0 - float(values["retrievals_per_question"]) / float(ref["retrievals_per_question"])}
+        else:
+            out[name] = {TRADE[1]: lost}
+    return out
 
 
 def curves_table(sweep: Mapping[str, Any]) -> str:

@@ -39,7 +39,7 @@ from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
-from detectors.utility.labels import HELPS, NEITHER, as_post
+from detectors.utility.labels import HELPS, NEITHER, as_post, post_features
 
 PRE_STAGE, GATE_STAGE = "pre", "gate"
 
@@ -182,17 +182,18 @@ class UtilityGate:
         self.probe = StateTap(detector.require_llm().model, detector.state_indices)
 
     def judge(self, items: list) -> list[float]:
-        post = [{"first_token_prob": i.first_token_prob, "first_token_entropy": i.first_token_entropy, "first_token_margin": i.first_token_margin,
-                 "hidden": i.hidden, "retrieval_scores": i.retrieval_scores} for i in items]  # fmt: skip
-        return [float(s) for s in self.detector.gate_proba([i.question_stats for i in items], post)]
+        return [float(s) for s in self.detector.gate_proba([i.question_stats for i in items], [post_features(i) for i in items])]
 
 
 # ---- training ---------------------------------------------------------------------------------------------
 
 
 def joined(labels: pd.DataFrame, early: pd.DataFrame) -> pd.DataFrame:
-    """The usable labels rows of one corpus with the early set's columns of their questions (by id)."""
-    ok = labels[labels["error"].isna()] if "error" in labels.columns else labels
+    """The usable labels rows of one corpus with the early set's columns of their usable questions (by id). ``labels``
+    may hold every row: :func:`~detectors.utility.labels.utility_records`' (a question the loop could not answer has
+    an ``error``) or the labels table's (its ``status`` is not ok); either way such a row has no ``utility`` label,
+    and only the labelled rows are kept."""
+    ok = labels[labels["utility"].notna()] if "utility" in labels.columns else labels.iloc[:0]
     cols = [c for c in early.columns if c not in ok.columns or c == "id"]
     return ok.merge(early[early["status"] == "ok"][cols], on="id", how="inner")
 

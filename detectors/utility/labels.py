@@ -23,6 +23,7 @@ from detectors.rag.metrics import accuracy
 HELPS, HURTS, NEITHER = "helps", "hurts", "neither"
 LABELS = (HELPS, HURTS, NEITHER)
 POST = "post_"  # prefix of the post-retrieval columns
+SCORES = "retrieval_scores"  # the one post-retrieval column stored under its own name (the early set has no such column)
 
 
 def utility_label(correct_without: bool, correct_with: bool) -> str:
@@ -52,18 +53,25 @@ class RecordingGate:
         return [1.0] * len(items)
 
 
-def post_columns(item) -> dict[str, Any]:
-    """The stored post-retrieval columns of a :class:`~detectors.rag.loop.PostRetrieval`."""
+def post_features(item) -> dict[str, Any]:
+    """What a gate reads of a :class:`~detectors.rag.loop.PostRetrieval`, under the early set's names: the first-token
+    statistics with the passages, the hidden state (a list, as stored) and the retriever's scores. The labels store
+    them (:func:`post_columns`) and the utility trigger's gate reads them in the loop: the same features both ways."""
     return {
-        f"{POST}first_token_prob": item.first_token_prob, f"{POST}first_token_entropy": item.first_token_entropy,
-        f"{POST}first_token_margin": item.first_token_margin, f"{POST}hidden": None if item.hidden is None else item.hidden.tolist(),
-        "retrieval_scores": list(item.retrieval_scores),
+        "first_token_prob": item.first_token_prob, "first_token_entropy": item.first_token_entropy, "first_token_margin": item.first_token_margin,
+        "hidden": None if item.hidden is None else item.hidden.tolist(), SCORES: list(item.retrieval_scores),
     }  # fmt: skip
 
 
+def post_columns(item) -> dict[str, Any]:
+    """The stored post-retrieval columns of a :class:`~detectors.rag.loop.PostRetrieval`: :func:`post_features`
+    prefixed with ``post_`` (the early set has columns of the same names), the retriever's scores as they are."""
+    return {k if k == SCORES else POST + k: v for k, v in post_features(item).items()}
+
+
 def as_post(row: dict) -> dict[str, Any]:
-    """A labels row's post-retrieval columns under the early set's names (what the gate's features read)."""
-    return {k[len(POST) :]: v for k, v in row.items() if k.startswith(POST)} | {"retrieval_scores": row["retrieval_scores"]}
+    """A labels row's post-retrieval columns under the early set's names (:func:`post_features` of what was stored)."""
+    return {k[len(POST) :]: v for k, v in row.items() if k.startswith(POST)} | {SCORES: row[SCORES]}
 
 
 def utility_records(loop, gate: RecordingGate, questions: list[str], references: list[list[str]], answers_without: list[str]) -> list[dict]:

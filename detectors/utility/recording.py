@@ -1,0 +1,21 @@
+"""The loop that labels retrieval utility (:func:`~detectors.utility.labels.utility_records` reads it), kept apart
+from the labels because the RAG loop imports them (through the utility trigger's gate)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.retriever import Retriever
+from detectors.rag.triggers import TRAINING_FREE
+from detectors.utility.labels import RecordingGate
+
+
+def recording_loop(llm, retriever: Retriever, config: RagConfig, layers: Sequence[int]) -> tuple[RagLoop, RecordingGate]:
+    """The loop that labels (:func:`~detectors.utility.labels.utility_records`): ``config``'s RAG loop over ``retriever`` with one ``always``
+    trigger (one retrieval with the question, before the answer) whose gate records what it saw at the hidden-state
+    indices ``layers`` and keeps every retrieval; and that gate."""
+    gate = RecordingGate(llm, layers)
+    always = dataclasses.replace(TRAINING_FREE["always"](llm, None, ""), gate=gate)
+    return RagLoop(llm, retriever, config, [always]), gate
