@@ -42,7 +42,8 @@ def continuation(tok) -> tuple[list[int], list[int]]:
 
 
 def by_hand(model, prompt: list[int], cont: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Entropy (Eq. 1) and a_max (Eq. 3: last layer, per head max over later tokens, mean over heads) with loops."""
+    """Entropy (Eq. 1) and a_max (last layer, per head max over the token's own and later query rows, mean over heads)
+    with loops."""
     with torch.no_grad(), attention_implementation(model, "eager"):
         out = model(torch.tensor([prompt + cont]), output_attentions=True)
     att, logits, p = out.attentions[-1][0].double(), out.logits[0].double(), len(prompt)
@@ -51,23 +52,56 @@ def by_hand(model, prompt: list[int], cont: list[int]) -> tuple[np.ndarray, np.n
         probs = torch.softmax(logits[p + k - 1], -1)
         entropy.append(float(-(probs * probs.log()).sum()))
         i, heads = p + k, att.shape[0]
-        later = [max(float(att[h, j, i]) for j in range(i + 1, p + len(cont))) if i + 1 < p + len(cont) else 0.0 for h in range(heads)]
-        a_max.append(sum(later) / heads)
+        a_max.append(sum(max(float(att[h, j, i]) for j in range(i, p + len(cont))) for h in range(heads)) / heads)
     return np.array(entropy), np.array(a_max)
 
 
-def test_rind_is_entropy_times_later_attention_times_content_word(tiny_llm):
+def sentence_scores(entropy, a_max, words: list[list[int]], content: list[int]) -> np.ndarray:
+    """DRAGIN's released code on one sentence's words (token indices each): a word's attention is its tokens' sum, its
+    entropy their mean; attentions normalised to sum to the number of words; score = that × entropy × s, per token."""
+    attention = np.array([a_max[w].sum() for w in words])
+    normalised = attention / attention.sum() * len(words)
+    out = np.zeros(len(entropy))
+    for k, w in enumerate(words):
+        out[w] = normalised[k] * entropy[w].mean() * content[k]
+    return out
+
+
+def test_rind_combines_entropy_and_attention_over_a_sentences_words_as_dragins_code_does(tiny_llm):
     tok = tiny_llm.tokenizer
     prompt, (cont, content) = ids(tok, PROMPT), continuation(tok)
     (trace,) = rind_scores(tiny_llm, [prompt], [cont])
     entropy, a_max = by_hand(tiny_llm.model, prompt, cont)
     np.testing.assert_allclose(trace.entropy, entropy, rtol=1e-4)
     np.testing.assert_allclose(trace.attention, a_max, rtol=1e-4, atol=1e-7)
-    assert trace.content.tolist() == content  # stop words and punctuation get s_i = 0
-    np.testing.assert_allclose(trace.rind, entropy * a_max * np.array(content), rtol=1e-4, atol=1e-7)
-    assert (trace.rind[np.array(content) == 0] == 0).all() and (trace.rind[np.array(content) == 1] > 0)[:-1].all()
-    assert trace.attention[-1] == 0  # the last token has no later token yet
+    assert trace.attention[-1] > 0  # the last token's attention to itself: a one-token answer has a value
+    # whitespace-delimited words: the final "." belongs to " Spain" (a content word); stop words score 0
+    spans, start = [], 0
+    for word in WORDS[:-2] + [" Spain."]:
+        n = len(ids(tok, word))
+        spans.append(list(range(start, start + n)))
+        start += n
+    assert trace.content.tolist() == content[: -len(ids(tok, "."))] + [1] * len(ids(tok, "."))
+    np.testing.assert_allclose(trace.rind, sentence_scores(entropy, a_max, spans, [1, 0, 0, 1, 0, 1]), rtol=1e-4, atol=1e-7)
+    assert (trace.rind[trace.content == 0] == 0).all() and (trace.rind[trace.content == 1] > 0).all()
     assert tiny_llm.model.config._attn_implementation == "sdpa"  # restored after the eager pass
+
+
+def test_rind_normalises_attention_within_each_sentence_and_scores_a_one_word_answer_by_its_entropy(tiny_llm):
+    tok = tiny_llm.tokenizer
+    prompt = ids(tok, PROMPT)
+    cont = ids(tok, " Paris is old. Rivers flow")
+    (trace,) = rind_scores(tiny_llm, [prompt], [cont])
+    entropy, a_max = by_hand(tiny_llm.model, prompt, cont)
+    words = [ids(tok, w) for w in (" Paris", " is", " old.", " Rivers", " flow")]
+    assert sum(map(len, words)) == len(cont)
+    bounds = np.cumsum([0] + [len(w) for w in words])
+    spans = [list(range(bounds[k], bounds[k + 1])) for k in range(len(words))]
+    expected = sentence_scores(entropy, a_max, spans[:3], [1, 0, 1]) + sentence_scores(entropy, a_max, spans[3:], [1, 1])
+    np.testing.assert_allclose(trace.rind, expected, rtol=1e-4, atol=1e-7)
+    # a one-word answer (DRAGIN's Eq. 3 gives its last token nothing to read): its score is its entropy
+    (one,) = rind_scores(tiny_llm, [ids(tok, "The capital of Peru is")], [ids(tok, " Lima")[:1]])
+    assert one.rind[0] == pytest.approx(one.entropy[0], rel=1e-6) and one.rind[0] > 0
 
 
 def test_rind_batched_with_padding_equals_one_by_one(tiny_llm):
@@ -83,7 +117,8 @@ def test_rind_batched_with_padding_equals_one_by_one(tiny_llm):
 
 
 def test_rind_while_generating_is_a_running_max_over_the_tokens_seen_so_far(tiny_llm):
-    """Called after each step on the text so far, a token's value only grows; at the end it is the full one."""
+    """Called after each step on the text so far, a token's attention maximum only grows; at the end its score is the
+    full one."""
     tok = tiny_llm.tokenizer
     prompt, (cont, _) = ids(tok, PROMPT), continuation(tok)
     (full,) = rind_scores(tiny_llm, [prompt], [cont])
@@ -91,7 +126,6 @@ def test_rind_while_generating_is_a_running_max_over_the_tokens_seen_so_far(tiny
     for m in range(1, len(cont) + 1):
         (now,) = rind_scores(tiny_llm, [prompt], [cont[:m]])
         np.testing.assert_allclose(now.entropy, full.entropy[:m], rtol=1e-4)  # causal: later tokens change no distribution
-        assert now.attention[-1] == 0  # the newest token: nothing has attended to it yet
         if previous is not None:
             assert (now.attention[: m - 1] >= previous.attention - 1e-7).all()
         previous = now

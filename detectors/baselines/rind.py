@@ -1,20 +1,26 @@
 """DRAGIN's RIND (Su et al. 2024, §3.1, Eq. 1-5): a generated token's real-time information need,
-``S_RIND(t_i) = H_i · a_max(i) · s_i``.
+``S_RIND(t_i) = H_i · a_max(i) · s_i``, combined over a sentence's words as DRAGIN's released code does.
 
 - ``H_i``: entropy (nats) of the distribution the token was drawn from (Eq. 1);
-- ``a_max(i) = max_{j>i} A[j, i]``: the largest attention any later token pays to it (Eq. 3). DRAGIN takes
-  the last Transformer layer (footnote 2) and does not say how heads combine; as DRAGIN's released code
-  does, each head's maximum over the later tokens is averaged over the heads. Later tokens are the
-  continuation's own (the prompt comes before every generated token); the attention is over the whole
-  prompt + continuation, so it is the attention the LLM paid while generating;
+- ``a_max(i)``: the largest attention a token at or after it pays to it (Eq. 3). DRAGIN takes the last Transformer
+  layer (footnote 2) and does not say how heads combine; as DRAGIN's released code does, each head's maximum is
+  averaged over the heads. Eq. 3 takes the later tokens (j > i), which leaves the last generated token (and so any
+  one-token answer) without a value; the released code (``src/generate.py``, ``generate_attn``) takes the max over
+  every query row, the token's attention to itself included, and so does this. Later tokens are the segment's own
+  (the prompt comes before every generated token); the attention is over the whole prompt + segment, the attention
+  the LLM paid while generating (the released code reruns the generated tokens alone, without their prompt);
 - ``s_i``: 0 when the token's word is a stop word or punctuation (spaCy's list, DRAGIN §4.5), else 1 (Eq. 4).
 
+How a sentence's tokens combine is the released code's (``generate_attn`` and ``AttnWeightRAG.modifier``; the paper
+is silent): tokens merge into whitespace-delimited words, a word's attention the sum of its tokens' ``a_max`` and
+its entropy their mean; within each sentence the words' attentions are normalised to sum to the sentence's number
+of words, and a word scores normalised attention × mean entropy × ``s`` (each of its tokens carries that score).
+A one-word answer therefore scores its entropy.
+
 :func:`rind_scores` computes it from one teacher-forced pass with eager attention (the only kind that
-returns attention weights), batched with right padding. **While the LLM generates**, every token gets its value
-over the later tokens seen so far, which only grows as generation goes on (``a_max`` is a running maximum); the
-newest token has no later token yet and reads 0. :func:`rind_on_states` scores generated tokens from the cached
-states of their prompt (only the generated tokens run again) and the entropies recorded while generating: the RAG
-loop's DRAGIN trigger.
+returns attention weights), batched with right padding. :func:`rind_on_states` scores a generated segment from the
+cached states of its prompt (only the generated tokens run again) and the entropies recorded while generating: the
+RAG loop's DRAGIN trigger, which judges each segment once it is generated.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from detectors.llm.distribution import entropy as token_entropy
 from detectors.llm.kv import KV, as_cache, batches, forward_rows, stack_left
 from detectors.llm.layers import decoder_layers
 from detectors.llm.loading import LLM
-from detectors.llm.words import DEFAULT_STOPWORDS, word_mask
+from detectors.llm.words import DEFAULT_STOPWORDS, spaced_words, word_mask
+from detectors.sources.text import sentence_of
 
 NAME = "rind"
 
@@ -41,9 +48,9 @@ class RindTrace:
     """RIND and its three factors for each token of one continuation."""
 
     entropy: np.ndarray  # [n] H_i (nats)
-    attention: np.ndarray  # [n] a_max(i), last layer, heads averaged; 0 for the last token
-    content: np.ndarray  # [n] s_i (1.0 content word, 0.0 stop word or punctuation)
-    rind: np.ndarray  # [n] H_i · a_max(i) · s_i
+    attention: np.ndarray  # [n] a_max(i), last layer, heads averaged
+    content: np.ndarray  # [n] s of the token's word (1.0 a content word, 0.0 stop words or punctuation only)
+    rind: np.ndarray  # [n] the token's word's score: sentence-normalised attention × mean entropy × s
 
 
 @contextlib.contextmanager
@@ -82,21 +89,36 @@ class _LastLayerAttention:
 
 
 def rind_trace(llm: LLM, continuation: list[int], entropy, attention, stopwords: frozenset[str]) -> RindTrace:
-    """Eq. 5 of one continuation from its tokens' entropies ``H_i`` and attention maxima ``a_max(i)``: ``s_i`` from its
-    words, and the product."""
+    """Eq. 5 of one segment from its tokens' entropies ``H_i`` and attention maxima ``a_max(i)``, combined over each
+    sentence's words as DRAGIN's released code does (see the module's docstring); ``content`` is each token's
+    word's ``s``."""
     entropy, attention = np.asarray(entropy, dtype=np.float64), np.asarray(attention, dtype=np.float64)
-    content = np.asarray(word_mask(llm.tokenizer, list(continuation), stopwords), dtype=np.float64)
-    return RindTrace(entropy, attention, content, entropy * attention * content)
+    ids = list(continuation)
+    token_content = np.asarray(word_mask(llm.tokenizer, ids, stopwords), dtype=np.float64)
+    words = np.asarray(spaced_words(llm.tokenizer, ids), dtype=np.int64)
+    n_words = int(words.max()) + 1 if len(words) else 0
+    word_attention = np.bincount(words, attention, n_words)
+    word_entropy = np.bincount(words, entropy, n_words) / np.bincount(words, minlength=n_words)
+    word_content = np.zeros(n_words)
+    np.maximum.at(word_content, words, token_content)
+    texts = [llm.tokenizer.decode([ids[i] for i in np.flatnonzero(words == w)], skip_special_tokens=True) for w in range(n_words)]
+    sentences = np.asarray(sentence_of(texts), dtype=np.int64)
+    total, size = np.bincount(sentences, word_attention), np.bincount(sentences)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        normalised = np.nan_to_num(word_attention / total[sentences] * size[sentences])
+    score = normalised * word_entropy * word_content
+    return RindTrace(entropy, attention, word_content[words], score[words])
 
 
 def later_attention_max(weights: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Eq. 3 per position: ``max_{i<j<length} A[j, i]`` per head, averaged over heads; ``[B, T]``.
+    """``a_max`` per position: ``max_{i<=j<length} A[j, i]`` per head (the token's attention to itself included, as
+    DRAGIN's released code takes it), averaged over heads; ``[B, T]``.
 
     ``weights`` is ``[B, heads, T(query j), T(key i)]``; queries at or past a row's length (padding) are ignored.
     """
     T = weights.shape[-1]
     pos = torch.arange(T, device=weights.device)
-    later = pos[:, None] > pos[None, :]  # [j, i]: j after i
+    later = pos[:, None] >= pos[None, :]  # [j, i]: j at or after i
     real = pos[None, :] < lengths[:, None].to(weights.device)  # [B, j]
     keep = later[None] & real[:, :, None]  # [B, j, i]
     per_head = weights.float().masked_fill(~keep[:, None], 0.0).amax(dim=2)  # [B, heads, i]

@@ -39,6 +39,18 @@ def token_words(tokenizer, ids: list[int]) -> list[int]:
     return out
 
 
+def spaced_words(tokenizer, ids: list[int]) -> list[int]:
+    """The word index of each token when words are whitespace-delimited (punctuation stays with its word): a token
+    whose text starts with whitespace starts a word, as DRAGIN's released code merges tokens."""
+    word, out = -1, []
+    for t in ids:
+        piece = tokenizer.decode([t], skip_special_tokens=True)
+        if word < 0 or piece[:1].isspace():
+            word += 1
+        out.append(word)
+    return out
+
+
 def word_spans(tokenizer, ids: list[int]) -> list[tuple[list[int], str]]:
     """Each word of ``ids`` in order: its token indices and its text (the word's tokens decoded together, so a
     character split over two byte-level tokens comes out whole)."""
