@@ -5,8 +5,8 @@ statistics (:class:`~detectors.rag.stats.SegmentView`) and the position it fired
 statistics it cannot do without (the loop refuses a configuration whose triggers provide none of them).
 
 - :class:`QuestionQuery`: the question itself (single-round RAG; the sweep's fixed query);
-- :class:`FlareQuery`: FLARE's masked query, as DRAGIN §5.4 describes it: the question and the tentative segment
-  without its low-probability words;
+- :class:`FlareQuery`: FLARE's masked query, as DRAGIN's Table 1 describes it: the last generated sentence (the
+  tentative segment) without its low-probability words;
 - :class:`QfsQuery`: DRAGIN's QFS (§3.2): the words the flagged token attends to most (last layer, mean over heads),
   in text order;
 - :class:`DiorQuery`: DioR's pre-retrieval importance score (§3.3.1) over the detectors' keyword candidates (the
@@ -50,9 +50,10 @@ class DiorWeights:
 
 
 def flare_query(tokenizer, question: str, gen_ids: list[int], probs: np.ndarray, theta: float) -> str:
-    """The question and the segment without the words that hold a token of probability below ``theta``."""
-    kept = [text for idx, text in word_spans(tokenizer, gen_ids) if min(float(probs[i]) for i in idx) >= theta]
-    return f"{question.strip()} {''.join(kept).strip()}".strip()
+    """The segment without the words that hold a token of probability below ``theta``; the question when no word is
+    left (FLARE's first query is the input itself)."""
+    kept = "".join(text for idx, text in word_spans(tokenizer, gen_ids) if min(float(probs[i]) for i in idx) >= theta).strip()
+    return kept or question.strip()
 
 
 def last_layer_attention(llm: LLM, ids: list[int]) -> np.ndarray:
