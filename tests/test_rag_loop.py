@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import mlflow
 import numpy as np
@@ -158,6 +159,21 @@ def test_the_early_sets_answer_tokens_are_what_the_loop_serves_the_realtime_dete
         if t.gen_ids:
             np.testing.assert_allclose(offline[f"q{i}"], t.token_scores[served.name], atol=1e-3)
             assert answers.set_index("id").loc[f"q{i}", "token_label"] == [int("Paris" not in record["answer"])] * len(t.gen_ids)
+
+
+def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriever, registry):
+    """CtrlA's Alg. 1 (lines 6-10): a flagged segment is retrieved for, re-predicted with the passages and appended,
+    never judged again; a new-content word is one outside the question and the answer so far (Eq. 3's q ∪ y<t), so a
+    word that the prompt's few-shot primer shows ("Paris") still counts as new."""
+    confidence = trigger("t-confidence@champion", tiny_llm, registry)  # tau = 100: every new content word is unconfident
+    config = RagConfig("ctrla", PROMPT, k=1, max_new_tokens=6, max_retrievals=3)
+    (trace,) = RagLoop(tiny_llm, retriever, config, [confidence]).trace(["The capital of Kenya is"])
+    paris = [i for i, t in enumerate(trace.gen_ids) if "Paris" in tiny_llm.tokenizer.decode([t])]
+    assert paris and "Paris" in PROMPT.template and trace.stats["new_content"][paris].all()  # new, though the primer shows it
+    for question in QUESTIONS[:6] + ["The capital of Kenya is"]:
+        result = RagLoop(tiny_llm, retriever, config, [confidence]).answer(question)
+        segments = 1 + sum(1 for _ in re.finditer(r"[.!?]\s", result.answer))  # the answer's sentences: at most one retrieval each
+        assert 1 <= len(result.retrievals) <= segments, (question, result.answer, len(result.retrievals))
 
 
 def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm):

@@ -110,7 +110,7 @@ class ConfidenceDetector(_CtrlADetector):
         vectors = steering.vectors() if steering is not None else None
         return generate_segment(
             llm, ids, max_new_tokens or p.max_new_tokens, monitor=self.monitor(), steering=vectors, question=question,
-            context_text=llm.tokenizer.decode(ids[0]), refusal_patterns=p.refusal_patterns,
+            refusal_patterns=p.refusal_patterns,
         )  # fmt: skip
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:

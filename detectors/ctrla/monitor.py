@@ -211,6 +211,7 @@ def generate_segment(
     refusal_patterns: list[str] = (),
 ) -> Segment:
     """Greedy generation with honesty steering and the confidence monitor attached (CtrlA Alg. 1/3, lines 4-5).
+    ``question`` is q and ``context_text`` the preceding generation y<t: a word is new content when neither holds it.
 
     The last generated token is run once more so that it, too, gets its own hidden state and score.
     """  # fmt: skip
@@ -230,7 +231,7 @@ def generate_segment(
     if monitor is None or not gen:
         return Segment(text, gen, [], [], False, detect_refusal(text, list(refusal_patterns)), question)
     scores = monitor.scores()[0, prompt_ids.shape[1] :].cpu().numpy()
-    mask = content_mask(llm.tokenizer, context_text or llm.tokenizer.decode(prompt_ids[0]), gen)
+    mask = content_mask(llm.tokenizer, f"{question} {context_text}", gen)  # new: not in q ∪ y<t (Eq. 3), whatever else the prompt shows
     return Segment(
         text=text,
         token_ids=gen,

@@ -153,6 +153,7 @@ class _Row:
     seconds: float = 0.0  # measurements reused from another configuration
     segments: list[SegmentView] = dataclasses.field(default_factory=list)  # kept when tracing
     gate: Any = None  # the gate that judges the passages just retrieved, once their prompt has run
+    accept: bool = False  # the next segment is kept unscored (it regenerates one whose trigger accepts what follows)
 
 
 def _similar_lengths(items: list[tuple[_Row, list[int]]], batch_size: int, tokens: int = 16384) -> list[list[tuple[_Row, list[int]]]]:
@@ -470,9 +471,10 @@ class RagLoop:
             stats = {"prob": torch.stack(row.prob).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0),
                      "entropy": torch.stack(row.entropy).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0)}  # fmt: skip
             views.append(SegmentView(row.question, context, list(row.gen), tok.decode(row.gen, skip_special_tokens=True), stats, probes,
-                                     row.question_stats, self.lazy, row.kv))  # fmt: skip
+                                     row.question_stats, self.lazy, row.kv, len(row.prompt)))  # fmt: skip
         token_triggers = [t for t in self.triggers if t.stage == "token"] if triggers else []
-        scored = [bool(token_triggers and view.gen_ids) and (observe or len(row.retrievals) < self.config.max_retrievals) for row, view in zip(rows, views)]
+        scored = [bool(token_triggers and view.gen_ids) and not row.accept and (observe or len(row.retrievals) < self.config.max_retrievals)
+                  for row, view in zip(rows, views)]  # fmt: skip
         if any(scored):
             for calc in self.calculators:
                 calc.segments([v for v, s in zip(views, scored) if s])
@@ -481,6 +483,7 @@ class RagLoop:
             if observe:
                 row.segments.append(view)
             fired = self._first_firing(token_triggers, view) if score and not observe else None
+            row.accept = fired is not None and fired[0].policy.after_retrieval == "accept"
             if fired is None:
                 row.kept += row.gen
                 row.gen = []

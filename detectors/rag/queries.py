@@ -207,8 +207,8 @@ class CtrlAQuery:
 
         if q.segment is None:
             return q.question
-        context = llm.tokenizer.decode(q.segment.context_ids, skip_special_tokens=True)
-        return masked_query(llm.tokenizer, q.question, context, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
+        preceding = llm.tokenizer.decode(q.segment.kept_ids, skip_special_tokens=True)  # y<t: the prompt's primer and passages are not
+        return masked_query(llm.tokenizer, q.question, preceding, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
 
 
 QUERIES = ("question", "flare", "qfs", "dior", "ctrla")

@@ -42,6 +42,7 @@ class SegmentView:
     question_stats: dict[str, Any]
     providers: dict[str, "Calculator"] = dataclasses.field(default_factory=dict)  # who computes a lazy statistic
     states: Any = None  # the LLM's key/value states of context + segment (what the loop ran), for calculators that run more
+    answer_start: int | None = None  # where the kept answer tokens begin in ``context_ids`` (None: no answer kept yet)
 
     def stat(self, name: str, default: Any = None) -> Any:
         """Statistic ``name``, computed now by its calculator when it is a lazy one (e.g. the keywords of a query)."""
@@ -53,6 +54,11 @@ class SegmentView:
         """A calculator's probe values at the segment's own tokens ``[len(gen_ids), d]``."""
         n = len(self.context_ids)
         return self.probes[key][n : n + len(self.gen_ids)]
+
+    @property
+    def kept_ids(self) -> list[int]:
+        """The answer tokens kept before the segment (CtrlA's preceding generation y<t)."""
+        return [] if self.answer_start is None else self.context_ids[self.answer_start :]
 
 
 @dataclasses.dataclass
@@ -174,7 +180,8 @@ class CtrlACalculator(Calculator):
         for v in views:  # the probe's values cover exactly context + segment
             eq2 = pooled_scores(v.probes[self.key].cpu().numpy(), self.params.tau, self.params.clip)[len(v.context_ids) :].astype(np.float64)
             v.stats["ctrla_eq2"], v.stats["ctrla_confidence"] = eq2, -eq2
-            context = tok.decode(v.context_ids, skip_special_tokens=True)  # the input and the preceding generation
+            # new: not in the question q or the preceding generation y<t (Eq. 3's w ∉ q ∪ y<t), whatever else the prompt shows
+            context = f"{v.question} {tok.decode(v.kept_ids, skip_special_tokens=True)}"
             v.stats["new_content"] = np.asarray(content_mask(tok, context, v.gen_ids), dtype=bool)
             v.stats["refusal"] = bool(detect_refusal(v.text, list(self.params.refusal_patterns)))
 

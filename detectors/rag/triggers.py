@@ -11,7 +11,9 @@ as the stored sets); the trigger fires at or above its threshold. The policy say
   Stitch-in-Time: generation continues from there), ``cut="segment"`` regenerates the whole segment (FLARE's
   look-ahead sentence, CtrlA's output segment); ``eligible`` names a per-token boolean statistic outside of which it
   never fires (CtrlA: new content words), ``forced`` a boolean statistic of the segment that fires it at the
-  segment's first token (CtrlA's refusal detector).
+  segment's first token (CtrlA's refusal detector); ``after_retrieval="accept"`` keeps the segment regenerated after
+  the trigger's retrieval without scoring it (CtrlA's Alg. 1, lines 6-10: re-predict the segment and append it),
+  ``"rescore"`` scores it like any segment, up to ``max_retrievals``.
 
 A trigger brings the calculators of the statistics its scorer needs; the loop knows no concrete trigger.
 """
@@ -40,6 +42,7 @@ class Policy:
     cut: Literal["token", "segment"] = "token"
     eligible: str | None = None
     forced: str | None = None
+    after_retrieval: Literal["rescore", "accept"] = "rescore"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +180,7 @@ def _ctrla(name: str, detector) -> Trigger:
     from detectors.baselines.ctrla_confidence import CtrlAConfidence
     from detectors.rag.stats import CtrlACalculator
 
-    policy = Policy("token", cut="segment", eligible="new_content", forced="refusal")
+    policy = Policy("token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept")
     return Trigger(name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),))  # Eq. 2 already subtracts tau
 
 
