@@ -3,7 +3,7 @@
 Early set (question level): every trained early detector (one directory each under ``paths.early_model``)
 beside the training-free question baselines. Real-time set: the MLP beside the training-free token baselines
 at token, entity and continuation level. Other stages' per-id score tables (CtrlA's confidence, RIND,
-RetroRAG's self-consistency) are joined by id when they exist. Every score is a
+RetroRAG's evaluator on the LLM's own answer) are joined by id when they exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
 bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes dvc
 metrics (``{level: {scorer: metrics}}`` per dataset), the long table (parquet) and its Markdown, dvc plots

@@ -2,7 +2,7 @@
 
 - RetroRAG's evaluator (Eq. 1) on the early set: ``P(yes) / (P(yes) + P(no))`` when the LLM is asked
   whether its own answer to the question is correct → ``paths.baselines_early`` (``id``,
-  ``retrorag_consistency``);
+  ``retrorag_self_evaluation``);
 - DRAGIN's RIND on the real-time set: one teacher-forced eager-attention pass over each record's prompt
   + continuation → ``paths.baselines_realtime`` (``id``, ``rind``: one float per generated token, aligned
   with the record's ``prob``/``entropy``).
@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from detectors.baselines.retrorag import NAME as RETRORAG, consistency_scores
+from detectors.baselines.retrorag import NAME as RETRORAG, self_evaluation_scores
 from detectors.baselines.rind import NAME as RIND, attention_implementation, rind_scores
 from detectors.errors import InputError
 from detectors.io import write_json
@@ -50,7 +50,7 @@ def score_early(llm, frame: pd.DataFrame, params) -> pd.DataFrame:
     ev = params.evaluator
     pairs = list(zip(frame["question"], frame["answer"]))
     with progress(total=len(pairs), desc="retrorag evaluator", unit="question") as bar:
-        scores = consistency_scores(llm, pairs, ev.template, ev.chat, tuple(ev.yes_words), tuple(ev.no_words), params.batch_size, bar)
+        scores = self_evaluation_scores(llm, pairs, ev.template, ev.chat, tuple(ev.yes_words), tuple(ev.no_words), params.batch_size, bar)
     return pd.DataFrame({"id": frame["id"], RETRORAG: scores})
 
 

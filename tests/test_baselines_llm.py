@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from conftest import ROOT, known_facts
-from detectors.baselines.retrorag import consistency_scores, word_token_ids
+from detectors.baselines.retrorag import self_evaluation_scores, word_token_ids
 from detectors.baselines.rind import attention_implementation, rind_scores
 from detectors.dior.recorder import generate_traced
 from detectors.llm.loading import prepare_llm
@@ -149,7 +149,7 @@ def test_retrorag_score_is_the_two_way_softmax_of_yes_and_no(tiny_llm):
     yes, no = word_token_ids(tok, ["Y"]), word_token_ids(tok, ["N"])
     assert sorted(yes) == sorted({ids(tok, "Y")[0], ids(tok, "y")[0]})  # " Y" is two tokens here: left out
     pairs = [("The capital of France is", "Paris"), ("The capital of Spain is", "Lima"), ("The river of Paris is", "the Seine")]
-    got = consistency_scores(tiny_llm, pairs, TEMPLATE, yes=("Y",), no=("N",), batch_size=2)
+    got = self_evaluation_scores(tiny_llm, pairs, TEMPLATE, yes=("Y",), no=("N",), batch_size=2)
     for (q, a), score in zip(pairs, got):
         with torch.no_grad():
             logits = tiny_llm.model(torch.tensor([ids(tok, TEMPLATE.format(question=q, answer=a))])).logits[0, -1].double()
@@ -157,7 +157,7 @@ def test_retrorag_score_is_the_two_way_softmax_of_yes_and_no(tiny_llm):
         p_yes, p_no = float(probs[yes].sum()), float(probs[no].sum())
         assert score == pytest.approx(p_yes / (p_yes + p_no), rel=1e-4)
     with pytest.raises(ValueError, match=r"none of the words \['yes'\]"):
-        consistency_scores(tiny_llm, pairs, TEMPLATE, yes=("yes",), no=("N",))
+        self_evaluation_scores(tiny_llm, pairs, TEMPLATE, yes=("yes",), no=("N",))
 
 
 def test_retrorag_score_is_higher_for_a_right_answer_than_a_wrong_one(tiny_llm):
@@ -182,8 +182,8 @@ def test_retrorag_score_is_higher_for_a_right_answer_than_a_wrong_one(tiny_llm):
         loss.backward()
         opt.step()
     judge.model.eval()
-    got_right = consistency_scores(judge, right, TEMPLATE, yes=("Y",), no=("N",), batch_size=5)
-    got_wrong = consistency_scores(judge, wrong, TEMPLATE, yes=("Y",), no=("N",), batch_size=5)
+    got_right = self_evaluation_scores(judge, right, TEMPLATE, yes=("Y",), no=("N",), batch_size=5)
+    got_wrong = self_evaluation_scores(judge, wrong, TEMPLATE, yes=("Y",), no=("N",), batch_size=5)
     assert (got_right > got_wrong).mean() >= 0.7, (got_right.round(3), got_wrong.round(3))
     assert got_right.mean() > got_wrong.mean() + 0.3
 
@@ -231,10 +231,10 @@ def stage_run(tmp_path_factory, tiny_llm, tiny_checkpoint):
 
 def test_stage_writes_one_score_per_ok_question(stage_run, tiny_llm):
     table = pd.read_parquet(stage_run / "data/eval/baselines_early.parquet")
-    assert table.columns.tolist() == ["id", "retrorag_consistency"] and table["id"].tolist() == ["q1", "q2", "q4"]
-    expected = consistency_scores(tiny_llm, [("The capital of Spain is", "Lima")], TEMPLATE, yes=("Y",), no=("N",))
-    assert table.loc[1, "retrorag_consistency"] == pytest.approx(expected[0], rel=1e-4)
-    assert table["retrorag_consistency"].between(0, 1).all()
+    assert table.columns.tolist() == ["id", "retrorag_self_evaluation"] and table["id"].tolist() == ["q1", "q2", "q4"]
+    expected = self_evaluation_scores(tiny_llm, [("The capital of Spain is", "Lima")], TEMPLATE, yes=("Y",), no=("N",))
+    assert table.loc[1, "retrorag_self_evaluation"] == pytest.approx(expected[0], rel=1e-4)
+    assert table["retrorag_self_evaluation"].between(0, 1).all()
 
 
 def test_stage_writes_rind_aligned_with_each_continuation(stage_run, tiny_llm):

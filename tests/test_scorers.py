@@ -103,12 +103,12 @@ def test_question_baselines_are_those_whose_columns_exist():
     early = {"attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin", "answer"}
     names = [s.name for s in question_baselines(early)]
     assert names == ["logreg[attribution+first_token]", "attribution_entropy", "first_token_prob", "first_token_entropy"]
-    joined = early | {"retrorag_consistency", "ctrla_confidence", "ctrla_confidence[val]"}
+    joined = early | {"retrorag_self_evaluation", "ctrla_confidence", "ctrla_confidence[val]"}
     scorers = question_baselines(joined)
-    assert [s.name for s in scorers][4:] == ["retrorag_consistency", "ctrla_confidence", "ctrla_confidence[val]"]
+    assert [s.name for s in scorers][4:] == ["retrorag_self_evaluation", "ctrla_confidence", "ctrla_confidence[val]"]
     assert all(s.level is Level.QUESTION for s in scorers)
     assert [s.name for s in question_baselines({"first_token_prob"})] == ["first_token_prob"]  # no probe without its inputs
-    table = pd.DataFrame({"retrorag_consistency": [0.9, 0.2]})
+    table = pd.DataFrame({"retrorag_self_evaluation": [0.9, 0.2]})
     assert scorers[4].score(table).tolist() == [-0.9, -0.2]  # a low P(yes) means hallucinated
 
 

@@ -1,10 +1,12 @@
-"""RetroRAG's LLM-based evaluator (Xu et al., §Answerer, Eq. 1) as a question-level score: the LLM is asked
-whether its own answer to the question is correct, and the score is
-``P("yes") / (P("yes") + P("no"))`` of the next token (low: the LLM doubts its answer).
+"""RetroRAG's LLM-based evaluator (Xiao et al., §Answerer, Eq. 1) asked about the LLM's own answer, a question-level
+score named for what it computes, ``retrorag_self_evaluation``: the LLM is asked whether its own answer to the
+question is correct, and the score is ``P("yes") / (P("yes") + P("no"))`` of the next token (low: the LLM doubts its
+answer).
 
-RetroRAG's self-consistency evaluator (Fig. 8) compares the answer with a second, sampled answer; the
-early set holds one greedy answer per question, so the prompt (``score_baselines.evaluator.template``)
-asks about that answer itself, in Fig. 8's wording. ``P("yes")`` sums the probabilities of the word's
+It is not RetroRAG's self-consistency score: Eq. 1 asks the evaluator whether the answer agrees with a second answer
+a_sc, sampled at a high temperature with a direct-answering prompt, and RetroRAG is a whole iterative framework
+(answerer, evidence collation and discovery, re-query) around it. The early set holds one greedy answer per question,
+so the prompt (``score_baselines.evaluator.template``) asks about that answer itself, in Fig. 8's wording. ``P("yes")`` sums the probabilities of the word's
 single-token variants: as given, lower case, capitalised and upper case, each with and without a leading
 space (those that are one token in the LLM's vocabulary); ``P("no")`` likewise.
 """
@@ -18,8 +20,8 @@ from detectors.evaluation.scorers import ColumnScorer
 from detectors.llm.kv import batches, forward_rows, prefix_cache, shared_prefix_length
 from detectors.llm.loading import LLM
 
-NAME = "retrorag_consistency"
-RETRORAG_CONSISTENCY = ColumnScorer(NAME, NAME, higher_is_hallucinated=False, is_probability=False)
+NAME = "retrorag_self_evaluation"
+RETRORAG_SELF_EVALUATION = ColumnScorer(NAME, NAME, higher_is_hallucinated=False, is_probability=False)
 
 
 def word_token_ids(tokenizer, words: list[str]) -> list[int]:
@@ -45,7 +47,7 @@ def render_evaluator(llm: LLM, template: str, question: str, answer: str, chat: 
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
 
 
-def consistency_scores(
+def self_evaluation_scores(
     llm: LLM, pairs: list[tuple[str, str]], template: str, chat: bool = False, yes: tuple[str, ...] = ("yes",),
     no: tuple[str, ...] = ("no",), batch_size: int = 16, progress=None,
 ) -> np.ndarray:
