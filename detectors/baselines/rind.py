@@ -37,8 +37,7 @@ from detectors.llm.distribution import entropy as token_entropy
 from detectors.llm.kv import KV, as_cache, batches, forward_rows, stack_left
 from detectors.llm.layers import decoder_layers
 from detectors.llm.loading import LLM
-from detectors.llm.words import DEFAULT_STOPWORDS, spaced_words, word_mask
-from detectors.sources.text import sentence_of
+from detectors.llm.words import DEFAULT_STOPWORDS, sentence_of, spaced_words, word_mask
 
 NAME = "rind"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from spacy.lang.en.stop_words import STOP_WORDS
 
 from detectors.errors import InputError
-from detectors.sources.text import normalize_text
+from detectors.sources.text import normalize_text, split_sentences
 
 DEFAULT_STOPWORDS: frozenset[str] = frozenset(STOP_WORDS)
 
@@ -48,6 +48,23 @@ def spaced_words(tokenizer, ids: list[int]) -> list[int]:
         if word < 0 or piece[:1].isspace():
             word += 1
         out.append(word)
+    return out
+
+
+def sentence_of(pieces: list[str]) -> list[int]:
+    """The sentence (counted from 0) that each of the consecutive ``pieces`` of a text (its words, say) belongs to,
+    where :func:`~detectors.sources.text.split_sentences` cuts the text they make together; a piece belongs where its
+    first non-space character is."""
+    text, starts, pos = "".join(pieces), [], 0
+    for sentence in split_sentences(text):
+        pos = text.index(sentence, pos)
+        starts.append(pos)
+        pos += len(sentence)
+    out, offset = [], 0
+    for piece in pieces:
+        first = offset + len(piece) - len(piece.lstrip())
+        out.append(max(sum(s <= first for s in starts) - 1, 0))
+        offset += len(piece)
     return out
 
 

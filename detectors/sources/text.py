@@ -20,17 +20,6 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in _SENTENCE_BREAK.split(text.strip()) if s]
 
 
-def sentence_of(pieces: list[str]) -> list[int]:
-    """The sentence each of the consecutive ``pieces`` of a text (its words, say) starts in, counted from 0, where
-    :func:`split_sentences` cuts the text they make together."""
-    starts, offset = [], 0
-    for piece in pieces:
-        starts.append(offset)
-        offset += len(piece)
-    breaks = [m.start() for m in _SENTENCE_BREAK.finditer("".join(pieces))]
-    return [sum(b <= start for b in breaks) for start in starts]
-
-
 def normalize_text(text: str) -> str:
     """SQuAD-style normalisation made unicode-aware: NFKC, accents and punctuation removed, lowercase,
     articles dropped, whitespace collapsed."""
