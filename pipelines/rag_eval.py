@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
+from mlflow import MlflowClient
 
-from detectors.config.rag import trigger_names
+from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
 from detectors.execution import map_units
 from detectors.io import file_digest, write_json
@@ -40,6 +41,7 @@ from detectors.rag.metrics import FAILED, summarise
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, thresholds_table, versus_always
 from detectors.rag.sweep import curves as sweep_curves
 from detectors.rag.sweep import operating_point
+from detectors.registry import store
 from detectors.shards import config_hash
 from detectors.sources.ids import sample
 from pipelines._provenance import code_digest
@@ -219,6 +221,24 @@ class RunFileWorker:
         return out
 
 
+def champion_versions(p) -> dict[str, str]:
+    """The version each registered ``<name>@<alias>`` of the configurations points to now (triggers on every corpus and
+    honesty steering): part of every run file's key, so that moving an alias (``promote``) outside the pipeline makes
+    the runs that read it compute again instead of resuming what another version answered."""
+    params = p["rag_eval"]
+    specs = {on_corpus(t, c) for config in params.configurations.values() for t in config.triggers for c in params.corpora}
+    specs |= {config.steering for config in params.configurations.values() if config.steering}
+    store.configure(p["mlflow"].tracking_uri)
+    client, out = MlflowClient(), {}
+    for spec in sorted(s for s in specs if "@" in s):
+        name, alias = spec.split("@", 1)
+        version = store.alias_version(client, name, alias)
+        if version is None:
+            raise InputError(f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {p['mlflow'].tracking_uri}: run the register stages first")
+        out[spec] = str(version.version)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "rag_eval")
     params = p["rag_eval"]
@@ -226,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = {"test": split_questions(qa, "test", params.questions), "val": split_questions(qa, "val")}
     answers = [list(a) for a in rows["test"]["answers"]]
     registries = {k: file_digest(p[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla", "utility") if Path(p[f"paths.registry_{k}"]).exists()}
-    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "qa": file_digest(p["paths.qa"]),
+    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "champions": champion_versions(p), "qa": file_digest(p["paths.qa"]),
                 "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in NOT_KEYED}}  # fmt: skip
     # first every corpus's validation sweep (the operating thresholds) and the test sweep (the curves)
     sweeps = [(corpus, VAL_SWEEP) for corpus in params.corpora] + [(params.sweep.corpus, SWEEP)]

@@ -5,6 +5,7 @@ offline score of the same tokens, computed the way the stored sets and the compa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -175,6 +176,34 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
         segments = 1 + sum(1 for _ in re.finditer(r"[.!?]\s", result.answer))  # the answer's sentences: at most one retrieval each
         assert len(result.retrievals) <= segments, (question, result.answer, len(result.retrievals))
     assert len(result.retrievals) == 1  # Kenya: "Paris" fired it once
+
+
+def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_llm, tmp_path):
+    """rag_eval keys its resumable run files on the versions the aliases point to: promoting another version outside
+    the pipeline makes the runs that read it compute again."""
+    from types import SimpleNamespace
+
+    from detectors.config import load_section
+    from pipelines.rag_eval import champion_versions
+
+    data = copy.deepcopy(PARAMS)
+    data["rag_eval"]["configurations"] = {"rt": {"triggers": ["t-realtime@champion"], "query": "question", "stepwise": False, "chunk": False,
+                                                 "steering": None}}  # fmt: skip
+    p = {"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)}
+    assert champion_versions(p) == {"t-realtime@champion": "1"}
+    detector = trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector
+    directory = detector.save(tmp_path / "v2")  # a second version, promoted by hand
+    store.configure(registry)
+    with mlflow.start_run(experiment_id=store.experiment("rag-tests", str(tmp_path / "artifacts"), tmp_path)):
+        info = store.log_detector(load_artifact(directory), directory, {"kind": detector.KIND})
+    version = mlflow.register_model(info.model_uri, "t-realtime").version
+    assert champion_versions(p) == {"t-realtime@champion": "1"}
+    store.promote("t-realtime", int(version))
+    assert champion_versions(p) == {"t-realtime@champion": str(version)}
+    store.promote("t-realtime", 1)
+    data["rag_eval"]["configurations"]["rt"]["triggers"] = ["t-gone@champion"]
+    with pytest.raises(InputError, match="rag_eval uses t-gone@champion, but t-gone has no alias"):
+        champion_versions({"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)})
 
 
 def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm):
