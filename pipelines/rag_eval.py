@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import pandas as pd
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
@@ -232,7 +233,11 @@ def champion_versions(p) -> dict[str, str]:
     client, out = MlflowClient(), {}
     for spec in sorted(s for s in specs if "@" in s):
         name, alias = spec.split("@", 1)
-        version = store.alias_version(client, name, alias)
+        try:
+            version = store.alias_version(client, name, alias)
+        except MlflowException as err:  # no such registered model
+            raise InputError(f"rag_eval uses {spec}, but {name} is not registered in {p['mlflow'].tracking_uri}: run the register stages "
+                             f"first ({err.error_code})") from err  # fmt: skip
         if version is None:
             raise InputError(f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {p['mlflow'].tracking_uri}: run the register stages first")
         out[spec] = str(version.version)
