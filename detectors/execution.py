@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from detectors.config.sections import ExecutionParams
+from detectors.config.common import ExecutionParams
 from detectors.errors import InputError
 from detectors.llm.loading import LLM, load_llm, prepared_reference, resolve_device, resolve_dtype
 

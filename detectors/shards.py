@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from safetensors.numpy import load_file, save_file
 
-from detectors.config.sections import ExecutionParams
+from detectors.config.common import ExecutionParams
 from detectors.errors import RecordError
 from detectors.execution import map_units
 from detectors.io import write_json

@@ -4,6 +4,7 @@ on the next run; too many failures stop the stage, keeping what is finished."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from safetensors.numpy import load_file
 
 from detectors.shards import FailedRecordsError
 from pipelines import build_early, build_realtime, prepare, prepare_articles
-from pipelines._provenance import code_digest, stage_closure
+from conftest import ROOT
+from pipelines._provenance import PACKAGES, code_digest, stage_closure, stage_code_deps
 from test_pipeline import write_params
 
 
@@ -82,6 +84,33 @@ def test_the_code_digest_covers_the_stage_closure_and_nothing_else(tmp_path):
     assert code_digest("pipelines.stage", tmp_path) == before
     (tmp_path / "detectors/used.py").write_text("def f():\n    return 2\n")  # a fix to the labelling rule, say
     assert code_digest("pipelines.stage", tmp_path) != before
+
+
+def test_a_rag_eval_key_leaves_build_earlys_shards(project, monkeypatch):
+    first = early(project)
+    edit_params(project, "rag_eval", batch_size=3)  # a key build_early does not read
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("build_early recomputed a record after a rag_eval key changed")
+
+    monkeypatch.setattr(build_early, "early_records", recompute)
+    pd.testing.assert_frame_equal(early(project), first)
+
+
+def test_another_sections_type_leaves_build_earlys_code_key_and_deps(tmp_path):
+    """The section types are loaded by name (``detectors.config.sections``): build_early's closure (its dvc.yaml
+    code deps and the code key of its shards) holds the modules of the sections it reads, not rag_eval's."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    early_digest, rag_digest = code_digest("pipelines.build_early", tmp_path), code_digest("pipelines.rag_eval", tmp_path)
+    assert "detectors/config/rag.py" not in stage_code_deps("pipelines.build_early", tmp_path)
+    rag = tmp_path / "detectors/config/rag.py"
+    rag.write_text(rag.read_text().replace("class RagEvalParams:\n", "class RagEvalParams:\n    new_key: int\n", 1))
+    assert code_digest("pipelines.build_early", tmp_path) == early_digest
+    assert code_digest("pipelines.rag_eval", tmp_path) != rag_digest
+    sections = tmp_path / "detectors/config/early.py"  # the section build_early reads does count
+    sections.write_text(sections.read_text() + "\n# a new check\n")
+    assert code_digest("pipelines.build_early", tmp_path) != early_digest
 
 
 def test_failed_early_records_are_retried_and_too_many_stop_the_stage(project, monkeypatch):

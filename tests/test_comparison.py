@@ -14,7 +14,7 @@ import pytest
 
 from detectors.baselines import realtime_baselines
 from detectors.config.core import ParamsError
-from detectors.config.sections import EvaluateParams
+from detectors.config.evaluation import EvaluateParams
 from detectors.evaluation.compare import COLUMNS, MissingScoresError, compare, long_table
 from detectors.evaluation.inputs import join_score_tables
 from detectors.evaluation.bootstrap import (

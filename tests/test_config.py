@@ -11,7 +11,8 @@ import yaml
 
 from detectors.config import ParamsError, from_dict, load_all, load_section
 from detectors.config.rag import on_corpus, trigger_names
-from detectors.config.sections import BuildEarlyParams, LLMParams, QAParams, TrainEarlyParams
+from detectors.config.common import LLMParams
+from detectors.config.early import BuildEarlyParams, QAParams, TrainEarlyParams
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = REPO_ROOT / "params.yaml"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from pipelines._provenance import PACKAGES, stage_closure
+from pipelines._provenance import PACKAGES, stage_closure, write_code_deps
 
 
 def stages() -> dict[str, dict]:
@@ -39,6 +39,10 @@ def test_stage_depends_on_exactly_the_code_it_imports(name):
         assert files, f"stage {name}: dep {dep} does not exist"
         unused = sorted(str(f) for f in files - closure)
         assert not unused, f"stage {name}: dep {dep} covers files the stage never imports {unused} (they would rerun it)"
+
+
+def test_dvc_yaml_holds_the_code_deps_the_command_writes():
+    assert (ROOT / "dvc.yaml").read_text() == write_code_deps(), "stale code deps: run python -m pipelines._provenance"
 
 
 @pytest.mark.parametrize("name", sorted(stages()))

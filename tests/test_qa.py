@@ -474,7 +474,7 @@ def test_sample_returns_all_rows_when_limit_is_large(records, limit):
 
 
 def test_prepare_refuses_a_source_without_usable_records(tmp_path):
-    from detectors.config.sections import QAParams
+    from detectors.config.early import QAParams
     from pipelines.prepare import prepare_qa
 
     def qa_params(source: str) -> QAParams:

@@ -14,7 +14,7 @@ import torch
 
 from detectors.config import ParamsError, from_dict
 from detectors.config.schema import RealtimePromptParams, TrainingParams
-from detectors.config.sections import TrainRealtimeParams
+from detectors.config.realtime import TrainRealtimeParams
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector, token_table
 from detectors.dior.realtime_training import TokenSets, train_and_choose

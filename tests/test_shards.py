@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from detectors.config.sections import ExecutionParams
+from detectors.config.common import ExecutionParams
 from detectors.errors import RecordError
 from detectors.shards import FailedRecordsError, FailureBudget, ShardStore, failure_status, run_shards, status_counts
 

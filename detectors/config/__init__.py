@@ -12,17 +12,16 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from detectors.config.core import ParamsError, fail, from_dict, read_params
-from detectors.config.sections import SECTIONS
+from detectors.config.sections import SECTIONS, section_type
 
 
 def load_section(name: str, path: str | Path = "params.yaml", data: dict[str, Any] | None = None) -> Any:
     """Validate and return section ``name`` of the params file as its dataclass (every key required)."""
-    if name not in SECTIONS:
-        raise ParamsError(f"no params section named {name!r}; known: {sorted(SECTIONS)}")
+    kind = section_type(name)
     data = read_params(path) if data is None else data
     if name not in data:
         fail(name, None, "required section is missing: add it to params.yaml")
-    return from_dict(SECTIONS[name], data.get(name), name, strict=True)
+    return from_dict(kind, data.get(name), name, strict=True)
 
 
 def load_all(path: str | Path = "params.yaml") -> dict[str, Any]:

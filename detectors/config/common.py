@@ -1,0 +1,151 @@
+"""The params sections many stages read: ``paths`` (every file the stages share, named once; ``dvc.yaml``
+reads the same keys through its templating, ``${paths.qa}``), ``llm``, ``mlflow``, ``execution`` and the
+register sections' common shape, with the checks other sections share."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal
+
+from detectors.config.core import check_splits, fail, positive
+
+
+def check_sampled_source(where: str, source: str, limit: int | None, splits: dict[str, float], sources: str) -> None:
+    """A data source sampled to ``limit`` records (by id hash) and split by id hash."""
+    if not source.strip():
+        fail(f"{where}.source", source, sources)
+    if limit is not None:
+        positive(f"{where}.limit", limit)
+    check_splits(f"{where}.splits", splits)
+
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a directory name and an MLflow registered-model name
+
+
+def check_model_name(key: str, name: str) -> None:
+    if not MODEL_NAME.fullmatch(name):
+        fail(key, name, "use letters, digits, '.', '_' and '-' only, starting with a letter or digit")
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsParams:
+    """Every file or directory that a stage writes and another reads (relative to the project root)."""
+
+    llm: str
+    raw: str
+    qa: str
+    qa_report: str
+    early_shards: str
+    early: str
+    early_report: str
+    early_answer_hidden: str
+    early_model: str
+    train_early_metrics: str
+    articles: str
+    articles_report: str
+    realtime_shards: str
+    realtime: str
+    realtime_hidden: str
+    realtime_report: str
+    realtime_model: str
+    train_realtime_metrics: str
+    early_scores: str
+    realtime_scores: str
+    evaluate_early_metrics: str
+    evaluate_realtime_metrics: str
+    served_metrics: str
+    comparison: str
+    comparison_table: str
+    plots: str
+    directions: str
+    extract_directions_metrics: str
+    ctrla_early: str
+    ctrla_realtime: str
+    baselines_early: str
+    baselines_realtime: str
+    evaluate_directions_metrics: str
+    registry_early: str
+    registry_realtime: str
+    registry_ctrla: str
+    score_baselines_metrics: str
+    rag_index: str
+    index_report: str
+    rag_runs: str
+    rag_metrics: str
+    rag_table: str
+    rag_curves: str
+    rag_prompts: str
+    utility_shards: str
+    utility: str
+    utility_report: str
+    utility_model: str
+    train_utility_metrics: str
+    registry_utility: str
+
+    def check(self, where: str) -> None:
+        for field in dataclasses.fields(self):
+            if not getattr(self, field.name).strip():
+                fail(f"{where}.{field.name}", getattr(self, field.name), "must name a path")
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMParams:
+    """Which LLM to use (prepare writes its local checkpoint, or a pointer to it, at ``paths.llm``)."""
+
+    source: str
+    gguf_file: str | None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    device: str
+
+    def check(self, where: str) -> None:
+        if not self.source.strip():
+            fail(f"{where}.source", self.source, "name a pip package with a GGUF, a .gguf file, a checkpoint dir or a hub id")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            fail(f"{where}.device", self.device, "use auto, cpu or cuda[:N]")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLflowParams:
+    """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow server``."""
+
+    tracking_uri: str
+    artifact_root: str | None  # where new experiments keep their artifacts: a directory, or an object-store URI (s3://...)
+
+    def check(self, where: str) -> None:
+        if not self.tracking_uri.startswith(("sqlite:///", "http://", "https://", "postgresql", "mysql")):
+            fail(f"{where}.tracking_uri", self.tracking_uri, "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is refused)")
+        server = self.tracking_uri.startswith(("http://", "https://"))
+        if self.artifact_root is None and not server:
+            fail(f"{where}.artifact_root", None, "only a tracking server (http://host:port) chooses the artifact root itself: give a directory or an s3://... URI")
+        if server and self.artifact_root is not None and "://" not in self.artifact_root:
+            fail(f"{where}.artifact_root", self.artifact_root, "with a tracking server, a local directory would keep each client's artifacts on its own "
+                 "machine: use null (the server's --artifacts-destination) or a URI every client reaches (s3://bucket/path)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterParams:
+    name: str
+    alias: str
+    experiment: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionParams:
+    """Where the stages that load the LLM (build_early, build_realtime, extract_directions, rag_eval) run their units
+    of work (shards, concepts, run files): one after another in the stage's process, or on an actor pool of a Ray
+    cluster (:mod:`detectors.execution`). The outputs are the same either way; only the speed differs."""
+
+    backend: Literal["local", "ray"]
+    address: str | None  # ray: None = start Ray on this machine; "auto" = the cluster `ray start` runs here; ray://host:port
+    workers: int  # ray: actors, each loading the LLM once (one per GPU, or per CPU worker)
+    gpus_per_worker: float  # ray: GPUs per actor (0 = CPU workers)
+    cpus_per_worker: float  # ray: CPU cores per actor (its torch threads)
+
+    def check(self, where: str) -> None:
+        positive(f"{where}.workers", self.workers)
+        positive(f"{where}.cpus_per_worker", self.cpus_per_worker)
+        if not self.gpus_per_worker >= 0:
+            fail(f"{where}.gpus_per_worker", self.gpus_per_worker, "must be >= 0 (0 = CPU workers, 1 = one actor per GPU)")
+        if self.address is not None and not (self.address == "auto" or self.address.startswith("ray://") or ":" in self.address):
+            fail(f"{where}.address", self.address, "use null (start Ray here), auto (the running cluster), host:port or ray://host:port")
