@@ -75,7 +75,7 @@ class RagRuntime:
         spec = on_corpus(spec, corpus)
         if spec not in self._triggers:
             unread = {name: math.inf for name in THRESHOLD_TRIGGERS}  # each loop sets its triggers' thresholds below
-            self._triggers[spec] = make_trigger(spec, self.llm, unread, self.p["build_realtime.spacy_model"], self.tracking_uri)
+            self._triggers[spec] = make_trigger(spec, self.llm, unread, self.p["build_realtime.spacy_model"], self.tracking_uri, self.params.sit)
         trigger = self._triggers[spec]
         if thresholds is None or trigger.name == "always":
             return trigger
@@ -83,10 +83,10 @@ class RagRuntime:
             raise InputError(f"trigger {trigger.name!r} has no threshold on corpus {corpus!r}: its validation sweep did not measure it")
         return dataclasses.replace(trigger, threshold=thresholds[trigger.name])
 
-    def rag_config(self, name: str, stepwise: bool = False, chunk: bool = False, max_retrievals: int | None = None) -> RagConfig:
+    def rag_config(self, name: str, stepwise: bool = False, chunk: bool = False, max_retrievals: int | None = None, context: str | None = None) -> RagConfig:
         r = self.params
         return RagConfig(
-            name=name, prompt=self.p["build_early.features.prompt"], context=r.context, k=r.k,
+            name=name, prompt=self.p["build_early.features.prompt"], context=r.context if context is None else context, k=r.k,
             max_retrievals=r.max_retrievals if max_retrievals is None else max_retrievals, max_new_tokens=r.max_new_tokens,
             stop=tuple(self.p["build_early.stop"]), stepwise=stepwise, chunk=chunk, batch_size=r.batch_size,
         )  # fmt: skip
@@ -107,7 +107,7 @@ class RagRuntime:
             steer_name, alias = config.steering.split("@", 1)
             steering = load_detector(steer_name, alias=alias, llm=self.llm, tracking_uri=self.tracking_uri).vectors()
         retriever = self.retriever(corpus) if triggers else None
-        rag = RagLoop(self.llm, retriever, self.rag_config(name, config.stepwise, config.chunk), triggers,
+        rag = RagLoop(self.llm, retriever, self.rag_config(name, config.stepwise, config.chunk, context=config.context), triggers,
                       self.query(config.query, triggers, retriever), steering)  # fmt: skip
         return resilient(name, rag.answer_all)
 

@@ -18,7 +18,9 @@ import torch
 import yaml
 
 from conftest import ROOT, qa_rows
+from detectors.baselines.retrorag import word_token_ids, yes_probability
 from detectors.config.core import from_dict
+from detectors.config.rag import SitParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.ctrla.detectors import ConfidenceDetector
 from detectors.ctrla.directions import Directions
@@ -48,7 +50,7 @@ PASSAGES = [
 ]
 QUESTION = "The capital of Occitania is"
 QUESTIONS = [r["question"] for r in qa_rows()[:16]]
-TOKEN_TRIGGERS = ["flare", "rind", "sit_min", "t-realtime@champion"]
+TOKEN_TRIGGERS = ["flare", "rind", "sit_min", "sit", "t-realtime@champion"]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +99,13 @@ def registry(tmp_path_factory, tiny_llm) -> str:
     return uri
 
 
-def trigger(spec, tiny_llm, registry, thresholds=None):
-    return make_trigger(spec, tiny_llm, thresholds or {"flare": -1.0, "rind": -1.0, "sit_min": -1.0}, SPACY, tracking_uri=registry)
+# Stitch-in-Time's validation with the words the tiny Llama has as single tokens (its P(yes) is what the test reads)
+SIT = from_dict(SitParams, {**PARAMS["rag_eval"]["sit"], "yes_words": ["Y"], "no_words": ["N"]}, "sit")
+
+
+def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT):
+    thresholds = thresholds or {"flare": -1.0, "rind": -1.0, "sit_min": -1.0, "sit": -1.0}
+    return make_trigger(spec, tiny_llm, thresholds, SPACY, tracking_uri=registry, sit=sit)
 
 
 def loop_for(spec, tiny_llm, retriever, registry, **config):
@@ -179,6 +186,30 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
     assert len(result.retrievals) == 1  # Kenya: "Paris" fired it once
 
 
+def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_it_fails(tiny_llm, retriever, registry):
+    """Stitch-in-Time (§2.1.3-2.2): the flagged concept's validation question is the query; the LLM answers it yes/no
+    from the passages. A concept that passes leaves the sentence as it was (the passages unused); one that fails
+    repairs it: the segment is generated again with those passages, once, and kept."""
+    question, config = "The capital of Kenya is", RagConfig("sit", PROMPT, k=1, max_new_tokens=6, max_retrievals=3)
+    plain = RagLoop(tiny_llm, retriever, config).answer(question)
+    assert plain.answer.startswith("Paris")  # wrong, and an entity: the concept the trigger flags at threshold -1
+    runs = {}
+    for verdict, threshold in (("passes", 1e-9), ("fails", 1 - 1e-9)):
+        sit = trigger("sit", tiny_llm, registry, sit=dataclasses.replace(SIT, threshold=threshold))
+        runs[verdict] = RagLoop(tiny_llm, retriever, config, [sit]).answer(question, record_prompts=True)
+    validation = SIT.validation_question.format(question=question, sentence="", concept="Paris")
+    passes, fails = runs["passes"], runs["fails"]
+    assert passes.answer == plain.answer and [r.used for r in passes.retrievals] == [False]
+    assert passes.retrievals[0].queries == [validation] and passes.retrievals[0].passage_ids == ["p3"]  # Kenya's passage
+    assert not any(PASSAGES[2].text in p for p in passes.prompts)
+    expected = yes_probability(tiny_llm, [SIT.prompt.format(passages=f"[1] Kenya: {PASSAGES[2].text}", validation_question=validation)],
+                               word_token_ids(tiny_llm.tokenizer, ["Y"]), word_token_ids(tiny_llm.tokenizer, ["N"]))  # fmt: skip
+    assert passes.retrievals[0].gate_score == pytest.approx(float(expected[0]), abs=1e-6)
+    assert [r.used for r in fails.retrievals] == [True]  # repaired once; the repair is kept, though the trigger fires anywhere
+    assert PASSAGES[2].text in fails.prompts[-1] and fails.prompts[-1].endswith(question)
+    assert fails.forward_passes > passes.forward_passes
+
+
 def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_llm, tmp_path):
     """rag_eval keys its resumable run files on the versions the aliases point to: promoting another version outside
     the pipeline makes the runs that read it compute again."""
@@ -189,7 +220,7 @@ def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_ll
 
     data = copy.deepcopy(PARAMS)
     data["rag_eval"]["configurations"] = {"rt": {"triggers": ["t-realtime@champion"], "query": "question", "stepwise": False, "chunk": False,
-                                                 "steering": None}}  # fmt: skip
+                                                 "steering": None, "context": None}}  # fmt: skip
     p = {"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)}
     assert champion_versions(p) == {"t-realtime@champion": "1"}
     detector = trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector
@@ -291,7 +322,7 @@ def test_sweep_trace_and_retrieval_at_a_position(tiny_llm, retriever, registry):
 def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
     """Configurations whose triggers fire on some questions and not on others (thresholds at the median of their
     scores), so that rows leave and rejoin the batch at different rounds."""
-    base = {"flare": 0.5, "rind": 1.0, "sit_min": 0.5}
+    base = {"flare": 0.5, "rind": 1.0, "sit_min": 0.5, "sit": 0.5}
     specs = ["t-early@champion", *TOKEN_TRIGGERS]
     probe = RagLoop(tiny_llm, facts, RagConfig("probe", PROMPT, max_new_tokens=8), [trigger(s, tiny_llm, registry, base) for s in specs])
     traces = probe.trace(QUESTIONS)
@@ -310,14 +341,17 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
         "dior": RagLoop(tiny_llm, facts, config("dior", stepwise=True, chunk=True), [triggers["t-early"], triggers["t-realtime"]],
                         make_query("dior", idf=facts.idf)),
         "training-free": RagLoop(tiny_llm, facts, config("training-free"), [triggers[t] for t in ("flare", "rind", "sit_min")], make_query("qfs")),
+        "sit": RagLoop(tiny_llm, facts, config("sit"), [dataclasses.replace(triggers["sit"], validator=dataclasses.replace(
+            triggers["sit"].validator, params=dataclasses.replace(SIT, threshold=0.5)))]),
         "ctrla": RagLoop(tiny_llm, facts, config("ctrla"), [confidence], make_query("ctrla"), steering),
     }  # fmt: skip
 
 
 def comparable(result) -> dict:
     out = dataclasses.asdict(result)
-    for r in out["retrievals"]:
+    for r in out["retrievals"]:  # a batched pass's padding moves a float by ~1e-7
         r["score"] = round(r["score"], 4)
+        r["gate_score"] = None if r["gate_score"] is None else round(r["gate_score"], 4)
     return {k: v for k, v in out.items() if k not in ("wall_s", "forward_passes")}
 
 

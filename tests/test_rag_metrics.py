@@ -259,8 +259,8 @@ def tracking(tmp_path):
 
 
 def test_log_rag_runs_logs_one_run_per_corpus_and_configuration_and_replaces_earlier_ones(tracking):
-    params = {"no-retrieval": {"triggers": [], "query": "question", "stepwise": False, "chunk": False, "steering": None},
-              "flare": {"triggers": ["flare"], "query": "flare", "stepwise": False, "chunk": False, "steering": None}}  # fmt: skip
+    params = {"no-retrieval": {"triggers": [], "query": "question", "stepwise": False, "chunk": False, "steering": None, "context": None},
+              "flare": {"triggers": ["flare"], "query": "flare", "stepwise": False, "chunk": False, "steering": None, "context": None}}  # fmt: skip
     digests = {"wiki": "w1", "facts": "f1"}
     first = log_rag_runs(METRICS_BY_CORPUS, SWEEP, params, "rag-test", {"llm": "tiny", "llm_digest": "abc"}, tracking, digests)
     runs = mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)

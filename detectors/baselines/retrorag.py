@@ -47,30 +47,38 @@ def render_evaluator(llm: LLM, template: str, question: str, answer: str, chat: 
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
 
 
-def self_evaluation_scores(
-    llm: LLM, pairs: list[tuple[str, str]], template: str, chat: bool = False, yes: tuple[str, ...] = ("yes",),
-    no: tuple[str, ...] = ("no",), batch_size: int = 16, progress=None,
-) -> np.ndarray:
-    """``P(yes) / (P(yes) + P(no))`` of the evaluator's next token for each ``(question, answer)``.
+def yes_probability(llm: LLM, prompts: list[str], yes_ids: list[int], no_ids: list[int], add_special_tokens: bool = True,
+                    batch_size: int = 16, progress=None) -> np.ndarray:  # fmt: skip
+    """``P(yes) / (P(yes) + P(no))`` of the LLM's next token after each prompt (``yes_ids``/``no_ids``: the words'
+    single-token variants, :func:`word_token_ids`): an LLM-based evaluator's verdict as a probability.
 
-    The token prefix shared by all prompts (the instruction) runs once; rows are batched by length.
-    """  # fmt: skip
-    yes_ids, no_ids = word_token_ids(llm.tokenizer, list(yes)), word_token_ids(llm.tokenizer, list(no))
+    The token prefix shared by all prompts (an instruction) runs once; rows are batched by length.
+    """
     if set(yes_ids) & set(no_ids):
-        raise ValueError(f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}")
-    if not pairs:
+        raise ValueError(f"the yes and no words share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words")
+    if not prompts:
         return np.zeros(0)
-    add_special = not chat
-    rows = [llm.tokenizer(render_evaluator(llm, template, q, a, chat), add_special_tokens=add_special)["input_ids"] for q, a in pairs]
-    common = shared_prefix_length(rows)
+    rows = [llm.tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"] for p in prompts]
+    common = min(shared_prefix_length(rows), min(len(r) for r in rows) - 1)  # every row runs at least its last token
     kv = prefix_cache(llm, rows[0][:common])
     out = np.zeros(len(rows))
     for idx in batches([r[common:] for r in rows], batch_size):
         logits = forward_rows(llm, kv, [rows[i][common:] for i in idx], logits=True).logits
         for b, i in enumerate(idx):
             logp = torch.log_softmax(logits[b, len(rows[i]) - common - 1].float(), dim=-1)
-            log_yes, log_no = torch.logsumexp(logp[yes_ids], 0), torch.logsumexp(logp[no_ids], 0)
-            out[i] = float(torch.sigmoid(log_yes - log_no))
+            out[i] = float(torch.sigmoid(torch.logsumexp(logp[yes_ids], 0) - torch.logsumexp(logp[no_ids], 0)))
         if progress is not None:
             progress.update(len(idx))
     return out
+
+
+def self_evaluation_scores(
+    llm: LLM, pairs: list[tuple[str, str]], template: str, chat: bool = False, yes: tuple[str, ...] = ("yes",),
+    no: tuple[str, ...] = ("no",), batch_size: int = 16, progress=None,
+) -> np.ndarray:
+    """``P(yes) / (P(yes) + P(no))`` of the evaluator's next token for each ``(question, answer)``."""  # fmt: skip
+    yes_ids, no_ids = word_token_ids(llm.tokenizer, list(yes)), word_token_ids(llm.tokenizer, list(no))
+    if set(yes_ids) & set(no_ids):
+        raise ValueError(f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}")
+    prompts = [render_evaluator(llm, template, q, a, chat) for q, a in pairs]
+    return yes_probability(llm, prompts, yes_ids, no_ids, not chat, batch_size, progress)

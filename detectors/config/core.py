@@ -134,3 +134,14 @@ def read_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ParamsError(f"params file {path} must hold a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def check_fields(key: str, template: str, fields: tuple[str, ...], required: tuple[str, ...] | None = None) -> None:
+    """``template`` holds each of ``required`` (default: every field) exactly once and no field but ``fields``."""
+    for field in fields if required is None else required:
+        if template.count("{" + field + "}") != 1:
+            fail(key, template, f"must contain {{{field}}} exactly once")
+    try:
+        template.format(**{f: "" for f in fields})
+    except (KeyError, IndexError, ValueError) as err:
+        fail(key, template, f"only {', '.join('{' + f + '}' for f in fields)} may be in braces (double other braces): {err!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from detectors.config.core import fail, positive
+from detectors.config.core import check_fields, fail, positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,13 +17,7 @@ class EvaluatorParams:
     no_words: list[str]
 
     def check(self, where: str) -> None:
-        for field in ("{question}", "{answer}"):
-            if self.template.count(field) != 1:
-                fail(f"{where}.template", self.template, f"must contain {field} exactly once")
-        try:
-            self.template.format(question="", answer="")
-        except (KeyError, IndexError, ValueError) as err:
-            fail(f"{where}.template", self.template, f"only {{question}} and {{answer}} may be in braces (double other braces): {err!r}")
+        check_fields(f"{where}.template", self.template, ("question", "answer"))
         for key in ("yes_words", "no_words"):
             words = getattr(self, key)
             if not words or not all(isinstance(w, str) and w.strip() for w in words):

@@ -7,12 +7,12 @@ import dataclasses
 import re
 from typing import Literal
 
-from detectors.config.core import fail, positive
+from detectors.config.core import check_fields, fail, positive
 
 QueryKind = Literal["question", "flare", "qfs", "dior", "ctrla"]
 QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
-TRAINING_FREE_TRIGGERS = ("always", "flare", "rind", "sit_min")
-THRESHOLD_TRIGGERS = ("flare", "rind", "sit_min")  # the training-free triggers with a threshold
+TRAINING_FREE_TRIGGERS = ("always", "flare", "rind", "sit_min", "sit")
+THRESHOLD_TRIGGERS = ("flare", "rind", "sit_min", "sit")  # the training-free triggers with a threshold
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 RESERVED = ("sweep", "digests", "thresholds")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
@@ -40,14 +40,16 @@ def trigger_names(spec: str, corpora: list[str]) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class RagConfigurationParams:
     """One configuration: ``triggers`` checked in order ([] = no retrieval), the query formulation, DioR's
-    post-retrieval (``stepwise`` selection, sentence-level ``chunk``ing) and CtrlA's honesty ``steering`` (a registered
-    detector as ``<name>@<alias>``, or null)."""
+    post-retrieval (``stepwise`` selection, sentence-level ``chunk``ing), CtrlA's honesty ``steering`` (a registered
+    detector as ``<name>@<alias>``, or null) and the ``context`` put before the question with the passages (null:
+    ``rag_eval.context``)."""
 
     triggers: list[str]
     query: QueryKind
     stepwise: bool
     chunk: bool
     steering: str | None
+    context: str | None
 
     def check(self, where: str) -> None:
         for i, trigger in enumerate(self.triggers):
@@ -58,6 +60,37 @@ class RagConfigurationParams:
             fail(f"{where}.steering", self.steering, "name the registered honesty steering as <name>@<alias> (e.g. ctrla-honesty@champion) or null")
         if not self.triggers and (self.stepwise or self.chunk):
             fail(f"{where}.stepwise", self.stepwise, "a configuration without triggers never retrieves: set stepwise and chunk to false")
+        if self.context is not None:
+            check_context(f"{where}.context", self.context)
+
+
+def check_context(key: str, context: str) -> None:
+    if context.count("{passages}") != 1:
+        fail(key, context, "must contain {passages} exactly once (where the retrieved passages go)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SitParams:
+    """Stitch-in-Time's validation of the ``sit`` trigger's uncertain concepts (§2.1.3-2.1.5): the yes/no
+    ``validation_question`` about a concept (``{question}``, ``{sentence}``, ``{concept}``; it is also the retrieval
+    query), the ``prompt`` that answers it from the passages (``{passages}``, ``{validation_question}``), its yes/no
+    words, and the P(yes) at or above which a concept passes (below: the sentence is repaired with the passages)."""
+
+    validation_question: str
+    prompt: str
+    yes_words: list[str]
+    no_words: list[str]
+    threshold: float
+
+    def check(self, where: str) -> None:
+        check_fields(f"{where}.validation_question", self.validation_question, ("question", "sentence", "concept"), ("concept",))
+        check_fields(f"{where}.prompt", self.prompt, ("passages", "validation_question"))
+        for key in ("yes_words", "no_words"):
+            words = getattr(self, key)
+            if not words or not all(isinstance(w, str) and w.strip() for w in words):
+                fail(f"{where}.{key}", words, 'list at least one non-empty word, quoted in YAML ("yes", "no")')
+        if not 0 < self.threshold < 1:
+            fail(f"{where}.threshold", self.threshold, "a probability in (0, 1), e.g. 0.5")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +142,7 @@ class RagEvalParams:
     configurations: dict[str, RagConfigurationParams]
     thresholds: dict[str, float]  # fixed operating thresholds by trigger name; every other one is chosen on the validation sweep
     query: RagQueryParams
+    sit: SitParams
     sweep: RagSweepParams
     prompts_sample: int
     experiment: str
@@ -130,8 +164,7 @@ class RagEvalParams:
                 fail(f"{where}.corpora[{i}]", corpus, "a corpus name is a directory name: letters, digits, '.', '_', '-'")
             if corpus in RESERVED:
                 fail(f"{where}.corpora[{i}]", corpus, f"{list(RESERVED)} are keys of the metrics file beside the corpora: rename the corpus")
-        if self.context.count("{passages}") != 1:
-            fail(f"{where}.context", self.context, "must contain {passages} exactly once (where the retrieved passages go)")
+        check_context(f"{where}.context", self.context)
         if not self.configurations:
             fail(f"{where}.configurations", self.configurations, "name at least one configuration, e.g. {no-retrieval: {triggers: [], ...}}")
         for name in self.configurations:

@@ -485,19 +485,70 @@ class RagLoop:
             fired = self._first_firing(token_triggers, view) if score and not observe else None
             row.accept = fired is not None and fired[0].policy.after_retrieval == "accept"
             if fired is None:
-                row.kept += row.gen
-                row.gen = []
-                if row.done or not view.gen_ids:
-                    row.finished = True
-                    row.kv, row.logits, row.values = None, None, {}
-                continue
-            fires.append((row, view, *fired))
+                self._keep_segment(row, view)
+            else:
+                fires.append((row, view, *fired))
+        validated = [f for f in fires if f[2].validator is not None]
+        fires = [f for f in fires if f[2].validator is None]
         if fires:
             queries = [self.query.formulate(self.llm, QueryInput(r.question, r.kept, v, p, r.question_stats)) for r, v, _, p, _ in fires]
             for row, view, trigger, p, _ in fires:
                 row.kept += row.gen[: trigger.cut_at(p)]
                 row.gen = []
             self._retrieve([f[0] for f in fires], queries, [f[2].name for f in fires], [f[4] for f in fires])
+        if validated:
+            self._validate(validated)
+
+    def _keep_segment(self, row: _Row, view: SegmentView) -> None:
+        """The segment stays in the answer; the row is finished when the answer is complete."""
+        row.kept += row.gen
+        row.gen = []
+        if row.done or not view.gen_ids:
+            row.finished = True
+            row.kv, row.logits, row.values = None, None, {}
+
+    def _validate(self, fires: list[tuple[_Row, SegmentView, Trigger, int, float]]) -> None:
+        """Stitch-in-Time (§2.1.3-2.2) for the rows whose validating trigger fired: their uncertain concepts (each
+        entity at or above the threshold, most uncertain first) are validated one after another, within
+        ``max_retrievals``: the concept's validation question is the query, and the trigger's validator answers it
+        from the passages. The first concept that fails repairs the segment: it is generated again with those
+        passages in the prompt and kept (the trigger's policy accepts it). A segment whose every concept passes
+        stays as it was, and the passages are not used (recorded with ``used=False`` and the validator's P(yes))."""
+        tok = self.llm.tokenizer
+        queue = []
+        for row, view, trigger, _, _ in fires:
+            scores = trigger.token_scores(view.stats)
+            spans = {int(idx[0]): idx for idx in view.stats["entities"] if len(idx)}
+            order = [i for i in np.argsort(-scores, kind="stable") if scores[i] >= trigger.threshold and int(i) in spans]
+            room = self.config.max_retrievals - len(row.retrievals)
+            concepts = [(float(scores[i]), tok.decode([view.gen_ids[j] for j in spans[int(i)]], skip_special_tokens=True)) for i in order][:room]
+            if concepts:
+                queue.append((row, view, trigger, concepts))
+        while queue:
+            jobs = [(row, view, trigger, concepts.pop(0)) for row, view, trigger, concepts in queue]
+            questions = [t.validator.question(r.question, v.text, concept) for r, v, t, (_, concept) in jobs]
+            found = self.retriever.batch_search(questions, self.config.k)
+            by_validator: dict[int, list[int]] = {}
+            for j, (_, _, trigger, _) in enumerate(jobs):
+                by_validator.setdefault(id(trigger.validator), []).append(j)
+            verdict = np.zeros(len(jobs))
+            for idx in by_validator.values():
+                validator = jobs[idx[0]][2].validator
+                verdict[idx] = validator.judge([questions[j] for j in idx], [render_passages(found[j], False, questions[j]) for j in idx])
+            for (row, view, trigger, (score, _)), question, hits, p_yes in zip(jobs, questions, found, verdict):
+                row.passes += 1  # the validation prompt's pass (batched with the other rows')
+                row.retrievals.append(Retrieval(trigger.name, len(row.kept), score, [question], [h.passage.id for h in hits],
+                                                [h.passage.text for h in hits], [float(h.score) for h in hits], used=False,
+                                                gate_score=float(p_yes)))  # fmt: skip
+                if p_yes < trigger.validator.threshold:  # a hallucinated concept: repair the sentence with the evidence
+                    row.retrievals[-1].used = True
+                    row.gen = []
+                    self._set_prompt(row, hits, question)
+            queue = [(r, v, t, c) for r, v, t, c in queue if r.gen and c]
+        for row, view, *_ in fires:
+            if row.gen:  # every concept passed: the segment stays
+                row.accept = False
+                self._keep_segment(row, view)
 
     @staticmethod
     def _first_firing(triggers: list[Trigger], view: SegmentView) -> tuple[Trigger, int, float] | None:

@@ -96,7 +96,7 @@ class MlpCalculator(Calculator):
     """``mlp``: the real-time detector's P(hallucination) of each generated token, from the hidden states the loop's
     own passes produced (its probe) and the token's probability and entropy, computed by the detector's
     serving function (:meth:`~detectors.dior.realtime_detector.RealtimeDetector.score_tokens`); lazily
-    ``keywords``: the segment's entity tokens it does not flag (DioR §3.2)."""
+    ``keywords``: the entity tokens of the generated text it does not flag (DioR §3.2, §3.3.1)."""
 
     key, provides, lazy = "mlp", ("mlp",), ("keywords",)
 
@@ -116,7 +116,10 @@ class MlpCalculator(Calculator):
             v.stats["mlp"] = part
 
     def lazy_stat(self, name: str, view: SegmentView) -> Any:
-        return self.detector.keywords(view.gen_ids, view.stats["mlp"])  # asked of a scored segment (one that fired)
+        """DioR §3.3.1 reads the entire generated text: the kept answer tokens (none flagged, or the trigger would have
+        cut there) and the scored segment (asked of a segment that fired)."""
+        kept = view.kept_ids
+        return self.detector.keywords(kept + view.gen_ids, np.concatenate([np.zeros(len(kept)), view.stats["mlp"]]))
 
 
 class RindCalculator(Calculator):

@@ -15,6 +15,10 @@ as the stored sets); the trigger fires at or above its threshold. The policy say
   the trigger's retrieval without scoring it (CtrlA's Alg. 1, lines 6-10: re-predict the segment and append it),
   ``"rescore"`` scores it like any segment, up to ``max_retrievals``.
 
+A token trigger with a ``validator`` (Stitch-in-Time's ``sit``) does not retrieve for its query: it validates each
+uncertain concept it flagged, retrieving for the concept's validation question, and repairs the segment (generates it
+again with the passages) only when a concept fails (see :meth:`~detectors.rag.loop.RagLoop`).
+
 A trigger brings the calculators of the statistics its scorer needs; the loop knows no concrete trigger.
 """
 
@@ -83,6 +87,7 @@ class Trigger:
     policy: Policy
     calculators: tuple[Calculator, ...] = ()
     gate: Any = None  # question stage: judges the passages it retrieved before the answer is generated (see Gate)
+    validator: Any = None  # token stage: validates the flagged concepts before repairing (SitValidator)
 
     @property
     def stage(self) -> str:
@@ -153,6 +158,18 @@ def _sit_min(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
     return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, _spacy(spacy_model)),))
 
 
+def _sit(llm: "LLM", threshold: float | None, spacy_model: str, sit=None) -> Trigger:
+    """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2, as ``sit_min``), validate each uncertain concept
+    (§2.1.3-2.1.5) and repair the sentence with the passages when one fails (§2.2; the repair is kept)."""
+    from detectors.baselines.stitch_in_time import SitMin, SitValidator
+    from detectors.rag.stats import EntityCalculator
+
+    if sit is None:
+        raise InputError("trigger 'sit' validates with rag_eval.sit: give its params (validation_question, prompt, yes/no words, threshold)")
+    policy = Policy("token", cut="segment", after_retrieval="accept")
+    return Trigger("sit", SitMin(Level.ENTITY), threshold, policy, (EntityCalculator(llm, _spacy(spacy_model)),), validator=SitValidator(llm, sit))
+
+
 def _early(name: str, detector) -> Trigger:
     from detectors.evaluation.scorers import DetectorScorer
     from detectors.rag.stats import EarlyCalculator
@@ -185,19 +202,22 @@ def _ctrla(name: str, detector) -> Trigger:
 
 
 # name -> builder(llm, threshold, spacy model); the ones with a threshold take it from rag_eval.thresholds
-TRAINING_FREE: dict[str, Callable[..., Trigger]] = {"always": _always, "flare": _flare, "rind": _rind, "sit_min": _sit_min}
+TRAINING_FREE: dict[str, Callable[..., Trigger]] = {"always": _always, "flare": _flare, "rind": _rind, "sit_min": _sit_min, "sit": _sit}
 # registered detector kind -> builder(name, detector attached to the loop's LLM)
 DETECTOR_KINDS: dict[str, Callable[[str, Any], Trigger]] = {"dior-early": _early, "dior-realtime": _realtime, "ctrla-confidence": _ctrla,
                                                          "utility": _utility}  # fmt: skip
 
 
-def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_model: str, tracking_uri: str | None = None) -> Trigger:
-    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (thresholds from ``thresholds``) or
+def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_model: str, tracking_uri: str | None = None, sit=None) -> Trigger:
+    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (thresholds from ``thresholds``; ``sit``: its
+    validation params, :class:`~detectors.config.rag.SitParams`) or
     ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from ``tracking_uri``) onto ``llm``;
     the detector's kind decides the trigger, and a detector built with another LLM is refused by its fingerprint."""
     if spec in TRAINING_FREE:
         if spec != "always" and spec not in thresholds:
             raise InputError(f"trigger {spec!r} has no threshold: give rag_eval.thresholds.{spec} (a number or `validation`)")
+        if spec == "sit":
+            return _sit(llm, thresholds.get(spec), spacy_model, sit)
         return TRAINING_FREE[spec](llm, thresholds.get(spec), spacy_model)
     if "@" not in spec:
         raise InputError(f"trigger {spec!r}: name one of {', '.join(TRAINING_FREE)} or a registered detector as <name>@<alias>")
