@@ -111,6 +111,14 @@ class RagRuntime:
                       self.query(config.query, triggers, retriever), steering)  # fmt: skip
         return resilient(name, rag.answer_all)
 
+    def framework(self, name: str, corpus: str) -> Answer:
+        """Seed system ``name`` of ``rag_eval.frameworks`` (its own loop, its params the section of its name) over
+        ``corpus``, as ``answer(questions, records)``."""
+        from detectors.rag.retroactive import RetroRag  # the only framework (FRAMEWORKS)
+
+        rag = RetroRag(self.llm, self.retriever(corpus), self.p[name], self.p["build_early.features.prompt"], self.params.batch_size)
+        return resilient(name, rag.answer_all)
+
     def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], dict[str, str]]:
         """The sweep over ``corpus``: ``sweep(questions, references)`` (the stored lines) and the swept triggers' kinds by
         name (``baseline``: training-free; ``detector``: trained), every trigger of the configurations but ``always``,

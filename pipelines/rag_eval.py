@@ -50,7 +50,7 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("rag_eval")
 READS = (
-    "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "mlflow", "execution",
+    "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "retrorag", "mlflow", "execution",
     "paths.llm", "paths.qa", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla", "paths.registry_utility",
     "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_table", "paths.rag_curves", "paths.rag_prompts",
 )  # fmt: skip
@@ -58,7 +58,8 @@ SWEEP = "sweep"  # the test sweep's run file, and the metrics file's key for the
 VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions, where every operating threshold is chosen
 # rag_eval params that do not shape a run file's answers (each configuration, corpus and the sweep are keyed on their own;
 # the sample only adds questions; batch_size only groups them; the rest is reporting)
-NOT_KEYED = ("configurations", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "bootstrap", "seed", "thresholds")
+NOT_KEYED = ("configurations", "frameworks", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "bootstrap", "seed",
+             "thresholds")  # fmt: skip
 
 
 def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> pd.DataFrame:
@@ -212,6 +213,10 @@ class RunFileWorker:
             key = config_hash({**base, "sweep": dataclasses.asdict(params.sweep), "triggers": out["triggers"], "questions": name})
             refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
             out["lines"] = run_questions(path, key, rows, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]), 0, f"{corpus} · {name}", params.batch_size)
+        elif name in params.frameworks:  # a seed system with its own loop; its params are the section of its name
+            key = config_hash({**base, "framework": name, "params": dataclasses.asdict(runtime.p[name])})
+            out["lines"] = run_questions(path, key, self.rows["test"], runtime.framework(name, corpus), params.prompts_sample, f"{corpus} · {name}",
+                                         params.batch_size)  # fmt: skip
         else:
             config = params.configurations[name]
             names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
@@ -261,11 +266,12 @@ def main(argv: list[str] | None = None) -> None:
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
     first = params.corpora[0]
     units = [(corpus, name) for corpus in params.corpora for name, config in params.configurations.items() if config.triggers or corpus == first]
+    units += [(corpus, name) for corpus in params.corpora for name in params.frameworks]
     # a configuration that never retrieves answers the same on every corpus: run once
     worker = functools.partial(RunFileWorker, p, rows, base_key, thresholds)
     results = {units[i]: result for i, result in map_units(units, worker, p["execution"])}
-    lines = {corpus: {name: results[(corpus, name) if config.triggers else (first, name)]["lines"] for name, config in params.configurations.items()}
-             for corpus in params.corpora}  # fmt: skip
+    lines = {corpus: {**{name: results[(corpus, name) if config.triggers else (first, name)]["lines"] for name, config in params.configurations.items()},
+                      **{name: results[(corpus, name)]["lines"] for name in params.frameworks}} for corpus in params.corpora}  # fmt: skip
     for corpus, name in units:
         check_failures(lines[corpus][name], f"{corpus} · {name}")
     refs = references(params.configurations)
@@ -286,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     write_curves(p["paths.rag_curves"], curves)
     write_prompts(p["paths.rag_prompts"], lines, params.prompts_sample)
     configs = {name: dataclasses.asdict(c) for name, c in params.configurations.items()}
+    configs |= {name: {"triggers": [name], "query": name, **dataclasses.asdict(p[name])} for name in params.frameworks}
     tags = {"llm": llm_name, "llm_digest": llm_digest}
     log_rag_runs(table, metrics[SWEEP], configs, params.experiment, tags, p["mlflow"].artifact_root, metrics["digests"]["corpora"])
 

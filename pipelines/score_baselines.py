@@ -1,8 +1,10 @@
 """Stage score_baselines: the training-free baselines that need the LLM, scored once for evaluate.
 
-- RetroRAG's evaluator (Eq. 1) on the early set: ``P(yes) / (P(yes) + P(no))`` when the LLM is asked
-  whether its own answer to the question is correct → ``paths.baselines_early`` (``id``,
-  ``retrorag_self_evaluation``);
+- RetroRAG's evaluator on the early set → ``paths.baselines_early`` (``id`` and two columns):
+  ``retrorag_self_consistency``, Eq. 1: ``P(yes) / (P(yes) + P(no))`` that the LLM's answer and a second answer
+  sampled from the same question prompt (``retrorag``: its temperature, seed and M_sc prompt) have the same meaning;
+  ``retrorag_self_evaluation``: the same evaluator asked whether the LLM's own answer is correct
+  (``score_baselines.evaluator``);
 - DRAGIN's RIND on the real-time set: one teacher-forced eager-attention pass over each record's prompt
   + continuation → ``paths.baselines_realtime`` (``id``, ``rind``: one float per generated token, aligned
   with the record's ``prob``/``entropy``).
@@ -21,7 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from detectors.baselines.retrorag import NAME as RETRORAG, self_evaluation_scores
+from detectors.baselines.retrorag import CONSISTENCY, NAME as RETRORAG, self_consistency_scores, self_evaluation_scores
 from detectors.baselines.rind import NAME as RIND, attention_implementation, rind_scores
 from detectors.errors import InputError
 from detectors.io import write_json
@@ -33,7 +35,7 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("score_baselines")
 READS = (
-    "llm", "score_baselines", "build_realtime.spacy_model", "paths.llm", "paths.early", "paths.realtime",
+    "llm", "score_baselines", "retrorag", "build_early.features.prompt", "build_realtime.spacy_model", "paths.llm", "paths.early", "paths.realtime",
     "paths.baselines_early", "paths.baselines_realtime", "paths.score_baselines_metrics",
 )  # fmt: skip
 
@@ -46,12 +48,17 @@ def ok_records(path: str, columns: list[str]) -> pd.DataFrame:
     return frame[frame["status"] == "ok"].reset_index(drop=True)
 
 
-def score_early(llm, frame: pd.DataFrame, params) -> pd.DataFrame:
+def score_early(llm, frame: pd.DataFrame, params, retrorag, prompt) -> pd.DataFrame:
+    """RetroRAG's two question-level scores of the early set's answers (``prompt``: the question prompt they were
+    given with)."""
     ev = params.evaluator
-    pairs = list(zip(frame["question"], frame["answer"]))
-    with progress(total=len(pairs), desc="retrorag evaluator", unit="question") as bar:
-        scores = self_evaluation_scores(llm, pairs, ev.template, ev.chat, tuple(ev.yes_words), tuple(ev.no_words), params.batch_size, bar)
-    return pd.DataFrame({"id": frame["id"], RETRORAG: scores})
+    questions, answers = list(frame["question"]), list(frame["answer"])
+    with progress(total=len(questions), desc="retrorag self-evaluation", unit="question") as bar:
+        evaluation = self_evaluation_scores(llm, list(zip(questions, answers)), ev.template, ev.chat, tuple(ev.yes_words), tuple(ev.no_words),
+                                            params.batch_size, bar)  # fmt: skip
+    with progress(total=len(questions), desc="retrorag self-consistency (Eq. 1)", unit="question") as bar:
+        consistency = self_consistency_scores(llm, questions, answers, retrorag, prompt, params.batch_size, bar)
+    return pd.DataFrame({"id": frame["id"], RETRORAG: evaluation, CONSISTENCY: consistency})
 
 
 def score_realtime(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_size: int) -> tuple[pd.DataFrame, float]:
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = {}
     with torch.no_grad():
         start = time.perf_counter()
-        early_scores = score_early(llm, early, params)
+        early_scores = score_early(llm, early, params, p["retrorag"], p["build_early.features.prompt"])
         seconds["retrorag"] = time.perf_counter() - start
         start = time.perf_counter()
         realtime_scores, drift = score_realtime(llm, realtime, stopwords, params.batch_size)

@@ -16,7 +16,10 @@ import torch
 import yaml
 
 from conftest import ROOT, known_facts
-from detectors.baselines.retrorag import self_evaluation_scores, word_token_ids
+from detectors.baselines.retrorag import self_consistency_scores, self_evaluation_scores, word_token_ids
+from detectors.config import load_section
+from detectors.config.core import from_dict
+from detectors.config.schema import PromptParams
 from detectors.baselines.rind import attention_implementation, rind_scores
 from detectors.dior.recorder import generate_traced
 from detectors.llm.loading import prepare_llm
@@ -219,6 +222,8 @@ def stage_run(tmp_path_factory, tiny_llm, tiny_checkpoint):
     params["llm"].update(source=str(tiny_checkpoint), dtype="float32", device="cpu")
     params["score_baselines"]["evaluator"].update(template=TEMPLATE, chat=False, yes_words=["Y"], no_words=["N"])
     params["score_baselines"]["batch_size"] = 2
+    params["retrorag"].update(yes_words=["Y"], no_words=["N"], chat=False, answer_tokens=4, reason_tokens=4)
+    params["build_early"]["features"]["prompt"].update(template="{question}", chat=False)
     (work / "params.yaml").write_text(yaml.safe_dump(params))
     previous = Path.cwd()
     os.chdir(work)
@@ -231,10 +236,15 @@ def stage_run(tmp_path_factory, tiny_llm, tiny_checkpoint):
 
 def test_stage_writes_one_score_per_ok_question(stage_run, tiny_llm):
     table = pd.read_parquet(stage_run / "data/eval/baselines_early.parquet")
-    assert table.columns.tolist() == ["id", "retrorag_self_evaluation"] and table["id"].tolist() == ["q1", "q2", "q4"]
+    assert table.columns.tolist() == ["id", "retrorag_self_evaluation", "retrorag_self_consistency"] and table["id"].tolist() == ["q1", "q2", "q4"]
     expected = self_evaluation_scores(tiny_llm, [("The capital of Spain is", "Lima")], TEMPLATE, yes=("Y",), no=("N",))
     assert table.loc[1, "retrorag_self_evaluation"] == pytest.approx(expected[0], rel=1e-4)
-    assert table["retrorag_self_evaluation"].between(0, 1).all()
+    params = yaml.safe_load((stage_run / "params.yaml").read_text())
+    retrorag = load_section("retrorag", data=params)
+    prompt = from_dict(PromptParams, params["build_early"]["features"]["prompt"], "prompt")
+    consistency = self_consistency_scores(tiny_llm, ["The capital of Spain is"], ["Lima"], retrorag, prompt)  # Eq. 1: a sampled a_sc
+    assert table.loc[1, "retrorag_self_consistency"] == pytest.approx(consistency[0], rel=1e-4)
+    assert table[["retrorag_self_evaluation", "retrorag_self_consistency"]].stack().between(0, 1).all()
 
 
 def test_stage_writes_rind_aligned_with_each_continuation(stage_run, tiny_llm):

@@ -257,7 +257,9 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
     params["index_corpus"]["corpora"] = {"facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}}
     configurations = {name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare")}
     params["rag_eval"].update(questions=6, corpora=["facts"], configurations=configurations, sweep={"corpus": "facts", "query": "question"},
-                              thresholds={"flare": 0.5}, max_new_tokens=4)  # fmt: skip
+                              thresholds={"flare": 0.5}, max_new_tokens=4, frameworks=["retrorag"])  # fmt: skip
+    params["retrorag"].update(yes_words=["Y"], no_words=["N"], chat=False, max_iterations=2, answer_tokens=4, reason_tokens=6, evidence_tokens=5,
+                              evidence_words=8, answer_context="{evidence}\n", direct_context="{evidence}\n")  # fmt: skip
     results = {}
     for backend in ("local", "ray"):
         params["execution"] = {**RAY, "backend": backend}
@@ -272,7 +274,8 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
             runs[path.name] = [{k: v for k, v in line.items() if k not in ("wall_s", "seconds")} for line in lines]
         metrics = json.loads((project / f"data/metrics/rag-{backend}.json").read_text())
         results[backend] = runs, {name: {k: v for k, v in m.items() if "wall" not in k and "second" not in k} for name, m in metrics["facts"].items()}
-    assert set(results["local"][0]) == {"no-retrieval.jsonl", "single-round.jsonl", "flare.jsonl", "sweep.jsonl", "sweep-val.jsonl"}
+    assert set(results["local"][0]) == {"no-retrieval.jsonl", "single-round.jsonl", "flare.jsonl", "retrorag.jsonl", "sweep.jsonl", "sweep-val.jsonl"}
+    assert all(1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag.jsonl"])  # RetroRAG's own row: one per iteration
     assert all(len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val.jsonl")  # the validation sweep: every val question
     assert results["ray"] == results["local"]
 

@@ -103,13 +103,14 @@ def test_question_baselines_are_those_whose_columns_exist():
     early = {"attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin", "answer"}
     names = [s.name for s in question_baselines(early)]
     assert names == ["logreg[attribution+first_token]", "attribution_entropy", "first_token_prob", "first_token_entropy"]
-    joined = early | {"retrorag_self_evaluation", "ctrla_confidence", "ctrla_confidence[val]"}
+    joined = early | {"retrorag_self_evaluation", "retrorag_self_consistency", "ctrla_confidence", "ctrla_confidence[val]"}
     scorers = question_baselines(joined)
-    assert [s.name for s in scorers][4:] == ["retrorag_self_evaluation", "ctrla_confidence", "ctrla_confidence[val]"]
+    assert [s.name for s in scorers][4:] == ["retrorag_self_consistency", "retrorag_self_evaluation", "ctrla_confidence", "ctrla_confidence[val]"]
     assert all(s.level is Level.QUESTION for s in scorers)
     assert [s.name for s in question_baselines({"first_token_prob"})] == ["first_token_prob"]  # no probe without its inputs
-    table = pd.DataFrame({"retrorag_self_evaluation": [0.9, 0.2]})
-    assert scorers[4].score(table).tolist() == [-0.9, -0.2]  # a low P(yes) means hallucinated
+    table = pd.DataFrame({"retrorag_self_evaluation": [0.9, 0.2], "retrorag_self_consistency": [0.3, 0.8]})
+    assert scorers[5].score(table).tolist() == [-0.9, -0.2]  # a low P(yes) means hallucinated
+    assert scorers[4].score(table).tolist() == [-0.3, -0.8]
 
 
 def test_realtime_baselines_are_those_whose_stats_exist():

@@ -1,7 +1,8 @@
 """Training-free hallucination scores, one small module each, behind :class:`detectors.interfaces.Scorer`.
 
 Question level: attribution entropy (DioR Eq. 1), first-token probability and entropy, a logistic-
-regression probe, RetroRAG's evaluator asked about the LLM's own answer (``retrorag_self_evaluation``); real-time levels: FLARE, Stitch-in-Time
+regression probe, RetroRAG's evaluator: Eq. 1's self-consistency with a sampled answer (``retrorag_self_consistency``) and
+asked about the LLM's own answer (``retrorag_self_evaluation``); real-time levels: FLARE, Stitch-in-Time
 MIN/AVG/NORM, token entropy, DRAGIN's RIND; both: CtrlA's confidence monitor (one scorer per
 ``ctrla_confidence*`` column or per-token stat).
 
@@ -16,7 +17,7 @@ from detectors.baselines.ctrla_confidence import CTRLA_CONFIDENCE, CtrlAConfiden
 from detectors.baselines.first_token import FIRST_TOKEN_ENTROPY, FIRST_TOKEN_PROB
 from detectors.baselines.flare import Flare
 from detectors.baselines.logreg import LogisticScorer
-from detectors.baselines.retrorag import RETRORAG_SELF_EVALUATION
+from detectors.baselines.retrorag import RETRORAG_SELF_CONSISTENCY, RETRORAG_SELF_EVALUATION
 from detectors.baselines.rind import Rind
 from detectors.baselines.stitch_in_time import SitAvg, SitMin, SitNorm
 from detectors.baselines.token_entropy import TokenEntropy
@@ -27,7 +28,9 @@ __all__ = [
     "CTRLA_CONFIDENCE", "CtrlAConfidence", "QUESTION_BASELINES", "REALTIME_BASELINES", "question_baselines", "realtime_baselines",
 ]  # fmt: skip
 
-QUESTION_BASELINES: tuple[ColumnScorer, ...] = (ATTRIBUTION_ENTROPY, FIRST_TOKEN_PROB, FIRST_TOKEN_ENTROPY, RETRORAG_SELF_EVALUATION)
+QUESTION_BASELINES: tuple[ColumnScorer, ...] = (
+    ATTRIBUTION_ENTROPY, FIRST_TOKEN_PROB, FIRST_TOKEN_ENTROPY, RETRORAG_SELF_CONSISTENCY, RETRORAG_SELF_EVALUATION,
+)  # fmt: skip
 REALTIME_BASELINES: tuple[type[TokenStatScorer], ...] = (Flare, SitMin, SitAvg, SitNorm, TokenEntropy, Rind)
 
 

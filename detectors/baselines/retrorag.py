@@ -1,27 +1,38 @@
-"""RetroRAG's LLM-based evaluator (Xiao et al., §Answerer, Eq. 1) asked about the LLM's own answer, a question-level
-score named for what it computes, ``retrorag_self_evaluation``: the LLM is asked whether its own answer to the
-question is correct, and the score is ``P("yes") / (P("yes") + P("no"))`` of the next token (low: the LLM doubts its
-answer).
+"""RetroRAG's LLM-based evaluator S (Xiao et al., §Answerer, Eq. 1): ``P("yes") / (P("yes") + P("no"))`` of the next
+token after a yes/no prompt (:func:`yes_probability`), and the two question-level scores the comparison reads from it:
 
-It is not RetroRAG's self-consistency score: Eq. 1 asks the evaluator whether the answer agrees with a second answer
-a_sc, sampled at a high temperature with a direct-answering prompt, and RetroRAG is a whole iterative framework
-(answerer, evidence collation and discovery, re-query) around it. The early set holds one greedy answer per question,
-so the prompt (``score_baselines.evaluator.template``) asks about that answer itself, in Fig. 8's wording. ``P("yes")`` sums the probabilities of the word's
-single-token variants: as given, lower case, capitalised and upper case, each with and without a leading
-space (those that are one token in the LLM's vocabulary); ``P("no")`` likewise.
+- ``retrorag_self_consistency``, Eq. 1 as the paper computes it: a second answer a_sc is *sampled* (the
+  SC-generator, at ``retrorag.sc_temperature``; no evidence on the early set) and the evaluator M_sc (Fig. 8) judges
+  whether the LLM's greedy answer a and a_sc have the same meaning (low: the LLM is not self-consistent);
+- ``retrorag_self_evaluation``, the evaluator asked whether the LLM's own answer is correct (Fig. 8's wording about
+  one answer, ``score_baselines.evaluator``), named for what it computes.
+
+``P("yes")`` sums the probabilities of the word's single-token variants: as given, lower case, capitalised and upper
+case, each with and without a leading space (those that are one token in the LLM's vocabulary); ``P("no")`` likewise.
+RetroRAG itself, the iterative framework around the evaluator, is :mod:`detectors.rag.retroactive`.
 """
 
 from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from detectors.evaluation.scorers import ColumnScorer
-from detectors.llm.kv import batches, forward_rows, prefix_cache, shared_prefix_length
+from detectors.llm.generate import OnBatch, generate, row_generator
+from detectors.llm.kv import ForwardCounter, batches, forward_rows, prefix_cache, shared_prefix_length
 from detectors.llm.loading import LLM
 
+if TYPE_CHECKING:
+    from detectors.config.retrorag import RetroRagParams
+    from detectors.config.schema import PromptParams
+
 NAME = "retrorag_self_evaluation"
+CONSISTENCY = "retrorag_self_consistency"
 RETRORAG_SELF_EVALUATION = ColumnScorer(NAME, NAME, higher_is_hallucinated=False, is_probability=False)
+RETRORAG_SELF_CONSISTENCY = ColumnScorer(CONSISTENCY, CONSISTENCY, higher_is_hallucinated=False, is_probability=False)
 
 
 def word_token_ids(tokenizer, words: list[str]) -> list[int]:
@@ -39,34 +50,52 @@ def word_token_ids(tokenizer, words: list[str]) -> list[int]:
     return ids
 
 
-def render_evaluator(llm: LLM, template: str, question: str, answer: str, chat: bool) -> str:
-    """The evaluator prompt for one (question, answer); with ``chat`` a user turn followed by the assistant's header."""
-    content = template.format(question=question, answer=answer)
+def yes_no_ids(tokenizer, yes: Sequence[str], no: Sequence[str]) -> tuple[list[int], list[int]]:
+    """The token ids of the yes and no words (:func:`word_token_ids`); they must not share one."""
+    yes_ids, no_ids = word_token_ids(tokenizer, list(yes)), word_token_ids(tokenizer, list(no))
+    if set(yes_ids) & set(no_ids):
+        raise ValueError(f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words")
+    return yes_ids, no_ids
+
+
+def instruction_prompt(llm: LLM, content: str, chat: bool) -> str:
+    """An instruction as the LLM reads it: with ``chat`` a user turn followed by the assistant's header."""
     if not chat:
         return content
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
 
 
-def yes_probability(llm: LLM, prompts: list[str], yes_ids: list[int], no_ids: list[int], add_special_tokens: bool = True,
-                    batch_size: int = 16, progress=None) -> np.ndarray:  # fmt: skip
-    """``P(yes) / (P(yes) + P(no))`` of the LLM's next token after each prompt (``yes_ids``/``no_ids``: the words'
-    single-token variants, :func:`word_token_ids`): an LLM-based evaluator's verdict as a probability.
+def yes_probability(
+    llm: LLM, prompts: list[str], yes_ids: list[int], no_ids: list[int], batch_size: int = 16, *, add_special_tokens: bool = True,
+    on_batch: OnBatch | None = None, progress=None,
+) -> np.ndarray:  # fmt: skip
+    """The evaluator's verdict on each prompt: ``P(yes) / (P(yes) + P(no))`` of its next token (``yes_ids``/``no_ids``:
+    :func:`yes_no_ids`).
 
-    The token prefix shared by all prompts (an instruction) runs once; rows are batched by length.
-    """
+    The token prefix every prompt shares (an instruction) runs once, its states cached; the rows run in batches of
+    similar length. ``on_batch`` hears of each batched call: its row indices, forward calls and seconds (the shared
+    prefix's pass is reported for every row)."""
     if set(yes_ids) & set(no_ids):
         raise ValueError(f"the yes and no words share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words")
     if not prompts:
         return np.zeros(0)
     rows = [llm.tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"] for p in prompts]
     common = min(shared_prefix_length(rows), min(len(r) for r in rows) - 1)  # every row runs at least its last token
-    kv = prefix_cache(llm, rows[0][:common])
+    start = time.perf_counter()
+    with ForwardCounter(llm.model) as counter:
+        kv = prefix_cache(llm, rows[0][:common])
+    if on_batch is not None and counter.calls:
+        on_batch(list(range(len(rows))), counter.calls, time.perf_counter() - start)
     out = np.zeros(len(rows))
     for idx in batches([r[common:] for r in rows], batch_size):
-        logits = forward_rows(llm, kv, [rows[i][common:] for i in idx], logits=True).logits
+        start = time.perf_counter()
+        with ForwardCounter(llm.model) as counter:
+            logits = forward_rows(llm, kv, [rows[i][common:] for i in idx], logits=True).logits
         for b, i in enumerate(idx):
             logp = torch.log_softmax(logits[b, len(rows[i]) - common - 1].float(), dim=-1)
             out[i] = float(torch.sigmoid(torch.logsumexp(logp[yes_ids], 0) - torch.logsumexp(logp[no_ids], 0)))
+        if on_batch is not None:
+            on_batch(list(idx), counter.calls, time.perf_counter() - start)
         if progress is not None:
             progress.update(len(idx))
     return out
@@ -75,10 +104,30 @@ def yes_probability(llm: LLM, prompts: list[str], yes_ids: list[int], no_ids: li
 def self_evaluation_scores(
     llm: LLM, pairs: list[tuple[str, str]], template: str, chat: bool = False, yes: tuple[str, ...] = ("yes",),
     no: tuple[str, ...] = ("no",), batch_size: int = 16, progress=None,
-) -> np.ndarray:
-    """``P(yes) / (P(yes) + P(no))`` of the evaluator's next token for each ``(question, answer)``."""  # fmt: skip
-    yes_ids, no_ids = word_token_ids(llm.tokenizer, list(yes)), word_token_ids(llm.tokenizer, list(no))
-    if set(yes_ids) & set(no_ids):
-        raise ValueError(f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}")
-    prompts = [render_evaluator(llm, template, q, a, chat) for q, a in pairs]
-    return yes_probability(llm, prompts, yes_ids, no_ids, not chat, batch_size, progress)
+) -> np.ndarray:  # fmt: skip
+    """``retrorag_self_evaluation``: the evaluator's P(yes) that each ``(question, answer)`` is correct (``template``:
+    ``{question}``, ``{answer}``)."""
+    yes_ids, no_ids = yes_no_ids(llm.tokenizer, yes, no)
+    prompts = [instruction_prompt(llm, template.format(question=q, answer=a), chat) for q, a in pairs]
+    return yes_probability(llm, prompts, yes_ids, no_ids, batch_size, add_special_tokens=not chat, progress=progress)
+
+
+def self_consistency_scores(
+    llm: LLM, questions: list[str], answers: list[str], params: "RetroRagParams", prompt: "PromptParams", batch_size: int = 16, progress=None,
+) -> np.ndarray:  # fmt: skip
+    """``retrorag_self_consistency``, Eq. 1 without evidence, for answers the LLM already gave with the question prompt
+    ``prompt`` (the early set's greedy answers): a_sc is sampled from the same prompt (M_D with no evidence: the
+    question prompt itself) for ``params.answer_tokens`` tokens at ``params.sc_temperature``, seeded as RetroRAG's first
+    iteration of the question (``params.seed``, its text, iteration 0), cut at the first newline; then M_sc
+    (``params.consistency_template``) judges whether ``answers`` and a_sc agree: ``P(yes) / (P(yes) + P(no))``."""
+    if len(questions) != len(answers):
+        raise ValueError(f"{len(questions)} questions but {len(answers)} answers")
+    if not questions:
+        return np.zeros(0)
+    yes_ids, no_ids = yes_no_ids(llm.tokenizer, params.yes_words, params.no_words)
+    prompts = [llm.render(q, prompt)[0] for q in questions]
+    samples = generate(llm, prompts, params.answer_tokens, add_special_tokens=not prompt.chat, stop=("\n",), batch_size=batch_size,
+                       generators=[row_generator(params.seed, q, 0) for q in questions], temperature=params.sc_temperature)  # fmt: skip
+    judged = [instruction_prompt(llm, params.consistency_template.format(question=q, answer=a, sc_answer=g.text), params.chat)
+              for q, a, g in zip(questions, answers, samples)]  # fmt: skip
+    return yes_probability(llm, judged, yes_ids, no_ids, batch_size, add_special_tokens=not params.chat, progress=progress)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from detectors.baselines.retrorag import yes_no_ids, yes_probability
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.interfaces import Level
 
@@ -65,10 +66,7 @@ class SitValidator:
     batch_size: int = 16
 
     def __post_init__(self) -> None:
-        from detectors.baselines.retrorag import word_token_ids
-
-        tok = self.llm.tokenizer
-        self.yes_ids, self.no_ids = word_token_ids(tok, list(self.params.yes_words)), word_token_ids(tok, list(self.params.no_words))
+        self.yes_ids, self.no_ids = yes_no_ids(self.llm.tokenizer, self.params.yes_words, self.params.no_words)
 
     @property
     def threshold(self) -> float:
@@ -80,7 +78,5 @@ class SitValidator:
 
     def judge(self, validation_questions: list[str], passages: list[str]) -> np.ndarray:
         """P(yes) of each validation question answered from its rendered passages."""
-        from detectors.baselines.retrorag import yes_probability
-
         prompts = [self.params.prompt.format(passages=p, validation_question=q) for q, p in zip(validation_questions, passages)]
         return yes_probability(self.llm, prompts, self.yes_ids, self.no_ids, batch_size=self.batch_size)

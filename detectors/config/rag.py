@@ -14,6 +14,7 @@ QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
 TRAINING_FREE_TRIGGERS = ("always", "flare", "rind", "sit_min", "sit")
 THRESHOLD_TRIGGERS = ("flare", "rind", "sit_min", "sit")  # the training-free triggers with a threshold
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+FRAMEWORKS = ("retrorag",)  # seed systems with a loop of their own (detectors.rag.retroactive); params: the section of that name
 RESERVED = ("sweep", "digests", "thresholds")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
 CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configuration runs on (utility-{corpus}@champion)
@@ -140,6 +141,7 @@ class RagEvalParams:
     max_new_tokens: int
     context: str  # inserted right before {question} of the early prompt when passages were retrieved
     configurations: dict[str, RagConfigurationParams]
+    frameworks: list[str]  # seed systems that run their own loop (FRAMEWORKS), one row each beside the configurations
     thresholds: dict[str, float]  # fixed operating thresholds by trigger name; every other one is chosen on the validation sweep
     query: RagQueryParams
     sit: SitParams
@@ -170,6 +172,13 @@ class RagEvalParams:
         for name in self.configurations:
             if not NAME.fullmatch(name):
                 fail(f"{where}.configurations", name, "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit")
+        for i, name in enumerate(self.frameworks):
+            if name not in FRAMEWORKS:
+                fail(f"{where}.frameworks[{i}]", name, f"known frameworks: {list(FRAMEWORKS)}")
+            if name in self.configurations:
+                fail(f"{where}.frameworks[{i}]", name, "a configuration has this name too: rename the configuration (each row has one name)")
+        if len(set(self.frameworks)) != len(self.frameworks):
+            fail(f"{where}.frameworks", self.frameworks, "list each framework once")
         swept = {n for c in self.configurations.values() for t in c.triggers if t != "always" for n in trigger_names(t, self.corpora)}
         for name, value in self.thresholds.items():
             if name not in swept:

@@ -33,6 +33,7 @@ SECTIONS: dict[str, str] = {
     "register_ctrla": "detectors.config.ctrla:RegisterCtrlAParams",
     "index_corpus": "detectors.config.rag:IndexCorpusParams",
     "rag_eval": "detectors.config.rag:RagEvalParams",
+    "retrorag": "detectors.config.retrorag:RetroRagParams",
     "build_utility": "detectors.config.utility:BuildUtilityParams",
     "train_utility": "detectors.config.utility:TrainUtilityParams",
     "register_utility": "detectors.config.common:RegisterParams",
