@@ -19,7 +19,7 @@ from detectors.rag.metrics import FAILED
 from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
-from detectors.rag.triggers import make_trigger
+from detectors.rag.triggers import TriggerSettings, make_trigger
 from detectors.registry import store
 
 log = logging.getLogger("rag_eval")
@@ -75,7 +75,8 @@ class RagRuntime:
         spec = on_corpus(spec, corpus)
         if spec not in self._triggers:
             unread = {name: math.inf for name in THRESHOLD_TRIGGERS}  # each loop sets its triggers' thresholds below
-            self._triggers[spec] = make_trigger(spec, self.llm, unread, self.p["build_realtime.spacy_model"], self.tracking_uri, self.params.sit)
+            settings = TriggerSettings(sit=self.params.sit, ctrla=self.params.ctrla)
+            self._triggers[spec] = make_trigger(spec, self.llm, unread, self.p["build_realtime.spacy_model"], self.tracking_uri, settings)
         trigger = self._triggers[spec]
         if thresholds is None or trigger.name == "always":
             return trigger

@@ -17,10 +17,10 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, qa_rows
+from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
 from detectors.baselines.retrorag import word_token_ids, yes_probability
 from detectors.config.core import from_dict
-from detectors.config.rag import SitParams
+from detectors.config.rag import CtrlARefusalParams, SitParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.ctrla.detectors import ConfidenceDetector
 from detectors.ctrla.directions import Directions
@@ -32,11 +32,12 @@ from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.llm.kv import PrefixStore, prefix_states
+from detectors.llm.loading import LLM
 from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import CtrlAQuery, make_query
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.triggers import Policy, Trigger, make_trigger
+from detectors.rag.triggers import Policy, Trigger, TriggerSettings, make_trigger
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 
@@ -103,9 +104,9 @@ def registry(tmp_path_factory, tiny_llm) -> str:
 SIT = from_dict(SitParams, {**PARAMS["rag_eval"]["sit"], "yes_words": ["Y"], "no_words": ["N"]}, "sit")
 
 
-def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT):
+def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT, ctrla=None):
     thresholds = thresholds or {"flare": -1.0, "rind": -1.0, "sit_min": -1.0, "sit": -1.0}
-    return make_trigger(spec, tiny_llm, thresholds, SPACY, tracking_uri=registry, sit=sit)
+    return make_trigger(spec, tiny_llm, thresholds, SPACY, tracking_uri=registry, settings=TriggerSettings(sit=sit, ctrla=ctrla))
 
 
 def loop_for(spec, tiny_llm, retriever, registry, **config):
@@ -184,6 +185,54 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
         segments = 1 + sum(1 for _ in re.finditer(r"[.!?]\s", result.answer))  # the answer's sentences: at most one retrieval each
         assert len(result.retrievals) <= segments, (question, result.answer, len(result.retrievals))
     assert len(result.retrievals) == 1  # Kenya: "Paris" fired it once
+
+
+CTRLA = from_dict(CtrlARefusalParams, {**PARAMS["rag_eval"]["ctrla"], "chat": False, "query_tokens": 4}, "ctrla")
+
+
+def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm, retriever, registry):
+    """CtrlA's refusal handling (App. B.3, Alg. 2-3): a segment re-predicted after the trigger's retrieval that still
+    refuses gets a query rewritten from the previous one (f_QR, Prompt B.2) and is re-predicted, up to K times (and
+    within max_retrievals); then it is kept. Here every re-predicted segment "refuses" (a pattern that matches any
+    text)."""
+    question = "The capital of Kenya is"
+    config = RagConfig("ctrla", PROMPT, context="{passages} ", k=1, max_new_tokens=6, max_retrievals=5)  # a context the tiny Llama continues
+    confidence = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)  # K = 2
+    refusing = dataclasses.replace(confidence, refusal=dataclasses.replace(confidence.refusal, patterns=[r"\S"]))
+    result = RagLoop(tiny_llm, retriever, config, [refusing], make_query("ctrla")).answer(question)
+    assert [r.trigger for r in result.retrievals] == ["t-confidence", "t-confidence:refusal", "t-confidence:refusal"]
+    first = result.retrievals[0].queries[0]
+    rewritten = refusing.refusal.rewrite([question], [first])[0]
+    assert [r.queries for r in result.retrievals[1:]] == [[rewritten], [refusing.refusal.rewrite([question], [rewritten])[0]]]
+    assert rewritten != first and all(r.score == np.inf for r in result.retrievals[1:])
+    capped = RagLoop(tiny_llm, retriever, dataclasses.replace(config, max_retrievals=2), [refusing], make_query("ctrla")).answer(question)
+    assert [r.trigger for r in capped.retrievals] == ["t-confidence", "t-confidence:refusal"]
+    kept = RagLoop(tiny_llm, retriever, config, [confidence], make_query("ctrla")).answer(question)  # no refusal: one retrieval
+    assert [r.trigger for r in kept.retrievals] == ["t-confidence"]
+
+
+@pytest.fixture(scope="module")
+def talker(tokenizer) -> LLM:
+    """A tiny Llama whose answers are two sentences ("Paris. Paris is it."), with or without a passage before the
+    question, so that a segment follows a retrieval."""
+    said = [f"{r['question']} {r['answers'][0]}. {r['answers'][0]} is it.</s>" for r in known_facts()]
+    texts = said + [f"[1] {p.title}: {p.text}\n{t}" for t, p in zip(said, PASSAGES * len(said))]
+    return LLM.wrap(build_tiny_llama(tokenizer, seed=1, texts=texts), tokenizer, "tiny-talker")
+
+
+def test_ctrla_predicts_the_segment_after_a_retrieval_without_its_passages(talker, retriever):
+    """CtrlA's Alg. 1: the passages serve the re-prediction of the flagged segment (line 8) and the next segment is
+    predicted from (x, y<t) (line 4), the prompt without them; a policy that keeps the passages leaves them there."""
+    fires = Trigger("every-segment", make_trigger("flare", talker, {"flare": -1.0}, SPACY).scorer, -1.0,
+                    Policy("token", cut="segment", after_retrieval="accept", passages="segment"))  # fmt: skip
+    question, prompt = "The capital of France is", PromptParams(template="{question}", chat=False, system=None)
+    config = RagConfig("ctrla", prompt, k=1, max_new_tokens=12, max_retrievals=3)
+    plain = talker.render(question, prompt)[0]
+    result = RagLoop(talker, retriever, config, [fires]).answer(question, record_prompts=True)
+    assert result.answer.count(".") == 2 and len(result.retrievals) == 2  # two sentences, each retrieved for once
+    assert [p == plain for p in result.prompts] == [True, False, True, False, True]  # the last finds the end of the answer
+    keeping = RagLoop(talker, retriever, config, [dataclasses.replace(fires, policy=dataclasses.replace(fires.policy, passages="keep"))])
+    assert [p == plain for p in keeping.answer(question, record_prompts=True).prompts] == [True, False, False]
 
 
 def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_it_fails(tiny_llm, retriever, registry):
@@ -335,6 +384,7 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
         finite = [s for s in scores if np.isfinite(s)]
         triggers[t.name] = dataclasses.replace(t, threshold=float(np.median(finite)))
     confidence = trigger("t-confidence@champion", tiny_llm, registry)
+    handling = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)
     steering = {1: 3.0 * confidence.calculators[0].detector.directions.vectors[0]}
     config = lambda name, **kw: RagConfig(name, PROMPT, k=2, max_new_tokens=8, **kw)  # noqa: E731
     return {
@@ -344,6 +394,8 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
         "sit": RagLoop(tiny_llm, facts, config("sit"), [dataclasses.replace(triggers["sit"], validator=dataclasses.replace(
             triggers["sit"].validator, params=dataclasses.replace(SIT, threshold=0.5)))]),
         "ctrla": RagLoop(tiny_llm, facts, config("ctrla"), [confidence], make_query("ctrla"), steering),
+        "ctrla-refusal": RagLoop(tiny_llm, facts, config("ctrla-refusal", context="{passages} "), [dataclasses.replace(
+            handling, refusal=dataclasses.replace(handling.refusal, patterns=[r"\bis\b"]))], make_query("ctrla")),  # some re-predictions "refuse"
     }  # fmt: skip
 
 
@@ -365,8 +417,10 @@ def test_answers_and_retrievals_do_not_depend_on_how_many_questions_advance_toge
         assert runs[1] == runs[5] == runs[16], name
         fired = [bool(r["retrievals"]) for r in runs[1]]
         assert any(fired), f"{name}: no question retrieved"
-        if name != "ctrla":  # CtrlA's tau=100 fires on every new content word
+        if not name.startswith("ctrla"):  # CtrlA's tau=100 fires on every new content word
             assert not all(fired), f"{name}: every question retrieved"
+        if name == "ctrla-refusal":
+            assert any(x["trigger"].endswith(":refusal") for r in runs[1] for x in r["retrievals"]), "no refusal was handled"
         rounds = {len(r["retrievals"]) for r in runs[1]}
         assert len(rounds) > 1, f"{name}: every question retrieved {rounds} times (rows never left the batch apart)"
 

@@ -23,7 +23,7 @@ from detectors.rag.corpus import qa_fact_passages
 from detectors.rag.loop import PostRetrieval, RagConfig, RagLoop
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import curve, operating_point, question_outcomes
-from detectors.rag.triggers import TRAINING_FREE, make_trigger
+from detectors.rag.triggers import make_trigger
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
@@ -62,7 +62,7 @@ def reader(tiny_llm, facts) -> LLM:
     loop builds with each question's retrieved passages, its own fact's answer swapped for another question's, answered
     with that answer (so it learns to copy, not the facts). Retrieval then helps some questions and hurts others
     (measured: 9 and 10 of 48)."""
-    loop = RagLoop(tiny_llm, facts, CONFIG, [TRAINING_FREE["always"](tiny_llm, None, "")])
+    loop = RagLoop(tiny_llm, facts, CONFIG, [make_trigger("always", tiny_llm, {}, "")])
     prompts = [r.prompts[0] for r in loop.answer_all([r["question"] for r in ROWS], record_prompts=True)]
     texts = [f"{r['question']} {r['answers'][0]}.</s>" for r in known_facts()]
     rng = np.random.default_rng(0)
@@ -90,7 +90,7 @@ def test_labels_say_whether_retrieval_helps_hurts_or_neither(reader, facts, feat
     tiny_llm = reader
     assert [utility_label(a, b) for a, b in [(False, True), (True, False), (True, True), (False, False)]] == [HELPS, HURTS, NEITHER, NEITHER]
     loop, gate = labelling_loop(tiny_llm, facts, features, batch_size=8)
-    with_passages = [r.answer for r in RagLoop(tiny_llm, facts, loop.config, [TRAINING_FREE["always"](tiny_llm, None, "")]).answer_all(QUESTIONS[:3])]
+    with_passages = [r.answer for r in RagLoop(tiny_llm, facts, loop.config, [make_trigger("always", tiny_llm, {}, "")]).answer_all(QUESTIONS[:3])]
     assert all(a.split() for a in with_passages)
     # planted: the first answer's word is the reference and the answer without passages misses it (helps); the
     # second's reference is said only without passages (hurts); the third is right both ways (neither)
@@ -103,7 +103,7 @@ def test_labels_say_whether_retrieval_helps_hurts_or_neither(reader, facts, feat
         assert len(record["post_hidden"]) == 2 * tiny_llm.fingerprint.hidden_size and len(record["retrieval_scores"]) == 2
         assert record["retrieval_scores"] == sorted(record["retrieval_scores"], reverse=True)
     # the first-token distribution with the passages is the LLM's on the prompt the loop ran (one plain forward pass)
-    (result,) = RagLoop(tiny_llm, facts, loop.config, [TRAINING_FREE["always"](tiny_llm, None, "")]).answer_all(QUESTIONS[:1], record_prompts=True)
+    (result,) = RagLoop(tiny_llm, facts, loop.config, [make_trigger("always", tiny_llm, {}, "")]).answer_all(QUESTIONS[:1], record_prompts=True)
     ids = tiny_llm.tokenizer(result.prompts[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         probs = torch.softmax(tiny_llm.model(ids).logits[0, -1].float(), -1)
@@ -181,7 +181,7 @@ def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(lab
     decided = lambda r: (r.answer, [(x.passage_ids, x.used, round(x.gate_score, 4)) for x in r.retrievals])  # noqa: E731
     assert [decided(r) for r in runs[1]] == [decided(r) for r in runs[5]]  # the gate does not depend on the batch
     never = RagLoop(tiny_llm, None, dataclasses.replace(config, name="never")).answer_all(questions)
-    single = RagLoop(tiny_llm, facts, config, [TRAINING_FREE["always"](tiny_llm, None, "")]).answer_all(questions)
+    single = RagLoop(tiny_llm, facts, config, [make_trigger("always", tiny_llm, {}, "")]).answer_all(questions)
     kept = []
     for result, offline, none, always in zip(runs[1], gate_scores, never, single):
         (retrieval,) = result.retrievals

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from detectors.evaluation.scorers import ColumnScorer
-from detectors.llm.generate import OnBatch, generate, row_generator
+from detectors.llm.generate import OnBatch, generate, instruction_prompt, row_generator
 from detectors.llm.kv import ForwardCounter, batches, forward_rows, prefix_cache, shared_prefix_length
 from detectors.llm.loading import LLM
 
@@ -56,13 +56,6 @@ def yes_no_ids(tokenizer, yes: Sequence[str], no: Sequence[str]) -> tuple[list[i
     if set(yes_ids) & set(no_ids):
         raise ValueError(f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words")
     return yes_ids, no_ids
-
-
-def instruction_prompt(llm: LLM, content: str, chat: bool) -> str:
-    """An instruction as the LLM reads it: with ``chat`` a user turn followed by the assistant's header."""
-    if not chat:
-        return content
-    return llm.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
 
 
 def yes_probability(

@@ -95,6 +95,25 @@ class SitParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class CtrlARefusalParams:
+    """CtrlA's refusal handling H_R in the loop (App. B.3, Alg. 2-3): when the segment re-predicted after a retrieval
+    still refuses (the detector's refusal patterns), the query is rewritten (f_QR: ``rewrite_template``, Prompt B.2,
+    ``{question}`` and the previous ``{query}``; greedy, ``query_tokens`` tokens, its first line) and the segment
+    re-predicted with the new passages, up to ``max_attempts`` (K) times."""
+
+    rewrite_template: str
+    chat: bool  # the rewrite prompt as a user turn of the chat template
+    max_attempts: int
+    query_tokens: int
+
+    def check(self, where: str) -> None:
+        check_fields(f"{where}.rewrite_template", self.rewrite_template, ("question", "query"))
+        if self.max_attempts < 0:
+            fail(f"{where}.max_attempts", self.max_attempts, "must be >= 0 (0: a refusal after a retrieval is kept)")
+        positive(f"{where}.query_tokens", self.query_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class DiorWeightsParams:
     """DioR §3.3.1: weights of the attention, TF-IDF, relative position and question-similarity terms."""
 
@@ -145,6 +164,7 @@ class RagEvalParams:
     thresholds: dict[str, float]  # fixed operating thresholds by trigger name; every other one is chosen on the validation sweep
     query: RagQueryParams
     sit: SitParams
+    ctrla: CtrlARefusalParams
     sweep: RagSweepParams
     prompts_sample: int
     experiment: str

@@ -1,4 +1,4 @@
-"""Batched generation for the LLM's own instruction calls (RetroRAG's generators, its SC-generator's samples):
+"""Batched generation for the LLM's own instruction calls (RetroRAG's generators and SC-generator, CtrlA's query rewrite):
 left-padded ``model.generate`` in batches of similar length, greedy or sampled from one seeded random stream per row,
 so that a row's continuation never depends on the rows beside it or on the batch size."""
 
@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from detectors.llm.loading import LLM
 
 OnBatch = Callable[[list[int], int, float], None]  # (row indices, forward calls, seconds) of one batched call
+
+
+def instruction_prompt(llm: "LLM", content: str, chat: bool) -> str:
+    """An instruction as the LLM reads it: with ``chat`` a user turn followed by the assistant's header."""
+    if not chat:
+        return content
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
 
 
 @dataclasses.dataclass

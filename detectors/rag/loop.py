@@ -153,7 +153,8 @@ class _Row:
     seconds: float = 0.0  # measurements reused from another configuration
     segments: list[SegmentView] = dataclasses.field(default_factory=list)  # kept when tracing
     gate: Any = None  # the gate that judges the passages just retrieved, once their prompt has run
-    accept: bool = False  # the next segment is kept unscored (it regenerates one whose trigger accepts what follows)
+    accepting: Trigger | None = None  # the next segment re-predicts one after this trigger's retrieval: kept unscored
+    attempts: int = 0  # refusal-handling retrievals for the segment being re-predicted
 
 
 def _similar_lengths(items: list[tuple[_Row, list[int]]], batch_size: int, tokens: int = 16384) -> list[list[tuple[_Row, list[int]]]]:
@@ -473,21 +474,34 @@ class RagLoop:
             views.append(SegmentView(row.question, context, list(row.gen), tok.decode(row.gen, skip_special_tokens=True), stats, probes,
                                      row.question_stats, self.lazy, row.kv, len(row.prompt)))  # fmt: skip
         token_triggers = [t for t in self.triggers if t.stage == "token"] if triggers else []
-        scored = [bool(token_triggers and view.gen_ids) and not row.accept and (observe or len(row.retrievals) < self.config.max_retrievals)
+        scored = [bool(token_triggers and view.gen_ids) and row.accepting is None and (observe or len(row.retrievals) < self.config.max_retrievals)
                   for row, view in zip(rows, views)]  # fmt: skip
         if any(scored):
             for calc in self.calculators:
                 calc.segments([v for v, s in zip(views, scored) if s])
         fires: list[tuple[_Row, SegmentView, Trigger, int, float]] = []
+        refused: list[tuple[_Row, Trigger]] = []
         for row, view, score in zip(rows, views, scored):
             if observe:
                 row.segments.append(view)
+            if row.accepting is not None:  # re-predicted after its trigger's retrieval
+                trigger, row.accepting = row.accepting, None
+                if self._still_refuses(row, view, trigger):
+                    refused.append((row, trigger))
+                    continue
+                row.attempts = 0
+                self._keep_segment(row, view)
+                if trigger.policy.passages == "segment" and not row.finished:
+                    self._set_prompt(row, None, row.question)  # the next segment from (x, y<t): CtrlA's Alg. 1, line 4
+                continue
             fired = self._first_firing(token_triggers, view) if score and not observe else None
-            row.accept = fired is not None and fired[0].policy.after_retrieval == "accept"
             if fired is None:
                 self._keep_segment(row, view)
             else:
+                row.accepting = fired[0] if fired[0].policy.after_retrieval == "accept" else None
                 fires.append((row, view, *fired))
+        if refused:
+            self._handle_refusals(refused)
         validated = [f for f in fires if f[2].validator is not None]
         fires = [f for f in fires if f[2].validator is None]
         if fires:
@@ -547,8 +561,35 @@ class RagLoop:
             queue = [(r, v, t, c) for r, v, t, c in queue if r.gen and c]
         for row, view, *_ in fires:
             if row.gen:  # every concept passed: the segment stays
-                row.accept = False
+                row.accepting = None
                 self._keep_segment(row, view)
+
+    def _still_refuses(self, row: _Row, view: SegmentView, trigger: Trigger) -> bool:
+        """Whether a segment re-predicted after ``trigger``'s retrieval goes to its refusal handling (CtrlA's Alg. 3,
+        lines 9-11): it refuses (f_d), and attempts and retrievals are left."""
+        handler = trigger.refusal
+        return handler is not None and handler.refuses(view.text) and row.attempts < handler.max_attempts and len(row.retrievals) < self.config.max_retrievals
+
+    def _handle_refusals(self, refused: list[tuple[_Row, Trigger]]) -> None:
+        """CtrlA's refusal handling H_R (Alg. 2) for segments that still refuse after their trigger's retrieval: the
+        previous query is rewritten (f_QR), the passages it retrieves replace the old ones and the segment is
+        re-predicted (kept unless it refuses again, up to the handler's ``max_attempts``). The retrieval is recorded as
+        ``<trigger>:refusal`` with score +inf (the refusal detector's)."""
+        by_handler: dict[int, list[tuple[_Row, Trigger]]] = {}
+        for row, trigger in refused:
+            by_handler.setdefault(id(trigger.refusal), []).append((row, trigger))
+        for group in by_handler.values():
+            rows = [row for row, _ in group]
+            handler = group[0][1].refusal
+
+            def charge(idx: list[int], calls: int, seconds: float) -> None:
+                for i in idx:
+                    rows[i].passes += calls
+
+            queries = handler.rewrite([r.question for r in rows], [r.retrievals[-1].queries[-1] for r in rows], on_batch=charge)
+            for row, trigger in group:
+                row.gen, row.attempts, row.accepting = [], row.attempts + 1, trigger
+            self._retrieve(rows, queries, [f"{t.name}:refusal" for _, t in group], [float("inf")] * len(rows))
 
     @staticmethod
     def _first_firing(triggers: list[Trigger], view: SegmentView) -> tuple[Trigger, int, float] | None:

@@ -59,10 +59,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from detectors.baselines.retrorag import instruction_prompt, yes_no_ids, yes_probability
+from detectors.baselines.retrorag import yes_no_ids, yes_probability
 from detectors.config.retrorag import RetroRagParams
 from detectors.config.schema import PromptParams
-from detectors.llm.generate import Generation, OnBatch, generate, row_generator
+from detectors.llm.generate import Generation, OnBatch, generate, instruction_prompt, row_generator
 from detectors.llm.loading import LLM
 from detectors.rag.loop import RagResult, Retrieval
 from detectors.rag.retriever import Hit

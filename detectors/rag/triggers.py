@@ -13,7 +13,13 @@ as the stored sets); the trigger fires at or above its threshold. The policy say
   never fires (CtrlA: new content words), ``forced`` a boolean statistic of the segment that fires it at the
   segment's first token (CtrlA's refusal detector); ``after_retrieval="accept"`` keeps the segment regenerated after
   the trigger's retrieval without scoring it (CtrlA's Alg. 1, lines 6-10: re-predict the segment and append it),
-  ``"rescore"`` scores it like any segment, up to ``max_retrievals``.
+  ``"rescore"`` scores it like any segment, up to ``max_retrievals``; ``passages="segment"`` keeps the passages for
+  that re-predicted segment only, and the segments after it are predicted from the prompt without them (CtrlA's
+  Alg. 1, line 4: the next segment given (x, y<t)), ``"keep"`` leaves them in the prompt until the next retrieval.
+
+A trigger with a ``refusal`` handler (CtrlA's H_R, App. B.3) checks the segment it re-predicted after its retrieval
+for refusal patterns; one that still refuses gets a rewritten query (f_QR) and is re-predicted, up to the handler's
+``max_attempts`` (Alg. 2-3).
 
 A token trigger with a ``validator`` (Stitch-in-Time's ``sit``) does not retrieve for its query: it validates each
 uncertain concept it flagged, retrieving for the concept's validation question, and repairs the segment (generates it
@@ -47,6 +53,7 @@ class Policy:
     eligible: str | None = None
     forced: str | None = None
     after_retrieval: Literal["rescore", "accept"] = "rescore"
+    passages: Literal["keep", "segment"] = "keep"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,7 @@ class Trigger:
     calculators: tuple[Calculator, ...] = ()
     gate: Any = None  # question stage: judges the passages it retrieved before the answer is generated (see Gate)
     validator: Any = None  # token stage: validates the flagged concepts before repairing (SitValidator)
+    refusal: Any = None  # token stage: re-retrieves for a re-predicted segment that still refuses (RefusalHandler)
 
     @property
     def stage(self) -> str:
@@ -127,23 +135,33 @@ class Trigger:
 # ---- building triggers by name -----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class TriggerSettings:
+    """What some triggers read beyond a threshold (``rag_eval.sit``, ``rag_eval.ctrla``): Stitch-in-Time's validation
+    (:class:`~detectors.config.rag.SitParams`; the ``sit`` trigger needs it) and CtrlA's refusal handling
+    (:class:`~detectors.config.rag.CtrlARefusalParams`; None: a refusal after a retrieval is kept)."""
+
+    sit: Any = None
+    ctrla: Any = None
+
+
 def _spacy(model: str):
     import spacy
 
     return spacy.load(model)
 
 
-def _always(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+def _always(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
     return Trigger("always", Constant(), 0.0, Policy("question"))
 
 
-def _flare(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+def _flare(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
     from detectors.baselines.flare import Flare
 
     return Trigger("flare", Flare(Level.TOKEN), threshold, Policy("token", cut="segment"))
 
 
-def _rind(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+def _rind(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
     from detectors.baselines.rind import Rind
     from detectors.rag.stats import RindCalculator
 
@@ -151,33 +169,33 @@ def _rind(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
     return Trigger("rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),))
 
 
-def _sit_min(llm: "LLM", threshold: float | None, spacy_model: str) -> Trigger:
+def _sit_min(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
     from detectors.baselines.stitch_in_time import SitMin
     from detectors.rag.stats import EntityCalculator
 
     return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, _spacy(spacy_model)),))
 
 
-def _sit(llm: "LLM", threshold: float | None, spacy_model: str, sit=None) -> Trigger:
+def _sit(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
     """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2, as ``sit_min``), validate each uncertain concept
     (§2.1.3-2.1.5) and repair the sentence with the passages when one fails (§2.2; the repair is kept)."""
     from detectors.baselines.stitch_in_time import SitMin, SitValidator
     from detectors.rag.stats import EntityCalculator
 
-    if sit is None:
+    if settings.sit is None:
         raise InputError("trigger 'sit' validates with rag_eval.sit: give its params (validation_question, prompt, yes/no words, threshold)")
     policy = Policy("token", cut="segment", after_retrieval="accept")
-    return Trigger("sit", SitMin(Level.ENTITY), threshold, policy, (EntityCalculator(llm, _spacy(spacy_model)),), validator=SitValidator(llm, sit))
+    return Trigger("sit", SitMin(Level.ENTITY), threshold, policy, (EntityCalculator(llm, _spacy(spacy_model)),), validator=SitValidator(llm, settings.sit))
 
 
-def _early(name: str, detector) -> Trigger:
+def _early(name: str, detector, settings: "TriggerSettings") -> Trigger:
     from detectors.evaluation.scorers import DetectorScorer
     from detectors.rag.stats import EarlyCalculator
 
     return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),))
 
 
-def _utility(name: str, detector) -> Trigger:
+def _utility(name: str, detector, settings: "TriggerSettings") -> Trigger:
     from detectors.evaluation.scorers import DetectorScorer
     from detectors.rag.stats import EarlyCalculator
     from detectors.utility.detector import UtilityGate
@@ -185,7 +203,7 @@ def _utility(name: str, detector) -> Trigger:
     return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), UtilityGate(detector))
 
 
-def _realtime(name: str, detector) -> Trigger:
+def _realtime(name: str, detector, settings: "TriggerSettings") -> Trigger:
     from detectors.evaluation.scorers import realtime_detector_scorer
     from detectors.rag.stats import MlpCalculator
 
@@ -193,32 +211,37 @@ def _realtime(name: str, detector) -> Trigger:
     return Trigger(name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),))
 
 
-def _ctrla(name: str, detector) -> Trigger:
+def _ctrla(name: str, detector, settings: "TriggerSettings") -> Trigger:
+    """CtrlA's Alg. 3: retrieval when a new content word is unconfident (Eq. 2 < 0) or the segment refuses (f_d); the
+    segment is re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when
+    ``settings.ctrla`` gives it; the next segment is predicted without the passages (line 4)."""
     from detectors.baselines.ctrla_confidence import CtrlAConfidence
+    from detectors.ctrla.refusal import RefusalHandler
     from detectors.rag.stats import CtrlACalculator
 
-    policy = Policy("token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept")
-    return Trigger(name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),))  # Eq. 2 already subtracts tau
+    policy = Policy("token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment")
+    refusal = RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla) if settings.ctrla is not None else None
+    return Trigger(name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),), refusal=refusal)  # Eq. 2 already subtracts tau
 
 
-# name -> builder(llm, threshold, spacy model); the ones with a threshold take it from rag_eval.thresholds
+# name -> builder(llm, threshold, spacy model, settings); the ones with a threshold take it from rag_eval.thresholds
 TRAINING_FREE: dict[str, Callable[..., Trigger]] = {"always": _always, "flare": _flare, "rind": _rind, "sit_min": _sit_min, "sit": _sit}
-# registered detector kind -> builder(name, detector attached to the loop's LLM)
-DETECTOR_KINDS: dict[str, Callable[[str, Any], Trigger]] = {"dior-early": _early, "dior-realtime": _realtime, "ctrla-confidence": _ctrla,
+# registered detector kind -> builder(name, detector attached to the loop's LLM, settings)
+DETECTOR_KINDS: dict[str, Callable[[str, Any, TriggerSettings], Trigger]] = {"dior-early": _early, "dior-realtime": _realtime, "ctrla-confidence": _ctrla,
                                                          "utility": _utility}  # fmt: skip
 
 
-def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_model: str, tracking_uri: str | None = None, sit=None) -> Trigger:
-    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (thresholds from ``thresholds``; ``sit``: its
-    validation params, :class:`~detectors.config.rag.SitParams`) or
+def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_model: str, tracking_uri: str | None = None,
+                 settings: TriggerSettings | None = None) -> Trigger:  # fmt: skip
+    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (thresholds from ``thresholds``) or
     ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from ``tracking_uri``) onto ``llm``;
-    the detector's kind decides the trigger, and a detector built with another LLM is refused by its fingerprint."""
+    the detector's kind decides the trigger, and a detector built with another LLM is refused by its fingerprint.
+    ``settings``: what the ``sit`` and CtrlA triggers read beyond a threshold."""
+    settings = settings or TriggerSettings()
     if spec in TRAINING_FREE:
         if spec != "always" and spec not in thresholds:
             raise InputError(f"trigger {spec!r} has no threshold: give rag_eval.thresholds.{spec} (a number or `validation`)")
-        if spec == "sit":
-            return _sit(llm, thresholds.get(spec), spacy_model, sit)
-        return TRAINING_FREE[spec](llm, thresholds.get(spec), spacy_model)
+        return TRAINING_FREE[spec](llm, thresholds.get(spec), spacy_model, settings)
     if "@" not in spec:
         raise InputError(f"trigger {spec!r}: name one of {', '.join(TRAINING_FREE)} or a registered detector as <name>@<alias>")
     name, alias = spec.split("@", 1)
@@ -227,4 +250,4 @@ def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_mode
     detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)
     if detector.KIND not in DETECTOR_KINDS:
         raise InputError(f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of {', '.join(DETECTOR_KINDS)})")
-    return DETECTOR_KINDS[detector.KIND](name, detector)
+    return DETECTOR_KINDS[detector.KIND](name, detector, settings)

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import Retriever
-from detectors.rag.triggers import TRAINING_FREE
+from detectors.rag.triggers import make_trigger
 from detectors.utility.labels import RecordingGate
 
 
@@ -17,5 +17,5 @@ def recording_loop(llm, retriever: Retriever, config: RagConfig, layers: Sequenc
     trigger (one retrieval with the question, before the answer) whose gate records what it saw at the hidden-state
     indices ``layers`` and keeps every retrieval; and that gate."""
     gate = RecordingGate(llm, layers)
-    always = dataclasses.replace(TRAINING_FREE["always"](llm, None, ""), gate=gate)
+    always = dataclasses.replace(make_trigger("always", llm, {}, ""), gate=gate)
     return RagLoop(llm, retriever, config, [always]), gate
