@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from detectors.config import load_section
-from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
+from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
 from detectors.io import write_json
 from detectors.llm.loading import load_llm
 

@@ -6,10 +6,12 @@ logged detector's pip requirements are all computed from it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Iterable
 
 ROOT = Path(__file__).resolve().parents[1]  # the directory holding the detectors package
+REGISTERED = re.compile(r"(?:detectors|pipelines)(?:\.\w+)+:\w+")  # a lazy registry's "module:attribute"
 
 
 def module_file(module: str, root: Path = ROOT) -> Path | None:
@@ -20,7 +22,8 @@ def module_file(module: str, root: Path = ROOT) -> Path | None:
 
 
 def imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
-    """Every module an import statement of ``path`` names (inside functions too unless ``top_level_only``).
+    """Every module an import statement of ``path`` names (inside functions too unless ``top_level_only``), and every
+    module a ``"package.module:attribute"`` string names (an entry of a lazy registry, :mod:`detectors.lazy`).
 
     Imports inside a module-level ``__getattr__`` are lazy attribute loads (``detectors.load_detector``) that
     run only when the attribute is used, so they are not imports of the module.
@@ -39,6 +42,8 @@ def imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
                 raise ValueError(f"{path}: use absolute imports (the import closure is computed from module names)")
             out.add(node.module)
             out.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules imported by name
+        elif not top_level_only and isinstance(node, ast.Constant) and isinstance(node.value, str) and REGISTERED.fullmatch(node.value):
+            out.add(node.value.partition(":")[0])
     return out
 
 

@@ -88,7 +88,13 @@ class Level(str, enum.Enum):
     QUESTION = "question"  # a question, before any answer token (early detection)
     TOKEN = "token"  # one generated token (an entity's token in the real-time set)
     ENTITY = "entity"  # one entity of a continuation, from its tokens
-    CONTINUATION = "sentence"  # a whole continuation (DioR's "sentence level"; the key in metrics files)
+    CONTINUATION = "continuation"  # a whole continuation (DioR's "sentence level"; the key in metrics files)
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Level | None":
+        """``"sentence"``, the continuation level's name in metrics files and MLflow tags written before it was
+        renamed, still reads as :attr:`CONTINUATION`."""
+        return cls.CONTINUATION if value == "sentence" else None
 
 
 @runtime_checkable

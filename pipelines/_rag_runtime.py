@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from pathlib import Path
 from typing import Any, Callable
 
-from detectors.config.rag import THRESHOLD_TRIGGERS, on_corpus
+from detectors.config.rag import on_corpus
 from detectors.errors import InputError
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
 from detectors.rag.loop import RagConfig, RagLoop, RagResult
-from detectors.rag.metrics import FAILED
+from detectors.rag.answer_metrics import FAILED
 from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
-from detectors.rag.triggers import TriggerSettings, make_trigger
+from detectors.rag.triggers import TriggerSettings, check_threshold, make_trigger
 from detectors.registry import store
 
 log = logging.getLogger("rag_eval")
@@ -73,10 +72,12 @@ class RagRuntime:
         """Trigger ``spec`` for ``corpus`` (``{corpus}`` in a spec names the corpus: a utility trigger is trained per
         corpus) at its threshold in ``thresholds`` (by trigger name; None: a sweep, where no threshold is read)."""
         spec = on_corpus(spec, corpus)
-        if spec not in self._triggers:
-            unread = {name: math.inf for name in THRESHOLD_TRIGGERS}  # each loop sets its triggers' thresholds below
+        if spec not in self._triggers:  # built once, without a threshold: each loop sets its triggers' thresholds below
             settings = TriggerSettings(sit=self.params.sit, ctrla=self.params.ctrla)
-            self._triggers[spec] = make_trigger(spec, self.llm, unread, self.p["build_realtime.spacy_model"], self.tracking_uri, settings)
+            trigger = make_trigger(spec, self.llm, None, self.p["build_realtime.spacy_model"], self.tracking_uri, settings)
+            if trigger.name in self.params.thresholds:
+                check_threshold(trigger, self.params.thresholds[trigger.name], f"rag_eval.thresholds.{trigger.name}")
+            self._triggers[spec] = trigger
         trigger = self._triggers[spec]
         if thresholds is None or trigger.name == "always":
             return trigger

@@ -2,7 +2,7 @@
 
 - layer ranges: each concept at CtrlA's range scaled to the LLM's depth (``paper``) and at the window of
   the same width (or ``layer_window``) chosen on validation (``validation``: honesty on the val
-  statements, confidence on the early set's val split; :func:`detectors.ctrla.layers.choose_window`);
+  statements, confidence on the early set's val split; :func:`detectors.ctrla.layer_ranges.choose_window`);
 - honesty: AUROC of the projection separating held-out true from false statements, per layer and for
   each range (averaged over its layers like the monitor), and its dependence on the number of statements;
 - confidence monitor as a hallucination scorer: ``data/eval/ctrla_early.parquet`` (``id``, one column
@@ -29,10 +29,10 @@ import pandas as pd  # noqa: E402
 
 from detectors.ctrla import RANGE_COLUMNS  # noqa: E402
 from detectors.ctrla.directions import Directions  # noqa: E402
-from detectors.ctrla.evaluation import (  # noqa: E402
+from detectors.ctrla.quality import (  # noqa: E402
     MonitoredSet, early_set, last_token_states, load_truthfulqa, mc_accuracy, projection_scores, realtime_set,
 )  # fmt: skip
-from detectors.ctrla.layers import choose_window  # noqa: E402
+from detectors.ctrla.layer_ranges import choose_window  # noqa: E402
 from detectors.ctrla.statements import load_statements  # noqa: E402
 from detectors.ctrla.steering import steering_vectors  # noqa: E402
 from detectors.evaluation.metrics import auroc  # noqa: E402

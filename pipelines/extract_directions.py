@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from detectors.ctrla.directions import extract
-from detectors.ctrla.layers import resolve_range
+from detectors.ctrla.layer_ranges import resolve_range
 from detectors.ctrla.statements import load_statements
 from detectors.execution import LLMSpec, map_units
 from detectors.io import write_json

@@ -38,10 +38,11 @@ from detectors.errors import InputError
 from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.progress import progress
-from detectors.rag.metrics import FAILED, summarise
+from detectors.rag.answer_metrics import FAILED, summarise
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, thresholds_table, versus_always
 from detectors.rag.sweep import curves as sweep_curves
 from detectors.rag.sweep import operating_point
+from detectors.rag.triggers import check_specs
 from detectors.registry import store
 from detectors.shards import config_hash
 from detectors.sources.ids import sample
@@ -252,6 +253,7 @@ def champion_versions(p) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     p = stage_params(__doc__, argv, READS, "rag_eval")
     params = p["rag_eval"]
+    check_specs([t for config in params.configurations.values() for t in config.triggers])  # before any work
     qa = pd.read_parquet(p["paths.qa"])
     rows = {"test": split_questions(qa, "test", params.questions), "val": split_questions(qa, "val")}
     answers = [list(a) for a in rows["test"]["answers"]]

@@ -17,7 +17,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
+from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
 from detectors.errors import InputError
 from detectors.io import write_json
 from detectors.registry import store

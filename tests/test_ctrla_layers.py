@@ -14,8 +14,8 @@ import torch
 from detectors.baselines.ctrla_confidence import question_scorers, realtime_scorers
 from detectors.config.schema import ContrastParams, PromptParams, StatementParams
 from detectors.ctrla.directions import Directions, contrast_differences, fit_pca
-from detectors.ctrla.evaluation import MonitoredSet, early_set, realtime_set
-from detectors.ctrla.layers import choose_window
+from detectors.ctrla.quality import MonitoredSet, early_set, realtime_set
+from detectors.ctrla.layer_ranges import choose_window
 from detectors.ctrla.steering import steer
 from detectors.errors import InputError
 from detectors.evaluation.metrics import auroc

@@ -54,7 +54,7 @@ def test_stage_declares_exactly_the_params_it_reads(name):
 
 def test_closure_follows_imports_inside_functions_but_not_lazy_package_attributes():
     closure = stage_closure("detectors.registry.kinds")
-    assert Path("detectors/ctrla/detectors.py") in closure  # imported inside detector_class()
+    assert Path("detectors/ctrla/registered.py") in closure  # imported inside detector_class()
     assert Path("detectors/inference.py") not in stage_closure("pipelines.prepare")  # detectors.__getattr__ only
 
 

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, build_tiny_llama
 from detectors.config.schema import ContrastParams, LayerRangeParams, StatementParams
 from detectors.ctrla.directions import Directions, DirectionsError, contrast_differences, extract, fit_pca
-from detectors.ctrla.layers import resolve_range
+from detectors.ctrla.layer_ranges import resolve_range
 from detectors.ctrla.statements import StatementError, load_statements, statements_from_qa
 from detectors.llm.fingerprint import DtypeMismatchError, LLMMismatchError
 from detectors.llm.loading import LLM
@@ -161,7 +161,7 @@ def test_directions_for_a_different_layer_count_are_refused(tmp_path, tiny_llm, 
 
 
 def test_directions_refuse_an_llm_in_another_dtype_unless_allowed(tmp_path, tiny_llm):
-    from detectors.ctrla.detectors import HonestySteering
+    from detectors.ctrla.registered import HonestySteering
 
     loaded = Directions.load(_directions(tiny_llm).save(tmp_path / "honesty"))
     assert loaded.dtype == "float32"

@@ -167,9 +167,9 @@ def test_comparison_table_holds_every_scorer_dataset_and_level(pipeline):
     detectors = table[table["kind"] == "detector"]
     assert detectors["delta_vs"].notna().all() and table.loc[table["kind"] == "baseline", "delta_vs"].isna().all()
     text = (pipeline / "data/metrics/comparison.md").read_text()
-    for level in ("early · question", "realtime · token", "realtime · entity", "realtime · sentence"):
+    for level in ("early · question", "realtime · token", "realtime · entity", "realtime · continuation"):
         assert f"## {level} (test: " in text
-    mlp = realtime["sentence"]["mlp"]
+    mlp = realtime["continuation"]["mlp"]
     assert f"| mlp | detector | {mlp['auroc']:.3f} [{mlp['auroc_ci_low']:.2f}, {mlp['auroc_ci_high']:.2f}] |" in text
     # token and entity intervals resample continuations: a token's group is its record
     scores = pd.read_parquet(pipeline / "data/eval/realtime_scores.parquet")
@@ -204,7 +204,7 @@ def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pi
     # a joined column scores as itself: -first_token_prob is first_token_prob's baseline
     assert question.loc["ctrla_confidence", "auroc"] == pytest.approx(question.loc["first_token_prob", "auroc"])
     realtime = table[table["dataset"] == "realtime"]
-    assert set(realtime.loc[realtime["scorer"] == "ctrla_confidence", "level"]) == {"token", "entity", "sentence"}
+    assert set(realtime.loc[realtime["scorer"] == "ctrla_confidence", "level"]) == {"token", "entity", "continuation"}
     token = realtime[realtime["level"] == "token"].set_index("scorer")
     assert token.loc["ctrla_confidence", "auroc"] == pytest.approx(token.loc["flare", "auroc"])  # the list became a per-token stat
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
@@ -384,10 +384,10 @@ def test_build_realtime_resumes_without_redoing_finished_shards(pipeline):
 
 def test_realtime_evaluation_at_three_levels(pipeline):
     metrics = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())
-    assert set(metrics) == {"token", "entity", "sentence"}
+    assert set(metrics) == {"token", "entity", "continuation"}
     assert {"mlp", "flare", "token_entropy"} <= set(metrics["token"])
     assert {"mlp", "sit_min", "sit_avg", "sit_norm", "token_entropy"} <= set(metrics["entity"])
-    assert {"mlp", "flare", "sit_min", "sit_avg", "sit_norm", "token_entropy"} <= set(metrics["sentence"])
+    assert {"mlp", "flare", "sit_min", "sit_avg", "sit_norm", "token_entropy"} <= set(metrics["continuation"])
     scores = pd.read_parquet(pipeline / "data/eval/realtime_scores.parquet")
     for level, by_scorer in metrics.items():
         test = scores[(scores["level"] == level) & (scores["split"] == "test")]
@@ -396,8 +396,8 @@ def test_realtime_evaluation_at_three_levels(pipeline):
     assert {p.stem for p in (pipeline / "data/plots/roc/realtime_entity").glob("*.csv")} == set(metrics["entity"])
     runs = evaluation_runs(pipeline, "realtime")  # one flat run per scorer and level
     assert sorted(zip(runs["tags.level"], runs["tags.detector"])) == sorted((lv, n) for lv, by in metrics.items() for n in by)
-    mlp = runs[(runs["tags.detector"] == "mlp") & (runs["tags.level"] == "sentence")].iloc[0]
-    assert mlp["metrics.test_auroc"] == pytest.approx(metrics["sentence"]["mlp"]["auroc"])
+    mlp = runs[(runs["tags.detector"] == "mlp") & (runs["tags.level"] == "continuation")].iloc[0]
+    assert mlp["metrics.test_auroc"] == pytest.approx(metrics["continuation"]["mlp"]["auroc"])
 
 
 def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny_llm):
@@ -405,7 +405,7 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
     assert out["name"] == "dior-realtime" and out["alias_moved"]
     # versions compete on what is served: the validation AUROC of the max over every generated token, and its test one
     trained = json.loads((pipeline / "data/metrics/train_realtime.json").read_text())["mlp"]
-    served = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())["sentence"]["mlp[served]"]
+    served = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())["continuation"]["mlp[served]"]
     # four candidate training sets, chosen on the QA validation answers, each reported on both sets
     assert trained["chosen_on"] == "answers" and set(trained["candidates"]) == {"entity", "all", "answers", "all+answers"}
     assert all(set(c["served_auroc"]) == {"continuations", "answers"} for c in trained["candidates"].values())
@@ -432,7 +432,7 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
 
 def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline, tiny_llm, tokenizer):
     """extract_directions → evaluate_directions → register_ctrla on the tiny Llama, then both served kinds."""
-    from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
+    from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
     from pipelines import evaluate_directions, extract_directions, register_ctrla
 
     os.chdir(pipeline)

@@ -22,7 +22,7 @@ from detectors.baselines.retrorag import word_token_ids, yes_probability
 from detectors.config.core import from_dict
 from detectors.config.rag import CtrlARefusalParams, SitParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
-from detectors.ctrla.detectors import ConfidenceDetector
+from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer
 from detectors.dior.early import SEQUENCE_DIM
@@ -452,7 +452,7 @@ def test_every_online_score_equals_the_offline_score_of_the_same_tokens(tiny_llm
     stored statistics of the same tokens (1e-5): FLARE, Stitch-in-Time, RIND, the real-time MLP and DioR's early detector
     from the real-time and early sets' own functions, CtrlA's monitor from a teacher-forced pass under the same steering."""
     from detectors.baselines.rind import rind_scores
-    from detectors.ctrla.evaluation import realtime_set
+    from detectors.ctrla.quality import realtime_set
     from detectors.dior.early import early_records
     from detectors.evaluation.units import realtime_token_stats, realtime_units
 

@@ -17,7 +17,7 @@ from mlflow.entities import ViewType
 from conftest import ROOT
 from detectors.config import ParamsError, load_section
 from detectors.errors import InputError
-from detectors.rag.metrics import METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
+from detectors.rag.answer_metrics import METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
 from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
 from detectors.registry import store

@@ -25,7 +25,7 @@ from conftest import ROOT
 from detectors import load_detector
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, RealtimePromptParams
-from detectors.ctrla.detectors import ConfidenceDetector, HonestySteering
+from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
 from detectors.ctrla.directions import Directions
 from detectors.dior.early import SEQUENCE_DIM
 from detectors.dior.early_detector import EarlyDetector

@@ -156,7 +156,7 @@ def test_query_masking_drops_only_new_unconfident_words(tiny_llm):
 def test_truthfulqa_questions_batched_score_as_each_alone_under_steering(tiny_llm):
     """MC1 with several questions (and their candidates) per pass picks what a plain full forward of prefix +
     question + candidate picks, with and without steering."""
-    from detectors.ctrla.evaluation import mc_accuracy
+    from detectors.ctrla.quality import mc_accuracy
 
     examples = [
         {"input": "What is the capital of Egypt?", "target_scores": {"Cairo.": 1, "Paris.": 0, "The capital of Egypt is Lima.": 0}},

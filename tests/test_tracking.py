@@ -24,8 +24,8 @@ ROWS = [  # scorer, kind, dataset, level, auroc, delta_auroc, delta_vs
     ("first_token_prob", "baseline", "early", "question", 0.66, math.nan, None),
     ("mlp", "detector", "realtime", "token", 0.62, 0.02, "flare"),
     ("flare", "baseline", "realtime", "token", 0.60, math.nan, None),
-    ("mlp", "detector", "realtime", "sentence", 0.68, -0.01, "sit_norm"),
-    ("sit_norm", "baseline", "realtime", "sentence", 0.69, math.nan, None),
+    ("mlp", "detector", "realtime", "continuation", 0.68, -0.01, "sit_norm"),
+    ("sit_norm", "baseline", "realtime", "continuation", 0.69, math.nan, None),
 ]
 
 
@@ -64,7 +64,7 @@ def artifacts(store_root) -> str:
 @pytest.fixture()
 def plots(tmp_path) -> dict:
     paths = {}
-    for key in ("early", "early_question", "realtime_token", "realtime_sentence"):
+    for key in ("early", "early_question", "realtime_token", "realtime_continuation"):
         fig, ax = plt.subplots(figsize=(2, 2))
         ax.plot([0, 1], [0, 1])
         paths[key] = [tmp_path / f"{key}.png"]

@@ -11,8 +11,6 @@ from detectors.config.core import check_fields, fail, positive
 
 QueryKind = Literal["question", "flare", "qfs", "dior", "ctrla"]
 QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
-TRAINING_FREE_TRIGGERS = ("always", "flare", "rind", "sit_min", "sit")
-THRESHOLD_TRIGGERS = ("flare", "rind", "sit_min", "sit")  # the training-free triggers with a threshold
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 FRAMEWORKS = ("retrorag",)  # seed systems with a loop of their own (detectors.rag.retroactive); params: the section of that name
 RESERVED = ("sweep", "digests", "thresholds")  # keys of paths.rag_metrics beside the corpora
@@ -21,10 +19,11 @@ CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configurat
 
 
 def check_trigger(key: str, trigger: str) -> None:
-    """A trigger name: a training-free one or a registered detector as ``<name>@<alias>`` (``{corpus}`` in the name
-    stands for the corpus the configuration runs on)."""
-    if trigger not in TRAINING_FREE_TRIGGERS and not REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1)):
-        fail(key, trigger, f"name one of {list(TRAINING_FREE_TRIGGERS)} or a registered detector as <name>@<alias>, e.g. dior-early@champion "
+    """A trigger's spelling: a training-free trigger's name (the stage checks it against
+    :data:`detectors.rag.triggers.TRAINING_FREE` before any work) or a registered detector as ``<name>@<alias>``
+    (``{corpus}`` in the name stands for the corpus the configuration runs on)."""
+    if not (NAME.fullmatch(trigger) or REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1))):
+        fail(key, trigger, f"name a training-free trigger (e.g. flare) or a registered detector as <name>@<alias>, e.g. dior-early@champion "
              f"or utility-{CORPUS}@champion")
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 from detectors.evaluation.compare import COLUMNS
 from detectors.interfaces import Level
 
-LEVEL_ORDER = {level.value: i for i, level in enumerate(Level)}  # question, token, entity, sentence
+LEVEL_ORDER = {level.value: i for i, level in enumerate(Level)}  # question, token, entity, continuation
 
 
 def _interval(value: float, low: float, high: float, signed: bool = False) -> str:

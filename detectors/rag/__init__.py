@@ -11,5 +11,5 @@ Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``)
 while the LLM generates, under the stored sets' names, and the calculators that measure it), ``triggers`` (a scorer, a
 threshold and a policy: when to retrieve), ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
 stepwise selection, chunking, the passages block), ``loop`` (the batched loop, the threshold sweep's trace),
-``metrics``, ``sweep``, ``report``.
+``answer_metrics``, ``sweep``, ``report``; ``retroactive`` (RetroRAG, a loop of its own).
 """

@@ -41,7 +41,7 @@ from detectors.llm.distribution import entropy
 from detectors.llm.kv import PrefixStore, as_cache, cache_states, common_prefix, crop_states, join_states, row_states, stack_left
 from detectors.llm.loading import LLM
 from detectors.rag.context import render_passages, stepwise_retrieve
-from detectors.rag.metrics import FAILED
+from detectors.rag.answer_metrics import FAILED
 from detectors.rag.queries import QueryInput, QuestionQuery
 from detectors.rag.retriever import Hit, Retriever
 from detectors.rag.stats import SegmentView, calculators_of, providers

@@ -14,7 +14,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from detectors.evaluation.bootstrap import paired_mean_delta
-from detectors.rag.metrics import accuracy
+from detectors.rag.answer_metrics import accuracy
 from detectors.registry import store
 
 DELTA = "delta"  # a paired difference with its interval: ``key``, ``key_ci_low``, ``key_ci_high``

@@ -38,9 +38,11 @@ evaluator S: the next token's P(yes) / (P(yes) + P(no)) (:func:`yes_probability`
   (:func:`detectors.baselines.retrorag.self_consistency_scores`) it is the question prompt itself;
 - every evidence item is shown truncated to ``evidence_words`` words, so that a prompt with ``top_n`` passages of
   ~100 words stays well under ~600 tokens;
-- no key-entity extraction: M_IE's "entity" is the question; M_IE runs once per source evidence item (a 135M model
-  rarely writes several '#'-separated facts from five passages) and its first line, split at '#', gives candidates;
+- no key-entity extraction: M_IE's "entity" is the question; its first line, split at '#', gives the candidates;
   M_qr sees the candidate and q_m, as the appendix's Fig. 11 (not E_i^(L-1), which Eq. 3 also lists);
+- the numbers are the paper's scaled to a 2-core CPU (``retrorag`` in params.yaml): k = top-N = top-K = 3 passages
+  (rag_eval.k, the budget of every other configuration; paper: 5) and at most 3 iterations (paper: 5) — with a 135M
+  evaluator s_sc rarely exceeds 0.7, so most questions run every iteration;
 - no declarative assessor (the paper follows MetaRAG to standardise the answer's form).
 
 Batching: the open questions advance together, iteration by iteration; every LLM call of a step is batched across
@@ -292,23 +294,18 @@ class RetroRag:
             s.iterations[-1].consistency = float(score)
 
     def discover(self, states: list[RetroState]) -> None:
-        """Evidence discovery (Eq. 3-4): candidates e_ic from every source evidence item (M_IE, greedy), kept when
-        s_qr (M_qr, against q_m) and s_ra (M_ra, against E_s) both exceed ``gate``; merged with E_i, scored with M_e
-        against q and the top_k_inferential kept as E_i."""
+        """Evidence discovery (Eq. 3-4): candidates e_ic generated from the source evidence E_s (M_IE, greedy, one
+        generation per question), kept when s_qr (M_qr, against q_m) and s_ra (M_ra, against E_s) both exceed
+        ``gate``; merged with E_i, scored with M_e against q and the top_k_inferential kept as E_i."""
         p = self.params
-        jobs = [(s, self._instruction(p.inference_template.format(question=s.question, reference=truncate_words(e.text, p.evidence_words))))
-                for s in states for e in s.source]  # fmt: skip
-        texts = iter(g.text for g in self._generate(jobs, p.evidence_tokens, stop=("\n",)))
+        reference = {id(s): render_evidence(s.source, p.evidence_words, p.no_evidence) for s in states}
+        jobs = [(s, self._instruction(p.inference_template.format(question=s.question, reference=reference[id(s)]))) for s in states]
         candidates: list[list[str]] = []
-        for s in states:
+        for s, g in zip(states, self._generate(jobs, p.evidence_tokens, stop=("\n",))):
             known = {e.text for e in s.inferential}
-            found: list[str] = []
-            for _ in s.source:
-                found += [c for c in split_candidates(next(texts)) if c not in found and c not in known]
-            candidates.append(found)
+            candidates.append([c for c in split_candidates(g.text) if c not in known])
         pairs = [(s, c) for s, cs in zip(states, candidates) for c in cs]
         qr = self._score([(s, self._instruction(p.question_relevance_template.format(evidence=c, question=s.matching_query))) for s, c in pairs])
-        reference = {id(s): render_evidence(s.source, p.evidence_words, p.no_evidence) for s in states}
         ra = self._score([(s, self._instruction(p.attribution_template.format(reference=reference[id(s)], evidence=c))) for s, c in pairs])
         gated: dict[int, list[Evidence]] = {id(s): [] for s in states}
         for (s, c), q_score, r_score in zip(pairs, qr, ra):

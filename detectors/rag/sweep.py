@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from detectors.rag.metrics import accuracy
+from detectors.rag.answer_metrics import accuracy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ A trigger brings the calculators of the statistics its scorer needs; the loop kn
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import numpy as np
@@ -93,6 +94,7 @@ class Trigger:
     threshold: float
     policy: Policy
     calculators: tuple[Calculator, ...] = ()
+    scores: tuple[float, float] = (-math.inf, math.inf)  # the range of its scores (a threshold outside it is refused)
     gate: Any = None  # question stage: judges the passages it retrieved before the answer is generated (see Gate)
     validator: Any = None  # token stage: validates the flagged concepts before repairing (SitValidator)
     refusal: Any = None  # token stage: re-retrieves for a re-predicted segment that still refuses (RefusalHandler)
@@ -134,6 +136,8 @@ class Trigger:
 
 # ---- building triggers by name -----------------------------------------------------------------------------
 
+PROBABILITY = (0.0, 1.0)
+
 
 @dataclasses.dataclass(frozen=True)
 class TriggerSettings:
@@ -158,7 +162,7 @@ def _always(llm: "LLM", threshold: float | None, spacy_model: str, settings: "Tr
 def _flare(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
     from detectors.baselines.flare import Flare
 
-    return Trigger("flare", Flare(Level.TOKEN), threshold, Policy("token", cut="segment"))
+    return Trigger("flare", Flare(Level.TOKEN), threshold, Policy("token", cut="segment"), scores=PROBABILITY)  # 1 - the token's probability
 
 
 def _rind(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
@@ -166,14 +170,14 @@ def _rind(llm: "LLM", threshold: float | None, spacy_model: str, settings: "Trig
     from detectors.rag.stats import RindCalculator
 
     stopwords = frozenset(_spacy(spacy_model).Defaults.stop_words)
-    return Trigger("rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),))
+    return Trigger("rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),), scores=(0.0, math.inf))
 
 
 def _sit_min(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
     from detectors.baselines.stitch_in_time import SitMin
     from detectors.rag.stats import EntityCalculator
 
-    return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, _spacy(spacy_model)),))
+    return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, _spacy(spacy_model)),), scores=PROBABILITY)
 
 
 def _sit(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
@@ -185,14 +189,15 @@ def _sit(llm: "LLM", threshold: float | None, spacy_model: str, settings: "Trigg
     if settings.sit is None:
         raise InputError("trigger 'sit' validates with rag_eval.sit: give its params (validation_question, prompt, yes/no words, threshold)")
     policy = Policy("token", cut="segment", after_retrieval="accept")
-    return Trigger("sit", SitMin(Level.ENTITY), threshold, policy, (EntityCalculator(llm, _spacy(spacy_model)),), validator=SitValidator(llm, settings.sit))
+    return Trigger("sit", SitMin(Level.ENTITY), threshold, policy, (EntityCalculator(llm, _spacy(spacy_model)),), scores=PROBABILITY,
+                   validator=SitValidator(llm, settings.sit))  # fmt: skip
 
 
 def _early(name: str, detector, settings: "TriggerSettings") -> Trigger:
     from detectors.evaluation.scorers import DetectorScorer
     from detectors.rag.stats import EarlyCalculator
 
-    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),))
+    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), scores=PROBABILITY)
 
 
 def _utility(name: str, detector, settings: "TriggerSettings") -> Trigger:
@@ -200,7 +205,8 @@ def _utility(name: str, detector, settings: "TriggerSettings") -> Trigger:
     from detectors.rag.stats import EarlyCalculator
     from detectors.utility.detector import UtilityGate
 
-    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), UtilityGate(detector))
+    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), PROBABILITY,
+                   UtilityGate(detector))  # fmt: skip
 
 
 def _realtime(name: str, detector, settings: "TriggerSettings") -> Trigger:
@@ -208,7 +214,7 @@ def _realtime(name: str, detector, settings: "TriggerSettings") -> Trigger:
     from detectors.rag.stats import MlpCalculator
 
     scorer = realtime_detector_scorer(Level.TOKEN, name)
-    return Trigger(name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),))
+    return Trigger(name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),), scores=PROBABILITY)
 
 
 def _ctrla(name: str, detector, settings: "TriggerSettings") -> Trigger:
@@ -231,23 +237,42 @@ DETECTOR_KINDS: dict[str, Callable[[str, Any, TriggerSettings], Trigger]] = {"di
                                                          "utility": _utility}  # fmt: skip
 
 
-def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float], spacy_model: str, tracking_uri: str | None = None,
+def check_specs(specs: list[str]) -> None:
+    """Every configured trigger is a training-free one or ``<name>@<alias>`` (a clear error naming the known ones
+    otherwise): checked before any work, the registered ones when they load."""
+    for spec in specs:
+        if "@" not in spec and spec not in TRAINING_FREE:
+            raise InputError(f"trigger {spec!r}: name one of {', '.join(TRAINING_FREE)} or a registered detector as <name>@<alias>")
+
+
+def check_threshold(trigger: Trigger, value: float, key: str) -> None:
+    """A fixed threshold of ``trigger`` must lie in the range of its scores (a finite value outside it would make the
+    trigger fire always or never; use inf to never retrieve)."""
+    low, high = trigger.scores
+    if not (low <= value <= high or math.isinf(value)):
+        raise InputError(f"{key} = {value!r}: {trigger.name}'s scores lie in [{low:g}, {high:g}]: choose a threshold in that range "
+                         "(inf never retrieves), or remove the key to choose it on the validation sweep")  # fmt: skip
+
+
+def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float] | None, spacy_model: str, tracking_uri: str | None = None,
                  settings: TriggerSettings | None = None) -> Trigger:  # fmt: skip
-    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (thresholds from ``thresholds``) or
-    ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from ``tracking_uri``) onto ``llm``;
-    the detector's kind decides the trigger, and a detector built with another LLM is refused by its fingerprint.
-    ``settings``: what the ``sit`` and CtrlA triggers read beyond a threshold."""
+    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (its threshold from ``thresholds``; None: +inf, to be
+    set later, as a sweep does) or ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from
+    ``tracking_uri``) onto ``llm``; the detector's kind decides the trigger, and a detector built with another LLM is
+    refused by its fingerprint. ``settings``: what the ``sit`` and CtrlA triggers read beyond a threshold."""
     settings = settings or TriggerSettings()
+    check_specs([spec])
     if spec in TRAINING_FREE:
-        if spec != "always" and spec not in thresholds:
+        if thresholds is not None and spec != "always" and spec not in thresholds:
             raise InputError(f"trigger {spec!r} has no threshold: give rag_eval.thresholds.{spec} (a number or `validation`)")
-        return TRAINING_FREE[spec](llm, thresholds.get(spec), spacy_model, settings)
-    if "@" not in spec:
-        raise InputError(f"trigger {spec!r}: name one of {', '.join(TRAINING_FREE)} or a registered detector as <name>@<alias>")
+        return TRAINING_FREE[spec](llm, math.inf if thresholds is None else thresholds.get(spec), spacy_model, settings)
     name, alias = spec.split("@", 1)
     from detectors.inference import load_detector
 
-    detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)
+    try:
+        detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)
+    except LookupError as err:  # not registered: the user's input, not a fault of the code
+        raise InputError(str(err)) from err
     if detector.KIND not in DETECTOR_KINDS:
         raise InputError(f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of {', '.join(DETECTOR_KINDS)})")
     return DETECTOR_KINDS[detector.KIND](name, detector, settings)

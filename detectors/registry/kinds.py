@@ -1,39 +1,27 @@
-"""The registered detector kinds: the ``kind`` written in an artifact's ``detector.json`` names the class
-that loads it. Each class is imported only when its kind is loaded."""
+"""The registered detector kinds: the ``kind`` written in an artifact's ``detector.json`` names the class that loads
+it (:data:`KINDS`, a lazy registry: each class is imported only when its kind is loaded; a new kind is one entry)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from detectors.interfaces import Detector
+from detectors.lazy import LazyRegistry
 from detectors.registry.artifact import read_config
 
 
+KINDS = LazyRegistry("detector kind", {
+    "dior-early": "detectors.dior.early_detector:EarlyDetector",
+    "dior-realtime": "detectors.dior.realtime_detector:RealtimeDetector",
+    "ctrla-honesty": "detectors.ctrla.registered:HonestySteering",
+    "ctrla-confidence": "detectors.ctrla.registered:ConfidenceDetector",
+    "utility": "detectors.utility.detector:UtilityDetector",
+}, ValueError)  # fmt: skip
+
+
 def detector_class(kind: str) -> type[Detector]:
-    if kind == "dior-early":
-        from detectors.dior.early_detector import EarlyDetector
-
-        return EarlyDetector
-    if kind == "dior-realtime":
-        from detectors.dior.realtime_detector import RealtimeDetector
-
-        return RealtimeDetector
-    if kind == "ctrla-honesty":
-        from detectors.ctrla.detectors import HonestySteering
-
-        return HonestySteering
-    if kind == "ctrla-confidence":
-        from detectors.ctrla.detectors import ConfidenceDetector
-
-        return ConfidenceDetector
-    if kind == "utility":
-        from detectors.utility.detector import UtilityDetector
-
-        return UtilityDetector
-    raise ValueError(f"no detector kind {kind!r}; known kinds: {list(KINDS)}")
-
-
-KINDS = ("dior-early", "dior-realtime", "ctrla-honesty", "ctrla-confidence", "utility")
+    """The class of detector kind ``kind`` (a ValueError listing the known kinds if none)."""
+    return KINDS.load(kind)
 
 
 def load_artifact(directory: str | Path) -> Detector:
@@ -41,4 +29,4 @@ def load_artifact(directory: str | Path) -> Detector:
     kind = read_config(directory).get("kind")
     if kind not in KINDS:
         raise ValueError(f"{directory} holds a detector of kind {kind!r}; known kinds: {list(KINDS)}")
-    return detector_class(kind).load(directory)
+    return KINDS.load(kind).load(directory)

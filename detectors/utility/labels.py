@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from detectors.rag.metrics import accuracy
+from detectors.rag.answer_metrics import accuracy
 
 HELPS, HURTS, NEITHER = "helps", "hurts", "neither"
 LABELS = (HELPS, HURTS, NEITHER)

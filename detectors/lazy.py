@@ -1,0 +1,48 @@
+"""Lazy registries (in the spirit of lm-evaluation-harness's ``"module:Class"`` registry): names mapped to
+``"module:attribute"`` strings, imported when a name is first asked for, so a registry costs nothing until used and
+adding an entry is one line in one place. An unknown name is a clear error that lists the known ones.
+
+The import closure (:mod:`detectors.imports`) counts every ``"detectors.…:attribute"`` string of a module as an
+import of that module, so a stage that holds a registry depends on everything the registry can load.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterator, Mapping
+
+from detectors.errors import InputError
+
+
+class LazyRegistry(Mapping[str, str]):
+    """``what`` (e.g. "detector kind") by name: ``entries`` maps each name to ``"module:attribute"``."""
+
+    def __init__(self, what: str, entries: Mapping[str, str], error: type[Exception] = InputError):
+        for name, target in entries.items():
+            if target.count(":") != 1 or not all(target.split(":")):
+                raise ValueError(f"{what} {name!r}: {target!r} is not 'module:attribute'")
+        self.what, self.entries, self.error = what, dict(entries), error
+
+    def __getitem__(self, name: str) -> str:
+        return self.entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def check(self, name: str) -> None:
+        """Raise ``error`` naming ``name`` and the known names when ``name`` is not registered."""
+        if name not in self.entries:
+            raise self.error(f"no {self.what} named {name!r}; known: {', '.join(sorted(self.entries))}")
+
+    def module(self, name: str) -> str:
+        self.check(name)
+        return self.entries[name].partition(":")[0]
+
+    def load(self, name: str) -> Any:
+        """The attribute registered under ``name``, imported now."""
+        self.check(name)
+        module, _, attribute = self.entries[name].partition(":")
+        return getattr(importlib.import_module(module), attribute)
