@@ -1,6 +1,6 @@
 """What the rag_eval stage runs: the LLM, the corpora's retrievers, the triggers and one RAG loop per configuration,
 each wrapped as ``answer(questions, record_prompts) -> [dict]`` (JSON-able RagResults, one per question) for the
-stage's run files."""
+stage's runs."""
 
 from __future__ import annotations
 
@@ -52,17 +52,17 @@ def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagR
 class RagRuntime:
     """The stage's LLM, retrievers (loaded once per corpus) and triggers (loaded once per name)."""
 
-    def __init__(self, p):
-        self.p, self.params = p, p["rag_eval"]
-        self.llm = LLMSpec.of(p).load()
+    def __init__(self, params):
+        self.stage_params, self.params = params, params["rag_eval"]
+        self.llm = LLMSpec.of(params).load()
         self.llm_name, self.llm_digest = self.llm.fingerprint.name, store.llm_digest(self.llm.fingerprint)
-        self.tracking_uri = store.configure(p["mlflow"].tracking_uri)
+        self.tracking_uri = store.configure(params["mlflow"].tracking_uri)
         self._retrievers: dict[str, BM25Retriever] = {}
         self._triggers: dict[str, Any] = {}
 
     def retriever(self, corpus: str) -> BM25Retriever:
         if corpus not in self._retrievers:
-            self._retrievers[corpus] = BM25Retriever.load(Path(self.p["paths.rag_index"]) / corpus)
+            self._retrievers[corpus] = BM25Retriever.load(Path(self.stage_params["paths.rag_index"]) / corpus)
         return self._retrievers[corpus]
 
     def corpus_digest(self, corpus: str) -> str:
@@ -74,7 +74,7 @@ class RagRuntime:
         spec = on_corpus(spec, corpus)
         if spec not in self._triggers:  # built once, without a threshold: each loop sets its triggers' thresholds below
             settings = TriggerSettings(sit=self.params.sit, ctrla=self.params.ctrla)
-            trigger = make_trigger(spec, self.llm, None, self.p["build_realtime.spacy_model"], self.tracking_uri, settings)
+            trigger = make_trigger(spec, self.llm, None, self.stage_params["build_realtime.spacy_model"], self.tracking_uri, settings)
             if trigger.name in self.params.thresholds:
                 check_threshold(trigger, self.params.thresholds[trigger.name], f"rag_eval.thresholds.{trigger.name}")
             self._triggers[spec] = trigger
@@ -88,9 +88,9 @@ class RagRuntime:
     def rag_config(self, name: str, stepwise: bool = False, chunk: bool = False, max_retrievals: int | None = None, context: str | None = None) -> RagConfig:
         r = self.params
         return RagConfig(
-            name=name, prompt=self.p["build_early.features.prompt"], context=r.context if context is None else context, k=r.k,
+            name=name, prompt=self.stage_params["build_early.features.prompt"], context=r.context if context is None else context, k=r.k,
             max_retrievals=r.max_retrievals if max_retrievals is None else max_retrievals, max_new_tokens=r.max_new_tokens,
-            stop=tuple(self.p["build_early.stop"]), stepwise=stepwise, chunk=chunk, batch_size=r.batch_size,
+            stop=tuple(self.stage_params["build_early.stop"]), stepwise=stepwise, chunk=chunk, batch_size=r.batch_size,
         )  # fmt: skip
 
     def query(self, name: str, triggers: list, retriever: BM25Retriever | None):
@@ -118,7 +118,7 @@ class RagRuntime:
         ``corpus``, as ``answer(questions, records)``."""
         from detectors.rag.retroactive import RetroRag  # the only framework (FRAMEWORKS)
 
-        rag = RetroRag(self.llm, self.retriever(corpus), self.p[name], self.p["build_early.features.prompt"], self.params.batch_size)
+        rag = RetroRag(self.llm, self.retriever(corpus), self.stage_params[name], self.stage_params["build_early.features.prompt"], self.params.batch_size)
         return resilient(name, rag.answer_all)
 
     def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], dict[str, str]]:

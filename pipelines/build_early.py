@@ -95,20 +95,20 @@ class ShardWorker:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "build_early")
-    params = p["build_early"]
-    table = pd.read_parquet(p["paths.qa"])
-    llm = LLMSpec.of(p)
-    hidden_state_indices(params.answer_hidden_layers, llm.key()["num_layers"], "build_early.answer_hidden_layers")  # fail before any work
-    store, budget = open_shards("build_early", params, llm, {"qa": p["paths.qa"]}, LIBRARIES, p["paths.early_shards"], len(table))
-    run_shards(store, table, params.shard_size, functools.partial(ShardWorker, llm, params, store), p["execution"], budget, "build_early", "q")
-    frame, hidden = store.read_with_arrays(len(table), params.shard_size, HIDDEN, "answer_hidden_offset")
-    for path in (p["paths.early"], p["paths.early_answer_hidden"]):
+    params = stage_params(__doc__, argv, READS, "build_early")
+    early = params["build_early"]
+    table = pd.read_parquet(params["paths.qa"])
+    llm = LLMSpec.of(params)
+    hidden_state_indices(early.answer_hidden_layers, llm.key()["num_layers"], "build_early.answer_hidden_layers")  # fail before any work
+    store, budget = open_shards("build_early", early, llm, {"qa": params["paths.qa"]}, LIBRARIES, params["paths.early_shards"], len(table))
+    run_shards(store, table, early.shard_size, functools.partial(ShardWorker, llm, early, store), params["execution"], budget, "build_early", "q")
+    frame, hidden = store.read_with_arrays(len(table), early.shard_size, HIDDEN, "answer_hidden_offset")
+    for path in (params["paths.early"], params["paths.early_answer_hidden"]):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    frame.to_parquet(p["paths.early"], index=False)
-    save_file({"hidden": hidden}, p["paths.early_answer_hidden"])
+    frame.to_parquet(params["paths.early"], index=False)
+    save_file({"hidden": hidden}, params["paths.early_answer_hidden"])
     summary = report(frame)
-    write_json(p["paths.early_report"], summary)
+    write_json(params["paths.early_report"], summary)
     log.info("done: %s", {k: v for k, v in summary.items() if k != "failures"})
 
 

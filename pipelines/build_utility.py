@@ -36,20 +36,20 @@ READS = (
 )  # fmt: skip
 
 
-def rag_config(p, batch_size: int) -> RagConfig:
+def rag_config(params, batch_size: int) -> RagConfig:
     """Single-round RAG as rag_eval runs it: one retrieval with the question, before the answer."""
-    return RagConfig("utility-labels", prompt=p["build_early.features.prompt"], context=p["rag_eval.context"], k=p["rag_eval.k"],
-                     max_retrievals=1, max_new_tokens=p["rag_eval.max_new_tokens"], stop=tuple(p["build_early.stop"]), batch_size=batch_size)  # fmt: skip
+    return RagConfig("utility-labels", prompt=params["build_early.features.prompt"], context=params["rag_eval.context"], k=params["rag_eval.k"],
+                     max_retrievals=1, max_new_tokens=params["rag_eval.max_new_tokens"], stop=tuple(params["build_early.stop"]), batch_size=batch_size)  # fmt: skip
 
 
 class ShardWorker:
     """Labels shards of (corpus, question) rows; loads the LLM once and each corpus's retriever when first needed."""
 
-    def __init__(self, llm: LLMSpec, p, store: ShardStore):
-        self.llm, self.p, self.store = llm.load(), p, store
+    def __init__(self, llm: LLMSpec, params, store: ShardStore):
+        self.llm, self.p, self.store = llm.load(), params, store
         key = "build_early.features.hidden_layers"
-        self.layers = hidden_state_indices(p[key], self.llm.fingerprint.num_layers, key)
-        self.config, self.loops = rag_config(p, p["build_utility"].batch_size), {}
+        self.layers = hidden_state_indices(params[key], self.llm.fingerprint.num_layers, key)
+        self.config, self.loops = rag_config(params, params["build_utility"].batch_size), {}
 
     def loop(self, corpus: str) -> tuple[RagLoop, RecordingGate]:
         """The corpus's recording loop and its gate (:func:`~detectors.utility.recording.recording_loop`)."""
@@ -79,29 +79,29 @@ def questions(early: pd.DataFrame, corpora: list[str]) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "build_utility")
-    params = p["build_utility"]
-    missing = [c for c in params.corpora if not (Path(p["paths.rag_index"]) / c).is_dir()]
+    params = stage_params(__doc__, argv, READS, "build_utility")
+    utility = params["build_utility"]
+    missing = [c for c in utility.corpora if not (Path(params["paths.rag_index"]) / c).is_dir()]
     if missing:
-        raise FileNotFoundError(f"build_utility.corpora {missing} have no index under {p['paths.rag_index']}: add them to index_corpus.corpora and run `dvc repro index_corpus`")
-    table = questions(pd.read_parquet(p["paths.early"]), params.corpora)
-    out = Path(p["paths.utility"])
+        raise FileNotFoundError(f"build_utility.corpora {missing} have no index under {params['paths.rag_index']}: add them to index_corpus.corpora and run `dvc repro index_corpus`")
+    table = questions(pd.read_parquet(params["paths.early"]), utility.corpora)
+    out = Path(params["paths.utility"])
     out.parent.mkdir(parents=True, exist_ok=True)
     if table.empty:  # no corpus: no utility trigger is trained
         table.assign(status=[]).to_parquet(out, index=False)
-        write_json(p["paths.utility_report"], {"records": 0, "balance": {}})
+        write_json(params["paths.utility_report"], {"records": 0, "balance": {}})
         return
-    llm = LLMSpec.of(p)
-    inputs = {"early": p["paths.early"], **{f"index_{c}": str(Path(p["paths.rag_index"]) / c / "manifest.json") for c in params.corpora}}
-    shared = {k: p[k] for k in READS if k.startswith(("build_early.", "rag_eval."))}
-    store, budget = open_shards("build_utility", params, llm, inputs, LIBRARIES, p["paths.utility_shards"], len(table), shared)
+    llm = LLMSpec.of(params)
+    inputs = {"early": params["paths.early"], **{f"index_{c}": str(Path(params["paths.rag_index"]) / c / "manifest.json") for c in utility.corpora}}
+    shared = {k: params[k] for k in READS if k.startswith(("build_early.", "rag_eval."))}
+    store, budget = open_shards("build_utility", utility, llm, inputs, LIBRARIES, params["paths.utility_shards"], len(table), shared)
     work = table.rename(columns={"id": "question_id", "key": "id"})  # a shard row's id is corpus/question id
-    run_shards(store, work, params.shard_size, functools.partial(ShardWorker, llm, p, store), p["execution"], budget, "build_utility", "q")
-    frame = store.read_all(len(work), params.shard_size).rename(columns={"id": "key", "question_id": "id"})
+    run_shards(store, work, utility.shard_size, functools.partial(ShardWorker, llm, params, store), params["execution"], budget, "build_utility", "q")
+    frame = store.read_all(len(work), utility.shard_size).rename(columns={"id": "key", "question_id": "id"})
     frame.to_parquet(out, index=False)
     ok = frame[frame["status"] == OK]
     summary = {**status_counts(frame), "balance": {c: balance(g) for c, g in ok.groupby("corpus")}}
-    write_json(p["paths.utility_report"], summary)
+    write_json(params["paths.utility_report"], summary)
     log.info("done: %s", summary["balance"])
 
 

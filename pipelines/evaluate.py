@@ -43,59 +43,59 @@ READS = (
 )  # fmt: skip
 
 
-def early_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
+def early_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     """The early set joined with the question-level score tables, its units and its scorers (by level)."""
-    frame, _ = join_score_tables(pd.read_parquet(p["paths.early"]), {"CtrlA": p["paths.ctrla_early"], "baselines": p["paths.baselines_early"]})
-    scorers = early_detector_scorers(p["paths.early_model"]) + question_baselines(set(frame.columns))
+    frame, _ = join_score_tables(pd.read_parquet(params["paths.early"]), {"CtrlA": params["paths.ctrla_early"], "baselines": params["paths.baselines_early"]})
+    scorers = early_detector_scorers(params["paths.early_model"]) + question_baselines(set(frame.columns))
     return frame, {Level.QUESTION: frame}, {Level.QUESTION: scorers}
 
 
-def realtime_inputs(p) -> tuple[pd.DataFrame, dict, dict]:
+def realtime_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     """The real-time set joined with the per-token score tables, its token/entity/continuation units and the
     scorers of each level; every list-valued joined column is a per-token statistic of its name."""
-    tables = {"CtrlA": p["paths.ctrla_realtime"], "baselines": p["paths.baselines_realtime"]}
-    frame, joined = join_score_tables(pd.read_parquet(p["paths.realtime"]), tables)
-    detector = RealtimeDetector.load(p["paths.realtime_model"])
-    mlp = detector.record_scores(frame, load_file(p["paths.realtime_hidden"])["hidden"])
+    tables = {"CtrlA": params["paths.ctrla_realtime"], "baselines": params["paths.baselines_realtime"]}
+    frame, joined = join_score_tables(pd.read_parquet(params["paths.realtime"]), tables)
+    detector = RealtimeDetector.load(params["paths.realtime_model"])
+    mlp = detector.record_scores(frame, load_file(params["paths.realtime_hidden"])["hidden"])
     stats = realtime_token_stats(frame, mlp, joined)
     units = realtime_units(frame, stats)
     names = set().union(*(s.keys() for s in stats.values()))
     scorers = {level: [realtime_detector_scorer(level)] + realtime_baselines(level, names) for level in units}
     scorers[Level.CONTINUATION].insert(1, served_scorer(detector.threshold))  # what monitor() does: the max over every token
     served = served_behaviour(frame, mlp, detector.threshold) | {"tokens": detector.info.get("tokens")}
-    write_json(p["paths.served_metrics"], served)
+    write_json(params["paths.served_metrics"], served)
     log.info("served real-time detector on the test split: %s", served)
     return frame, units, scorers
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "evaluate")
-    params, mlflow_params = p["evaluate"], p["mlflow"]
-    inputs = {"early": early_inputs(p), "realtime": realtime_inputs(p)}
-    strategy = {"early": p["train_early.training.threshold"], "realtime": p["train_realtime.training.threshold"]}
+    params = stage_params(__doc__, argv, READS, "evaluate")
+    evaluation, mlflow_params = params["evaluate"], params["mlflow"]
+    inputs = {"early": early_inputs(params), "realtime": realtime_inputs(params)}
+    strategy = {"early": params["train_early.training.threshold"], "realtime": params["train_realtime.training.threshold"]}
     tables, scores, probabilities = [], {}, {}
     for dataset, (_, units, scorers) in inputs.items():
         results, scores[dataset], probabilities[dataset] = compare_levels(
-            units, scorers, strategy[dataset], params.ece_bins, params.bootstrap, params.seed
+            units, scorers, strategy[dataset], evaluation.ece_bins, evaluation.bootstrap, evaluation.seed
         )
-        Path(p[f"paths.{dataset}_scores"]).parent.mkdir(parents=True, exist_ok=True)
-        scores[dataset].to_parquet(p[f"paths.{dataset}_scores"], index=False)
+        Path(params[f"paths.{dataset}_scores"]).parent.mkdir(parents=True, exist_ok=True)
+        scores[dataset].to_parquet(params[f"paths.{dataset}_scores"], index=False)
         tables.append(long_table(results, [s for level in scorers.values() for s in level], dataset))
     table = pd.concat(tables, ignore_index=True)
     for dataset in DATASETS:
-        write_json(p[f"paths.evaluate_{dataset}_metrics"], nested_metrics(table, dataset))
-    Path(p["paths.comparison"]).parent.mkdir(parents=True, exist_ok=True)
-    table.to_parquet(p["paths.comparison"], index=False)
+        write_json(params[f"paths.evaluate_{dataset}_metrics"], nested_metrics(table, dataset))
+    Path(params["paths.comparison"]).parent.mkdir(parents=True, exist_ok=True)
+    table.to_parquet(params["paths.comparison"], index=False)
     markdown = markdown_table(table)
-    Path(p["paths.comparison_table"]).write_text(markdown + "\n", encoding="utf-8")
+    Path(params["paths.comparison_table"]).write_text(markdown + "\n", encoding="utf-8")
     log.info("comparison:\n%s", markdown)
-    plots = write_comparison_plots(table, scores, probabilities, inputs["early"][0], Path(p["paths.plots"]), params.ece_bins)
+    plots = write_comparison_plots(table, scores, probabilities, inputs["early"][0], Path(params["paths.plots"]), evaluation.ece_bins)
 
     store.configure(mlflow_params.tracking_uri)
     fingerprint = inputs["early"][2][Level.QUESTION][0].detector.fingerprint
-    data = {f"{d}_data": file_digest(p[f"paths.{d}"]) for d in DATASETS}
+    data = {f"{d}_data": file_digest(params[f"paths.{d}"]) for d in DATASETS}
     tags = {"llm": fingerprint.name, "llm_digest": fingerprint.weights_digest, **data}
-    log_comparison(table, plots, tags, params.experiment, mlflow_params.artifact_root)
+    log_comparison(table, plots, tags, evaluation.experiment, mlflow_params.artifact_root)
 
 
 if __name__ == "__main__":

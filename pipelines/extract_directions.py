@@ -79,12 +79,12 @@ class ConceptWorker:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "extract_directions")
-    params = p["extract_directions"]
-    statements = {c: load_statements(getattr(params, c).statements, p["paths.qa"]) for c in CONCEPTS}  # fail early
-    worker = functools.partial(ConceptWorker, LLMSpec.of(p), params, statements, p["paths.directions"])
-    metrics = {CONCEPTS[i]: result for i, result in map_units(CONCEPTS, worker, p["execution"])}
-    write_json(p["paths.extract_directions_metrics"], {c: metrics[c] for c in CONCEPTS})
+    params = stage_params(__doc__, argv, READS, "extract_directions")
+    directions = params["extract_directions"]
+    statements = {c: load_statements(getattr(directions, c).statements, params["paths.qa"]) for c in CONCEPTS}  # fail early
+    worker = functools.partial(ConceptWorker, LLMSpec.of(params), directions, statements, params["paths.directions"])
+    metrics = {CONCEPTS[i]: result for i, result in map_units(CONCEPTS, worker, params["execution"])}
+    write_json(params["paths.extract_directions_metrics"], {c: metrics[c] for c in CONCEPTS})
 
 
 if __name__ == "__main__":

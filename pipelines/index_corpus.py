@@ -43,24 +43,24 @@ def recall_at_k(retriever: BM25Retriever, questions: list[str], answers: list[li
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "index_corpus")
-    params = p["index_corpus"]
-    qa = pd.read_parquet(p["paths.qa"])
+    params = stage_params(__doc__, argv, READS, "index_corpus")
+    index = params["index_corpus"]
+    qa = pd.read_parquet(params["paths.qa"])
     test = qa[qa["split"] == "test"]
-    root = Path(p["paths.rag_index"])
+    root = Path(params["paths.rag_index"])
     if root.exists():
         shutil.rmtree(root)
     report = {}
-    for name, corpus in params.corpora.items():
+    for name, corpus in index.corpora.items():
         start = time.perf_counter()
-        retriever = BM25Retriever.build(corpus_passages(name, corpus, qa), params.bm25)
+        retriever = BM25Retriever.build(corpus_passages(name, corpus, qa), index.bm25)
         manifest = retriever.save(root / name)
         seconds = time.perf_counter() - start
-        recall = recall_at_k(retriever, list(test["question"]), [list(a) for a in test["answers"]], params.recall_k)
+        recall = recall_at_k(retriever, list(test["question"]), [list(a) for a in test["answers"]], index.recall_k)
         report[name] = {"source": corpus.source, "passages": manifest["passages"], "vocabulary": manifest["vocabulary"],
                         "digest": manifest["digest"], "seconds": round(seconds, 2), "test_questions": len(test), **recall}  # fmt: skip
         log.info("%s: %d passages, vocabulary %d, %.1f s; %s", name, manifest["passages"], manifest["vocabulary"], seconds, recall)
-    write_json(p["paths.index_report"], report)
+    write_json(params["paths.index_report"], report)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,11 @@ def prepare_qa(qa, raw_dir: str, out: str, report_path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "prepare")
-    llm = p["llm"]
+    params = stage_params(__doc__, argv, READS, "prepare")
+    llm = params["llm"]
     resolve_source(llm.source, llm.gguf_file)  # unknown model: fail before the heavy work
-    log.info("QA: %s", prepare_qa(p["qa"], p["paths.raw"], p["paths.qa"], p["paths.qa_report"]))
-    log.info("LLM: %s", prepare_llm(llm.source, p["paths.llm"], llm.gguf_file))
+    log.info("QA: %s", prepare_qa(params["qa"], params["paths.raw"], params["paths.qa"], params["paths.qa_report"]))
+    log.info("LLM: %s", prepare_llm(llm.source, params["paths.llm"], llm.gguf_file))
 
 
 if __name__ == "__main__":

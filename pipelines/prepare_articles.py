@@ -15,24 +15,24 @@ READS = ("articles", "paths.articles", "paths.articles_report")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "prepare_articles")
-    params = p["articles"]
-    table, rejected = load_articles(params.source)
+    params = stage_params(__doc__, argv, READS, "prepare_articles")
+    articles = params["articles"]
+    table, rejected = load_articles(articles.source)
     total = len(table)
-    table = sample(table, params.limit)
-    table["split"] = table["id"].map(lambda i: split_of(i, params.splits))
-    out = Path(p["paths.articles"])
+    table = sample(table, articles.limit)
+    table["split"] = table["id"].map(lambda i: split_of(i, articles.splits))
+    out = Path(params["paths.articles"])
     out.parent.mkdir(parents=True, exist_ok=True)
     table.to_parquet(out, index=False)
     report = {
-        "source": params.source,
+        "source": articles.source,
         "accepted": total,
         "sampled": int(len(table)),
         "split_sizes": table["split"].value_counts().to_dict(),
         "rejected": int(len(rejected)),
         "rejected_reasons": rejected["reason"].value_counts().to_dict(),
     }
-    write_json(p["paths.articles_report"], report)
+    write_json(params["paths.articles_report"], report)
     log.info("%s", report)
 
 

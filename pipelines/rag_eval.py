@@ -3,14 +3,16 @@
 On a deterministic sample of the QA test split (by id hash), every configuration of ``rag_eval.configurations``
 answers every question over every corpus of ``rag_eval.corpora`` (the bm25s indexes of ``index_corpus``), each
 trigger at its operating threshold for that corpus: the number ``rag_eval.thresholds`` gives it, else the most
-accurate point of its accuracy vs retrieval-rate curve on the corpus's QA *validation* questions
-(``sweep-val.jsonl``; test questions never choose anything). Each finished question is appended as one JSON line to
-``paths.rag_runs/<corpus>/<configuration>.jsonl`` (flushed per batch): a killed run resumes where it stopped, and a
-file written under other params, code, LLM, corpus, thresholds or registered detectors is started again (its first
-line holds the key it was written under). On the sweep corpus, every trigger's curve is measured on the test
-questions too (``sweep.jsonl``: the no-retrieval answer, each trigger's score records and the answer after one
-retrieval at each position where a trigger can first fire), its area compared with random's and with the best
-training-free trigger's (paired bootstrap intervals).
+accurate point of its accuracy vs retrieval-rate curve on the corpus's QA *validation* questions (the run
+``sweep-val``; test questions never choose anything); every framework of ``rag_eval.frameworks`` (RetroRAG) answers
+them with its own loop. Each run (``paths.rag_runs/<corpus>/<configuration>/``) is a resumable shard store like the
+build stages' (:class:`~detectors.shards.ShardStore`, ``rag_eval.shard_size`` questions a shard): a killed run
+resumes where it stopped, a question whose loop raised is computed again by the next run, and a run written under
+other params, code, LLM, corpus, questions, thresholds or registered detectors is started again (its manifest says
+what changed). On the sweep corpus, every trigger's curve is measured on the test questions too (the run ``sweep``:
+the no-retrieval answer, each trigger's score records and the answer after one retrieval at each position where a
+trigger can first fire), its area compared with random's and with the best training-free trigger's (paired bootstrap
+intervals).
 
 Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries),
 ``thresholds`` (``{corpus: {trigger: threshold}}``) and ``digests`` (LLM and corpora)), the Markdown table
@@ -24,6 +26,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -44,7 +47,7 @@ from detectors.rag.sweep import curves as sweep_curves
 from detectors.rag.sweep import operating_point
 from detectors.rag.triggers import check_specs
 from detectors.registry import store
-from detectors.shards import config_hash
+from detectors.shards import ERROR, OK, ShardStore
 from detectors.sources.ids import sample
 from pipelines._provenance import code_digest
 from pipelines._stage import run, stage_params
@@ -55,12 +58,12 @@ READS = (
     "paths.llm", "paths.qa", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla", "paths.registry_utility",
     "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_table", "paths.rag_curves", "paths.rag_prompts",
 )  # fmt: skip
-SWEEP = "sweep"  # the test sweep's run file, and the metrics file's key for the curves
+SWEEP = "sweep"  # the test sweep's run, and the metrics file's key for the curves
 VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions, where every operating threshold is chosen
-# rag_eval params that do not shape a run file's answers (each configuration, corpus and the sweep are keyed on their own;
-# the sample only adds questions; batch_size only groups them; the rest is reporting)
-NOT_KEYED = ("configurations", "frameworks", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "bootstrap", "seed",
-             "thresholds")  # fmt: skip
+# rag_eval params that do not shape a run's answers (each configuration, corpus and the sweep are keyed on their own; the
+# questions by their ids, the shards by their size; batch_size only groups questions; the rest is reporting)
+NOT_KEYED = ("configurations", "frameworks", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "shard_size",
+             "bootstrap", "seed", "thresholds")  # fmt: skip
 
 
 def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> pd.DataFrame:
@@ -74,54 +77,30 @@ def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> p
     return sample(rows, limit)
 
 
-# ---- resumable run files -------------------------------------------------------------------------------------
+# ---- resumable runs --------------------------------------------------------------------------------------------
 
 
-def read_run_file(path: Path, key: str) -> dict[str, dict]:
-    """The finished lines of a run file by id, when it was written under ``key``. A last line cut short by a killed
-    run is dropped (the file is truncated to its complete lines, so the next line starts clean); a file written under
-    another key is emptied (logged), so stale results are never mixed in; a damaged line before the last is an error."""
-    raw = path.read_bytes() if path.exists() else b""
-    lines, good = [], 0
-    for number, chunk in enumerate(raw.split(b"\n")[:-1], start=1):
-        try:
-            lines.append(json.loads(chunk))
-        except json.JSONDecodeError as err:
-            raise InputError(f"{path} line {number} is not JSON ({err}): delete the file to recompute its questions") from None
-        good += len(chunk) + 1
-    if good < len(raw):
-        log.warning("%s: dropping an unfinished last line (%d bytes) left by a killed run", path, len(raw) - good)
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    if not lines or lines[0].get("key") != key:
-        if lines:
-            log.warning("%s was written under other params, code, LLM or corpus: starting it again", path)
-        path.write_text(json.dumps({"key": key}) + "\n")
-        return {}
-    return {line["id"]: line for line in lines[1:]}
-
-
-def run_questions(path: Path, key: str, rows: pd.DataFrame, answer: Callable[[list[str], list[bool]], list[dict]], prompts_sample: int,
-                  desc: str, batch: int) -> list[dict]:  # fmt: skip
-    """Answer every row (``id``, ``question``) not yet in run file ``path`` with ``answer(questions, record_prompts)``
-    (JSON-able dicts, ``dataclasses.asdict`` of RagResults), ``batch`` questions at a time, appending one line per
-    question and flushing after each batch; the first ``prompts_sample`` rows record their prompts. Returns the lines
-    of every row, in the rows' order."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    done = read_run_file(path, key)
-    ids = list(rows["id"])
-    todo = [(i, q) for i, (rid, q) in enumerate(zip(ids, rows["question"])) if rid not in done]
-    with open(path, "a", encoding="utf-8") as f, progress(total=len(ids), initial=len(ids) - len(todo), desc=desc, unit="question") as bar:
-        for start in range(0, len(todo), batch):
-            chunk = todo[start : start + batch]
-            results = answer([q for _, q in chunk], [i < prompts_sample for i, _ in chunk])
-            for (i, _), result in zip(chunk, results):
-                line = {"id": ids[i], **result}
-                f.write(json.dumps(line) + "\n")
-                done[ids[i]] = line
-            f.flush()
+def run_questions(directory: Path, key: dict[str, Any], rows: pd.DataFrame, answer: Callable[[list[str], list[bool]], list[dict]],
+                  prompts_sample: int, desc: str, shard_size: int) -> list[dict]:  # fmt: skip
+    """Answer every row (``id``, ``question``) with ``answer(questions, record_prompts)`` (JSON-able dicts,
+    ``dataclasses.asdict`` of RagResults), in resumable shards of ``shard_size`` questions under ``directory`` (a
+    :class:`~detectors.shards.ShardStore` keyed on ``key``: what shapes the answers; another key starts it again).
+    Each question is a row ``id``, ``status`` (``error: …`` for a question whose loop raised, computed again by the
+    next run) and ``line`` (its result as JSON); the first ``prompts_sample`` rows record their prompts. Returns the
+    lines of every row, in the rows' order."""
+    ids = hashlib.sha256("\x1f".join(rows["id"]).encode()).hexdigest()[:16]  # the shards cover exactly these questions
+    store = ShardStore(directory, {**key, "questions_digest": ids, "shard_size": shard_size})
+    table = rows[["id", "question"]].reset_index(drop=True)
+    todo = store.todo(table, shard_size)
+    left = sum(len(chunk) for _, chunk in todo)
+    with progress(total=len(table), initial=len(table) - left, desc=desc, unit="question") as bar:
+        for k, chunk in todo:
+            results = answer(list(chunk["question"]), [i < prompts_sample for i in chunk.index])
+            status = [f"{ERROR}{r['error']}" if str(r.get("error") or "").startswith(FAILED) else OK for r in results]
+            store.write(k, pd.DataFrame({"id": list(chunk["id"]), "status": status, "line": [json.dumps(r) for r in results]}))
             bar.update(len(chunk))
-    return [done[i] for i in ids]
+    frame = store.read_all(len(table), shard_size)
+    return [{"id": i, **json.loads(line)} for i, line in zip(frame["id"], frame["line"])]
 
 
 # ---- thresholds and outputs --------------------------------------------------------------------------
@@ -191,112 +170,112 @@ def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[s
     return out
 
 
-class RunFileWorker:
-    """Answers the questions of one run file per call (a corpus × configuration at its corpus's ``thresholds``, or a
-    sweep: of the test questions, or of the validation ones), resuming it; builds the LLM, retrievers and triggers once
-    (in the stage's process or a Ray actor). Returns the file's lines and the digests that identify what answered them."""
+class RunWorker:
+    """Answers the questions of one run per call (a corpus × configuration at its corpus's ``thresholds``, a framework,
+    or a sweep: of the test questions, or of the validation ones), resuming it; builds the LLM, retrievers and triggers
+    once (in the stage's process or a Ray actor). Returns the run's lines and the digests that identify what answered
+    them."""
 
-    def __init__(self, p, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, float]] | None = None):
+    def __init__(self, params, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, float]] | None = None):
         from pipelines._rag_runtime import RagRuntime  # the loop, the retrievers and the LLM
 
-        self.runtime, self.params, self.rows, self.base_key, self.thresholds = RagRuntime(p), p["rag_eval"], rows, base_key, thresholds
-        self.runs_dir = Path(p["paths.rag_runs"])
+        self.runtime, self.rag, self.rows, self.base_key, self.thresholds = RagRuntime(params), params["rag_eval"], rows, base_key, thresholds
+        self.runs_dir = Path(params["paths.rag_runs"])
 
     def __call__(self, unit: tuple[str, str]) -> dict[str, Any]:
         corpus, name = unit
-        runtime, params = self.runtime, self.params
+        runtime, rag = self.runtime, self.rag
         base = {**self.base_key, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
         out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
-        path = self.runs_dir / corpus / f"{name}.jsonl"
+        directory, desc, rows = self.runs_dir / corpus / name, f"{corpus} · {name}", self.rows["test"]
         if name in (SWEEP, VAL_SWEEP):
             rows = self.rows["val" if name == VAL_SWEEP else "test"]
             sweep_loop, out["triggers"] = runtime.sweep_loop(corpus)
-            key = config_hash({**base, "sweep": dataclasses.asdict(params.sweep), "triggers": out["triggers"], "questions": name})
+            key = {**base, "sweep": dataclasses.asdict(rag.sweep), "triggers": out["triggers"], "questions": name}
             refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
-            out["lines"] = run_questions(path, key, rows, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]), 0, f"{corpus} · {name}", params.batch_size)
-        elif name in params.frameworks:  # a seed system with its own loop; its params are the section of its name
-            key = config_hash({**base, "framework": name, "params": dataclasses.asdict(runtime.p[name])})
-            out["lines"] = run_questions(path, key, self.rows["test"], runtime.framework(name, corpus), params.prompts_sample, f"{corpus} · {name}",
-                                         params.batch_size)  # fmt: skip
+            answer, sample = (lambda qs, _: sweep_loop(qs, [refs[q] for q in qs])), 0
+        elif name in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
+            key = {**base, "framework": name, "params": dataclasses.asdict(runtime.stage_params[name])}
+            answer, sample = runtime.framework(name, corpus), rag.prompts_sample
         else:
-            config = params.configurations[name]
+            config = rag.configurations[name]
             names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
             thresholds = {t: v for t, v in self.thresholds[corpus].items() if t in names}
-            key = config_hash({**base, "configuration": dataclasses.asdict(config), "thresholds": thresholds})
-            out["lines"] = run_questions(path, key, self.rows["test"], runtime.loop(name, config, corpus, self.thresholds[corpus]), params.prompts_sample,
-                                         f"{corpus} · {name}", params.batch_size)  # fmt: skip
+            key = {**base, "configuration": dataclasses.asdict(config), "thresholds": thresholds}
+            answer, sample = runtime.loop(name, config, corpus, self.thresholds[corpus]), rag.prompts_sample
+        out["lines"] = run_questions(directory, key, rows, answer, sample, desc, rag.shard_size)
         return out
 
 
-def champion_versions(p) -> dict[str, str]:
+def champion_versions(params) -> dict[str, str]:
     """The version each registered ``<name>@<alias>`` of the configurations points to now (triggers on every corpus and
-    honesty steering): part of every run file's key, so that moving an alias (``promote``) outside the pipeline makes
+    honesty steering): part of every run's key, so that moving an alias (``promote``) outside the pipeline makes
     the runs that read it compute again instead of resuming what another version answered."""
-    params = p["rag_eval"]
-    specs = {on_corpus(t, c) for config in params.configurations.values() for t in config.triggers for c in params.corpora}
-    specs |= {config.steering for config in params.configurations.values() if config.steering}
-    store.configure(p["mlflow"].tracking_uri)
+    rag = params["rag_eval"]
+    specs = {on_corpus(t, c) for config in rag.configurations.values() for t in config.triggers for c in rag.corpora}
+    specs |= {config.steering for config in rag.configurations.values() if config.steering}
+    store.configure(params["mlflow"].tracking_uri)
     client, out = MlflowClient(), {}
     for spec in sorted(s for s in specs if "@" in s):
         name, alias = spec.split("@", 1)
         try:
             version = store.alias_version(client, name, alias)
         except MlflowException as err:  # no such registered model
-            raise InputError(f"rag_eval uses {spec}, but {name} is not registered in {p['mlflow'].tracking_uri}: run the register stages "
+            raise InputError(f"rag_eval uses {spec}, but {name} is not registered in {params['mlflow'].tracking_uri}: run the register stages "
                              f"first ({err.error_code})") from err  # fmt: skip
         if version is None:
-            raise InputError(f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {p['mlflow'].tracking_uri}: run the register stages first")
+            raise InputError(f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {params['mlflow'].tracking_uri}: run the register stages first")
         out[spec] = str(version.version)
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "rag_eval")
-    params = p["rag_eval"]
-    check_specs([t for config in params.configurations.values() for t in config.triggers])  # before any work
-    qa = pd.read_parquet(p["paths.qa"])
-    rows = {"test": split_questions(qa, "test", params.questions), "val": split_questions(qa, "val")}
+    params = stage_params(__doc__, argv, READS, "rag_eval")
+    rag = params["rag_eval"]
+    check_specs([t for config in rag.configurations.values() for t in config.triggers])  # before any work
+    qa = pd.read_parquet(params["paths.qa"])
+    rows = {"test": split_questions(qa, "test", rag.questions), "val": split_questions(qa, "val")}
     answers = [list(a) for a in rows["test"]["answers"]]
-    registries = {k: file_digest(p[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla", "utility") if Path(p[f"paths.registry_{k}"]).exists()}
-    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "champions": champion_versions(p), "qa": file_digest(p["paths.qa"]),
-                "shared": {k: v for k, v in dataclasses.asdict(params).items() if k not in NOT_KEYED}}  # fmt: skip
+    registries = {k: file_digest(params[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla", "utility") if Path(params[f"paths.registry_{k}"]).exists()}
+    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "champions": champion_versions(params), "qa": file_digest(params["paths.qa"]),
+                "shared": {k: v for k, v in dataclasses.asdict(rag).items() if k not in NOT_KEYED}}  # fmt: skip
     # first every corpus's validation sweep (the operating thresholds) and the test sweep (the curves)
-    sweeps = [(corpus, VAL_SWEEP) for corpus in params.corpora] + [(params.sweep.corpus, SWEEP)]
-    swept = {sweeps[i]: result for i, result in map_units(sweeps, functools.partial(RunFileWorker, p, rows, base_key), p["execution"])}
-    thresholds = {c: choose_thresholds(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"]), params.thresholds) for c in params.corpora}
+    sweeps = [(corpus, VAL_SWEEP) for corpus in rag.corpora] + [(rag.sweep.corpus, SWEEP)]
+    swept = {sweeps[i]: result for i, result in map_units(sweeps, functools.partial(RunWorker, params, rows, base_key), params["execution"])}
+    thresholds = {c: choose_thresholds(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"]), rag.thresholds) for c in rag.corpora}
     for corpus, chosen in thresholds.items():
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
-    first = params.corpora[0]
-    units = [(corpus, name) for corpus in params.corpora for name, config in params.configurations.items() if config.triggers or corpus == first]
-    units += [(corpus, name) for corpus in params.corpora for name in params.frameworks]
+    first = rag.corpora[0]
+    units = [(corpus, name) for corpus in rag.corpora for name, config in rag.configurations.items() if config.triggers or corpus == first]
+    units += [(corpus, name) for corpus in rag.corpora for name in rag.frameworks]
     # a configuration that never retrieves answers the same on every corpus: run once
-    worker = functools.partial(RunFileWorker, p, rows, base_key, thresholds)
-    results = {units[i]: result for i, result in map_units(units, worker, p["execution"])}
-    lines = {corpus: {**{name: results[(corpus, name) if config.triggers else (first, name)]["lines"] for name, config in params.configurations.items()},
-                      **{name: results[(corpus, name)]["lines"] for name in params.frameworks}} for corpus in params.corpora}  # fmt: skip
+    worker = functools.partial(RunWorker, params, rows, base_key, thresholds)
+    results = {units[i]: result for i, result in map_units(units, worker, params["execution"])}
+    lines = {corpus: {**{name: results[(corpus, name) if config.triggers else (first, name)]["lines"] for name, config in rag.configurations.items()},
+                      **{name: results[(corpus, name)]["lines"] for name in rag.frameworks}} for corpus in rag.corpora}  # fmt: skip
     for corpus, name in units:
         check_failures(lines[corpus][name], f"{corpus} · {name}")
-    refs = references(params.configurations)
-    metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, params.bootstrap, params.seed)
-    test_sweep = swept[(params.sweep.corpus, SWEEP)]
-    curves = sweep_curves(test_sweep["lines"], list(test_sweep["triggers"]), params.bootstrap, params.seed, test_sweep["triggers"])
-    metrics[SWEEP] = {"corpus": params.sweep.corpus, "query": params.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
+    refs = references(rag.configurations)
+    metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, rag.bootstrap, rag.seed)
+    test_sweep = swept[(rag.sweep.corpus, SWEEP)]
+    curves = sweep_curves(test_sweep["lines"], list(test_sweep["triggers"]), rag.bootstrap, rag.seed, test_sweep["triggers"])
+    metrics[SWEEP] = {"corpus": rag.sweep.corpus, "query": rag.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
     metrics["thresholds"] = thresholds
     llm_name, llm_digest = test_sweep["llm"]
     digests = {corpus: result["corpus_digest"] for (corpus, _), result in {**swept, **results}.items()}
-    metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in params.corpora}}
-    write_json(p["paths.rag_metrics"], metrics)
-    table = {c: metrics[c] for c in params.corpora}
+    metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in rag.corpora}}
+    write_json(params["paths.rag_metrics"], metrics)
+    table = {c: metrics[c] for c in rag.corpora}
     markdown = markdown_table(table) + "\n" + thresholds_table(thresholds, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
-    Path(p["paths.rag_table"]).parent.mkdir(parents=True, exist_ok=True)
-    Path(p["paths.rag_table"]).write_text(markdown, encoding="utf-8")
+    Path(params["paths.rag_table"]).parent.mkdir(parents=True, exist_ok=True)
+    Path(params["paths.rag_table"]).write_text(markdown, encoding="utf-8")
     log.info("RAG evaluation:\n%s", markdown)
-    write_curves(p["paths.rag_curves"], curves)
-    write_prompts(p["paths.rag_prompts"], lines, params.prompts_sample)
-    configs = {name: dataclasses.asdict(c) for name, c in params.configurations.items()}
-    configs |= {name: {"triggers": [name], "query": name, **dataclasses.asdict(p[name])} for name in params.frameworks}
+    write_curves(params["paths.rag_curves"], curves)
+    write_prompts(params["paths.rag_prompts"], lines, rag.prompts_sample)
+    configs = {name: dataclasses.asdict(c) for name, c in rag.configurations.items()}
+    configs |= {name: {"triggers": [name], "query": name, **dataclasses.asdict(params[name])} for name in rag.frameworks}
     tags = {"llm": llm_name, "llm_digest": llm_digest}
-    log_rag_runs(table, metrics[SWEEP], configs, params.experiment, tags, p["mlflow"].artifact_root, metrics["digests"]["corpora"])
+    log_rag_runs(table, metrics[SWEEP], configs, rag.experiment, tags, params["mlflow"].artifact_root, metrics["digests"]["corpora"])
 
 
 if __name__ == "__main__":

@@ -87,24 +87,24 @@ def pass_speeds(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_size:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "score_baselines")
-    llm_params, params = p["llm"], p["score_baselines"]
-    early = ok_records(p["paths.early"], ["question", "answer"])
-    realtime = ok_records(p["paths.realtime"], ["prompt_ids", "gen_ids", "entropy"])
-    stopwords = spacy_stopwords(p["build_realtime.spacy_model"], "build_realtime.spacy_model")
-    llm = load_llm(p["paths.llm"], llm_params.dtype, llm_params.device)
+    params = stage_params(__doc__, argv, READS, "score_baselines")
+    llm_params, baselines = params["llm"], params["score_baselines"]
+    early = ok_records(params["paths.early"], ["question", "answer"])
+    realtime = ok_records(params["paths.realtime"], ["prompt_ids", "gen_ids", "entropy"])
+    stopwords = spacy_stopwords(params["build_realtime.spacy_model"], "build_realtime.spacy_model")
+    llm = load_llm(params["paths.llm"], llm_params.dtype, llm_params.device)
     seconds = {}
     with torch.no_grad():
         start = time.perf_counter()
-        early_scores = score_early(llm, early, params, p["retrorag"], p["build_early.features.prompt"])
+        early_scores = score_early(llm, early, baselines, params["retrorag"], params["build_early.features.prompt"])
         seconds["retrorag"] = time.perf_counter() - start
         start = time.perf_counter()
-        realtime_scores, drift = score_realtime(llm, realtime, stopwords, params.batch_size)
+        realtime_scores, drift = score_realtime(llm, realtime, stopwords, baselines.batch_size)
         seconds["rind"] = time.perf_counter() - start
-        speeds = pass_speeds(llm, realtime, stopwords, params.batch_size) if len(realtime) else {}
+        speeds = pass_speeds(llm, realtime, stopwords, baselines.batch_size) if len(realtime) else {}
     for key, table in (("paths.baselines_early", early_scores), ("paths.baselines_realtime", realtime_scores)):
-        Path(p[key]).parent.mkdir(parents=True, exist_ok=True)
-        table.to_parquet(p[key], index=False)
+        Path(params[key]).parent.mkdir(parents=True, exist_ok=True)
+        table.to_parquet(params[key], index=False)
     tokens = int(sum(len(a) + len(b) for a, b in zip(realtime["prompt_ids"], realtime["gen_ids"])))
     metrics = {
         "device": str(llm.device), "dtype": llm.dtype_name,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                  "tokens_per_s": round(tokens / max(seconds["rind"], 1e-9), 1),
                  "entropy_max_abs_diff_vs_generation": round(drift, 5), **speeds},
     }  # fmt: skip
-    write_json(p["paths.score_baselines_metrics"], metrics)
+    write_json(params["paths.score_baselines_metrics"], metrics)
     log.info("done: %s", metrics)
 
 

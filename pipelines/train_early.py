@@ -26,19 +26,19 @@ def ablation_name(groups: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "train_early")
-    params, features = p["train_early"], p["build_early.features"]
-    fingerprint, llm_ref = prepared_reference(p["paths.llm"])
-    frame = pd.read_parquet(p["paths.early"])
-    variants = {**params.detectors, **{ablation_name(g): g for g in params.ablation}}
+    params = stage_params(__doc__, argv, READS, "train_early")
+    train, features = params["train_early"], params["build_early.features"]
+    fingerprint, llm_ref = prepared_reference(params["paths.llm"])
+    frame = pd.read_parquet(params["paths.early"])
+    variants = {**train.detectors, **{ablation_name(g): g for g in train.ablation}}
     metrics = {}
-    with swapped_in(p["paths.early_model"]) as partial:
+    with swapped_in(params["paths.early_model"]) as partial:
         for name, groups in variants.items():
-            detector = train_early_detector(frame, groups, params.training, features, fingerprint, llm_ref, name=name)
+            detector = train_early_detector(frame, groups, train.training, features, fingerprint, llm_ref, name=name)
             detector.save(partial / name)
             metrics[name] = {"features": groups, "threshold": detector.threshold, **detector.info}
             log.info("%s: %s", name, metrics[name])
-    write_json(p["paths.train_early_metrics"], metrics)
+    write_json(params["paths.train_early_metrics"], metrics)
 
 
 if __name__ == "__main__":

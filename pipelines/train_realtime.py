@@ -26,25 +26,25 @@ READS = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "train_realtime")
-    fingerprint, llm_ref = prepared_reference(p["paths.llm"])
-    layers, answer_layers = p["build_realtime.hidden_layers"], p["build_early.answer_hidden_layers"]
+    params = stage_params(__doc__, argv, READS, "train_realtime")
+    fingerprint, llm_ref = prepared_reference(params["paths.llm"])
+    layers, answer_layers = params["build_realtime.hidden_layers"], params["build_early.answer_hidden_layers"]
     if layers != answer_layers:
         raise InputError(f"build_early.answer_hidden_layers = {answer_layers} but build_realtime.hidden_layers = {layers}: the real-time "
                          "detector reads one set of layers, so set both to the same list")  # fmt: skip
     sets = TokenSets(
-        (pd.read_parquet(p["paths.realtime"]), load_file(p["paths.realtime_hidden"])["hidden"]),
-        (answer_records(pd.read_parquet(p["paths.early"])), load_file(p["paths.early_answer_hidden"])["hidden"]),
+        (pd.read_parquet(params["paths.realtime"]), load_file(params["paths.realtime_hidden"])["hidden"]),
+        (answer_records(pd.read_parquet(params["paths.early"])), load_file(params["paths.early_answer_hidden"])["hidden"]),
     )
-    params = p["train_realtime"]
+    train = params["train_realtime"]
     detector = train_and_choose(
-        sets, params.training, params.tokens, params.choose_on,
-        hidden_layers=p["build_realtime.hidden_layers"], prompt=p["build_realtime.prompt"], spacy_model=p["build_realtime.spacy_model"],
+        sets, train.training, train.tokens, train.choose_on,
+        hidden_layers=params["build_realtime.hidden_layers"], prompt=params["build_realtime.prompt"], spacy_model=params["build_realtime.spacy_model"],
         fingerprint=fingerprint, llm_ref=llm_ref,
     )  # fmt: skip
-    detector.save(p["paths.realtime_model"])
+    detector.save(params["paths.realtime_model"])
     metrics = {"mlp": {"threshold": detector.threshold, **detector.info}}
-    write_json(p["paths.train_realtime_metrics"], metrics)
+    write_json(params["paths.train_realtime_metrics"], metrics)
     log.info("%s", metrics)
 
 

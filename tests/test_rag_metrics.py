@@ -17,11 +17,11 @@ from mlflow.entities import ViewType
 from conftest import ROOT
 from detectors.config import ParamsError, load_section
 from detectors.errors import InputError
-from detectors.rag.answer_metrics import METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
+from detectors.rag.answer_metrics import FAILED, METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
 from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
 from detectors.registry import store
-from pipelines.rag_eval import read_run_file, references, run_questions, split_questions, write_curves, write_prompts
+from pipelines.rag_eval import references, run_questions, split_questions, write_curves, write_prompts
 
 
 def result(answer: str, retrievals: list[list[str]] = (), error: str | None = None, passes: int = 10, tokens: int = 4, wall: float = 0.5) -> dict:
@@ -343,10 +343,11 @@ def test_test_questions_are_a_deterministic_sample_of_the_test_split():
 
 class Answerer:
     """``answer(questions, records)`` that counts the questions it answered and stops (as a killed run) at the
-    ``stop_after``-th question: the batch it was in is lost."""
+    ``stop_after``-th question: the shard it was in is lost. A question in ``failing`` comes back failed, as the loop
+    records a question that raised."""
 
-    def __init__(self, stop_after: int | None = None):
-        self.calls, self.stop_after = [], stop_after
+    def __init__(self, stop_after: int | None = None, failing: tuple[str, ...] = ()):
+        self.calls, self.stop_after, self.failing = [], stop_after, failing
 
     def __call__(self, questions: list[str], records: list[bool]) -> list[dict]:
         out = []
@@ -355,42 +356,45 @@ class Answerer:
                 raise KeyboardInterrupt
             self.calls.append((question, record))
             answer = "a0" if question.endswith("0") else "wrong"
-            error = "no passage retrieved" if question.endswith("4") else None
+            error = "no passage retrieved" if question.endswith("4") else f"{FAILED} RuntimeError: boom" if question in self.failing else None
             out.append(result(answer, error=error) | {"prompts": [f"prompt of {question}"] if record else []})
         return out
 
 
 def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     rows = pd.DataFrame({"id": [f"q{i}" for i in range(5)], "question": [f"question {i}" for i in range(5)]})
-    path = tmp_path / "runs" / "wiki" / "flare.jsonl"
+    run = tmp_path / "runs" / "wiki" / "flare"
     killed = Answerer(stop_after=3)
     with pytest.raises(KeyboardInterrupt):
-        run_questions(path, "key1", rows, killed, 2, "wiki · flare", batch=2)
-    assert len(killed.calls) == 3  # the first batch of two is written, the second was lost with the run
-    with open(path, "a") as f:
-        f.write('{"id": "q2", "answ')  # killed while writing a line
+        run_questions(run, {"code": "1"}, rows, killed, 2, "wiki · flare", shard_size=2)
+    assert len(killed.calls) == 3  # the first shard of two is written, the second was lost with the run
     again = Answerer()
-    lines = run_questions(path, "key1", rows, again, 2, "wiki · flare", batch=2)
+    lines = run_questions(run, {"code": "1"}, rows, again, 2, "wiki · flare", shard_size=2)
     assert again.calls == [("question 2", False), ("question 3", False), ("question 4", False)]  # only the missing ones
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
     assert lines[0]["prompts"] == ["prompt of question 0"] and lines[2]["prompts"] == []  # prompts of the first 2 only
-    stored = [json.loads(x) for x in path.read_text().splitlines()]
-    assert stored[0] == {"key": "key1"} and [s["id"] for s in stored[1:]] == [f"q{i}" for i in range(5)]
+    assert sorted(p.name for p in run.glob("shard-*")) == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
     m = summarise(lines, [[f"a{i}"] for i in range(5)])
     assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (0.2, 1, 0, 5)  # a recorded outcome is counted, not a crash
 
     nothing = Answerer()
-    assert run_questions(path, "key1", rows, nothing, 2, "wiki · flare", batch=2) == lines and nothing.calls == []
+    assert run_questions(run, {"code": "1"}, rows, nothing, 2, "wiki · flare", shard_size=2) == lines and nothing.calls == []
     other = Answerer()
-    run_questions(path, "key2", rows, other, 2, "wiki · flare", batch=3)  # other params: every question again
-    assert len(other.calls) == 5 and json.loads(path.read_text().splitlines()[0]) == {"key": "key2"}
+    run_questions(run, {"code": "2"}, rows, other, 2, "wiki · flare", shard_size=2)  # other code: every question again
+    assert len(other.calls) == 5
+    fewer = Answerer()
+    run_questions(run, {"code": "2"}, rows.iloc[1:], fewer, 2, "wiki · flare", shard_size=2)  # other questions: their shards differ
+    assert len(fewer.calls) == 4
 
 
-def test_a_damaged_line_before_the_last_is_an_error_naming_the_file(tmp_path):
-    path = tmp_path / "flare.jsonl"
-    path.write_text('{"key": "k"}\n{"id": "q0", "ans\n{"id": "q1"}\n')
-    with pytest.raises(InputError, match=r"flare.jsonl line 2 is not JSON.*delete the file"):
-        read_run_file(path, "k")
+def test_a_question_whose_loop_raised_is_answered_again_by_the_next_run(tmp_path):
+    rows = pd.DataFrame({"id": [f"q{i}" for i in range(4)], "question": [f"question {i}" for i in range(4)]})
+    first = run_questions(tmp_path / "run", {"code": "1"}, rows, Answerer(failing=("question 1",)), 0, "facts · dior", shard_size=2)
+    assert summarise(first, [["a0"]] * 4)["failed"] == 1
+    again = Answerer()
+    lines = run_questions(tmp_path / "run", {"code": "1"}, rows, again, 0, "facts · dior", shard_size=2)
+    assert again.calls == [("question 1", False)] and summarise(lines, [["a0"]] * 4)["failed"] == 0
+    assert [line["id"] for line in lines] == [f"q{i}" for i in range(4)]
 
 
 def test_curves_and_prompts_files(tmp_path):

@@ -269,14 +269,14 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
             index_corpus.main(["--params", "params.yaml"])
             rag_eval.main(["--params", "params.yaml"])
         runs = {}
-        for path in sorted((project / f"data/rag/runs-{backend}/facts").glob("*.jsonl")):
-            lines = [json.loads(line) for line in path.read_text().splitlines()[1:]]
-            runs[path.name] = [{k: v for k, v in line.items() if k not in ("wall_s", "seconds")} for line in lines]
+        for run in sorted(p for p in (project / f"data/rag/runs-{backend}/facts").iterdir() if p.is_dir()):
+            stored = pd.concat([pd.read_parquet(shard) for shard in sorted(run.glob("shard-*.parquet"))])
+            runs[run.name] = [{k: v for k, v in json.loads(line).items() if k not in ("wall_s", "seconds")} for line in stored["line"]]
         metrics = json.loads((project / f"data/metrics/rag-{backend}.json").read_text())
         results[backend] = runs, {name: {k: v for k, v in m.items() if "wall" not in k and "second" not in k} for name, m in metrics["facts"].items()}
-    assert set(results["local"][0]) == {"no-retrieval.jsonl", "single-round.jsonl", "flare.jsonl", "retrorag.jsonl", "sweep.jsonl", "sweep-val.jsonl"}
-    assert all(1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag.jsonl"])  # RetroRAG's own row: one per iteration
-    assert all(len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val.jsonl")  # the validation sweep: every val question
+    assert set(results["local"][0]) == {"no-retrieval", "single-round", "flare", "retrorag", "sweep", "sweep-val"}
+    assert all(1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag"])  # RetroRAG's own row: one per iteration
+    assert all(len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val")  # the validation sweep: every val question
     assert results["ray"] == results["local"]
 
 

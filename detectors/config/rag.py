@@ -168,13 +168,14 @@ class RagEvalParams:
     prompts_sample: int
     experiment: str
     batch_size: int  # questions the loop advances together (speed only: answers do not depend on it)
+    shard_size: int  # questions per resumable shard of a run
     bootstrap: int  # resamples of the paired intervals (accuracy differences, curve areas)
     seed: int
 
     def check(self, where: str) -> None:
         if self.questions is not None:
             positive(f"{where}.questions", self.questions)
-        for key in ("k", "max_retrievals", "max_new_tokens", "batch_size", "bootstrap"):
+        for key in ("k", "max_retrievals", "max_new_tokens", "batch_size", "shard_size", "bootstrap"):
             positive(f"{where}.{key}", getattr(self, key))
         if not self.corpora:
             fail(f"{where}.corpora", self.corpora, "name at least one corpus of index_corpus.corpora, e.g. [wiki, facts]")

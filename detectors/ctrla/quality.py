@@ -1,10 +1,12 @@
-"""Evaluation of CtrlA directions: held-out statement projections (honesty AUROC per layer), the
-confidence monitor as a hallucination scorer, and TruthfulQA multiple choice under honesty steering."""
+"""How good the CtrlA directions are: held-out statement projections (honesty AUROC per layer and per layer range,
+the range chosen on validation), the confidence monitor as a hallucination scorer (its score columns of the early and
+real-time sets), and TruthfulQA multiple choice under honesty steering."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +16,21 @@ import torch
 from transformers import DynamicCache
 
 from detectors.config.schema import PromptParams
+from detectors.ctrla import RANGE_COLUMNS
 from detectors.ctrla.directions import Directions
+from detectors.ctrla.layer_ranges import choose_window
 from detectors.ctrla.monitor import content_mask, hallucination_score, pooled_scores, project_sequences
 from detectors.ctrla.statements import instruction_prefix, statement_ids
-from detectors.ctrla.steering import steer
+from detectors.ctrla.steering import steer, steering_vectors
+from detectors.evaluation.metrics import auroc
 from detectors.llm.kv import as_cache, batches, cache_states, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
 from detectors.progress import progress as progress_bar  # (mc_accuracy has a flag named progress)
+from detectors.registry import store
 from detectors.sources.bigbench import fetch_bigbench_task
+
+log = logging.getLogger(__name__)
 
 
 def last_token_states(llm: LLM, instruction: str, statements: list[str], batch_size: int, max_tokens: int | None) -> torch.Tensor:
@@ -189,3 +197,108 @@ def mc_accuracy(
             bar.update(len(batch))
     hits_arr = np.array(hits)
     return float(hits_arr.mean()), hits_arr
+
+
+# ---- the evaluate_directions stage's metrics ------------------------------------------------------------------
+
+
+def _auroc(labels, scores) -> float | None:
+    labels = np.asarray(labels)
+    if len(labels) == 0 or labels.min() == labels.max():
+        return None
+    return round(auroc(labels, scores), 4)
+
+
+def _pooled(per_layer: np.ndarray, layers: list[int]) -> np.ndarray:
+    """The monitor's and steering's pooling: the mean of the per-layer projections ``[N, L]`` over ``layers``."""
+    return per_layer[:, [layer - 1 for layer in layers]].mean(1)
+
+
+def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements: pd.DataFrame, params, max_tokens) -> dict:
+    """Held-out (test) true-vs-false AUROC per layer, for the paper's range and for the window chosen on the val
+    statements (whose val AUROC the registry's alias rule uses), and per number of extraction statements."""
+    held = statements[(statements["split"] == "test") & statements["label"].notna()]
+    if held.empty or held["label"].nunique() < 2:
+        log.warning("no held-out statements with both labels: the honesty AUROC is skipped")
+        return {}
+    states = last_token_states(llm, params.eval_instruction, held["statement"].tolist(), params.batch_size, max_tokens)
+    labels = held["label"].astype(int).to_numpy()
+    per_layer = projection_scores(states, honesty.vectors)
+    ranges = {"paper": {"layers": honesty.layers, "val_auroc": None, "test_auroc": _auroc(labels, _pooled(per_layer, honesty.layers))}}
+    val = statements[(statements["split"] == "val") & statements["label"].notna()]
+    val_digest, val_per_layer = None, []
+    if val["label"].nunique() == 2:
+        val_digest = store.validation_digest(val["id"])
+        val_labels = val["label"].astype(int).to_numpy()
+        val_states = last_token_states(llm, params.eval_instruction, val["statement"].tolist(), params.batch_size, max_tokens)
+        val_proj = projection_scores(val_states, honesty.vectors)
+        val_per_layer = [_auroc(val_labels, val_proj[:, i]) for i in range(val_proj.shape[1])]
+        ranges["paper"]["val_auroc"] = _auroc(val_labels, _pooled(val_proj, honesty.layers))
+        width = params.layer_window or len(honesty.layers)
+        choice = choose_window(lambda w: _auroc(val_labels, _pooled(val_proj, w)), per_layer.shape[1], width, "evaluate_directions.layer_window")
+        ranges["validation"] = {"layers": choice.layers, "val_auroc": choice.val_auroc, "test_auroc": _auroc(labels, _pooled(per_layer, choice.layers))}
+    else:
+        log.warning("the val statements lack one of the labels: no honesty layer range is chosen on validation")
+    curve = {str(n): _auroc(labels, projection_scores(states, v, honesty.layers)) for n, v in sorted(honesty.curve.items())}
+    curve[str(honesty.config["n_statements"])] = ranges["paper"]["test_auroc"]
+    return {
+        "n_heldout": int(len(held)),
+        "n_val": int(len(val)),
+        "auroc_per_layer": [_auroc(labels, per_layer[:, i]) for i in range(per_layer.shape[1])],
+        "val_auroc_per_layer": val_per_layer,
+        "ranges": ranges,
+        "val_digest": val_digest,  # the val statements' ids: the registry compares only versions evaluated on the same ones
+        "auroc_by_n_statements": curve,  # at the paper's range
+        "confidence_direction_test_auroc": _auroc(labels, projection_scores(states, confidence.vectors, confidence.layers)),
+    }
+
+
+def confidence_metrics(monitored: MonitoredSet, frame: pd.DataFrame, confidence: Directions, tau: float, clip: float,
+                       width: int | None) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
+    """The monitor's score columns of the early set per range (the window chosen on its val split), their val/test
+    AUROC and how often the monitor fires at τ on the test split."""
+    split, labels = frame["split"].to_numpy(), frame["label"].to_numpy()
+    val, test = split == "val", split == "test"
+    choice = choose_window(
+        lambda w: _auroc(labels[val], monitored.answer_scores(w, tau, clip)[val]), confidence.fingerprint.num_layers,
+        width or len(confidence.layers), "evaluate_directions.layer_window",
+    )  # fmt: skip
+    layers = {"paper": confidence.layers, "validation": choice.layers}
+    if choice.val_auroc is None:
+        log.warning("the early set's val split lacks one of the labels: no confidence layer range is chosen on validation")
+        del layers["validation"]
+    metrics: dict = {"n": int(len(frame)), "n_test": int(test.sum()), "val_digest": store.validation_digest(frame.loc[val, "id"]), "ranges": {}}
+    columns = {}
+    for name, chosen in layers.items():
+        scores = columns[RANGE_COLUMNS[name]] = monitored.answer_scores(chosen, tau, clip)
+        rates = monitored.trigger_rates(chosen, tau, clip, test)
+        metrics["ranges"][name] = {
+            "layers": chosen, "val_auroc": _auroc(labels[val], scores[val]), "test_auroc": _auroc(labels[test], scores[test]),
+            "test_trigger_rate": rates["sequence"], "test_token_trigger_rate": rates["token"],
+        }  # fmt: skip
+    return metrics, columns
+
+
+def realtime_metrics(monitored: MonitoredSet, frame: pd.DataFrame, layers: dict[str, list[int]], tau: float, clip: float) -> tuple[dict, dict]:
+    """Per-token score columns of the real-time set per range, and how often the monitor fires on its test split."""
+    test = frame["split"].to_numpy() == "test"
+    metrics: dict = {"n": int(len(frame)), "n_test": int(test.sum()), "ranges": {}}
+    columns = {}
+    for name, chosen in layers.items():
+        columns[RANGE_COLUMNS[name]] = monitored.token_scores(chosen, tau, clip)
+        rates = monitored.trigger_rates(chosen, tau, clip, test)
+        metrics["ranges"][name] = {
+            "layers": chosen, "test_token_trigger_rate": rates["token"], "test_new_content_token_trigger_rate": rates["new_content_token"],
+            "test_continuation_trigger_rate": rates["sequence"],
+        }  # fmt: skip
+    return metrics, columns
+
+
+def truthfulqa_grid(llm: LLM, honesty: Directions, prefix: str, examples: list, lambdas: list[float], relative: bool) -> dict[str, float]:
+    """TruthfulQA MC1 accuracy at each steering strength λ (CtrlA Fig. 2; 0: no steering)."""
+    accuracy = {}
+    for lam in lambdas:
+        vectors = steering_vectors(honesty, lam, honesty.layers, relative) if lam else {}
+        accuracy[str(lam)], _ = mc_accuracy(llm, prefix, examples, vectors)
+        log.info("TruthfulQA MC1, λ = %g: %.3f", lam, accuracy[str(lam)])
+    return accuracy

@@ -149,3 +149,43 @@ def write_comparison_plots(
             level_scores, probabilities[dataset][level], results, colours, plots_dir, f"{dataset}_{level}", title, bins
         )
     return plots
+
+
+def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
+    """The CtrlA directions' dvc plot CSVs and PNGs (evaluate_directions): honesty AUROC per layer, AUROC vs statements, TruthfulQA accuracy vs λ."""
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    pngs = []
+    h = metrics.get("honesty", {})
+    if h:
+        per_layer = pd.DataFrame({"layer": np.arange(1, len(h["auroc_per_layer"]) + 1), "auroc": h["auroc_per_layer"]})
+        if h["val_auroc_per_layer"]:
+            per_layer["val_auroc"] = h["val_auroc_per_layer"]
+        per_layer.to_csv(plots_dir / "ctrla_honesty_layers.csv", index=False)
+        sizes = pd.DataFrame([{"n_statements": int(n), "auroc": a} for n, a in h["auroc_by_n_statements"].items()])
+        sizes.to_csv(plots_dir / "ctrla_honesty_size.csv", index=False)
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        ax.plot(per_layer["layer"], per_layer["auroc"], "o-", label="test statements")
+        if "val_auroc" in per_layer:
+            ax.plot(per_layer["layer"], per_layer["val_auroc"], "s--", alpha=0.6, label="val statements")
+        for (name, r), colour in zip(h["ranges"].items(), ("tab:grey", "tab:green")):
+            ax.axvspan(r["layers"][0] - 0.5, r["layers"][-1] + 0.5, color=colour, alpha=0.12, label=f"{name} range (test {r['test_auroc']})")
+        ax.axhline(0.5, color="k", ls=":", lw=0.8)
+        ax.legend(fontsize=7)
+        ax.set(xlabel="layer", ylabel="held-out AUROC (true vs false)", title="Honesty direction per layer")
+        ax2.plot(sizes["n_statements"], sizes["auroc"], "o-")
+        ax2.set(xscale="log", xlabel="statements used for PCA", ylabel="AUROC at the paper's steering layers", title="Dependence on |S|")
+        fig.tight_layout()
+        fig.savefig(plots_dir / "ctrla_honesty.png", dpi=120)
+        pngs.append(plots_dir / "ctrla_honesty.png")
+    t = metrics.get("truthfulqa", {})
+    if t:
+        grid = pd.DataFrame([{"lambda": float(k), "accuracy": v} for k, v in t["accuracy"].items()]).sort_values("lambda")
+        grid.to_csv(plots_dir / "ctrla_truthfulqa.csv", index=False)
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.plot(grid["lambda"], grid["accuracy"], "o-")
+        ax.set(xlabel="λ (fraction of the residual norm)", ylabel="MC1 accuracy", title=f"TruthfulQA under honesty steering (n={t['n']})")
+        fig.tight_layout()
+        fig.savefig(plots_dir / "ctrla_truthfulqa.png", dpi=120)
+        pngs.append(plots_dir / "ctrla_truthfulqa.png")
+    plt.close("all")
+    return pngs

@@ -151,3 +151,31 @@ def view_url(server: str, experiment_id: str) -> str:
     """The address of an experiment's comparison view (runs table sorted by test_auroc, metric columns shown) on the
     MLflow server at ``server`` (e.g. ``http://127.0.0.1:5000``)."""
     return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
+
+
+def log_directions(metrics: dict, pngs: list[Path], tags: dict[str, str], params: dict[str, object], experiment: str, artifact_root: str | None) -> str:
+    """One MLflow run for the CtrlA directions (evaluate_directions): ``params`` and the chosen layer ranges as params,
+    every range's metrics (:func:`flat_metrics`), the honesty AUROC per layer and the TruthfulQA accuracy per λ as
+    steps, the plots as artifacts. Returns the run's id."""
+    exp = store.experiment(experiment, artifact_root)
+    with mlflow.start_run(experiment_id=exp, run_name="ctrla directions", tags=tags) as run:
+        mlflow.log_params(params)
+        mlflow.log_params({f"{concept}_{name}_layers": str(r["layers"]) for concept, section in (("honesty", metrics["honesty"]),
+                           ("confidence", metrics["confidence_early"])) for name, r in section.get("ranges", {}).items()})  # fmt: skip
+        mlflow.log_metrics(flat_metrics(metrics))
+        for i, a in enumerate(metrics["honesty"].get("auroc_per_layer", []), 1):
+            if a is not None:
+                mlflow.log_metric("honesty_auroc_by_layer", a, step=i)
+        for lam, acc in metrics.get("truthfulqa", {}).get("accuracy", {}).items():
+            mlflow.log_metric("truthfulqa_accuracy", acc, step=int(round(float(lam) * 1000)))
+        for path in pngs:
+            mlflow.log_artifact(str(path))
+    return run.info.run_id
+
+
+def flat_metrics(metrics: dict) -> dict[str, float]:
+    """MLflow's flat view of the ranges: ``<concept>_<range>_<metric>`` (e.g. ``confidence_validation_test_auroc``)."""
+    sections = {"honesty": metrics.get("honesty", {}), "confidence": metrics["confidence_early"],
+                "confidence_realtime": metrics.get("confidence_realtime", {})}  # fmt: skip
+    return {f"{concept}_{name}_{key}": value for concept, section in sections.items() for name, r in section.get("ranges", {}).items()
+            for key, value in r.items() if key != "layers" and value is not None}  # fmt: skip
