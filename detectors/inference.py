@@ -1,24 +1,23 @@
 """Thin inference API: load a registered detector and ask it "retrieve now?".
 
     from detectors import load_detector
-    det = load_detector("dior-early", alias="champion")      # loads its LLM from the recorded source
+    det = load_detector("dior-early", alias="champion", tracking_uri="sqlite:///data/mlflow/mlflow.db")  # or $MLFLOW_TRACKING_URI
     decision = det.assess("The capital of Occitania is")
     decision.retrieve, decision.probability, decision.keywords
 
 Every registered kind loads the same way (see ``detectors.registry.kinds``) and is a
-:class:`detectors.interfaces.Detector`.
+:class:`detectors.interfaces.Detector`, with its LLM loaded (or the one passed) and attached.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import mlflow
 
 from detectors.interfaces import Detector
 from detectors.llm.loading import LLM
-from detectors.registry.store import configure, configure_params
+from detectors.registry.store import NotRegisteredError, StoreNotNamedError, configure, resolve
 
 
 def load_detector(
@@ -26,33 +25,35 @@ def load_detector(
     alias: str = "champion",
     *,
     tracking_uri: str | None = None,
-    params: str | Path | None = None,
     llm: LLM | None = None,
+    load_llm: bool = True,
     allow_dtype_mismatch: bool = False,
 ) -> Detector:
-    """The detector registered as ``models:/<name>@<alias>``.
+    """The detector registered as ``models:/<name>@<alias>``, ready to use.
 
-    The tracking store is ``tracking_uri``, else the ``mlflow`` section of ``params`` when given, else
-    ``$MLFLOW_TRACKING_URI`` (which ``mlflow.set_tracking_uri`` also sets, so an explicit ``params`` must win
-    over it), else the ``mlflow`` section of ``params.yaml``; a sqlite store that was moved or cloned is re-anchored where it is now (see
-    :func:`detectors.registry.store.configure`). A team's ``mlflow server`` is named by its URL (``http(s)://host:port``):
-    the model and its code are downloaded from the server's artifact store, through the server. Pass ``llm`` to reuse an
-    LLM already in memory; it must be the detector's LLM, in the dtype the detector's features were computed in unless
-    ``allow_dtype_mismatch``.
+    The store is ``tracking_uri`` (a relative sqlite path is relative to the working directory), else
+    ``$MLFLOW_TRACKING_URI``; a team's ``mlflow server`` is named by its URL (``http(s)://host:port``) and must answer its
+    health check, a sqlite store must exist and, if it was moved, be relocated first (see :func:`detectors.registry.store.configure`).
+    ``llm``: an LLM already in memory (e.g. another detector's ``.llm``); it must be the detector's LLM, in the dtype
+    its features were computed in unless ``allow_dtype_mismatch``. Otherwise the detector's own LLM is loaded now, from
+    where its artifact says it came from (relative to the working directory: the project root), in the recorded dtype;
+    ``load_llm=False`` skips that (inspecting a detector, or calling ``det.load_llm(root=..., device=...)`` yourself).
     """
-    uri = tracking_uri or (None if params is not None else os.environ.get("MLFLOW_TRACKING_URI"))
-    if uri:
-        configure(uri)
-    else:
-        configure_params(params or "params.yaml")
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise StoreNotNamedError(
+            f"load_detector({name!r}) needs the MLflow store: pass tracking_uri= (the project's is params.yaml's "
+            "mlflow.tracking_uri, e.g. 'sqlite:///data/mlflow/mlflow.db' from the project root) or set $MLFLOW_TRACKING_URI"
+        )
+    configure(uri, existing=True)
     try:
-        model = mlflow.pyfunc.load_model(f"models:/{name}@{alias}")
-    except mlflow.exceptions.MlflowException as err:
-        raise LookupError(
-            f"no model registered as {name}@{alias} in {mlflow.get_tracking_uri()}: run `dvc repro` first, "
-            f"or check the name and alias ({err})"
-        ) from err
+        version = resolve(name, alias=alias)
+    except NotRegisteredError as err:  # the name or alias is wrong: say which, and what the store holds
+        raise NotRegisteredError(f"cannot load {name}@{alias}: {err}") from None
+    model = mlflow.pyfunc.load_model(f"models:/{name}/{version.version}")
     detector = model.unwrap_python_model().detector
     if llm is not None:
         detector.attach(llm, allow_dtype_mismatch)
+    elif load_llm:
+        detector.load_llm(allow_dtype_mismatch=allow_dtype_mismatch)
     return detector

@@ -1,39 +1,33 @@
 """The MLflow UI's server on a store the tiny pipeline built: ``mlflow server`` (the venv's CLI) on a free loopback
 port, checked through its REST API as the UI reads it: the comparison runs with their tags, the registered detectors
-with their ``champion`` aliases, and the experiment kind that makes the UI open experiments on their runs table; and a
-team's shared registry: the register stage writes to a server of its own and ``load_detector`` serves from it."""
+with their ``champion`` aliases, and the experiment kind that makes the UI open experiments on their runs table; a
+team's shared registry: the register stage writes to a server of its own and ``load_detector`` serves from it; and a
+tracking URI that names no MLflow server: every entry point fails within seconds, in one line naming it."""
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Iterator
 
 import mlflow
 import pytest
 import yaml
 
-from detectors import load_detector
+from conftest import ROOT
+from detectors import cli, load_detector
+from detectors.mlflow_ui import free_port, mlflow_server
 from detectors.registry import store
 from detectors.registry.store import CUSTOM_MODEL_DEVELOPMENT, EXPERIMENT_KIND_TAG
 from pipelines import register as register_stage
 from test_pipeline import pipeline  # noqa: F401  (the module-scoped fixture: every stage once on the tiny Llama)
-
-MLFLOW = Path(sys.executable).with_name("mlflow")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(base: str, path: str, body: dict | None = None) -> dict:
@@ -44,42 +38,10 @@ def call(base: str, path: str, body: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
-@contextlib.contextmanager
-def mlflow_server(backend: str, log: Path, cwd: Path, artifacts: Path | None = None) -> Iterator[str]:
-    """``mlflow server`` (the venv's CLI) on ``backend`` at a free loopback port, serving the artifacts of new experiments
-    from ``artifacts`` when given; yields its base URL once healthy and kills it (and its workers) afterwards."""
-    port = free_port()
-    cmd = [str(MLFLOW), "server", "--backend-store-uri", backend, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    cmd += ["--artifacts-destination", str(artifacts)] if artifacts else []
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)  # its own group
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not become healthy (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield base
-    finally:  # the server and its uvicorn worker and job runner
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(pipeline, tmp_path_factory):  # noqa: F811
     """``mlflow server`` on the pipeline's store (what the UI shows)."""
-    with mlflow_server(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}", tmp_path_factory.mktemp("server") / "server.log", pipeline) as base:
+    with mlflow_server(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}", tmp_path_factory.mktemp("server") / "server.log", cwd=pipeline) as base:
         yield base
 
 
@@ -130,7 +92,7 @@ def test_registered_detectors_have_champion_aliases(server, pipeline):  # noqa: 
 def team_server(tmp_path):
     """A team's registry: an empty ``mlflow server`` of its own (sqlite here, PostgreSQL in a team), artifacts proxied to its
     own directory; yields its URL and that directory."""
-    with mlflow_server(f"sqlite:///{tmp_path / 'team.db'}", tmp_path / "team.log", tmp_path, tmp_path / "team-artifacts") as base:
+    with mlflow_server(f"sqlite:///{tmp_path / 'team.db'}", tmp_path / "team.log", cwd=tmp_path, artifacts=tmp_path / "team-artifacts") as base:
         yield base, tmp_path / "team-artifacts"
 
 
@@ -159,3 +121,55 @@ def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline
         assert int(mlflow.MlflowClient(url, url).get_model_version_by_alias("dior-early", "champion").version) == 2
     finally:
         store.configure(local_uri)  # the other tests read the project's store
+
+
+@contextlib.contextmanager
+def not_found_server() -> Iterator[str]:
+    """A local HTTP server that answers 404 to everything (another service on that port, a proxy's error page); its URL."""
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_tracking_uri_without_an_mlflow_server_fails_fast_in_one_line(tmp_path, capsys):
+    """Nothing listening, or a server answering 404: the store's configuration (so load_detector, the CLI and the register
+    stage) fails within seconds naming the URI, instead of MLflow's minutes of retries and a raw 404 traceback."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    with not_found_server() as wrong:
+        cases = {
+            dead: rf"no MLflow tracking server answers at {dead} \(\[Errno 111\] Connection refused, 5 s timeout\): start it",
+            wrong: rf"{wrong} answered HTTP 404 to GET /health: no MLflow tracking server is there; start it",
+        }
+        for uri, message in cases.items():
+            started = time.monotonic()
+            with pytest.raises(store.TrackingServerError, match=message):
+                store.configure(uri)
+            with pytest.raises(store.TrackingServerError, match=message):
+                load_detector("dior-early", tracking_uri=uri)
+            assert cli.main(["promote", "dior-early", "1", "--tracking-uri", uri]) == 1
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and err.startswith("dynrag promote: TrackingServerError: ") and uri in err
+            assert time.monotonic() - started < 10
+            params["mlflow"] = {"tracking_uri": uri, "artifact_root": None}
+            (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "pipelines.register", "--params", "params.yaml"], cwd=tmp_path, capture_output=True,
+                                  text=True, timeout=120)  # fmt: skip
+            assert done.returncode == 1 and time.monotonic() - started < 60, done.stderr
+            last = done.stderr.strip().splitlines()[-1]
+            assert "Traceback" not in done.stderr and last.startswith("TrackingServerError: ") and uri in last

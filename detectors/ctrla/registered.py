@@ -28,6 +28,7 @@ from detectors.ctrla.steering import steer, steering_vectors
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
+from detectors.registry.artifact import FrameInputs
 
 
 class _CtrlADetector(Detector):
@@ -62,6 +63,7 @@ class HonestySteering(_CtrlADetector):
     """Honesty steering (CtrlA Eq. 1) as a context manager over the LLM's generation."""
 
     KIND = "ctrla-honesty"
+    INPUTS = FrameInputs({"question": "string"}, optional={"lam": "double"})
 
     @property
     def params(self) -> SteeringParams:
@@ -93,6 +95,7 @@ class ConfidenceDetector(_CtrlADetector):
     """The confidence monitor (CtrlA Eq. 2) with the retrieval trigger, refusal detector and query masking."""
 
     KIND = "ctrla-confidence"
+    INPUTS = FrameInputs({"question": "string"})
 
     @property
     def params(self) -> MonitorParams:

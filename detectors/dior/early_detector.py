@@ -37,7 +37,7 @@ from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
+from detectors.registry.artifact import FrameInputs, frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
 
 PAPER_THRESHOLD = 0.5  # DioR Eq. 2: retrieve when the softmax (here: sigmoid) output exceeds 0.5
@@ -89,6 +89,7 @@ class EarlyDetector(Detector):
     """
 
     KIND = "dior-early"
+    INPUTS = FrameInputs({"question": "string"})
 
     net: EarlyGRU
     groups: list[str]

@@ -27,7 +27,7 @@ from detectors.dior.recorder import GenerationRecorder, TokenTrace, eos_ids, fea
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import llm_section, read_net, write_artifact
+from detectors.registry.artifact import FrameInputs, llm_section, read_net, write_artifact
 from detectors.training import predict
 
 
@@ -107,6 +107,7 @@ class RealtimeDetector(Detector):
     """The MLP over a generated token's hidden states, probability and entropy: retrieve at this token?"""
 
     KIND = "dior-realtime"
+    INPUTS = FrameInputs({"title": "string", "text": "string"})
 
     net: TokenMLP
     mean: np.ndarray

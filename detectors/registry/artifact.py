@@ -1,10 +1,13 @@
 """The files of a trained detector: ``weights.safetensors`` (no pickle) and ``detector.json`` (its kind,
 everything needed to rebuild and serve it, the fingerprint of its LLM and the dtype its features were
-computed in)."""
+computed in); and the input columns its ``predict_frame`` (the pyfunc) takes (:class:`FrameInputs`)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +15,80 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint
 
 CONFIG = "detector.json"
 WEIGHTS = "weights.safetensors"
+
+
+class FrameInputError(InputError, ValueError):
+    """A frame given to a detector's ``predict_frame`` (or its pyfunc) lacks a column, has an unknown one, or a bad value."""
+
+
+class FrameInputs:
+    """The columns a detector's ``predict_frame`` takes, declared once as its class attribute ``INPUTS`` (MLflow types:
+    ``"string"``, a non-blank string; ``"double"``, a finite number). Declared in a class that defines ``predict_frame``,
+    it checks every frame before the detector reads it: a missing or unknown column, or a missing or bad value, is a
+    :class:`FrameInputError` naming it (instead of a bare ``KeyError``, or ``None`` scored as the text "None"). The
+    registry logs the same columns as the pyfunc's input signature (:func:`detectors.registry.store.input_signature`)."""
+
+    TYPES = ("string", "double")
+
+    def __init__(self, required: dict[str, str], optional: dict[str, str] | None = None):
+        self.required, self.optional = dict(required), dict(optional or {})
+        for name, kind in {**self.required, **self.optional}.items():
+            if kind not in self.TYPES:
+                raise TypeError(f"input column {name!r}: type {kind!r} is not one of {self.TYPES}")
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        predict = owner.__dict__.get("predict_frame")
+        if predict is None:
+            raise TypeError(f"{owner.__name__}.{name}: declare the input columns in the class that defines predict_frame")
+
+        @functools.wraps(predict)
+        def checked(detector, frame, *args, **kwargs):
+            return predict(detector, self.check(frame, f"detector {detector.KIND!r}"), *args, **kwargs)
+
+        owner.predict_frame = checked
+
+    def describe(self) -> str:
+        columns = [f"{n} ({k})" for n, k in self.required.items()] + [f"{n} ({k}, optional)" for n, k in self.optional.items()]
+        return ", ".join(columns)
+
+    def check(self, frame: Any, what: str) -> pd.DataFrame:
+        """``frame`` when it has the declared columns and only those, with a usable value in every cell; else a
+        :class:`FrameInputError` naming the column or the row and value."""
+        takes = f"{what} takes a DataFrame with the columns {self.describe()}"
+        if not isinstance(frame, pd.DataFrame):
+            raise FrameInputError(f"{takes}, not a {type(frame).__name__}")
+        missing = [c for c in self.required if c not in frame.columns]
+        unknown = [c for c in frame.columns if c not in self.required and c not in self.optional]
+        if missing or unknown:
+            found = "; ".join(x for x in (missing and f"missing column(s) {missing}", unknown and f"unknown column(s) {unknown}") if x)
+            raise FrameInputError(f"{takes}: {found} (columns given: {list(frame.columns)})")
+        for name, kind in {**self.required, **self.optional}.items():
+            if name not in frame.columns:
+                continue
+            for row, value in enumerate(frame[name].tolist()):
+                problem = _problem(value, kind)
+                if problem:
+                    expected = "a non-blank string" if kind == "string" else "a finite number"
+                    raise FrameInputError(f"{what}: row {row} of column {name!r} is {problem}: give {expected}")
+        return frame
+
+
+def _problem(value: Any, kind: str) -> str | None:
+    """What is wrong with ``value`` as a cell of type ``kind`` (None: nothing)."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "missing (None/NaN)"
+    if kind == "string":
+        if not isinstance(value, str):
+            return f"{value!r}, a {type(value).__name__}"
+        return "blank" if not value.strip() else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return f"{value!r}, a {type(value).__name__}"
+    return None if math.isfinite(value) else f"{value!r}"
 
 
 def write_artifact(directory: str | Path, kind: str, net: torch.nn.Module, config: dict[str, Any]) -> Path:

@@ -1,34 +1,42 @@
-"""A sqlite MLflow store that can be moved or cloned with its project.
+"""A sqlite MLflow store that can be moved or cloned with its project: detected when read, relocated when asked.
 
 MLflow's sqlite store keeps every artifact location absolute (``resolve_uri_if_local`` makes a relative
 experiment location absolute when the experiment is created, and runs, logged models and model versions copy
 it), so a store copied to another directory would read, and write, the artifacts of the original. The store
-directory (the one holding the ``.db`` file, ``data/mlflow`` here; the artifact root lives under it) is
-recorded in the store itself, as the tag :data:`ANCHOR_TAG` of MLflow's ``Default`` experiment. When the
-store is opened from another directory, :func:`relocate` rewrites every location under the recorded
-directory to the same path under the current one, in one transaction, and records the new directory.
-Locations outside the store directory are left as they are (they did not move with it).
+directory (the one holding the ``.db`` file, ``data/mlflow`` here; the artifact root lives under it) is therefore
+recorded in the store itself, as the tag :data:`ANCHOR_TAG` of MLflow's ``Default`` experiment, by the first stage
+that creates an experiment there (:func:`anchor`).
+
+- Reading never writes: :func:`require_in_place` compares the recorded directory with the one the database is in
+  now and raises :class:`StoreMovedError` (one line: run the relocate command) when they differ.
+- :func:`relocate` (``dynrag relocate``) rewrites every location under the recorded directory to the same path under
+  the current one and records the new directory. Locations outside the store directory are left as they are (they
+  did not move with it).
+
+MLflow has an API for the tag (``MlflowClient.get_experiment`` / ``set_experiment_tag``) but none that changes an
+artifact location, so the locations are rewritten through MLflow's own table definitions (its SQLAlchemy models,
+:data:`LOCATIONS`), in one transaction: a column MLflow renames fails loudly at import instead of being skipped.
+``tests/test_registry.py`` checks against the pinned MLflow (3.17) that no value in a relocated store still names the
+old directory, so a location column MLflow adds is caught there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
 from pathlib import Path
 
+from detectors.errors import InputError
+
 ANCHOR_TAG = "detectors.store_dir"
-DEFAULT_EXPERIMENT = 0
-LOCATIONS = (  # every column of MLflow 3's schema that holds an artifact location
-    ("experiments", "artifact_location"),
-    ("runs", "artifact_uri"),
-    ("logged_models", "artifact_location"),
-    ("model_versions", "source"),
-    ("model_versions", "storage_location"),
-)
+DEFAULT_EXPERIMENT = "0"
+RELOCATE_COMMAND = "dynrag relocate --tracking-uri {uri}"
 
 
-class StoreRelocationError(RuntimeError):
-    """A moved store could not be re-anchored (e.g. it is read-only)."""
+class StoreMovedError(InputError):
+    """A sqlite store opened from another directory than the one it records: its artifact locations point to the old one."""
+
+
+class StoreRelocationError(InputError):
+    """A moved store could not be relocated (e.g. it is read-only)."""
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -38,49 +46,109 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///") :].split("?", 1)[0]).resolve()
 
 
-def _rewrite(con: sqlite3.Connection, tables: set[str], old: str, new: str) -> int:
-    """Replace the prefix ``old`` of every location (plain path or ``file://`` URI) with ``new`` in ``tables``."""
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def recorded_dir(uri: str) -> str | None:
+    """The directory the sqlite store at ``uri`` records as its own (read through MLflow, never written); None when it
+    records none (a store written before stores were anchored, or one no stage has created an experiment in yet) or when
+    the database does not exist yet."""
+    from mlflow.exceptions import MlflowException
+
+    db = sqlite_path(uri)
+    if db is None or not db.exists() or db.stat().st_size == 0:
+        return None
+    try:
+        return _client(uri).get_experiment(DEFAULT_EXPERIMENT).tags.get(ANCHOR_TAG)
+    except MlflowException as err:  # no Default experiment (a person deleted it): nothing recorded
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+
+
+def require_in_place(uri: str) -> None:
+    """Raise :class:`StoreMovedError` when the sqlite store at ``uri`` records another directory than its own."""
+    db = sqlite_path(uri)
+    recorded = recorded_dir(uri)
+    if db is not None and recorded is not None and recorded != str(db.parent):
+        raise StoreMovedError(
+            f"the MLflow store {db} was moved from {recorded} (its artifact locations still point there): run "
+            f"`{RELOCATE_COMMAND.format(uri=f'sqlite:///{db}')}` once, with write access, to rewrite them"
+        )
+
+
+def anchor(uri: str) -> None:
+    """Record the sqlite store's directory in it when it records none (a writer's first experiment); other stores: nothing."""
+    db = sqlite_path(uri)
+    if db is not None and db.exists() and recorded_dir(uri) is None:
+        _client(uri).set_experiment_tag(DEFAULT_EXPERIMENT, ANCHOR_TAG, str(db.parent))
+
+
+def _locations():
+    """Every column of MLflow's schema that holds an artifact location, as (its SQLAlchemy model, attribute)."""
+    from mlflow.store.model_registry.dbmodels.models import SqlModelVersion
+    from mlflow.store.tracking.dbmodels.models import SqlExperiment, SqlLoggedModel, SqlRun
+
+    return (
+        (SqlExperiment, "artifact_location"),
+        (SqlRun, "artifact_uri"),
+        (SqlLoggedModel, "artifact_location"),
+        (SqlModelVersion, "source"),
+        (SqlModelVersion, "storage_location"),
+    )
+
+
+def _rewrite(uri: str, old: str, new: str) -> int:
+    """Replace the prefix ``old`` of every location (a plain path or a ``file://`` URI) with ``new``, in one transaction;
+    returns how many values changed."""
+    from sqlalchemy import func, literal, or_, update
+    from sqlalchemy.orm import Session
+
+    from mlflow.store.db.utils import create_sqlalchemy_engine
+
     changed = 0
-    for table, column in LOCATIONS:
-        if table not in tables:
-            continue
-        for a, b in ((old, new), (Path(old).as_uri(), Path(new).as_uri())):
-            changed += con.execute(
-                f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE {column} = ? OR substr({column}, 1, ?) = ?",
-                (b, len(a) + 1, a, len(a) + 1, a + "/"),
-            ).rowcount
+    engine = create_sqlalchemy_engine(uri)
+    try:
+        with Session(engine) as session, session.begin():
+            for model, attr in _locations():
+                column = getattr(model, attr)
+                for a, b in ((old, new), (Path(old).as_uri(), Path(new).as_uri())):
+                    statement = (
+                        update(model).where(or_(column == a, column.startswith(a + "/", autoescape=True)))
+                        .values({attr: literal(b) + func.substr(column, len(a) + 1)}).execution_options(synchronize_session=False)
+                    )  # fmt: skip
+                    changed += session.execute(statement).rowcount
+    finally:
+        engine.dispose()
     return changed
 
 
-def relocate(db: str | Path) -> str | None:
-    """Anchor the store ``db`` at its current directory; returns the directory it moved from, if it had moved.
+def relocate(uri: str, old: str | Path | None = None) -> dict:
+    """Anchor the sqlite store at ``uri`` at its current directory, rewriting the artifact locations under the directory it
+    moved from (``old`` when given, e.g. for a store that records none; else the one it records):
+    ``{"store", "from", "to", "rewritten"}``.
 
-    A store without a recorded directory (new, or written before this existed) is anchored where it is.
-    A database without MLflow's tables yet is left alone (MLflow creates them on first use).
-    """
-    db = Path(db).resolve()
+    A store already in place is left alone; one that records no directory and gets no ``old`` is anchored where it is."""
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    db = sqlite_path(uri)
+    if db is None:
+        raise StoreRelocationError(f"{uri} is not a sqlite store: only a sqlite store moves with its project (a server's stays where it is)")
     if not db.exists():
-        return None
+        raise StoreRelocationError(f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project root)")
     here = str(db.parent)
+    source = str(Path(old).resolve()) if old is not None else recorded_dir(uri)
+    result = {"store": str(db), "from": source, "to": here, "rewritten": 0}
     try:
-        with contextlib.closing(sqlite3.connect(db, timeout=30)) as con, con:
-            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if not {"experiments", "experiment_tags"} <= tables:
-                return None
-            row = con.execute(
-                "SELECT value FROM experiment_tags WHERE experiment_id = ? AND key = ?", (DEFAULT_EXPERIMENT, ANCHOR_TAG)
-            ).fetchone()
-            if row is not None and row[0] == here:
-                return None
-            if row is not None:
-                _rewrite(con, tables, row[0], here)
-            con.execute(
-                "INSERT OR REPLACE INTO experiment_tags (key, value, experiment_id) VALUES (?, ?, ?)",
-                (ANCHOR_TAG, here, DEFAULT_EXPERIMENT),
-            )
-    except sqlite3.Error as err:
-        raise StoreRelocationError(
-            f"cannot anchor the MLflow store {db} at {here} ({err}): a moved or new store records its directory once, "
-            "so open it once with write access (any stage, or load_detector, does it)"
-        ) from err
-    return None if row is None else row[0]
+        if source is not None and source != here:
+            result["rewritten"] = _rewrite(uri, source, here)
+        if recorded_dir(uri) != here:
+            _client(uri).set_experiment_tag(DEFAULT_EXPERIMENT, ANCHOR_TAG, here)
+    except (SQLAlchemyError, MlflowException) as err:
+        reason = str(err).splitlines()[0]
+        raise StoreRelocationError(f"cannot relocate the MLflow store {db} to {here} ({reason}): relocating writes to it, so run it with write access") from err
+    return result

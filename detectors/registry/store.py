@@ -5,25 +5,27 @@ was computed on the same validation set (``val_digest``: digest of the sorted va
 same LLM (``llm_digest``) as the champion's, from the same feature set (``features``, where the caller names one:
 the early detectors), and it is not worse. A version that cannot be compared (no finite AUROC, another validation
 set, LLM or feature set) gets the :data:`CHALLENGER` alias instead; a person promotes it with
-:func:`promote` (``python -m detectors.registry.store promote NAME VERSION``).
+:func:`promote` (``dynrag promote NAME VERSION``, or ``python -m detectors.registry.store promote NAME VERSION``).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
+import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
 import mlflow
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from detectors.config import load_section
+from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.artifact import read_config
-from detectors.registry.relocate import relocate, sqlite_path
+from detectors.registry.relocate import anchor, require_in_place, sqlite_path
 from detectors.registry.requirements import pip_requirements
 
 PYFUNC_MODEL = Path(__file__).with_name("pyfunc.py")
@@ -33,36 +35,74 @@ CHALLENGER = "challenger"
 # the Python package has no constant for them (3.17).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 CUSTOM_MODEL_DEVELOPMENT = "custom_model_development"
+HEALTH_TIMEOUT_S = 5.0  # a tracking server that has not answered /health by then is reported, not retried for minutes
 
 
-def tracking_uri(uri: str, root: str | Path = ".") -> str:
-    """The tracking URI with a relative sqlite path made absolute (stages and the UI then agree)."""
+class TrackingServerError(InputError):
+    """The tracking URI names a server that does not answer, or answers as no MLflow server does."""
+
+
+class StoreNotNamedError(InputError):
+    """No tracking store was named (no tracking URI given and no ``$MLFLOW_TRACKING_URI``)."""
+
+
+class StoreNotFoundError(InputError):
+    """A reader named a sqlite store that does not exist."""
+
+
+class NotRegisteredError(InputError, LookupError):
+    """No registered model, version or alias of that name in the store."""
+
+
+def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
+    """The tracking URI with a relative sqlite path made absolute (stages and the UI then agree); ``mkdir``: create the
+    database's directory (a writer's first run)."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         db = (Path(root) / uri[len("sqlite:///"):]).resolve()
-        db.parent.mkdir(parents=True, exist_ok=True)
+        if mkdir:
+            db.parent.mkdir(parents=True, exist_ok=True)
         uri = f"sqlite:///{db}"
     return uri
 
 
-def configure(uri: str, root: str | Path = ".") -> str:
-    """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``).
+def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """For an ``http(s)://`` tracking URI: GET its ``/health`` once (MLflow's HTTP client, so its TLS and auth settings
+    apply; no retries, ``timeout`` seconds), and raise :class:`TrackingServerError` naming the URI unless an MLflow server
+    answers. MLflow's own calls would retry for minutes and then fail with a bare 404 or connection traceback."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
 
-    A sqlite store is anchored at its directory: opened from another place (the project was moved or
-    cloned), its artifact locations are first re-mapped there (see :mod:`detectors.registry.relocate`).
+    fix = "start it (`mlflow server ...`), or name a running one in params.yaml's mlflow.tracking_uri, --tracking-uri or $MLFLOW_TRACKING_URI"
+    try:
+        response = http_request(get_default_host_creds(uri), "/health", "GET", max_retries=0, timeout=timeout, raise_on_status=False)
+    except MlflowException as err:
+        found = re.search(r"\[Errno -?\d+\] [^'\")]+|Read timed out|timed out", str(err))
+        reason = found.group(0) if found else type(err.__cause__ or err).__name__
+        raise TrackingServerError(f"no MLflow tracking server answers at {uri} ({reason.strip()}, {timeout:g} s timeout): {fix}") from None
+    if response.status_code >= 400 and response.status_code not in (401, 403):  # a server asking for credentials is one
+        raise TrackingServerError(f"{uri} answered HTTP {response.status_code} to GET /health: no MLflow tracking server is there; {fix}")
+
+
+def configure(uri: str, root: str | Path = ".", *, existing: bool = False) -> str:
+    """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``); returns the URI.
+
+    Never writes to the store. A tracking server must answer its health check (:func:`check_server`); a sqlite store
+    opened from another directory than the one it records (moved or cloned) is refused with the command that relocates
+    it (see :mod:`detectors.registry.relocate`), since its artifact locations still point to the old directory.
+    ``existing`` (readers): a sqlite database that does not exist is an error, not a new empty store MLflow would create.
     """
-    uri = tracking_uri(uri, root)
+    uri = tracking_uri(uri, root, mkdir=not existing)
+    check_server(uri)
     db = sqlite_path(uri)
-    if db is not None:
-        relocate(db)
+    if existing and db is not None and not db.exists():
+        raise StoreNotFoundError(f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project "
+                                 "root), or run `dvc repro` to create and fill it")  # fmt: skip
+    require_in_place(uri)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     return uri
-
-
-def configure_params(params: str | Path = "params.yaml") -> str:
-    """:func:`configure` with the ``mlflow`` section of a params file (a relative sqlite path is relative to it)."""
-    params = Path(params)
-    return configure(load_section("mlflow", params).tracking_uri, params.parent)
 
 
 def artifact_location(name: str, artifact_root: str | Path | None, root: str | Path = ".") -> str | None:
@@ -84,18 +124,17 @@ def experiment(name: str, artifact_root: str | Path | None, root: str | Path = "
 
     The experiment is marked as custom model development (:data:`EXPERIMENT_KIND_TAG`), so the UI opens it on its
     runs table; an existing experiment without a kind (one an older version created) gets the mark too, one a person
-    marked otherwise keeps theirs. Keep ``artifact_root`` inside the sqlite store's directory: only locations there
+    marked otherwise keeps theirs. A sqlite store that records no directory yet records its own (see
+    :mod:`detectors.registry.relocate`). Keep ``artifact_root`` inside the sqlite store's directory: only locations there
     move with the store."""
     found = mlflow.get_experiment_by_name(name)
     if found is None:
         tags = {EXPERIMENT_KIND_TAG: CUSTOM_MODEL_DEVELOPMENT}
         location = artifact_location(name, artifact_root, root)
         found = mlflow.get_experiment(mlflow.create_experiment(name, artifact_location=location, tags=tags))
-        db = sqlite_path(mlflow.get_tracking_uri())
-        if db is not None:  # a store MLflow has just created (configure found no tables to anchor) is anchored now
-            relocate(db)
     elif EXPERIMENT_KIND_TAG not in found.tags:
         MlflowClient().set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, CUSTOM_MODEL_DEVELOPMENT)
+    anchor(mlflow.get_tracking_uri())  # a sqlite store records its directory once, when a writer first uses it
     return found.experiment_id
 
 
@@ -113,18 +152,36 @@ def llm_digest(fingerprint: Fingerprint) -> str:
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def input_signature(detector: Any) -> Any:
+    """The MLflow signature of ``detector``'s pyfunc: the input columns its class declares (``INPUTS``, a
+    :class:`~detectors.registry.artifact.FrameInputs`), so MLflow and its scoring server refuse a frame without them."""
+    from mlflow.models.signature import ModelSignature
+    from mlflow.types.schema import ColSpec, Schema
+
+    inputs = getattr(type(detector), "INPUTS", None)
+    if inputs is None:
+        raise TypeError(f"{type(detector).__name__} declares no INPUTS (its predict_frame columns): add one to log it")
+    columns = [ColSpec(kind, name) for name, kind in inputs.required.items()]
+    columns += [ColSpec(kind, name, required=False) for name, kind in inputs.optional.items()]
+    return ModelSignature(inputs=Schema(columns))
+
+
 def log_detector(detector: Any, artifact_dir: str | Path, metadata: dict[str, Any]) -> Any:
-    """Log ``detector``'s directory as a models-from-code pyfunc (weights stay safetensors, no pickle), with the
-    pip requirements its code and artifact need (:mod:`detectors.registry.requirements`)."""
+    """Log ``detector``'s directory as a models-from-code pyfunc (weights stay safetensors, no pickle), with its input
+    signature (:func:`input_signature`) and the pip requirements its code and artifact need
+    (:mod:`detectors.registry.requirements`)."""
     config = read_config(artifact_dir)
-    return mlflow.pyfunc.log_model(
-        name="model",
-        python_model=str(PYFUNC_MODEL),
-        artifacts={"detector": str(artifact_dir)},
-        code_paths=[str(Path(__file__).parents[1])],  # the detectors package
-        pip_requirements=pip_requirements(type(detector).__module__, config),
-        metadata=metadata,
-    )
+    with warnings.catch_warnings():  # no input example on purpose: MLflow would run the detector, and load its LLM, to check it
+        warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)
+        return mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(PYFUNC_MODEL),
+            artifacts={"detector": str(artifact_dir)},
+            code_paths=[str(Path(__file__).parents[1])],  # the detectors package
+            pip_requirements=pip_requirements(type(detector).__module__, config),
+            signature=input_signature(detector),
+            metadata=metadata,
+        )
 
 
 def _number(value: str | None) -> float:
@@ -205,11 +262,44 @@ def register(
     }
 
 
+def registered_model(client: MlflowClient, name: str) -> Any:
+    """The registered model ``name``; a name the store does not hold is a :class:`NotRegisteredError` listing those it holds."""
+    try:
+        return client.get_registered_model(name)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":  # a store error stays one
+            raise
+        known = sorted(m.name for m in client.search_registered_models(max_results=1000))
+        raise NotRegisteredError(
+            f"no model registered as {name!r} in {mlflow.get_tracking_uri()} (registered: {', '.join(known) or 'none'}): "
+            "check the name, or run `dvc repro` to register the detectors"
+        ) from None
+
+
+def resolve(name: str, alias: str | None = None, version: int | str | None = None) -> Any:
+    """The version of model ``name`` that ``alias`` points to, or version ``version``; a missing model, alias or version is a
+    :class:`NotRegisteredError` that lists what the store holds."""
+    client = MlflowClient()
+    model = registered_model(client, name)
+    if version is None:
+        if alias not in model.aliases:
+            held = ", ".join(f"{a} (v{v})" for a, v in sorted(model.aliases.items())) or "none"
+            raise NotRegisteredError(f"model {name!r} has no alias {alias!r} in {mlflow.get_tracking_uri()} (aliases: {held})")
+        version = model.aliases[alias]
+    try:
+        return client.get_model_version(name, str(version))
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":  # a store error stays one
+            raise
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        raise NotRegisteredError(f"model {name!r} has no version {version} in {mlflow.get_tracking_uri()} (versions: {versions})") from None
+
+
 def promote(name: str, version: int | str, alias: str = "champion") -> dict[str, Any]:
     """Move ``alias`` to ``version`` of model ``name`` (a person's decision, e.g. for a challenger evaluated on
     a new validation set); drops the challenger alias when it pointed there. Later versions compare with it."""
     client = MlflowClient()
-    target = client.get_model_version(name, str(version))  # a missing version is an error naming it
+    target = resolve(name, version=version)  # a missing model or version is an error naming it
     previous = alias_version(client, name, alias)
     client.set_registered_model_alias(name, alias, target.version)
     challenger = alias_version(client, name, CHALLENGER)
@@ -245,23 +335,7 @@ def log_and_register(
     return {**result, "run_id": run.info.run_id, "model_uri": info.model_uri}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m detectors.registry.store promote NAME VERSION [--alias champion] [--params params.yaml | --tracking-uri URI]``"""
-    parser = argparse.ArgumentParser(prog="python -m detectors.registry.store", description="Manage registered detectors.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("promote", help="move an alias (default: champion) to a version, e.g. a challenger")
-    p.add_argument("name")
-    p.add_argument("version", type=int)
-    p.add_argument("--alias", default="champion")
-    p.add_argument("--params", default="params.yaml", help="params file whose mlflow section names the store")
-    p.add_argument("--tracking-uri", default=None, help="the store (default: the params file's mlflow.tracking_uri)")
-    args = parser.parse_args(argv)
-    if args.tracking_uri:
-        configure(args.tracking_uri)
-    else:
-        configure_params(args.params)
-    print(json.dumps(promote(args.name, args.version, args.alias)))
+if __name__ == "__main__":  # the older `python -m detectors.registry.store promote NAME VERSION`: the `dynrag` command line runs it
+    import runpy
 
-
-if __name__ == "__main__":
-    main()
+    runpy.run_module("detectors.cli", run_name="__main__", alter_sys=True)

@@ -37,7 +37,7 @@ from detectors.evaluation.metrics import require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
-from detectors.registry.artifact import frame_dtype, llm_section, read_net, write_artifact
+from detectors.registry.artifact import FrameInputs, frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
 from detectors.utility.labels import HELPS, NEITHER, as_post, post_features
 
@@ -99,6 +99,7 @@ class UtilityDetector(Detector):
     """Retrieve for this question, and keep the passages retrieved? (see the module's docstring)."""
 
     KIND = "utility"
+    INPUTS = FrameInputs({"question": "string"})
 
     nets: UtilityNets
     corpus: str  # the corpus whose passages its labels were measured with

@@ -1,0 +1,222 @@
+"""``dynrag``: the command line for what users do with the registered detectors outside DVC.
+
+    dynrag assess "The capital of Occitania is"               # retrieve before answering? (dior-early@champion)
+    dynrag monitor "Toulouse is a city in" --title Toulouse   # where dior-realtime would trigger in a generation
+    dynrag monitor "Who founded Toulouse?" --model ctrla-confidence
+    dynrag promote dior-early 7                               # move the champion alias to version 7
+    dynrag relocate                                           # after moving or cloning the project's sqlite store
+    dynrag screenshot --dataset realtime                      # the MLflow UI's comparison view as a PNG
+
+Every command takes ``--tracking-uri`` (default: ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section of ``--params``,
+``params.yaml`` in the working directory). Bad input is one line on stderr and exit status 1 (2: a malformed command
+line); ``DETECTORS_TRACEBACK=1`` shows the traceback. The library never reads params.yaml: this module does, for the user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from detectors.errors import InputError
+
+TRACEBACK_ENV = "DETECTORS_TRACEBACK"  # the stages' switch too (pipelines._stage)
+ASSESS_KINDS = ("dior-early", "utility")  # decide before generating, from the question
+MONITOR_KINDS = ("dior-realtime", "ctrla-confidence")  # watch a generation token by token
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``prog: error: ... (see prog --help)``), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- the store and the project ----------------------------------------------------------------------
+
+
+def store(args: argparse.Namespace) -> tuple[str, Path]:
+    """The tracking URI a command uses and the project root relative locations (the LLM's directory) are resolved
+    against: ``--tracking-uri`` (working directory), else ``--params``, else ``$MLFLOW_TRACKING_URI`` (working
+    directory), else ``params.yaml`` of the working directory; its sqlite path is relative to the params file."""
+    from detectors.config import load_section
+    from detectors.registry.store import tracking_uri
+
+    if args.tracking_uri:
+        return tracking_uri(args.tracking_uri, mkdir=False), Path.cwd()
+    if args.params is None and os.environ.get("MLFLOW_TRACKING_URI"):
+        return tracking_uri(os.environ["MLFLOW_TRACKING_URI"], mkdir=False), Path.cwd()
+    params = Path(args.params or "params.yaml").resolve()
+    if not params.exists():
+        raise InputError(
+            f"no MLflow store named and no {params}: pass --tracking-uri URI, set $MLFLOW_TRACKING_URI, or run from the "
+            "project root (its params.yaml names the store) or pass --params PATH"
+        )
+    return tracking_uri(load_section("mlflow", params).tracking_uri, params.parent, mkdir=False), params.parent
+
+
+def detector(args: argparse.Namespace, kinds: tuple[str, ...], other: str):
+    """The detector ``--model``@``--alias``, of one of ``kinds`` (else an error pointing to the ``other`` command), and a
+    function that loads its LLM from the project root on ``--device`` (after the caller's own checks: bad input fails fast)."""
+    from detectors.inference import load_detector
+
+    uri, root = store(args)
+    det = load_detector(args.model, args.alias, tracking_uri=uri, load_llm=False)
+    if det.KIND not in kinds:
+        raise InputError(f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {', '.join(kinds)} ({other})")
+    return det, lambda: det.load_llm(device=args.device, root=root)
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+
+
+def assess(args: argparse.Namespace) -> None:
+    """Each question's decision before generating: retrieve?, the probability, and the keywords to retrieve with."""
+    import pandas as pd
+
+    det, load_llm = detector(args, ASSESS_KINDS, "use `dynrag monitor` for a detector that watches a generation")
+    load_llm()
+    out = det.predict_frame(pd.DataFrame({"question": args.questions}))
+    for question, row in zip(args.questions, out.to_dict("records")):
+        keywords = [str(k) for k in row.get("keywords", [])]
+        if args.json:
+            print(json.dumps({"question": question, "retrieve": bool(row["retrieve"]), "probability": float(row["probability"]), "keywords": keywords}))
+        else:
+            words = f"  keywords: {', '.join(keywords)}" if keywords else ""
+            print(f"retrieve: {'yes' if row['retrieve'] else 'no '}  probability: {row['probability']:.3f}{words}  question: {question}")
+
+
+def monitor(args: argparse.Namespace) -> None:
+    """Generate a continuation with the detector attached and show where it would trigger retrieval."""
+    det, load_llm = detector(args, MONITOR_KINDS, "use `dynrag assess` for a detector that decides from the question")
+    if det.KIND == "dior-realtime" and not args.title:
+        raise InputError("dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with --title TITLE")
+    load_llm()
+    if det.KIND == "dior-realtime":
+        r = det.generate(args.title, args.text, args.max_new_tokens or 32)
+        tokens, scores, trigger = r.tokens, r.probabilities, r.trigger
+        rule, extra = f"P(hallucination) >= {det.threshold:.3f}", {"keywords": r.keywords}
+    else:
+        seg = det.generate(args.text, max_new_tokens=args.max_new_tokens)
+        tokens, scores = [det.llm.tokenizer.decode([t]) for t in seg.token_ids], seg.scores
+        trigger = next((i for i, (new, s) in enumerate(zip(seg.new_content, scores)) if new and s < 0), None)
+        rule, extra = "confidence < 0 on a new content word", {"refusal": seg.refusal, "query": seg.query}
+    if args.json:
+        print(json.dumps({"text": "".join(tokens), "tokens": tokens, "scores": [float(s) for s in scores], "trigger": trigger, **extra}))
+        return
+    marked = "".join(tokens) if trigger is None else "".join(tokens[:trigger]) + " <<retrieve>> " + "".join(tokens[trigger:])
+    print(marked)
+    if trigger is None:
+        print(f"no trigger in {len(tokens)} generated tokens ({rule} never holds)")
+    else:
+        print(f"trigger at token {trigger} {tokens[trigger]!r}: score {scores[trigger]:.3f} ({rule}): retrieve there")
+    for key, value in extra.items():
+        print(f"{key}: {value}")
+
+
+def promote(args: argparse.Namespace) -> None:
+    """Move an alias to a version (a person's decision, e.g. for a challenger); prints what moved as JSON."""
+    from detectors.registry import store as registry
+
+    registry.configure(store(args)[0], existing=True)
+    print(json.dumps(registry.promote(args.name, args.version, args.alias)))
+
+
+def relocate(args: argparse.Namespace) -> None:
+    """Rewrite a moved or cloned sqlite store's artifact locations to where it is now."""
+    from detectors.registry.relocate import relocate as relocate_store
+
+    r = relocate_store(store(args)[0], args.from_dir)
+    if r["from"] is None:
+        print(f"{r['store']} recorded no directory: anchored at {r['to']}")
+    elif r["from"] == r["to"]:
+        print(f"{r['store']} is in place ({r['to']}): nothing to rewrite")
+    else:
+        print(f"{r['store']}: {r['rewritten']} artifact locations moved from {r['from']} to {r['to']}")
+
+
+def screenshot(args: argparse.Namespace) -> None:
+    """Screenshot the comparison view of the evaluation runs as the MLflow UI shows it; prints the PNG's path."""
+    from detectors.config import load_section
+    from detectors.mlflow_ui import screenshot as take
+    from detectors.registry.store import configure
+
+    uri, root = store(args)
+    configure(uri, existing=True)
+    if args.experiment:
+        name = args.experiment
+    else:
+        params = Path(args.params or root / "params.yaml")
+        if not params.exists():
+            raise InputError(f"no {params} to read the experiment prefix (evaluate.experiment) from: pass --experiment NAME or --params PATH")
+        name = f"{load_section('evaluate', params).experiment}-{args.dataset}"
+    out = Path(args.out) if args.out else root / "data" / "screenshots" / f"runs-{args.dataset}.png"
+    print(take(uri, name, out, chromium=args.chromium, window_size=args.window_size, wait_ms=args.wait_ms, cwd=root))
+
+
+# ---- the parser -------------------------------------------------------------------------------------
+
+
+def parser(prog: str = "dynrag") -> Parser:
+    common = Parser(add_help=False)
+    common.add_argument("--tracking-uri", help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the params file's mlflow.tracking_uri)")
+    common.add_argument("--params", help="params file whose mlflow section names the store (default: params.yaml here)")
+    model = Parser(add_help=False)
+    model.add_argument("--alias", default="champion", help="registered alias (default: champion)")
+    model.add_argument("--device", default="auto", help="where the LLM runs: auto, cpu, cuda, cuda:1 (default: auto)")
+    model.add_argument("--json", action="store_true", help="one JSON object per result instead of text")
+
+    top = Parser(prog=prog, description="Registered retrieval-trigger detectors: assess, monitor, promote, relocate, screenshot.")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("assess", parents=[common, model], help="retrieve before answering? (an early or utility detector)",
+                       description=assess.__doc__)  # fmt: skip
+    p.add_argument("questions", nargs="+", metavar="QUESTION")
+    p.add_argument("--model", default="dior-early", help="registered name (default: dior-early)")
+    p.set_defaults(run=assess)
+    p = sub.add_parser("monitor", parents=[common, model], help="where a generation would trigger retrieval (dior-realtime, ctrla-confidence)",
+                       description=monitor.__doc__)  # fmt: skip
+    p.add_argument("text", metavar="TEXT", help="dior-realtime: the article's opening to continue; ctrla-confidence: the question")
+    p.add_argument("--model", default="dior-realtime", help="registered name (default: dior-realtime)")
+    p.add_argument("--title", help="dior-realtime: the article's title (its prompt names it)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default: 32, ctrla: its artifact's)")
+    p.set_defaults(run=monitor)
+    p = sub.add_parser("promote", parents=[common], help="move an alias (default: champion) to a version", description=promote.__doc__)
+    p.add_argument("name")
+    p.add_argument("version", type=int)
+    p.add_argument("--alias", default="champion")
+    p.set_defaults(run=promote)
+    p = sub.add_parser("relocate", parents=[common], help="rewrite a moved sqlite store's artifact locations", description=relocate.__doc__)
+    p.add_argument("--from", dest="from_dir", default=None, help="the directory the store was in, for a store that records none")
+    p.set_defaults(run=relocate)
+    p = sub.add_parser("screenshot", parents=[common], help="PNG of the MLflow UI's comparison view", description=screenshot.__doc__)
+    p.add_argument("--dataset", default="early", choices=["early", "realtime"])
+    p.add_argument("--experiment", help="experiment name (default: <evaluate.experiment of the params file>-<dataset>)")
+    p.add_argument("--out", help="PNG path (default: data/screenshots/runs-<dataset>.png in the project)")
+    p.add_argument("--chromium", help="Chromium executable (default: chromium on PATH)")
+    p.add_argument("--window-size", default="2200,1100")
+    p.add_argument("--wait-ms", type=int, default=20000, help="virtual time the page gets to load before the shot")
+    p.set_defaults(run=screenshot)
+    return top
+
+
+def main(argv: list[str] | None = None, prog: str = "dynrag") -> int:
+    """Run one command; returns the exit status (0; 1: bad input, reported in one line; 2: a malformed command line)."""
+    try:
+        args = parser(prog).parse_args(argv)
+    except SystemExit as done:  # --help (0) or a malformed command line (2), already reported
+        return int(done.code or 0)
+    try:
+        args.run(args)
+    except InputError as err:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"{prog} {args.command}: {type(err).__name__}: {message} (set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
