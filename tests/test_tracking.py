@@ -1,5 +1,6 @@
-"""The comparison in MLflow (:mod:`detectors.evaluation.tracking`) on a hand-made long table, and the experiment kind
-that makes the UI open experiments on their runs table (:func:`detectors.registry.store.experiment`)."""
+"""The comparison in MLflow (:mod:`detectors.evaluation.tracking`) and its figures (:mod:`detectors.evaluation.plots`) on a
+hand-made long table, and the experiment kind that makes the UI open experiments on their runs table
+(:func:`detectors.registry.store.experiment`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import mlflow  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 from mlflow.entities import ViewType  # noqa: E402
+from PIL import Image  # noqa: E402
 
+from detectors.evaluation.plots import write_comparison_plots  # noqa: E402
 from detectors.evaluation.tracking import log_comparison  # noqa: E402
 from detectors.registry import store  # noqa: E402
 
@@ -164,3 +168,47 @@ def test_bad_input_is_refused_before_anything_is_logged(tracking, artifacts, plo
 def test_a_missing_plot_file_is_named(tracking, artifacts, plots, tmp_path):
     with pytest.raises(FileNotFoundError, match="gone.png"):
         log_comparison(comparison_table(), {"early": [tmp_path / "gone.png"]}, {"llm": "x"}, tracking, artifacts)
+
+
+# ---- the figures (dvc plots) ----------------------------------------------------------------------------------------
+
+
+def comparison_scores(table: pd.DataFrame, n: int = 40) -> tuple[dict, dict]:
+    """Per dataset, every unit's scores (``id, group, split, label, level`` and a column per scorer of its level, as
+    :func:`~detectors.evaluation.compare.compare_levels` returns them) and each level's test probabilities."""
+    rng = np.random.default_rng(0)
+    scores, probabilities = {}, {}
+    for dataset, rows in table.groupby("dataset"):
+        parts, probabilities[dataset] = [], {}
+        for level, level_rows in rows.groupby("level"):
+            label = np.arange(n) % 2
+            part = pd.DataFrame({"id": [f"{level}{i}" for i in range(n)], "group": [f"g{i // 2}" for i in range(n)], "label": label,
+                                 "split": np.where(np.arange(n) < n // 2, "val", "test"), "level": level})  # fmt: skip
+            for scorer in level_rows["scorer"]:
+                part[scorer] = label * 0.3 + rng.random(n)
+            test = part[part["split"] == "test"]
+            probabilities[dataset][level] = pd.DataFrame({s: test[s].clip(0, 1).to_numpy() for s in level_rows["scorer"]})
+            parts.append(part)
+        scores[dataset] = pd.concat(parts, ignore_index=True)
+    return scores, probabilities
+
+
+def test_the_comparison_figures_are_one_titled_png_per_dataset_level_and_kind_with_every_scorer(tmp_path):
+    table = comparison_table()
+    scores, probabilities = comparison_scores(table)
+    early = pd.DataFrame({"status": "ok", "split": "test", "label": [0, 1] * 10, "entropy": np.linspace(0.5, 3.0, 20)})
+    plots = write_comparison_plots(table, scores, probabilities, early, tmp_path, bins=5)
+    keys = ["early_question", "realtime_token", "realtime_continuation"]
+    assert plots == {"early": [tmp_path / "figures/early_entropy_ecdf.png"],
+                     **{k: [tmp_path / f"figures/{k}_curves.png", tmp_path / f"figures/{k}_ecdf.png"] for k in keys}}  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == sorted(p.name for paths in plots.values() for p in paths)
+    titles = {}
+    for path in (p for paths in plots.values() for p in paths):
+        assert path.stat().st_size > 10_000, path  # a drawn figure, not an empty canvas
+        with Image.open(path) as image:
+            titles[path.name] = image.text["Title"]
+    assert len(set(titles.values())) == len(titles)  # every figure titled apart
+    assert titles["realtime_token_curves.png"].startswith("Real-time detection, per entity token (test split: 120 units, 45% hallucinated)")
+    assert "DioR Fig. 7" in titles["early_entropy_ecdf.png"]
+    # the curves' numbers beside them: one CSV per scorer of each level
+    assert {p.stem for p in (tmp_path / "roc/realtime_continuation").glob("*.csv")} == {"mlp", "sit_norm"}

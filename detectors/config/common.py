@@ -54,6 +54,7 @@ class PathsParams:
     realtime_scores: str
     evaluate_early_metrics: str
     evaluate_realtime_metrics: str
+    evaluate_headline: str
     served_metrics: str
     comparison: str
     comparison_table: str
@@ -65,6 +66,7 @@ class PathsParams:
     baselines_early: str
     baselines_realtime: str
     evaluate_directions_metrics: str
+    evaluate_directions_headline: str
     registry_early: str
     registry_realtime: str
     registry_ctrla: str
@@ -73,8 +75,10 @@ class PathsParams:
     index_report: str
     rag_runs: str
     rag_metrics: str
+    rag_headline: str
     rag_table: str
     rag_curves: str
+    rag_curves_plot: str
     rag_prompts: str
     utility_shards: str
     utility: str

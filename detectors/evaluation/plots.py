@@ -1,12 +1,15 @@
-"""The comparison's figures, per dataset x level on the test split: ROC and precision-recall curves of all
-scorers, reliability diagrams, ECDFs of the scores of hallucinated vs correct units (one panel per scorer),
-and DioR Fig. 7's attribution-entropy ECDF. Curves are written as CSVs (one per scorer, a ``dvc plots`` series)
-beside PNGs (MLflow artifacts). Each scorer keeps one colour in every figure (:func:`scorer_colours`).
+"""The pipeline's figures: per dataset x level on the test split, ROC and precision-recall curves of all scorers,
+reliability diagrams and ECDFs of the scores of hallucinated vs correct units (one panel per scorer); DioR Fig. 7's
+attribution-entropy ECDF; the CtrlA directions' figures; rag_eval's accuracy vs retrieval-rate curves. The PNGs are
+the ``dvc plots`` (DVC embeds images in its HTML: no renderer to download) and MLflow artifacts, each with every
+scorer (or trigger) in one figure under a title of its own, also stored as the PNG's ``Title`` text chunk; the curves'
+numbers are written beside them as CSVs (one per scorer). Each scorer keeps one colour in every figure (:func:`scorer_colours`).
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -21,6 +24,12 @@ from detectors.evaluation.metrics import precision_recall, roc  # noqa: E402
 
 PALETTE = [plt.get_cmap(name)(i) for name in ("tab10", "Dark2", "Set1") for i in range(plt.get_cmap(name).N)]
 CURVES = {"roc": ("fpr", "tpr"), "pr": ("recall", "precision"), "reliability": ("confidence", "frequency")}
+UNITS = {  # (dataset, level) -> what a figure of that level shows
+    ("early", "question"): "Early detection (before answering), per question",
+    ("realtime", "token"): "Real-time detection, per entity token",
+    ("realtime", "entity"): "Real-time detection, per entity",
+    ("realtime", "continuation"): "Real-time detection, per continuation",
+}  # fmt: skip
 
 
 def scorer_colours(names: Iterable[str]) -> dict[str, tuple]:
@@ -44,6 +53,23 @@ def ecdf(values) -> tuple[np.ndarray, np.ndarray]:
     return values, np.arange(1, len(values) + 1) / max(len(values), 1)
 
 
+def level_title(dataset: str, level: str, n: int, positive_rate: float) -> str:
+    """The title of a dataset x level's figures: what is detected on which units, and the test split's size."""
+    what = UNITS.get((dataset, level), f"{dataset} set, {level} level")
+    return f"{what} (test split: {int(n)} units, {positive_rate:.0%} hallucinated)"
+
+
+def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
+    """Save ``fig`` as a PNG titled ``title`` (its suptitle, wrapped to the figure's width, and its ``Title`` text chunk,
+    which image viewers and tests read) and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.suptitle("\n".join(textwrap.wrap(title, width=max(40, int(fig.get_figwidth() * 11)))), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi, metadata={"Title": title})
+    plt.close(fig)
+    return path
+
+
 def _fresh(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob("*.csv"):
@@ -54,8 +80,8 @@ def _fresh(directory: Path) -> Path:
 def write_level_plots(
     scores: pd.DataFrame, probabilities: pd.DataFrame, results: dict, colours: dict, plots_dir: Path, key: str, title: str, bins: int
 ) -> list[Path]:
-    """The figures of one dataset x level (``key``, e.g. ``realtime_entity``) from the test rows of ``scores`` and
-    the calibrated ``probabilities`` (one column per scorer in ``results``); returns the PNGs.
+    """The figures of one dataset x level (``key``, e.g. ``realtime_entity``, titled ``title``) from the test rows of
+    ``scores`` and the calibrated ``probabilities`` (one column per scorer in ``results``); returns the PNGs.
 
     CSVs: ``<plots_dir>/{roc,pr,reliability}/<key>/<scorer>.csv``; PNGs: ``<plots_dir>/figures/<key>_*.png``.
     """
@@ -63,7 +89,6 @@ def write_level_plots(
     names = sorted(results, key=lambda n: -results[n]["auroc"])
     dirs = {kind: _fresh(plots_dir / kind / key) for kind in CURVES}
     figures = plots_dir / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
     fig, (ax_roc, ax_pr, ax_rel) = plt.subplots(1, 3, figsize=(17, 5.5))
     for name in names:
         colour, m = colours[name], results[name]
@@ -79,16 +104,13 @@ def write_level_plots(
     ax_roc.plot([0, 1], [0, 1], "k:", lw=0.8)
     ax_pr.axhline(float(test["label"].mean()), color="k", ls=":", lw=0.8)
     ax_rel.plot([0, 1], [0, 1], "k:", lw=0.8)
-    ax_roc.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{title}: ROC")
-    ax_pr.set(xlabel="recall", ylabel="precision", title=f"{title}: precision-recall", ylim=(0, 1.02))
-    ax_rel.set(xlabel="predicted P(hallucinated)", ylabel="observed share hallucinated", title=f"{title}: reliability")
+    ax_roc.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC (AUROC [95% CI])")
+    ax_pr.set(xlabel="recall", ylabel="precision", title="precision-recall (AUPRC)", ylim=(0, 1.02))
+    ax_rel.set(xlabel="predicted P(hallucinated)", ylabel="observed share hallucinated", title="reliability (ECE)")
     ax_rel.set(xlim=(0, 1), ylim=(0, 1))
     for ax in (ax_roc, ax_pr, ax_rel):
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    curves = figures / f"{key}_curves.png"
-    fig.savefig(curves, dpi=110)
-    plt.close(fig)
+    curves = save_figure(fig, figures / f"{key}_curves.png", f"{title}: ROC, precision-recall and reliability of every scorer")
     return [curves, ecdf_grid(test, names, colours, figures / f"{key}_ecdf.png", title)]
 
 
@@ -106,11 +128,7 @@ def ecdf_grid(test: pd.DataFrame, names: list[str], colours: dict, path: Path, t
         ax.legend(fontsize=6)
     for ax in axes.ravel()[len(names) :]:
         ax.axis("off")
-    fig.suptitle(f"{title}: score ECDF, hallucinated vs correct")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, f"{title}: score ECDF of each scorer, hallucinated vs correct", dpi=100)
 
 
 def write_entropy_ecdf(frame: pd.DataFrame, plots_dir: Path) -> Path:
@@ -118,19 +136,15 @@ def write_entropy_ecdf(frame: pd.DataFrame, plots_dir: Path) -> Path:
     (``<plots_dir>/early_entropy_ecdf/{correct,hallucinated}.csv`` and a PNG)."""
     out = _fresh(plots_dir / "early_entropy_ecdf")
     ok = frame[(frame["status"] == "ok") & (frame["split"] == "test")]
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for label, answer in ((1, "hallucinated"), (0, "correct")):
         x, y = ecdf(ok.loc[ok["label"] == label, "entropy"])
         pd.DataFrame({"entropy": x, "ecdf": y}).to_csv(out / f"{answer}.csv", index=False)
         ax.step(x, y, where="post", label=answer)
-    ax.set(xlabel="IG attribution entropy", ylabel="ECDF", title="Attribution entropy (DioR Fig. 7)")
+    ax.set(xlabel="IG attribution entropy", ylabel="ECDF")
     ax.legend()
-    fig.tight_layout()
-    png = plots_dir / "figures" / "early_entropy_ecdf.png"
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    title = f"Early detection: IG attribution entropy, hallucinated vs correct (DioR Fig. 7, {len(ok)} test questions)"
+    return save_figure(fig, plots_dir / "figures" / "early_entropy_ecdf.png", title, dpi=120)
 
 
 def write_comparison_plots(
@@ -144,7 +158,8 @@ def write_comparison_plots(
     for (dataset, level), rows in table.groupby(["dataset", "level"], sort=False):
         level_scores = scores[dataset][scores[dataset]["level"] == level].reset_index(drop=True)
         results = {r["scorer"]: r for r in rows.to_dict("records")}
-        title = f"{dataset}, {level} level, test split"
+        first = rows.iloc[0]
+        title = level_title(dataset, level, first["n"], first["positive_rate"])
         plots[f"{dataset}_{level}"] = write_level_plots(
             level_scores, probabilities[dataset][level], results, colours, plots_dir, f"{dataset}_{level}", title, bins
         )
@@ -152,7 +167,7 @@ def write_comparison_plots(
 
 
 def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
-    """The CtrlA directions' dvc plot CSVs and PNGs (evaluate_directions): honesty AUROC per layer, AUROC vs statements, TruthfulQA accuracy vs λ."""
+    """The CtrlA directions' CSVs and PNGs (evaluate_directions): honesty AUROC per layer, AUROC vs statements, TruthfulQA accuracy vs λ."""
     plots_dir.mkdir(parents=True, exist_ok=True)
     pngs = []
     h = metrics.get("honesty", {})
@@ -163,7 +178,7 @@ def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
         per_layer.to_csv(plots_dir / "ctrla_honesty_layers.csv", index=False)
         sizes = pd.DataFrame([{"n_statements": int(n), "auroc": a} for n, a in h["auroc_by_n_statements"].items()])
         sizes.to_csv(plots_dir / "ctrla_honesty_size.csv", index=False)
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
         ax.plot(per_layer["layer"], per_layer["auroc"], "o-", label="test statements")
         if "val_auroc" in per_layer:
             ax.plot(per_layer["layer"], per_layer["val_auroc"], "s--", alpha=0.6, label="val statements")
@@ -174,18 +189,33 @@ def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
         ax.set(xlabel="layer", ylabel="held-out AUROC (true vs false)", title="Honesty direction per layer")
         ax2.plot(sizes["n_statements"], sizes["auroc"], "o-")
         ax2.set(xscale="log", xlabel="statements used for PCA", ylabel="AUROC at the paper's steering layers", title="Dependence on |S|")
-        fig.tight_layout()
-        fig.savefig(plots_dir / "ctrla_honesty.png", dpi=120)
-        pngs.append(plots_dir / "ctrla_honesty.png")
+        title = f"CtrlA honesty direction: held-out true-vs-false AUROC per layer and vs statements used ({h['n_heldout']} test statements)"
+        pngs.append(save_figure(fig, plots_dir / "ctrla_honesty.png", title, dpi=120))
     t = metrics.get("truthfulqa", {})
     if t:
         grid = pd.DataFrame([{"lambda": float(k), "accuracy": v} for k, v in t["accuracy"].items()]).sort_values("lambda")
         grid.to_csv(plots_dir / "ctrla_truthfulqa.csv", index=False)
-        fig, ax = plt.subplots(figsize=(5, 4))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
         ax.plot(grid["lambda"], grid["accuracy"], "o-")
-        ax.set(xlabel="λ (fraction of the residual norm)", ylabel="MC1 accuracy", title=f"TruthfulQA under honesty steering (n={t['n']})")
-        fig.tight_layout()
-        fig.savefig(plots_dir / "ctrla_truthfulqa.png", dpi=120)
-        pngs.append(plots_dir / "ctrla_truthfulqa.png")
-    plt.close("all")
+        ax.set(xlabel="λ (fraction of the residual norm)", ylabel="MC1 accuracy")
+        title = f"CtrlA: TruthfulQA MC1 accuracy under honesty steering (CtrlA Fig. 2, {t['n']} questions)"
+        pngs.append(save_figure(fig, plots_dir / "ctrla_truthfulqa.png", title, dpi=120))
     return pngs
+
+
+def write_rag_curves(curves: dict, path: Path, title: str) -> Path:
+    """rag_eval's accuracy vs retrieval-rate curves (``{trigger: Curve}`` of :mod:`detectors.rag.sweep`) in one figure,
+    each labelled with its area − random's, beside random retrieval's line (from never to always retrieving)."""
+    colours = scorer_colours(curves)
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for trigger, c in sorted(curves.items(), key=lambda item: -(item[1].area - item[1].random_area)):
+        low, high = c.interval
+        interval = "" if math.isnan(low) else f" [{low:+.3f}, {high:+.3f}]"
+        label = f"{trigger} (area − random {c.area - c.random_area:+.3f}{interval})"
+        ax.plot(c.retrieval_rate, c.accuracy, ".-", color=colours[trigger], lw=1.2, ms=3, label=label)
+    if curves:
+        first = next(iter(curves.values()))
+        ax.plot([0, 1], [first.never_accuracy, first.always_accuracy], "k:", lw=1, label="random retrieval")
+        ax.legend(fontsize=7, loc="best")
+    ax.set(xlabel="retrieval rate (share of questions retrieving)", ylabel="accuracy (containment)", xlim=(0, 1))
+    return save_figure(fig, path, title, dpi=110)

@@ -1,6 +1,8 @@
-"""The comparison as Markdown (the README includes it) and as ``dvc metrics`` JSON: one section per dataset x
-level with the scorers sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC and its 95% bootstrap
-interval, then the paired differences of each trained detector from the best training-free baseline."""
+"""The comparison as Markdown (the README includes it), as detailed JSON (``{level: {scorer: metrics}}`` per
+dataset, which ``register`` reads) and as headline ``dvc metrics`` (a few flat keys read at a glance): one section per
+dataset x level with the scorers sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC and its 95% bootstrap
+interval, then the paired differences of each trained detector from the best training-free baseline. The headline of
+evaluate_directions' report (:func:`directions_headline`) is here too."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from detectors.evaluation.compare import COLUMNS
 from detectors.interfaces import Level
 
 LEVEL_ORDER = {level.value: i for i, level in enumerate(Level)}  # question, token, entity, continuation
+DIGITS = 4  # a headline metric's rounding (the detailed reports keep every digit)
 
 
 def _interval(value: float, low: float, high: float, signed: bool = False) -> str:
@@ -51,11 +54,57 @@ def markdown_table(table: pd.DataFrame) -> str:
 
 
 def nested_metrics(table: pd.DataFrame, dataset: str) -> dict[str, dict[str, dict]]:
-    """``{level: {scorer: metrics}}`` of one dataset, the shape of both ``dvc metrics`` files."""
+    """``{level: {scorer: metrics}}`` of one dataset, the shape of both detailed reports (``paths.evaluate_*_metrics``)."""
     part = table[table["dataset"] == dataset]
     metrics = [c for c in COLUMNS if c not in ("scorer", "dataset", "level", "features")]
     out: dict[str, dict[str, dict]] = {}
     for row in part.to_dict("records"):
         values = {k: row[k] for k in metrics if not (isinstance(row[k], float) and math.isnan(row[k])) and row[k] is not None}
         out.setdefault(row["level"], {})[row["scorer"]] = values
+    return out
+
+
+def headline_value(value) -> float | None:
+    """A headline metric: ``value`` rounded to :data:`DIGITS`, None when it is missing (None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return round(float(value), DIGITS)
+
+
+def headline(table: pd.DataFrame) -> dict[str, float | str]:
+    """The comparison at a glance (evaluate's ``dvc metrics``), flat keys per ``<dataset>_<level>``: ``.test_auroc.<scorer>``
+    of every trained detector, ``.test_auroc.best_baseline`` and ``.best_baseline``: the test AUROC and name of the baseline
+    the detectors' paired differences are against (``delta_vs``: the baseline of the highest test AUROC)."""
+    keys = table[["dataset", "level"]].drop_duplicates()
+    keys = keys.assign(order=keys["level"].map(LEVEL_ORDER)).sort_values(["dataset", "order"])
+    out: dict[str, float | str] = {}
+    for dataset, level in keys[["dataset", "level"]].itertuples(index=False):
+        part, prefix = table[(table["dataset"] == dataset) & (table["level"] == level)], f"{dataset}_{level}"
+        detectors = part[part["kind"] == "detector"]
+        for r in detectors.itertuples(index=False):
+            if (auroc := headline_value(r.auroc)) is not None:
+                out[f"{prefix}.test_auroc.{r.scorer}"] = auroc
+        best = detectors["delta_vs"].dropna()
+        if len(best):
+            out[f"{prefix}.test_auroc.best_baseline"] = headline_value(part.loc[part["scorer"] == best.iloc[0], "auroc"].iloc[0])
+            out[f"{prefix}.best_baseline"] = str(best.iloc[0])
+    return out
+
+
+def directions_headline(metrics: dict) -> dict[str, float]:
+    """evaluate_directions' report (``paths.evaluate_directions_metrics``) at a glance, flat keys: the test AUROC of the
+    honesty direction (held-out true vs false statements) and of the confidence monitor (early set, hallucinated
+    answers) at each layer range (``paper``, ``validation``), and TruthfulQA MC1 accuracy at λ = 0 (no steering) and at
+    the best λ of the grid (the smallest of equals) with that λ."""
+    out: dict[str, float] = {}
+    for concept, section in (("honesty", "honesty"), ("confidence", "confidence_early")):
+        for name, r in metrics.get(section, {}).get("ranges", {}).items():
+            if (auroc := headline_value(r.get("test_auroc"))) is not None:
+                out[f"{concept}.test_auroc.{name}"] = auroc
+    accuracy = {float(lam): value for lam, value in metrics.get("truthfulqa", {}).get("accuracy", {}).items()}
+    if 0.0 in accuracy:
+        out["truthfulqa.accuracy.lambda_0"] = headline_value(accuracy[0.0])
+    if accuracy:
+        best = max(sorted(accuracy), key=lambda lam: accuracy[lam])
+        out["truthfulqa.accuracy.best_lambda"], out["truthfulqa.best_lambda"] = headline_value(accuracy[best]), best
     return out

@@ -1,7 +1,8 @@
 """The RAG evaluation as Markdown (shaped like DioR's Tables 1–4: metrics as rows, configurations as columns, one
 block per corpus) and in MLflow (one run per corpus × configuration with the same metric names, one per swept
 trigger), from the metrics ``summarise`` gives, each configuration's paired differences to the reference configurations
-(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives."""
+(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives; and at a glance, as the stage's ``dvc metrics``
+(:func:`headline`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from detectors.evaluation.bootstrap import paired_mean_delta
+from detectors.evaluation.report import headline_value
 from detectors.rag.answer_metrics import accuracy
 from detectors.registry import store
 
@@ -29,6 +31,7 @@ ROWS = (  # metric key, row label, format
 TRADE = ("retrievals_saved_vs_always", "accuracy_lost_vs_always")  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
 TRADE_ROW = "vs always retrieve: retrievals saved at its accuracy or more, else accuracy lost"
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
+HEADLINE = ("accuracy", "retrievals_per_question", "accuracy_vs_always")  # per corpus x configuration in :func:`headline`
 SWEEP_METRICS = ("area", "random_area", "area_over_random", "area_over_random_ci_low", "area_over_random_ci_high", "never_accuracy",
                  "always_accuracy", "rate_to_always")  # fmt: skip
 
@@ -82,6 +85,17 @@ def _trade(values: Mapping[str, Any]) -> str:
     if not _missing(saved):
         return f"saves {saved:.0%}" if saved >= 0 else f"{1 - saved:.1f}× the retrievals"
     return "–" if _missing(lost) else f"loses {lost:.3f}"
+
+
+def headline(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Mapping[str, Any] | None) -> dict[str, float]:
+    """The RAG evaluation at a glance (rag_eval's ``dvc metrics``), flat keys: ``<corpus>.<configuration>.<metric>`` for
+    each metric of :data:`HEADLINE` (accuracy, retrievals per question, accuracy − always retrieving) of ``metrics``
+    (``{corpus: {configuration: metrics}}``), and ``sweep.<trigger>.area_over_random`` of each curve of ``sweep`` (the
+    detailed report's ``sweep``); missing values are left out (:func:`~detectors.evaluation.report.headline_value`)."""
+    out = {f"{corpus}.{name}.{key}": headline_value(values.get(key)) for corpus, configs in metrics.items() for name, values in configs.items()
+           for key in HEADLINE}  # fmt: skip
+    out |= {f"sweep.{trigger}.area_over_random": headline_value(s.get("area_over_random")) for trigger, s in (sweep or {}).get("curves", {}).items()}
+    return {key: value for key, value in out.items() if value is not None}
 
 
 def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict[str, dict[str, float]]:
