@@ -166,7 +166,7 @@ def test_comparison_table_holds_every_scorer_dataset_and_level(pipeline):
     assert set(zip(table["dataset"], table["level"], table["scorer"])) == expected and len(table) == len(expected)
     detectors = table[table["kind"] == "detector"]
     assert detectors["delta_vs"].notna().all() and table.loc[table["kind"] == "baseline", "delta_vs"].isna().all()
-    text = (pipeline / "data/metrics/comparison.md").read_text()
+    text = (pipeline / "docs/results/comparison.md").read_text()
     for level in ("early · question", "realtime · token", "realtime · entity", "realtime · continuation"):
         assert f"## {level} (test: " in text
     mlp = realtime["continuation"]["mlp"]
@@ -430,26 +430,34 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
     assert {"text", "probabilities", "trigger", "keywords"} <= set(pred.columns)
 
 
+def run_ctrla_stages(pipeline: Path, stages, name: str, edit=None) -> None:
+    """Run ``stages`` (modules with ``main``) in ``pipeline`` (the working directory) with its params sized for the tiny
+    Llama's CtrlA directions (``edit(values)`` changes more) written to ``name``, and an offline TruthfulQA task file."""
+    values = yaml.safe_load((pipeline / "params.yaml").read_text())
+    for concept in ("honesty", "confidence"):
+        values["extract_directions"][concept]["statements"].update(limit=24)
+    values["extract_directions"].update(size_curve=[4, 8], batch_size=8)
+    values["evaluate_directions"]["truthfulqa"].update(limit=3, lambdas=[0.0, 0.05])
+    values["evaluate_directions"]["layer_window"] = 1  # windows of one of the tiny Llama's two layers
+    if edit is not None:
+        edit(values)
+    (pipeline / name).write_text(yaml.safe_dump(values))
+    task = pipeline / "data/raw/bigbench/truthful_qa/task_mc.json"  # offline stand-in for the bigbench file
+    task.parent.mkdir(parents=True, exist_ok=True)
+    examples = [{"input": f"What is the capital of {c}?", "target_scores": {a: int(a == r) for a in ("Paris", "Lima", "Madrid")}}
+                for c, r in (("France", "Paris"), ("Peru", "Lima"), ("Spain", "Madrid"))]  # fmt: skip
+    task.write_text(json.dumps({"task_prefix": "Q: What is 2+2?\nA: 4\n", "examples": examples}))
+    for stage in stages:
+        stage.main(["--params", name])
+
+
 def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline, tiny_llm, tokenizer):
     """extract_directions → evaluate_directions → register_ctrla on the tiny Llama, then both served kinds."""
     from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
     from pipelines import evaluate_directions, extract_directions, register_ctrla
 
     os.chdir(pipeline)
-    params = yaml.safe_load((pipeline / "params.yaml").read_text())
-    for concept in ("honesty", "confidence"):
-        params["extract_directions"][concept]["statements"].update(limit=24)
-    params["extract_directions"].update(size_curve=[4, 8], batch_size=8)
-    params["evaluate_directions"]["truthfulqa"].update(limit=3, lambdas=[0.0, 0.05])
-    params["evaluate_directions"]["layer_window"] = 1  # windows of one of the tiny Llama's two layers
-    (pipeline / "params_ctrla.yaml").write_text(yaml.safe_dump(params))
-    task = pipeline / "data/raw/bigbench/truthful_qa/task_mc.json"  # offline stand-in for the bigbench file
-    task.parent.mkdir(parents=True, exist_ok=True)
-    examples = [{"input": f"What is the capital of {c}?", "target_scores": {a: int(a == r) for a in ("Paris", "Lima", "Madrid")}}
-                for c, r in (("France", "Paris"), ("Peru", "Lima"), ("Spain", "Madrid"))]  # fmt: skip
-    task.write_text(json.dumps({"task_prefix": "Q: What is 2+2?\nA: 4\n", "examples": examples}))
-    for stage in (extract_directions, evaluate_directions, register_ctrla):
-        stage.main(["--params", "params_ctrla.yaml"])
+    run_ctrla_stages(pipeline, (extract_directions, evaluate_directions, register_ctrla), "params_ctrla.yaml")
 
     extracted = json.loads((pipeline / "data/metrics/extract_directions.json").read_text())
     assert extracted["honesty"]["layers"] == [1] and extracted["confidence"]["layers"] == [1, 2]
