@@ -1,15 +1,21 @@
-"""What the rag_eval stage runs: the LLM, the corpora's retrievers, the triggers and one RAG loop per configuration,
-each wrapped as ``answer(questions, record_prompts) -> [dict]`` (JSON-able RagResults, one per question) for the
-stage's runs."""
+"""What the rag_eval stage runs to answer its questions: the LLM, the corpora's retrievers, the triggers, one RAG loop
+per configuration (or a framework's own loop), each wrapped as ``answer(questions, record_prompts) -> [dict]``
+(JSON-able RagResults, one per question), and the resumable runs that store the answers (:func:`run_questions`,
+:class:`RunWorker`). The runs are keyed on this module's import closure: the code that answers, not the stage's
+reporting."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from detectors.config.rag import on_corpus
+import pandas as pd
+
+from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
@@ -19,11 +25,15 @@ from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
 from detectors.rag.triggers import TriggerSettings, check_threshold, make_trigger
+from detectors.progress import progress
 from detectors.registry import store
+from detectors.shards import ERROR, OK, ShardStore
 
 log = logging.getLogger("rag_eval")
 
 Answer = Callable[[list[str], list[bool]], list[dict]]
+SWEEP = "sweep"  # the test sweep's run, and the metrics file's key for the curves
+VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions, where every operating threshold is chosen
 
 
 def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagResult]]) -> Answer:
@@ -146,3 +156,64 @@ class RagRuntime:
             return lines
 
         return sweep, {t.name: t.scorer.kind for t in triggers}
+
+
+# ---- resumable runs ------------------------------------------------------------------------------------------
+
+
+def run_questions(directory: Path, key: dict[str, Any], rows: pd.DataFrame, answer: Callable[[list[str], list[bool]], list[dict]],
+                  prompts_sample: int, desc: str, shard_size: int) -> list[dict]:  # fmt: skip
+    """Answer every row (``id``, ``question``) with ``answer(questions, record_prompts)`` (JSON-able dicts,
+    ``dataclasses.asdict`` of RagResults), in resumable shards of ``shard_size`` questions under ``directory`` (a
+    :class:`~detectors.shards.ShardStore` keyed on ``key``: what shapes the answers; another key starts it again).
+    Each question is a row ``id``, ``status`` (``error: …`` for a question whose loop raised, computed again by the
+    next run) and ``line`` (its result as JSON); the first ``prompts_sample`` rows record their prompts. Returns the
+    lines of every row, in the rows' order."""
+    ids = hashlib.sha256("\x1f".join(rows["id"]).encode()).hexdigest()[:16]  # the shards cover exactly these questions
+    store = ShardStore(directory, {**key, "questions_digest": ids, "shard_size": shard_size})
+    table = rows[["id", "question"]].reset_index(drop=True)
+    todo = store.todo(table, shard_size)
+    left = sum(len(chunk) for _, chunk in todo)
+    with progress(total=len(table), initial=len(table) - left, desc=desc, unit="question") as bar:
+        for k, chunk in todo:
+            results = answer(list(chunk["question"]), [i < prompts_sample for i in chunk.index])
+            status = [f"{ERROR}{r['error']}" if str(r.get("error") or "").startswith(FAILED) else OK for r in results]
+            store.write(k, pd.DataFrame({"id": list(chunk["id"]), "status": status, "line": [json.dumps(r) for r in results]}))
+            bar.update(len(chunk))
+    frame = store.read_all(len(table), shard_size)
+    return [{"id": i, **json.loads(line)} for i, line in zip(frame["id"], frame["line"])]
+
+
+class RunWorker:
+    """Answers the questions of one run per call (a corpus × configuration at its corpus's ``thresholds``, a framework,
+    or a sweep: of the test questions, or of the validation ones), resuming it; builds the LLM, retrievers and triggers
+    once (in the stage's process or a Ray actor). Returns the run's lines and the digests that identify what answered
+    them."""
+
+    def __init__(self, params, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, float]] | None = None):
+        self.runtime, self.rag, self.rows, self.base_key, self.thresholds = RagRuntime(params), params["rag_eval"], rows, base_key, thresholds
+        self.runs_dir = Path(params["paths.rag_runs"])
+
+    def __call__(self, unit: tuple[str, str]) -> dict[str, Any]:
+        corpus, name = unit
+        runtime, rag = self.runtime, self.rag
+        base = {**self.base_key, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
+        out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
+        directory, desc, rows = self.runs_dir / corpus / name, f"{corpus} · {name}", self.rows["test"]
+        if name in (SWEEP, VAL_SWEEP):
+            rows = self.rows["val" if name == VAL_SWEEP else "test"]
+            sweep_loop, out["triggers"] = runtime.sweep_loop(corpus)
+            key = {**base, "sweep": dataclasses.asdict(rag.sweep), "triggers": out["triggers"], "questions": name}
+            refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
+            answer, sample = (lambda qs, _: sweep_loop(qs, [refs[q] for q in qs])), 0
+        elif name in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
+            key = {**base, "framework": name, "params": dataclasses.asdict(runtime.stage_params[name])}
+            answer, sample = runtime.framework(name, corpus), rag.prompts_sample
+        else:
+            config = rag.configurations[name]
+            names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
+            thresholds = {t: v for t, v in self.thresholds[corpus].items() if t in names}
+            key = {**base, "configuration": dataclasses.asdict(config), "thresholds": thresholds}
+            answer, sample = runtime.loop(name, config, corpus, self.thresholds[corpus]), rag.prompts_sample
+        out["lines"] = run_questions(directory, key, rows, answer, sample, desc, rag.shard_size)
+        return out

@@ -5,9 +5,10 @@ beside the training-free question baselines. Real-time set: the MLP beside the t
 at token, entity and continuation level. Other stages' per-id score tables (CtrlA's confidence, RIND,
 RetroRAG's evaluator on the LLM's own answer) are joined by id when they exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
-bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes dvc
-metrics (``{level: {scorer: metrics}}`` per dataset), the long table (parquet) and its Markdown, dvc plots
-(ROC, precision-recall, reliability, score ECDFs, DioR Fig. 7) and one flat MLflow run per table row.
+bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes the detailed
+reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: each trained detector's and the best
+baseline's test AUROC per dataset x level), the long table (parquet) and its Markdown, the figures (``dvc plots``: ROC,
+precision-recall, reliability, score ECDFs, DioR Fig. 7; their curves as CSVs) and one flat MLflow run per table row.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from detectors.dior.served import served_behaviour, served_scorer
 from detectors.evaluation.compare import DATASETS, compare_levels, long_table
 from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
 from detectors.evaluation.plots import write_comparison_plots
-from detectors.evaluation.report import markdown_table, nested_metrics
+from detectors.evaluation.report import headline, markdown_table, nested_metrics
 from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
@@ -39,7 +40,7 @@ READS = (
     "paths.early", "paths.early_model", "paths.realtime", "paths.realtime_hidden", "paths.realtime_model",
     "paths.ctrla_early", "paths.ctrla_realtime", "paths.baselines_early", "paths.baselines_realtime",
     "paths.early_scores", "paths.realtime_scores", "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
-    "paths.comparison", "paths.comparison_table", "paths.served_metrics", "paths.plots",
+    "paths.evaluate_headline", "paths.comparison", "paths.comparison_table", "paths.served_metrics", "paths.plots",
 )  # fmt: skip
 
 
@@ -84,9 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     table = pd.concat(tables, ignore_index=True)
     for dataset in DATASETS:
         write_json(params[f"paths.evaluate_{dataset}_metrics"], nested_metrics(table, dataset))
+    write_json(params["paths.evaluate_headline"], headline(table))
     Path(params["paths.comparison"]).parent.mkdir(parents=True, exist_ok=True)
     table.to_parquet(params["paths.comparison"], index=False)
     markdown = markdown_table(table)
+    Path(params["paths.comparison_table"]).parent.mkdir(parents=True, exist_ok=True)
     Path(params["paths.comparison_table"]).write_text(markdown + "\n", encoding="utf-8")
     log.info("comparison:\n%s", markdown)
     plots = write_comparison_plots(table, scores, probabilities, inputs["early"][0], Path(params["paths.plots"]), evaluation.ece_bins)

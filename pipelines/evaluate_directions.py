@@ -1,4 +1,5 @@
-"""Stage evaluate_directions: how good the CtrlA directions are, logged to dvc metrics/plots and MLflow.
+"""Stage evaluate_directions: how good the CtrlA directions are, in a detailed report (``paths.evaluate_directions_metrics``,
+which register_ctrla reads), its headline (``dvc metrics``), figures (``dvc plots``) and MLflow.
 
 - layer ranges: each concept at CtrlA's range scaled to the LLM's depth (``paper``) and at the window of
   the same width (or ``layer_window``) chosen on validation (``validation``: honesty on the val
@@ -25,6 +26,7 @@ from detectors.ctrla.directions import Directions
 from detectors.ctrla.quality import confidence_metrics, early_set, honesty_metrics, load_truthfulqa, realtime_metrics, realtime_set, truthfulqa_grid
 from detectors.ctrla.statements import load_statements
 from detectors.evaluation.plots import write_directions_plots
+from detectors.evaluation.report import directions_headline
 from detectors.evaluation.tracking import log_directions
 from detectors.io import write_json
 from detectors.llm.loading import load_llm
@@ -35,7 +37,7 @@ log = logging.getLogger("evaluate_directions")
 READS = (
     "llm", "build_early.features.prompt", "extract_directions", "evaluate_directions", "mlflow",
     "paths.llm", "paths.raw", "paths.qa", "paths.early", "paths.realtime", "paths.directions",
-    "paths.ctrla_early", "paths.ctrla_realtime", "paths.evaluate_directions_metrics", "paths.plots",
+    "paths.ctrla_early", "paths.ctrla_realtime", "paths.evaluate_directions_metrics", "paths.evaluate_directions_headline", "paths.plots",
 )  # fmt: skip
 
 
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics["seconds"] = {k: round(v, 1) for k, v in timings.items()}
 
     write_json(params["paths.evaluate_directions_metrics"], metrics)
+    write_json(params["paths.evaluate_directions_headline"], directions_headline(metrics))
     pngs = write_directions_plots(metrics, Path(params["paths.plots"]))
     log.info("honesty: %s", {k: v for k, v in metrics["honesty"].items() if "per_layer" not in k})
     log.info("confidence (early set): %s; TruthfulQA: %s", metrics["confidence_early"], accuracy)

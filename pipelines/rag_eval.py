@@ -15,10 +15,10 @@ trigger can first fire), its area compared with random's and with the best train
 intervals).
 
 Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries),
-``thresholds`` (``{corpus: {trigger: threshold}}``) and ``digests`` (LLM and corpora)), the Markdown table
-``paths.rag_table``, the curves CSV ``paths.rag_curves`` (dvc plots), every prompt of the first ``prompts_sample``
-questions per configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration (plus one per
-swept trigger).
+``thresholds`` (``{corpus: {trigger: threshold}}``) and ``digests`` (LLM and corpora)), its headline
+``paths.rag_headline`` (``dvc metrics``), the Markdown table ``paths.rag_table``, the curves CSV ``paths.rag_curves`` and
+their figure ``paths.rag_curves_plot`` (``dvc plots``), every prompt of the first ``prompts_sample`` questions per
+configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration (plus one per swept trigger).
 """
 
 from __future__ import annotations
@@ -26,40 +26,38 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from detectors.config.rag import on_corpus, trigger_names
+from detectors.config.rag import on_corpus
 from detectors.errors import InputError
+from detectors.evaluation.plots import write_rag_curves
 from detectors.execution import map_units
 from detectors.io import file_digest, write_json
-from detectors.progress import progress
 from detectors.rag.answer_metrics import FAILED, summarise
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, thresholds_table, versus_always
+from detectors.rag.report import curves_table, headline, log_rag_runs, markdown_table, reference_deltas, thresholds_table, versus_always
 from detectors.rag.sweep import curves as sweep_curves
 from detectors.rag.sweep import operating_point
 from detectors.rag.triggers import check_specs
 from detectors.registry import store
-from detectors.shards import ERROR, OK, ShardStore
 from detectors.sources.ids import sample
 from pipelines._provenance import code_digest
+from pipelines._rag_runtime import SWEEP, VAL_SWEEP, RunWorker
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("rag_eval")
 READS = (
     "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "retrorag", "mlflow", "execution",
     "paths.llm", "paths.qa", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla", "paths.registry_utility",
-    "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_table", "paths.rag_curves", "paths.rag_prompts",
+    "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_headline", "paths.rag_table", "paths.rag_curves",
+    "paths.rag_curves_plot", "paths.rag_prompts",
 )  # fmt: skip
-SWEEP = "sweep"  # the test sweep's run, and the metrics file's key for the curves
-VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions, where every operating threshold is chosen
 # rag_eval params that do not shape a run's answers (each configuration, corpus and the sweep are keyed on their own; the
 # questions by their ids, the shards by their size; batch_size only groups questions; the rest is reporting)
 NOT_KEYED = ("configurations", "frameworks", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "shard_size",
@@ -75,32 +73,6 @@ def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> p
     if rows.empty:
         raise InputError(f"the QA table has no {split} question: check qa.splits in params.yaml")
     return sample(rows, limit)
-
-
-# ---- resumable runs --------------------------------------------------------------------------------------------
-
-
-def run_questions(directory: Path, key: dict[str, Any], rows: pd.DataFrame, answer: Callable[[list[str], list[bool]], list[dict]],
-                  prompts_sample: int, desc: str, shard_size: int) -> list[dict]:  # fmt: skip
-    """Answer every row (``id``, ``question``) with ``answer(questions, record_prompts)`` (JSON-able dicts,
-    ``dataclasses.asdict`` of RagResults), in resumable shards of ``shard_size`` questions under ``directory`` (a
-    :class:`~detectors.shards.ShardStore` keyed on ``key``: what shapes the answers; another key starts it again).
-    Each question is a row ``id``, ``status`` (``error: …`` for a question whose loop raised, computed again by the
-    next run) and ``line`` (its result as JSON); the first ``prompts_sample`` rows record their prompts. Returns the
-    lines of every row, in the rows' order."""
-    ids = hashlib.sha256("\x1f".join(rows["id"]).encode()).hexdigest()[:16]  # the shards cover exactly these questions
-    store = ShardStore(directory, {**key, "questions_digest": ids, "shard_size": shard_size})
-    table = rows[["id", "question"]].reset_index(drop=True)
-    todo = store.todo(table, shard_size)
-    left = sum(len(chunk) for _, chunk in todo)
-    with progress(total=len(table), initial=len(table) - left, desc=desc, unit="question") as bar:
-        for k, chunk in todo:
-            results = answer(list(chunk["question"]), [i < prompts_sample for i in chunk.index])
-            status = [f"{ERROR}{r['error']}" if str(r.get("error") or "").startswith(FAILED) else OK for r in results]
-            store.write(k, pd.DataFrame({"id": list(chunk["id"]), "status": status, "line": [json.dumps(r) for r in results]}))
-            bar.update(len(chunk))
-    frame = store.read_all(len(table), shard_size)
-    return [{"id": i, **json.loads(line)} for i, line in zip(frame["id"], frame["line"])]
 
 
 # ---- thresholds and outputs --------------------------------------------------------------------------
@@ -170,43 +142,6 @@ def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[s
     return out
 
 
-class RunWorker:
-    """Answers the questions of one run per call (a corpus × configuration at its corpus's ``thresholds``, a framework,
-    or a sweep: of the test questions, or of the validation ones), resuming it; builds the LLM, retrievers and triggers
-    once (in the stage's process or a Ray actor). Returns the run's lines and the digests that identify what answered
-    them."""
-
-    def __init__(self, params, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, float]] | None = None):
-        from pipelines._rag_runtime import RagRuntime  # the loop, the retrievers and the LLM
-
-        self.runtime, self.rag, self.rows, self.base_key, self.thresholds = RagRuntime(params), params["rag_eval"], rows, base_key, thresholds
-        self.runs_dir = Path(params["paths.rag_runs"])
-
-    def __call__(self, unit: tuple[str, str]) -> dict[str, Any]:
-        corpus, name = unit
-        runtime, rag = self.runtime, self.rag
-        base = {**self.base_key, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
-        out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
-        directory, desc, rows = self.runs_dir / corpus / name, f"{corpus} · {name}", self.rows["test"]
-        if name in (SWEEP, VAL_SWEEP):
-            rows = self.rows["val" if name == VAL_SWEEP else "test"]
-            sweep_loop, out["triggers"] = runtime.sweep_loop(corpus)
-            key = {**base, "sweep": dataclasses.asdict(rag.sweep), "triggers": out["triggers"], "questions": name}
-            refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
-            answer, sample = (lambda qs, _: sweep_loop(qs, [refs[q] for q in qs])), 0
-        elif name in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
-            key = {**base, "framework": name, "params": dataclasses.asdict(runtime.stage_params[name])}
-            answer, sample = runtime.framework(name, corpus), rag.prompts_sample
-        else:
-            config = rag.configurations[name]
-            names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
-            thresholds = {t: v for t, v in self.thresholds[corpus].items() if t in names}
-            key = {**base, "configuration": dataclasses.asdict(config), "thresholds": thresholds}
-            answer, sample = runtime.loop(name, config, corpus, self.thresholds[corpus]), rag.prompts_sample
-        out["lines"] = run_questions(directory, key, rows, answer, sample, desc, rag.shard_size)
-        return out
-
-
 def champion_versions(params) -> dict[str, str]:
     """The version each registered ``<name>@<alias>`` of the configurations points to now (triggers on every corpus and
     honesty steering): part of every run's key, so that moving an alias (``promote``) outside the pipeline makes
@@ -237,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = {"test": split_questions(qa, "test", rag.questions), "val": split_questions(qa, "val")}
     answers = [list(a) for a in rows["test"]["answers"]]
     registries = {k: file_digest(params[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla", "utility") if Path(params[f"paths.registry_{k}"]).exists()}
-    base_key = {"code": code_digest("pipelines.rag_eval"), "registry": registries, "champions": champion_versions(params), "qa": file_digest(params["paths.qa"]),
+    base_key = {"code": code_digest("pipelines._rag_runtime"), "registry": registries, "champions": champion_versions(params), "qa": file_digest(params["paths.qa"]),
                 "shared": {k: v for k, v in dataclasses.asdict(rag).items() if k not in NOT_KEYED}}  # fmt: skip
     # first every corpus's validation sweep (the operating thresholds) and the test sweep (the curves)
     sweeps = [(corpus, VAL_SWEEP) for corpus in rag.corpora] + [(rag.sweep.corpus, SWEEP)]
@@ -266,11 +201,14 @@ def main(argv: list[str] | None = None) -> None:
     metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in rag.corpora}}
     write_json(params["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in rag.corpora}
+    write_json(params["paths.rag_headline"], headline(table, metrics[SWEEP]))
     markdown = markdown_table(table) + "\n" + thresholds_table(thresholds, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
     Path(params["paths.rag_table"]).parent.mkdir(parents=True, exist_ok=True)
     Path(params["paths.rag_table"]).write_text(markdown, encoding="utf-8")
     log.info("RAG evaluation:\n%s", markdown)
     write_curves(params["paths.rag_curves"], curves)
+    swept_on = f"sweep of corpus {rag.sweep.corpus}, query {rag.sweep.query}, {len(answers)} test questions"
+    write_rag_curves(curves, Path(params["paths.rag_curves_plot"]), f"RAG: accuracy vs retrieval rate of every trigger ({swept_on})")
     write_prompts(params["paths.rag_prompts"], lines, rag.prompts_sample)
     configs = {name: dataclasses.asdict(c) for name, c in rag.configurations.items()}
     configs |= {name: {"triggers": [name], "query": name, **dataclasses.asdict(params[name])} for name in rag.frameworks}

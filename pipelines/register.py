@@ -101,58 +101,58 @@ def early_test_metrics(path: str | Path, scorer: str) -> dict:
     return metrics[scorer]
 
 
-def register_early(p, experiment_id: str) -> dict[str, dict]:
+def register_early(params, experiment_id: str) -> dict[str, dict]:
     """Every early detector of ``register_early.names`` under its registered name: ``{detector: result}``."""
-    params, val_ids = p["register_early"], early_val_ids(p["paths.early"])
+    early, val_ids = params["register_early"], early_val_ids(params["paths.early"])
     results = {}
-    for detector, registered in params.names.items():
-        artifact = early_artifact(p["paths.early_model"], detector)
+    for detector, registered in early.names.items():
+        artifact = early_artifact(params["paths.early_model"], detector)
         features = ",".join(read_config(artifact)["groups"])
-        test = early_test_metrics(p["paths.evaluate_early_metrics"], detector)
+        test = early_test_metrics(params["paths.evaluate_early_metrics"], detector)
         extra = {"detector": detector, "features": features}
-        results[detector] = register_detector(artifact, val_ids, test, registered, params.alias, experiment_id, extra, features)
+        results[detector] = register_detector(artifact, val_ids, test, registered, early.alias, experiment_id, extra, features)
     return results
 
 
-def register_utility(p, experiment_id: str) -> dict[str, dict]:
+def register_utility(params, experiment_id: str) -> dict[str, dict]:
     """The utility trigger of each corpus as ``<register_utility.name>-<corpus>``, compared by the validation AUROC of
     its retrieval decision on that corpus's val labels: ``{corpus: result}``."""
-    params = p["register_utility"]
-    labels = pd.read_parquet(p["paths.utility"], columns=["corpus", "id", "split", "status"])
-    tests = json.loads(Path(p["paths.train_utility_metrics"]).read_text())
+    utility = params["register_utility"]
+    labels = pd.read_parquet(params["paths.utility"], columns=["corpus", "id", "split", "status"])
+    tests = json.loads(Path(params["paths.train_utility_metrics"]).read_text())
     results = {}
-    for corpus in p["build_utility.corpora"]:
+    for corpus in params["build_utility.corpora"]:
         val = labels[(labels["corpus"] == corpus) & (labels["split"] == "val") & (labels["status"] == "ok")]
-        artifact = Path(p["paths.utility_model"]) / corpus
+        artifact = Path(params["paths.utility_model"]) / corpus
         features = ",".join(read_config(artifact)["pre_groups"])
-        results[corpus] = register_detector(artifact, val["id"].astype(str).tolist(), tests[corpus]["test"], f"{params.name}-{corpus}", params.alias,
+        results[corpus] = register_detector(artifact, val["id"].astype(str).tolist(), tests[corpus]["test"], f"{utility.name}-{corpus}", utility.alias,
                                             experiment_id, {"corpus": corpus, "features": features}, f"{corpus}: {features}")  # fmt: skip
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "register")
-    mlflow_params = p["mlflow"]
+    params = stage_params(__doc__, argv, READS, "register")
+    mlflow_params = params["mlflow"]
     store.configure(mlflow_params.tracking_uri)
-    for name in p["register_early"].names:  # every artifact and its test metrics exist before anything is registered
-        early_artifact(p["paths.early_model"], name)
-        early_test_metrics(p["paths.evaluate_early_metrics"], name)
-    exp = store.experiment(p["register_early"].experiment, mlflow_params.artifact_root)
-    write_json(p["paths.registry_early"], register_early(p, exp))
-    realtime = p["register_realtime"]
+    for name in params["register_early"].names:  # every artifact and its test metrics exist before anything is registered
+        early_artifact(params["paths.early_model"], name)
+        early_test_metrics(params["paths.evaluate_early_metrics"], name)
+    exp = store.experiment(params["register_early"].experiment, mlflow_params.artifact_root)
+    write_json(params["paths.registry_early"], register_early(params, exp))
+    realtime = params["register_realtime"]
     # what is served: the max over every generated token (mlp[served]), compared by its validation AUROC
-    realtime_test = json.loads(Path(p["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value][SERVED]
+    realtime_test = json.loads(Path(params["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value][SERVED]
     exp = store.experiment(realtime.experiment, mlflow_params.artifact_root)
-    layers = ",".join(map(str, p["build_realtime.hidden_layers"]))
-    chosen_on = read_config(p["paths.realtime_model"])["info"].get("chosen_on", CONTINUATIONS)
+    layers = ",".join(map(str, params["build_realtime.hidden_layers"]))
+    chosen_on = read_config(params["paths.realtime_model"])["info"].get("chosen_on", CONTINUATIONS)
     result = register_detector(
-        p["paths.realtime_model"], realtime_val_ids(p["paths.realtime"], p["paths.early"], chosen_on), realtime_test, realtime.name,
+        params["paths.realtime_model"], realtime_val_ids(params["paths.realtime"], params["paths.early"], chosen_on), realtime_test, realtime.name,
         realtime.alias, exp, {"hidden_layers": layers, "chosen_on": chosen_on},
         f"hidden layers {layers}; served validation AUROC on the {chosen_on}", val_key="val_served_auroc",
     )  # a champion compared on another number (older versions: token AUROC, or the other set) is not compared: the new one waits as challenger
-    write_json(p["paths.registry_realtime"], result)
-    exp = store.experiment(p["register_utility"].experiment, mlflow_params.artifact_root)
-    write_json(p["paths.registry_utility"], register_utility(p, exp))
+    write_json(params["paths.registry_realtime"], result)
+    exp = store.experiment(params["register_utility"].experiment, mlflow_params.artifact_root)
+    write_json(params["paths.registry_utility"], register_utility(params, exp))
 
 
 if __name__ == "__main__":

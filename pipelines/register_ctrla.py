@@ -41,17 +41,17 @@ def chosen_range(metrics: dict, concept: str, selection: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "register_ctrla")
-    params, mlflow_params = p["register_ctrla"], p["mlflow"]
-    metrics = json.loads(Path(p["paths.evaluate_directions_metrics"]).read_text())
+    params = stage_params(__doc__, argv, READS, "register_ctrla")
+    registration, mlflow_params = params["register_ctrla"], params["mlflow"]
+    metrics = json.loads(Path(params["paths.evaluate_directions_metrics"]).read_text())
     digests = {"honesty": (metrics.get("honesty") or {}).get("val_digest"), "confidence": metrics["confidence_early"].get("val_digest")}
     store.configure(mlflow_params.tracking_uri)
-    exp = store.experiment(params.experiment, mlflow_params.artifact_root)
+    exp = store.experiment(registration.experiment, mlflow_params.artifact_root)
     results = {}
-    concepts = (("honesty", HonestySteering, params.honesty_name, params.honesty_layers),
-                ("confidence", ConfidenceDetector, params.confidence_name, params.confidence_layers))  # fmt: skip
+    concepts = (("honesty", HonestySteering, registration.honesty_name, registration.honesty_layers),
+                ("confidence", ConfidenceDetector, registration.confidence_name, registration.confidence_layers))  # fmt: skip
     for concept, cls, name, selection in concepts:
-        directory = Path(p["paths.directions"]) / concept
+        directory = Path(params["paths.directions"]) / concept
         detector = cls.load(directory)  # refuses a malformed artifact before anything is logged
         chosen = chosen_range(metrics, concept, selection)
         with tempfile.TemporaryDirectory() as tmp:
@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> None:
                           "n_statements": d.config["n_statements"]}  # fmt: skip
             test = chosen.get("test_auroc")
             results[concept] = store.log_and_register(
-                detector, directory, name, params.alias, exp, val_auroc, digests[concept], {} if test is None else {"test_auroc": test},
+                detector, directory, name, registration.alias, exp, val_auroc, digests[concept], {} if test is None else {"test_auroc": test},
                 run_params, metadata,
             )  # fmt: skip
         results[concept]["layers"], results[concept]["layer_range"] = d.layers, selection
         log.info("%s", results[concept])
-    write_json(p["paths.registry_ctrla"], results)
+    write_json(params["paths.registry_ctrla"], results)
 
 
 if __name__ == "__main__":

@@ -65,23 +65,23 @@ def test_report(detector: UtilityDetector, early: dict, test: pd.DataFrame, n: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = stage_params(__doc__, argv, READS, "train_utility")
-    params, features = p["train_utility"], p["build_early.features"]
-    fingerprint, llm_ref = prepared_reference(p["paths.llm"])
-    labels, early = pd.read_parquet(p["paths.utility"]), pd.read_parquet(p["paths.early"])
-    early_detectors = {name: d for name, d in load_early_detectors(p["paths.early_model"]).items() if not name.startswith("gru[")}
+    params = stage_params(__doc__, argv, READS, "train_utility")
+    train, features = params["train_utility"], params["build_early.features"]
+    fingerprint, llm_ref = prepared_reference(params["paths.llm"])
+    labels, early = pd.read_parquet(params["paths.utility"]), pd.read_parquet(params["paths.early"])
+    early_detectors = {name: d for name, d in load_early_detectors(params["paths.early_model"]).items() if not name.startswith("gru[")}
     metrics = {}
-    with swapped_in(p["paths.utility_model"]) as partial:
-        for corpus in p["build_utility.corpora"]:
+    with swapped_in(params["paths.utility_model"]) as partial:
+        for corpus in params["build_utility.corpora"]:
             rows = joined(labels[labels["corpus"] == corpus].drop(columns=["corpus"]), early)  # its labelled rows only
-            detector = train_utility_detector(rows, corpus, params.pre_features, params.training, params.budget, p["rag_eval.k"], features,
+            detector = train_utility_detector(rows, corpus, train.pre_features, train.training, train.budget, params["rag_eval.k"], features,
                                               fingerprint, llm_ref, name=f"utility-{corpus}")  # fmt: skip
             detector.save(partial / corpus)
-            test = test_report(detector, early_detectors, rows[rows["split"] == "test"], p["evaluate.bootstrap"], p["evaluate.seed"])
+            test = test_report(detector, early_detectors, rows[rows["split"] == "test"], params["evaluate.bootstrap"], params["evaluate.seed"])
             metrics[corpus] = {"threshold": detector.threshold, "budget_threshold": detector.budget_threshold, "gate_threshold": detector.gate_threshold,
                                **detector.info, "test": test}  # fmt: skip
             log.info("%s: %s", corpus, metrics[corpus])
-    write_json(p["paths.train_utility_metrics"], metrics)
+    write_json(params["paths.train_utility_metrics"], metrics)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from detectors.dior import realtime_set
 from detectors.shards import FailedRecordsError
 from pipelines import build_early, build_realtime, prepare, prepare_articles
 from conftest import ROOT
@@ -98,8 +99,9 @@ def test_a_rag_eval_key_leaves_build_earlys_shards(project, monkeypatch):
 
 
 def test_another_sections_type_leaves_build_earlys_code_key_and_deps(tmp_path):
-    """The section types are loaded by name (``detectors.config.sections``): build_early's closure (its dvc.yaml
-    code deps and the code key of its shards) holds the modules of the sections it reads, not rag_eval's."""
+    """The section types are loaded by name from a registry kept as data (``detectors/config/sections.yaml``):
+    build_early's closure (its dvc.yaml code deps and the code key of its shards) holds the modules of the sections it
+    reads, not rag_eval's, and a new section changes neither."""
     for package in PACKAGES:
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     early_digest, rag_digest = code_digest("pipelines.build_early", tmp_path), code_digest("pipelines.rag_eval", tmp_path)
@@ -108,6 +110,11 @@ def test_another_sections_type_leaves_build_earlys_code_key_and_deps(tmp_path):
     rag.write_text(rag.read_text().replace("class RagEvalParams:\n", "class RagEvalParams:\n    new_key: int\n", 1))
     assert code_digest("pipelines.build_early", tmp_path) == early_digest
     assert code_digest("pipelines.rag_eval", tmp_path) != rag_digest
+    registry = tmp_path / "detectors/config/sections.yaml"  # a new section: one line of data and its type's module
+    registry.write_text(registry.read_text() + "new_stage: detectors.config.new_stage:NewStageParams\n")
+    (tmp_path / "detectors/config/new_stage.py").write_text("class NewStageParams:\n    pass\n")
+    assert code_digest("pipelines.build_early", tmp_path) == early_digest
+    assert stage_code_deps("pipelines.build_early", tmp_path) == stage_code_deps("pipelines.build_early")
     sections = tmp_path / "detectors/config/early.py"  # the section build_early reads does count
     sections.write_text(sections.read_text() + "\n# a new check\n")
     assert code_digest("pipelines.build_early", tmp_path) != early_digest
@@ -152,7 +159,7 @@ def test_failed_realtime_records_are_retried_with_their_hidden_states(project, m
     ok_ids = clean.loc[clean["status"] == "ok", "id"].tolist()
     (project / "data/realtime/shards/manifest.json").unlink()
     failing = {ok_ids[0], ok_ids[-1]}
-    inject_errors(monkeypatch, build_realtime, "prepare_article", failing, lambda args: args[2])
+    inject_errors(monkeypatch, realtime_set, "prepare_article", failing, lambda args: args[2])
     flaky, _ = run()
     assert set(flaky.loc[flaky["status"].str.startswith("error: "), "id"]) == failing
     failing.clear()

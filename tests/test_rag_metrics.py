@@ -20,8 +20,10 @@ from detectors.errors import InputError
 from detectors.rag.answer_metrics import FAILED, METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
 from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
+from detectors.rag.triggers import check_specs
 from detectors.registry import store
-from pipelines.rag_eval import references, run_questions, split_questions, write_curves, write_prompts
+from pipelines._rag_runtime import run_questions
+from pipelines.rag_eval import references, split_questions, write_curves, write_prompts
 
 
 def result(answer: str, retrievals: list[list[str]] = (), error: str | None = None, passes: int = 10, tokens: int = 4, wall: float = 0.5) -> dict:
@@ -293,7 +295,7 @@ def rag_params() -> dict:
 
 
 @pytest.mark.parametrize("path, value, message", [
-    (("configurations", "flare", "triggers"), ["flare", "dior-early"], r"triggers\[1\] = 'dior-early'.*<name>@<alias>"),
+    (("configurations", "flare", "triggers"), ["flare", "dior early"], r"triggers\[1\] = 'dior early'.*<name>@<alias>"),
     (("configurations", "flare", "query"), "hyde", r"configurations.flare.query = 'hyde': must be one of"),
     (("configurations", "flare", "steering"), "ctrla-honesty", r"steering = 'ctrla-honesty'.*<name>@<alias>"),
     (("sweep", "corpus"), "web", r"sweep.corpus = 'web': must be one of rag_eval.corpora"),
@@ -314,6 +316,14 @@ def test_bad_rag_eval_params_are_refused_naming_the_key(path, value, message):
     node[path[-1]] = value
     with pytest.raises(ParamsError, match=message):
         load_section("rag_eval", data=data)
+
+
+def test_an_unknown_trigger_is_refused_before_any_work_naming_the_known_ones():
+    """A training-free trigger's name is checked against the trigger registry when rag_eval starts (the params section
+    checks the spelling only; it does not import the triggers)."""
+    check_specs(["flare", "sit", "dior-early@champion", "utility-facts@champion"])
+    with pytest.raises(InputError, match=r"trigger 'dior-early': name one of always, flare, rind, sit_min, sit or a registered detector as <name>@<alias>"):
+        check_specs(["flare", "dior-early"])
 
 
 def test_rag_eval_params_fix_thresholds_by_trigger_name():
@@ -419,3 +429,19 @@ def test_a_few_failed_questions_are_counted_and_a_systematic_failure_stops_the_s
     assert summarise(lines, [["Rome"]] * 5)["failed"] == 1
     with pytest.raises(RuntimeError, match="wiki · x: 3 of 5 questions failed, e.g. failed: RuntimeError: boom"):
         check_failures([ok, ok, failed, failed, failed], "wiki · x")
+
+
+def test_the_curves_figure_draws_every_trigger_of_the_sweep_in_one_titled_png(tmp_path):
+    from PIL import Image
+
+    from detectors.evaluation.plots import write_rag_curves
+
+    lines = [sweep_line({"perfect": [(0.9 if needed else 0.1, 0)], "blind": [(0.5, 0)]}, "x", {0: "Rome" if needed else "x"}, ["Rome"])
+             for needed in [True, False] * 10]  # fmt: skip
+    swept = curves(lines, ["perfect", "blind"], bootstrap=100, seed=0)
+    path = write_rag_curves(swept, tmp_path / "plots/rag_curves.png", "RAG: accuracy vs retrieval rate (sweep of corpus facts)")
+    assert path == tmp_path / "plots/rag_curves.png" and path.stat().st_size > 10_000
+    with Image.open(path) as image:
+        assert image.text["Title"] == "RAG: accuracy vs retrieval rate (sweep of corpus facts)" and image.size[0] > image.size[1]
+    # an empty sweep (no trigger to sweep) still gives the figure a dvc.yaml declares
+    assert write_rag_curves({}, tmp_path / "empty.png", "no trigger").stat().st_size > 0

@@ -548,9 +548,9 @@ class RagLoop:
             verdict = np.zeros(len(jobs))
             for idx in by_validator.values():
                 validator = jobs[idx[0]][2].validator
-                verdict[idx] = validator.judge([questions[j] for j in idx], [render_passages(found[j], False, questions[j]) for j in idx])
+                verdict[idx] = validator.judge([questions[j] for j in idx], [render_passages(found[j], False, questions[j]) for j in idx],
+                                               on_batch=self._charge([jobs[j][0] for j in idx]))  # fmt: skip
             for (row, view, trigger, (score, _)), question, hits, p_yes in zip(jobs, questions, found, verdict):
-                row.passes += 1  # the validation prompt's pass (batched with the other rows')
                 row.retrievals.append(Retrieval(trigger.name, len(row.kept), score, [question], [h.passage.id for h in hits],
                                                 [h.passage.text for h in hits], [float(h.score) for h in hits], used=False,
                                                 gate_score=float(p_yes)))  # fmt: skip
@@ -582,14 +582,21 @@ class RagLoop:
             rows = [row for row, _ in group]
             handler = group[0][1].refusal
 
-            def charge(idx: list[int], calls: int, seconds: float) -> None:
-                for i in idx:
-                    rows[i].passes += calls
-
-            queries = handler.rewrite([r.question for r in rows], [r.retrievals[-1].queries[-1] for r in rows], on_batch=charge)
+            queries = handler.rewrite([r.question for r in rows], [r.retrievals[-1].queries[-1] for r in rows], on_batch=self._charge(rows))
             for row, trigger in group:
                 row.gen, row.attempts, row.accepting = [], row.attempts + 1, trigger
             self._retrieve(rows, queries, [f"{t.name}:refusal" for _, t in group], [float("inf")] * len(rows))
+
+    @staticmethod
+    def _charge(rows: list[_Row]):
+        """An ``on_batch`` callback that counts a batched call's forward passes for each of its rows (the loop's own
+        rule: a batched pass counts for every question in it)."""
+
+        def charge(idx: list[int], calls: int, seconds: float) -> None:
+            for i in idx:
+                rows[i].passes += calls
+
+        return charge
 
     @staticmethod
     def _first_firing(triggers: list[Trigger], view: SegmentView) -> tuple[Trigger, int, float] | None:

@@ -269,10 +269,7 @@ def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float] | None, spa
     name, alias = spec.split("@", 1)
     from detectors.inference import load_detector
 
-    try:
-        detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)
-    except LookupError as err:  # not registered: the user's input, not a fault of the code
-        raise InputError(str(err)) from err
+    detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)  # not registered: NotRegisteredError, an InputError
     if detector.KIND not in DETECTOR_KINDS:
         raise InputError(f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of {', '.join(DETECTOR_KINDS)})")
     return DETECTOR_KINDS[detector.KIND](name, detector, settings)
