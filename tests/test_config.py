@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from detectors.config import ParamsError, from_dict, load_all, load_section
+from detectors.config import ParamsError, StageParams, from_dict, load_all, load_section
 from detectors.config.rag import on_corpus, trigger_names
 from detectors.config.common import LLMParams
 from detectors.config.early import BuildEarlyParams, QAParams, TrainEarlyParams
@@ -118,6 +118,19 @@ def test_declared_sections_are_validated_before_any_work(shipped):
     data["train_early"]["training"]["lr"] = -1.0
     with pytest.raises(ParamsError, match=r"train_early\.training\.lr = -1\.0"):
         StageParams(data, ("train_early.training.threshold",), "evaluate")
+
+
+def test_paths_is_an_open_section_of_named_paths(shipped, tmp_path):
+    """A new path is data (no type lists the keys, so no stage's code changes); a blank path or a bad name is refused."""
+    data = copy.deepcopy(shipped)
+    data["paths"]["new_report"] = "data/metrics/new.json"
+    assert StageParams(data, ("paths.new_report", "paths.qa"), "a stage")["paths.new_report"] == "data/metrics/new.json"
+    assert "new_report" in load_all(write_params(tmp_path, data))["paths"]
+    for key, value, why in (("qa", " ", "must name a path"), ("Bad-Name", "x", "lower-case identifier"), ("qa", None, "must name a path")):
+        bad = copy.deepcopy(shipped)
+        bad["paths"][key] = value
+        with pytest.raises(ParamsError, match=rf"paths\.{key} = .*{why}"):
+            load_all(write_params(tmp_path, bad))
 
 
 def test_missing_params_file_is_a_params_error(tmp_path):

@@ -21,6 +21,8 @@ def load_section(name: str, path: str | Path = "params.yaml", data: dict[str, An
     data = read_params(path) if data is None else data
     if name not in data:
         fail(name, None, "required section is missing: add it to params.yaml")
+    if hasattr(kind, "from_params"):  # an open section (paths), validated by its own rule
+        return kind.from_params(data.get(name), name)
     return from_dict(kind, data.get(name), name, strict=True)
 
 
