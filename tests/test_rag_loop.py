@@ -259,6 +259,43 @@ def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_
     assert fails.forward_passes > passes.forward_passes
 
 
+def test_dior_configurations_answer_with_the_papers_post_retrieval_template(tiny_llm, retriever, registry):
+    """DioR §3.3.2: after a retrieval the passages come first and the question follows "Using the external knowledge
+    provided above, please answer the following question:"; the DioR configurations of params.yaml say so, the loop
+    renders it, and the other configurations keep the plain context."""
+    configurations = PARAMS["rag_eval"]["configurations"]
+    context = configurations["dior"]["context"]
+    assert context == "{passages}\nUsing the external knowledge provided above, please answer the following question:\n"
+    assert configurations["dior-early"]["context"] == configurations["dior-realtime"]["context"] == context
+    assert configurations["single-round"]["context"] is None
+    config = RagConfig("dior", PROMPT, k=1, max_new_tokens=6, context=context)
+    result = RagLoop(tiny_llm, retriever, config, [trigger("always", tiny_llm, registry)]).answer(QUESTION, record_prompts=True)
+    instruction = "\nUsing the external knowledge provided above, please answer the following question:\n" + QUESTION
+    assert PASSAGES[0].text in result.prompts[0] and result.prompts[0].endswith(instruction)
+    assert result.prompts[0].index(PASSAGES[0].text) < result.prompts[0].index(instruction)
+
+
+def test_dior_keywords_come_from_the_whole_generated_text(tiny_llm, registry):
+    """DioR §3.3.1 reads the entire generated text for its query's keyword candidates: the real-time detector's lazy
+    ``keywords`` of a segment that fired hold the unflagged entities of the answer kept before it, not only the
+    segment's own (the kept tokens were not flagged, or the trigger would have cut there)."""
+    from detectors.rag.stats import MlpCalculator, SegmentView
+
+    detector = copy.copy(trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector)
+    detector.threshold = 0.5  # tokens below it are unflagged (the fixture's 0 flags every token)
+    tok = tiny_llm.tokenizer
+    prompt = tok.encode("Question: where is it?\nAnswer:", add_special_tokens=False)
+    kept, segment = tok.encode(" Paris is in France.", add_special_tokens=False), tok.encode(" It lies on the Seine in Europe", add_special_tokens=False)
+    stats = {"mlp": np.zeros(len(segment))}
+    view = SegmentView("where is it?", prompt + kept, segment, tok.decode(segment), stats, {}, {}, answer_start=len(prompt))
+    words = MlpCalculator(detector).lazy_stat("keywords", view)
+    own, answer = detector.keywords(segment, stats["mlp"]), detector.keywords(kept, np.zeros(len(kept)))
+    assert own and set(answer) - set(own)  # "Paris" and "France" (as the tokenizer splits them) are the kept answer's
+    assert set(answer) | set(own) == set(words)
+    flagged = MlpCalculator(detector).lazy_stat("keywords", dataclasses.replace(view, stats={"mlp": np.ones(len(segment))}))
+    assert set(flagged) == set(answer)  # the segment's flagged tokens are no candidates; the kept answer's still are
+
+
 def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_llm, tmp_path):
     """rag_eval keys its resumable run files on the versions the aliases point to: promoting another version outside
     the pipeline makes the runs that read it compute again."""
