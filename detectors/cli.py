@@ -20,9 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from detectors.errors import InputError
+from detectors.errors import InputError, one_line, traceback_wanted
 
-TRACEBACK_ENV = "DETECTORS_TRACEBACK"  # the stages' switch too (pipelines._stage)
 ASSESS_KINDS = ("dior-early", "utility")  # decide before generating, from the question
 MONITOR_KINDS = ("dior-realtime", "ctrla-confidence")  # watch a generation token by token
 
@@ -100,8 +99,7 @@ def monitor(args: argparse.Namespace) -> None:
         rule, extra = f"P(hallucination) >= {det.threshold:.3f}", {"keywords": r.keywords}
     else:
         seg = det.generate(args.text, max_new_tokens=args.max_new_tokens)
-        tokens, scores = [det.llm.tokenizer.decode([t]) for t in seg.token_ids], seg.scores
-        trigger = next((i for i, (new, s) in enumerate(zip(seg.new_content, scores)) if new and s < 0), None)
+        tokens, scores, trigger = [det.llm.tokenizer.decode([t]) for t in seg.token_ids], seg.scores, seg.trigger_position
         rule, extra = "confidence < 0 on a new content word", {"refusal": seg.refusal, "query": seg.query}
     if args.json:
         print(json.dumps({"text": "".join(tokens), "tokens": tokens, "scores": [float(s) for s in scores], "trigger": trigger, **extra}))
@@ -210,10 +208,9 @@ def main(argv: list[str] | None = None, prog: str = "dynrag") -> int:
     try:
         args.run(args)
     except InputError as err:
-        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        if traceback_wanted():
             raise
-        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-        print(f"{prog} {args.command}: {type(err).__name__}: {message} (set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        print(f"{prog} {args.command}: {one_line(err)}", file=sys.stderr)
         return 1
     return 0
 

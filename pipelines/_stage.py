@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Callable, Iterable
 
 from detectors.config import StageParams, read_params
-from detectors.errors import InputError
-
-TRACEBACK_ENV = "DETECTORS_TRACEBACK"
+from detectors.errors import InputError, one_line, traceback_wanted
 
 
 def stage_params(description: str | None, argv: list[str] | None, reads: Iterable[str], stage: str) -> StageParams:
@@ -38,8 +35,7 @@ def run(main: Callable[[], None]) -> None:
     try:
         main()
     except InputError as err:
-        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        if traceback_wanted():
             raise
-        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-        print(f"{type(err).__name__}: {message} (set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        print(one_line(err), file=sys.stderr)
         raise SystemExit(1) from None

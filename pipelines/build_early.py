@@ -88,7 +88,7 @@ class ShardWorker:
         k, rows = shard
         records = _records(self.llm, list(rows.itertuples(index=False)), self.params, self.state_indices)
         hidden = {r["id"]: r.pop("answer_hidden") for r in records if "answer_hidden" in r}
-        self.store.write_arrays(k, HIDDEN, {i: h for i, h in hidden.items() if len(h)})
+        self.store.write_arrays(k, HIDDEN, hidden)
         records = pd.DataFrame(records)
         self.store.write(k, records)
         return records[["id", "status"]]

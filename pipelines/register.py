@@ -5,8 +5,8 @@ the stronger feature set), each from ``paths.early_model/<name>/`` under its own
 in one JSON keyed by detector; ``dior-realtime`` (the MLP; its test metrics are the continuation level's); and the retrieval-utility trigger of
 each corpus (``utility-<corpus>``; its test metrics are train_utility's).
 Each version is tagged with the digest of the validation records its AUROC was computed on (the ok records of
-the set's val split; for the real-time detector those of the set it was chosen on: the QA answers with a token, or the
-continuations with entity tokens), so only comparable versions compete.
+the set's val split; for the real-time detector those of the set it was chosen on, the QA answers with a token or the
+continuations, as training recorded it in the detector's ``info``), so only comparable versions compete.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from detectors.config import ParamsError
 from detectors.errors import InputError
-from detectors.dior.realtime_detector import answer_records
-from detectors.dior.realtime_training import ANSWERS, CONTINUATIONS
+from detectors.dior.realtime_training import CONTINUATIONS
 from detectors.dior.served import SERVED
 from detectors.interfaces import Level
 from detectors.io import write_json
@@ -33,7 +31,7 @@ from pipelines._stage import run, stage_params
 log = logging.getLogger("register")
 READS = (
     "build_realtime.hidden_layers", "register_early", "register_realtime", "register_utility", "build_utility.corpora", "mlflow",
-    "paths.early", "paths.realtime", "paths.early_model", "paths.realtime_model", "paths.utility", "paths.utility_model",
+    "paths.early", "paths.early_model", "paths.realtime_model", "paths.utility", "paths.utility_model",
     "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics", "paths.train_utility_metrics",
     "paths.registry_early", "paths.registry_realtime", "paths.registry_utility",
 )  # fmt: skip
@@ -45,24 +43,26 @@ def early_val_ids(path: str | Path) -> list[str]:
     return frame.loc[(frame["status"] == "ok") & (frame["split"] == "val"), "id"].astype(str).tolist()
 
 
-def realtime_val_ids(realtime: str | Path, early: str | Path, chosen_on: str) -> list[str]:
-    """Ids of the records the MLP's served validation AUROC is computed on: the QA answers' (ok val questions whose
-    answer has a token) or the continuations' (ok val records with entity tokens), as ``train_realtime.choose_on`` chose."""
-    if chosen_on == ANSWERS:
-        frame = answer_records(pd.read_parquet(early, columns=["id", "split", "status", "label", "feature_dtype", "answer_ids",
-                                                                "answer_prob", "answer_entropy", "answer_hidden_offset"]))  # fmt: skip
-        return frame.loc[frame["split"] == "val", "id"].astype(str).tolist()
-    frame = pd.read_parquet(realtime, columns=["id", "split", "status", "token_label"])
-    frame = frame[(frame["status"] == "ok") & (frame["split"] == "val")]
-    return [str(i) for i, labels in zip(frame["id"], frame["token_label"]) if (np.asarray(labels) >= 0).any()]
+def realtime_val_digest(info: dict, artifact_dir: str | Path) -> str:
+    """Digest of the records the MLP's served validation AUROC is computed on (the ok val records of the set
+    ``train_realtime.choose_on`` chose on), as training recorded it in the detector's ``info``."""
+    digest = info.get("val_digest")
+    if digest is None:
+        raise InputError(
+            f"the real-time detector at {artifact_dir} records no digest of its validation records (info.val_digest): "
+            f"its {info.get('chosen_on', CONTINUATIONS)} have no ok validation record, or it was trained by an older version: "
+            "check the val split and run `dvc repro train_realtime`"
+        )
+    return digest
 
 
 def register_detector(
-    artifact_dir: str | Path, val_ids: list[str], test: dict, name: str, alias: str, experiment_id: str, extra_params: dict,
+    artifact_dir: str | Path, val_digest: str, test: dict, name: str, alias: str, experiment_id: str, extra_params: dict,
     features: str | None = None, val_key: str = "best_val_auroc",
 ) -> dict:
     """Log ``artifact_dir`` as a pyfunc, register it as ``name`` and apply the champion rule (the result, logged).
 
+    ``val_digest``: the digest of the validation records the AUROC was computed on (:func:`store.validation_digest`);
     ``features``: the feature set a champion must share to be compared (see :func:`detectors.registry.store.decide`);
     ``val_key``: the artifact's validation AUROC the champion rule compares (the real-time detector's served one: its
     token AUROC is over entity or all tokens, whichever set it was trained on, so not comparable across versions)."""
@@ -72,9 +72,8 @@ def register_detector(
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
     run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
     test_metrics = {f"test_{k}": v for k, v in test.items() if isinstance(v, (int, float))}  # not kind, delta_vs
-    digest = store.validation_digest(val_ids)
     result = store.log_and_register(
-        detector, artifact_dir, name, alias, experiment_id, val_auroc, digest, test_metrics, run_params, metadata, features
+        detector, artifact_dir, name, alias, experiment_id, val_auroc, val_digest, test_metrics, run_params, metadata, features
     )
     result["test_auroc"] = test["auroc"]
     log.info("%s", result)
@@ -103,14 +102,14 @@ def early_test_metrics(path: str | Path, scorer: str) -> dict:
 
 def register_early(params, experiment_id: str) -> dict[str, dict]:
     """Every early detector of ``register_early.names`` under its registered name: ``{detector: result}``."""
-    early, val_ids = params["register_early"], early_val_ids(params["paths.early"])
+    early, val_digest = params["register_early"], store.validation_digest(early_val_ids(params["paths.early"]))
     results = {}
     for detector, registered in early.names.items():
         artifact = early_artifact(params["paths.early_model"], detector)
         features = ",".join(read_config(artifact)["groups"])
         test = early_test_metrics(params["paths.evaluate_early_metrics"], detector)
         extra = {"detector": detector, "features": features}
-        results[detector] = register_detector(artifact, val_ids, test, registered, early.alias, experiment_id, extra, features)
+        results[detector] = register_detector(artifact, val_digest, test, registered, early.alias, experiment_id, extra, features)
     return results
 
 
@@ -125,7 +124,7 @@ def register_utility(params, experiment_id: str) -> dict[str, dict]:
         val = labels[(labels["corpus"] == corpus) & (labels["split"] == "val") & (labels["status"] == "ok")]
         artifact = Path(params["paths.utility_model"]) / corpus
         features = ",".join(read_config(artifact)["pre_groups"])
-        results[corpus] = register_detector(artifact, val["id"].astype(str).tolist(), tests[corpus]["test"], f"{utility.name}-{corpus}", utility.alias,
+        results[corpus] = register_detector(artifact, store.validation_digest(val["id"].astype(str).tolist()), tests[corpus]["test"], f"{utility.name}-{corpus}", utility.alias,
                                             experiment_id, {"corpus": corpus, "features": features}, f"{corpus}: {features}")  # fmt: skip
     return results
 
@@ -137,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in params["register_early"].names:  # every artifact and its test metrics exist before anything is registered
         early_artifact(params["paths.early_model"], name)
         early_test_metrics(params["paths.evaluate_early_metrics"], name)
+    info = read_config(params["paths.realtime_model"])["info"]
+    chosen_on, realtime_digest = info.get("chosen_on", CONTINUATIONS), realtime_val_digest(info, params["paths.realtime_model"])
     exp = store.experiment(params["register_early"].experiment, mlflow_params.artifact_root)
     write_json(params["paths.registry_early"], register_early(params, exp))
     realtime = params["register_realtime"]
@@ -144,9 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     realtime_test = json.loads(Path(params["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value][SERVED]
     exp = store.experiment(realtime.experiment, mlflow_params.artifact_root)
     layers = ",".join(map(str, params["build_realtime.hidden_layers"]))
-    chosen_on = read_config(params["paths.realtime_model"])["info"].get("chosen_on", CONTINUATIONS)
     result = register_detector(
-        params["paths.realtime_model"], realtime_val_ids(params["paths.realtime"], params["paths.early"], chosen_on), realtime_test, realtime.name,
+        params["paths.realtime_model"], realtime_digest, realtime_test, realtime.name,
         realtime.alias, exp, {"hidden_layers": layers, "chosen_on": chosen_on},
         f"hidden layers {layers}; served validation AUROC on the {chosen_on}", val_key="val_served_auroc",
     )  # a champion compared on another number (older versions: token AUROC, or the other set) is not compared: the new one waits as challenger

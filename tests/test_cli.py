@@ -100,7 +100,7 @@ def test_monitor_shows_where_ctrla_confidence_triggers(registered, tiny_llm, cap
     assert shown["text"] == "".join(tiny_llm.tokenizer.decode([t]) for t in segment.token_ids)
     assert shown["scores"] == pytest.approx(segment.scores, abs=1e-6) and shown["query"] == segment.query
     fires = [i for i, (new, s) in enumerate(zip(segment.new_content, segment.scores)) if new and s < 0]
-    assert shown["trigger"] == (fires[0] if fires else None) and (shown["trigger"] is not None) == segment.retrieve
+    assert shown["trigger"] == segment.trigger_position == (fires[0] if fires else None) and (shown["trigger"] is not None) == segment.retrieve
 
 
 def test_the_store_comes_from_the_option_the_environment_or_the_params_file(registered, tmp_path, monkeypatch, capsys):  # noqa: F811

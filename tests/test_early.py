@@ -108,3 +108,48 @@ def test_answers_continue_one_batch_only(tiny_llm):
     b = batch_question_features(tiny_llm, BATCH[2:3], PARAMS)[0]
     with pytest.raises(ValueError, match="one batch_question_features call"):
         greedy_answers(tiny_llm, [a, b], 4)
+
+
+def test_an_answer_without_tokens_has_no_hidden_states(tiny_llm):
+    """An answer whose first token completes a stop string has no tokens, so early_records gives it no ``answer_hidden``
+    (build_early stores hidden states only for answers with tokens)."""
+    from detectors.dior.early import batch_question_features, early_records
+    from detectors.llm.layers import hidden_state_indices
+
+    questions = ["The capital of Egypt is", "The capital of Spain is"]
+    first = [f.first_token_id for f in batch_question_features(tiny_llm, questions, PARAMS)]
+    stop = [tiny_llm.tokenizer.decode([first[0]])]
+    assert stop[0] and stop[0] not in tiny_llm.tokenizer.decode([first[1]])
+    indices = hidden_state_indices([1, -1], tiny_llm.fingerprint.num_layers, "layers")
+    empty, answered = early_records(tiny_llm, questions, [["Cairo"], ["Madrid"]], PARAMS, 4, stop, indices)
+    assert empty["answer_ids"] == [] and empty["answer_prob"] == [] and "answer_hidden" not in empty
+    assert answered["answer_ids"] and answered["answer_hidden"].shape == (len(answered["answer_ids"]), 2 * 64)
+    assert answered["answer_hidden"].dtype == np.float16
+    assert all("answer_hidden" not in r for r in early_records(tiny_llm, questions, [["Cairo"], ["Madrid"]], PARAMS, 4, stop))
+
+
+def test_decoding_moves_each_steps_tokens_to_the_host_in_one_transfer(tiny_llm, monkeypatch):
+    """decode_answers reads no tensor element by element (a device sync per row and step): one ``tolist`` per step."""
+    import sys
+
+    from detectors.dior import early
+    from detectors.dior.early import greedy_answer
+
+    feats = [f for f in early.batch_question_features(tiny_llm, BATCH, PARAMS) if not isinstance(f, RecordError)]
+    reads: list[str] = []
+    for name in ("__float__", "__int__", "__index__", "__bool__", "item", "tolist", "cpu", "numpy"):
+        def spy(self, *args, _real=getattr(torch.Tensor, name), _name=name, **kwargs):
+            if sys._getframe(1).f_code is early.decode_answers.__code__:
+                reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    passes = []
+    hook = tiny_llm.model.register_forward_hook(lambda *_: passes.append(1))
+    try:
+        answers = early.decode_answers(tiny_llm, feats, 6, ["\n"])
+    finally:
+        hook.remove()
+        monkeypatch.undo()
+    assert passes and reads == ["tolist"] * len(passes)
+    assert [a.text for a in answers] == [greedy_answer(tiny_llm, question_features(tiny_llm, q, PARAMS), 6, ["\n"]) for q in BATCH if q.strip()]

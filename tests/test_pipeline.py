@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
 from detectors import load_detector
 from detectors.config import ParamsError
+from detectors.errors import InputError
 from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
@@ -323,6 +324,27 @@ def test_champion_alias_moves_only_when_not_worse(pipeline):
     assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 2
     client = mlflow.MlflowClient()
     assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 2
+
+
+def test_register_compares_the_realtime_detector_on_the_validation_records_training_scored(pipeline):
+    """The real-time version is tagged with the digest training recorded: that of the ok validation records of the set it
+    was chosen on (here the QA answers with a token), which the champion rule compares."""
+    from detectors.dior.realtime_detector import answer_records
+
+    out = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
+    trained = json.loads((pipeline / "data/models/realtime/detector.json").read_text())["info"]
+    answers = answer_records(pd.read_parquet(pipeline / "data/early/early.parquet"))
+    assert trained["chosen_on"] == "answers" and out["val_digest"] == trained["val_digest"]
+    assert out["val_digest"] == validation_digest(answers.loc[answers["split"] == "val", "id"])
+    version = mlflow.MlflowClient(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}").get_model_version("dior-realtime", str(out["version"]))
+    assert version.tags["val_digest"] == out["val_digest"]
+
+
+def test_register_refuses_a_realtime_detector_without_its_validation_digest():
+    for info in ({"chosen_on": "answers"}, {"chosen_on": "continuations", "val_digest": None}):
+        with pytest.raises(InputError, match=r"records no digest of its validation records \(info.val_digest\).*dvc repro train_realtime"):
+            register_stage.realtime_val_digest(info, "data/models/realtime")
+    assert register_stage.realtime_val_digest({"val_digest": "0123abcd"}, "data/models/realtime") == "0123abcd"
 
 
 def test_comparison_notebook_runs_on_the_store(pipeline):

@@ -25,6 +25,7 @@ from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
 from detectors.llm.fingerprint import Fingerprint
+from detectors.registry.store import validation_digest
 
 PROMPT = RealtimePromptParams(template="{text}")
 
@@ -254,6 +255,20 @@ def test_the_qa_answers_are_a_candidate_chosen_on_the_task_it_serves():
         choose(frame, hidden, ["all"], None, "answers")
     with pytest.raises(InputError, match=r"answer_hidden_layers = build_realtime.hidden_layers"):
         TokenSets((frame, hidden), (answers, answer_hidden[:, :3]))
+
+
+def test_the_kept_detector_records_the_digest_of_the_validation_records_it_was_chosen_on():
+    """``info["val_digest"]``: the ok validation records of the set chosen on, what the register stage compares versions by."""
+    frame, hidden = synthetic_set(40, 3, True)
+    failed = {**frame[frame["split"] == "val"].iloc[0].to_dict(), "id": "failed", "status": "error: OSError"}
+    frame = pd.concat([frame, pd.DataFrame([failed])], ignore_index=True)  # not scored, so not in the digest
+    answers, answer_hidden = synthetic_answers(40, 4, len(hidden))
+    sets = (answers, np.concatenate([hidden, answer_hidden]))
+    for choose_on, records in (("continuations", frame), ("answers", answers)):
+        det = choose(frame, sets[1], ["all"], sets, choose_on)
+        val = records[(records["split"] == "val") & (records["status"] == "ok")]
+        assert det.info["val_digest"] == validation_digest(val["id"]) and det.info["chosen_on"] == choose_on
+        assert det.info["val_digest"] != validation_digest([*val["id"], "failed"])
 
 
 def test_one_candidate_with_a_one_class_validation_split_is_kept_but_two_cannot_be_chosen():

@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from detectors.errors import SourceError
-from pipelines._stage import TRACEBACK_ENV, run
+from detectors.cli import main as dynrag
+from detectors.errors import TRACEBACK_ENV, InputError, SourceError, one_line, traceback_wanted
+from pipelines._stage import run
 
 
 def run_prepare(tmp_path, **env) -> subprocess.CompletedProcess:
@@ -52,3 +53,31 @@ def test_a_multi_line_input_error_is_one_line_and_other_errors_keep_their_traceb
 
     with pytest.raises(KeyError, match="not an input error"):
         run(bug)
+
+
+def test_the_stages_and_the_command_line_report_an_input_error_alike(capsys, monkeypatch):
+    """One report of an input error (detectors.errors): the same line from a stage and from ``dynrag`` (which names the
+    command first), and one switch for the traceback."""
+    err = InputError("no such file:\n  x.yaml\n")
+    assert one_line(err) == f"InputError: no such file: x.yaml (set {TRACEBACK_ENV}=1 for the traceback)"
+    for value, wanted in (("", False), ("0", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv(TRACEBACK_ENV, value)
+        assert traceback_wanted() is wanted
+    monkeypatch.delenv(TRACEBACK_ENV)
+    assert not traceback_wanted()
+
+    def bad_input():
+        raise err
+
+    with pytest.raises(SystemExit):
+        run(bad_input)
+    assert capsys.readouterr().err == one_line(err) + "\n"
+    missing = "no-such-params.yaml"
+    assert dynrag(["promote", "x", "1", "--params", missing]) == 1
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("dynrag promote: InputError: no MLflow store named and no ") and stderr.endswith(f" (set {TRACEBACK_ENV}=1 for the traceback)\n")
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(InputError, match="no MLflow store named"):
+        dynrag(["promote", "x", "1", "--params", missing])
+    with pytest.raises(InputError, match="no such file"):
+        run(bad_input)

@@ -124,6 +124,22 @@ def test_monitor_during_generation_matches_teacher_forcing(tiny_llm, directions)
         np.testing.assert_allclose(scores, score_sequences(tiny_llm, directions, [seq], 1)[0], atol=1e-4)
 
 
+def test_a_segment_says_where_the_trigger_fires(tiny_llm, directions):
+    """generate_segment computes CtrlA's trigger once: the first generated token of a new content word scoring < 0."""
+    question = "The capital of France is"
+    ids = tiny_llm.tokenizer(question, return_tensors="pt")["input_ids"]
+    for tau in (0.0, 10.0, -10.0):  # scores are clipped to ±3: tau 10 makes every token unconfident, -10 none
+        segment = generate_segment(tiny_llm, ids, 8, monitor=ConfidenceMonitor(tiny_llm.model, directions, tau=tau), question=question)
+        fires = [i for i, (new, s) in enumerate(zip(segment.new_content, segment.scores)) if new and s < 0]
+        assert segment.trigger_position == (fires[0] if fires else None) and segment.retrieve == bool(fires)
+        if tau == 10.0:
+            assert any(segment.new_content) and segment.trigger_position == segment.new_content.index(True)
+        if tau == -10.0:
+            assert segment.trigger_position is None and not segment.retrieve
+    unmonitored = generate_segment(tiny_llm, ids, 4, question=question)
+    assert unmonitored.trigger_position is None and not unmonitored.retrieve
+
+
 def test_the_trigger_counts_only_new_non_stopword_tokens(tiny_llm):
     tok = tiny_llm.tokenizer
     gen = tok(" is the capital of Paris and Lima", add_special_tokens=False)["input_ids"]

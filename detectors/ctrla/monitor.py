@@ -200,9 +200,14 @@ class Segment:
     token_ids: list[int]
     scores: list[float]  # Eq. 2 per generated token (< 0: unconfident)
     new_content: list[bool]  # the trigger looks only at these tokens
-    retrieve: bool  # some new non-stopword token is unconfident (trigger T)
+    trigger_position: int | None  # the first generated token that fires trigger T (new, non-stopword, score < 0), or None
     refusal: str | None  # the refusal pattern found (f_d), if any
     query: str  # the context-augmented query (Eq. 3)
+
+    @property
+    def retrieve(self) -> bool:
+        """Whether trigger T fires: some new non-stopword token is unconfident."""
+        return self.trigger_position is not None
 
 
 def generate_segment(
@@ -229,7 +234,7 @@ def generate_segment(
             llm.model(out.sequences[:, -1:], past_key_values=out.past_key_values, use_cache=True)
     text = llm.tokenizer.decode(gen, skip_special_tokens=True)
     if monitor is None or not gen:
-        return Segment(text, gen, [], [], False, detect_refusal(text, list(refusal_patterns)), question)
+        return Segment(text, gen, [], [], None, detect_refusal(text, list(refusal_patterns)), question)
     scores = monitor.scores()[0, prompt_ids.shape[1] :].cpu().numpy()
     mask = content_mask(llm.tokenizer, f"{question} {context_text}", gen)  # new: not in q ∪ y<t (Eq. 3), whatever else the prompt shows
     return Segment(
@@ -237,7 +242,7 @@ def generate_segment(
         token_ids=gen,
         scores=scores.tolist(),
         new_content=mask,
-        retrieve=bool(any(m and s < 0 for m, s in zip(mask, scores))),
+        trigger_position=next((i for i, (m, s) in enumerate(zip(mask, scores)) if m and s < 0), None),
         refusal=detect_refusal(text, list(refusal_patterns)),
         query=masked_query(llm.tokenizer, question, context_text, gen, scores),
     )

@@ -13,7 +13,6 @@ artifact and refuse an LLM other than the one it was extracted from (or in anoth
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 from typing import Iterator
 
@@ -119,5 +118,6 @@ class ConfidenceDetector(_CtrlADetector):
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: ``question`` in; the answer, per-token scores, retrieve, refusal and query out."""
         segments = [self.generate(str(q)) for q in frame["question"]]
-        return pd.DataFrame([{k: v for k, v in dataclasses.asdict(s).items() if k != "token_ids"} for s in segments])
+        return pd.DataFrame([{"text": s.text, "scores": s.scores, "new_content": s.new_content, "retrieve": s.retrieve, "refusal": s.refusal,
+                              "query": s.query} for s in segments])  # fmt: skip
 

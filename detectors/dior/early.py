@@ -66,8 +66,10 @@ def _encode(llm: LLM, question: str, params: EarlyFeatureParams) -> tuple[torch.
     return ids[0], mask
 
 
-def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeatureParams) -> list[QuestionFeatures | RecordError]:
-    """Features of each question before any answer token is generated, or the RecordError that makes it unusable."""
+def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeatureParams, attribution: bool = True) -> list[QuestionFeatures | RecordError]:
+    """Features of each question before any answer token is generated, or the RecordError that makes it unusable.
+    Without ``attribution`` IG is not run (most of the cost): the attribution is empty, its entropy nan and there are
+    no keywords, for a reader of the logit and hidden-state features only."""
     layers = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_early.features.hidden_layers")
     out: dict[int, QuestionFeatures | RecordError] = {}
     encoded = {}
@@ -98,16 +100,17 @@ def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeature
     hidden = torch.cat([res.hidden_states[layer][at, last].float() for layer in layers], dim=-1).cpu().numpy()
     continuation = Continuation(res.past_key_values, [common + len(r) for r in rows], common + width)
     items = [IGItem(encoded[i][0][common:], encoded[i][1][common:], int(top2.indices[b, 0])) for b, i in enumerate(keys)]
-    scores = batch_token_attributions(llm.model, items, params.n_steps, params.method, params.ig_batch_size, prefix)
+    if attribution:
+        scores = batch_token_attributions(llm.model, items, params.n_steps, params.method, params.ig_batch_size, prefix)
     for b, i in enumerate(keys):
-        p = attribution_distribution(scores[b])
+        p = attribution_distribution(scores[b]) if attribution else np.zeros(0)
         q_ids, q_mask = encoded[i]
         tokens = [llm.tokenizer.decode([t]) for t in q_ids[q_mask].tolist()]
         out[i] = QuestionFeatures(
             question_tokens=tokens,
             attribution=p.astype(np.float32),
-            entropy=attribution_entropy(p),
-            keywords=keyword_candidates(tokens, p),
+            entropy=attribution_entropy(p) if attribution else float("nan"),
+            keywords=keyword_candidates(tokens, p) if attribution else [],
             first_token_id=int(top2.indices[b, 0]),
             first_token_prob=float(top2.values[b, 0]),
             first_token_entropy=float(first_entropy[b]),
@@ -132,13 +135,14 @@ class Answer:
     """A question's greedy answer and what the LLM did while decoding it, token by token, as the RAG loop sees a
     segment: ``ids`` are the answer's tokens without the one that completes a stop string (the text is what comes
     before the stop string), each with the probability it had when chosen and that distribution's entropy, and,
-    when layers were asked for, its hidden states at its own position (as the real-time detector reads them)."""
+    when layers were asked for and it has tokens, their hidden states at their own positions (as the real-time
+    detector reads them)."""
 
     text: str
     ids: list[int]
     prob: np.ndarray  # [n]
     entropy: np.ndarray  # [n] nats
-    hidden: np.ndarray | None  # [n, len(layers) * H] float16, or None
+    hidden: np.ndarray | None  # [n, len(layers) * H] float16; None without layers or tokens
 
 
 def decode_answers(
@@ -169,7 +173,7 @@ def decode_answers(
     for r, n in enumerate(cont.lengths):
         mask[r, :n] = 1
     tap = StateTap(llm.model, state_indices) if state_indices else contextlib.nullcontext()
-    step, width = 0, 0
+    step = 0
     with torch.no_grad(), tap:
         while True:
             for r in sorted(live):
@@ -190,17 +194,20 @@ def decode_answers(
             out = llm.model(feed, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
             cache, step = out.past_key_values, step + 1
             states = tap.take()[:, -1] if state_indices else None
-            width = states.shape[-1] if states is not None else 0
             logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
             nxt, ent = logp.argmax(-1), entropy(logp)
             prob = logp.gather(1, nxt[:, None])[:, 0].exp()
+            # every row's next token, its probability and entropy in one transfer (float64 holds the ids and the
+            # float32 values exactly)
+            chosen = torch.stack([nxt.double(), prob.double(), ent.double()], dim=1).tolist()
             for r in sorted(live):
                 if states is not None:
                     hidden[r].append(states[r])
                 if len(kept[r]) >= max_new_tokens:
                     live.discard(r)
                 else:
-                    current[r] = (int(nxt[r]), float(prob[r]), float(ent[r]))
+                    token, p, e = chosen[r]
+                    current[r] = (int(token), p, e)
             if not live:
                 break
     answers = []
@@ -209,9 +216,7 @@ def decode_answers(
         for s in stop:  # the answer is what comes before the first stop string
             text = text.split(s, 1)[0]
         ids = [t for t, _, _ in kept[f.row]]
-        states = None
-        if state_indices:
-            states = torch.stack(hidden[f.row]).cpu().numpy() if hidden[f.row] else np.zeros((0, width), np.float16)
+        states = torch.stack(hidden[f.row]).cpu().numpy() if hidden[f.row] else None  # a token kept is a token run
         answers.append(Answer(text.strip(), ids, np.array([p for _, p, _ in kept[f.row]], np.float32),
                               np.array([e for _, _, e in kept[f.row]], np.float32), states))  # fmt: skip
     return answers
@@ -235,8 +240,9 @@ def early_records(
     label (1 = hallucination: no reference answer contained in the answer), or the RecordError of an unusable one.
 
     Each row also has its answer's tokens (``answer_ids``) with their probability and entropy; with
-    ``state_indices`` also ``answer_hidden``, their hidden states (:class:`Answer`), which a caller storing the row
-    in a table keeps elsewhere: the real-time detector's candidate training set of QA answers."""
+    ``state_indices`` also ``answer_hidden``, their hidden states (:class:`Answer`; none for an answer without
+    tokens), which a caller storing the row in a table keeps elsewhere: the real-time detector's candidate training
+    set of QA answers."""
     feats = batch_question_features(llm, questions, features)
     usable = [f for f in feats if isinstance(f, QuestionFeatures)]
     said = iter(decode_answers(llm, usable, max_new_tokens, stop, state_indices))

@@ -22,6 +22,7 @@ from detectors.evaluation.metrics import OneClassError, choose_threshold, requir
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import frame_dtype
+from detectors.registry.store import validation_digest
 from detectors.training import fit, training_info
 
 log = logging.getLogger(__name__)
@@ -144,11 +145,13 @@ def train_and_choose(
 
     The kept detector's ``info`` records the choice (``tokens``, ``chosen_on``), its ``val_served_auroc`` and every
     candidate's (``candidates``), with each candidate's served AUROC on the validation and test records of every
-    set (``served_auroc``: reported, never chosen by). Its ``threshold`` is then chosen for serving, on the
-    validation records of ``choose_on`` by their max over all tokens (the token-level one stays in
-    ``info["token_threshold"]``), because served it fires at the first token that reaches it; a token-level
-    threshold fires on most correct records. With one candidate a one-class validation split leaves its served
-    AUROC None (and the token-level threshold); with more, it is an error (nothing to choose by).
+    set (``served_auroc``: reported, never chosen by), and the digest of the records ``val_served_auroc`` is computed
+    on (``val_digest``: the ok validation records of ``choose_on``, None when there is none), which the register
+    stage compares versions by. Its ``threshold`` is then chosen for serving, on the validation records of
+    ``choose_on`` by their max over all tokens (the token-level one stays in ``info["token_threshold"]``), because
+    served it fires at the first token that reaches it; a token-level threshold fires on most correct records. With
+    one candidate a one-class validation split leaves its served AUROC None (and the token-level threshold); with
+    more, it is an error (nothing to choose by).
     """
     sets.records(choose_on)  # the set to choose on exists before anything trains
     best, best_auroc, best_scores, summary = None, float("-inf"), {}, {}
@@ -166,10 +169,13 @@ def train_and_choose(
         log.info("trained on %s tokens: validation served AUROC on the %s %s", tokens, choose_on, value)
         if best is None or (value is not None and value > best_auroc):
             best, best_auroc, best_scores = detector, value, val_scores
-    best.info = {**best.info, "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"], "chosen_on": choose_on, "candidates": summary}
+    records = sets.records(choose_on)[0]
+    val_ids = records.loc[(records["status"] == "ok") & (records["split"] == "val"), "id"]  # the records served_auroc scores
+    best.info = {**best.info, "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"], "chosen_on": choose_on,
+                 "val_digest": validation_digest(val_ids) if len(val_ids) else None, "candidates": summary}  # fmt: skip
     if best_auroc is not None:  # serving fires when the max so far reaches the threshold
         token_threshold = best.threshold
-        best.threshold = served_threshold(sets.records(choose_on)[0], best_scores, params.threshold)
+        best.threshold = served_threshold(records, best_scores, params.threshold)
         best.info |= {"token_threshold": token_threshold, "threshold_chosen_on": f"validation {choose_on} (max over tokens)"}
         log.info("served threshold %.4f (token-level %.4f)", best.threshold, token_threshold)
     return best
