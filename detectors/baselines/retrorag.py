@@ -14,7 +14,6 @@ RetroRAG itself, the iterative framework around the evaluator, is :mod:`detector
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 
 from detectors.evaluation.scorers import ColumnScorer
 from detectors.llm.generate import OnBatch, generate, instruction_prompt, row_generator
-from detectors.llm.kv import ForwardCounter, batches, forward_rows, prefix_cache, shared_prefix_length
+from detectors.llm.states import StateCache, prefill
 from detectors.llm.loading import LLM
 
 if TYPE_CHECKING:
@@ -60,37 +59,30 @@ def yes_no_ids(tokenizer, yes: Sequence[str], no: Sequence[str]) -> tuple[list[i
 
 def yes_probability(
     llm: LLM, prompts: list[str], yes_ids: list[int], no_ids: list[int], batch_size: int = 16, *, add_special_tokens: bool = True,
-    on_batch: OnBatch | None = None, progress=None,
+    on_batch: OnBatch | None = None, progress=None, cache: StateCache | None = None,
 ) -> np.ndarray:  # fmt: skip
     """The evaluator's verdict on each prompt: ``P(yes) / (P(yes) + P(no))`` of its next token (``yes_ids``/``no_ids``:
     :func:`yes_no_ids`).
 
-    The token prefix every prompt shares (an instruction) runs once, its states cached; the rows run in batches of
-    similar length. ``on_batch`` hears of each batched call: its row indices, forward calls and seconds (the shared
-    prefix's pass is reported for every row)."""
+    Each prompt runs on its longest prefix already run (:func:`~detectors.llm.states.prefill`): the prefixes several
+    prompts share (an instruction, a reference) run once, and with a ``cache`` the states of earlier calls are reused
+    and these prompts' kept. ``on_batch`` hears of each batched call: its row indices, forward calls and seconds (a
+    shared prefix's pass is reported for every row it serves)."""
     if set(yes_ids) & set(no_ids):
         raise ValueError(f"the yes and no words share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words")
     if not prompts:
         return np.zeros(0)
     rows = [llm.tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"] for p in prompts]
-    common = min(shared_prefix_length(rows), min(len(r) for r in rows) - 1)  # every row runs at least its last token
-    start = time.perf_counter()
-    with ForwardCounter(llm.model) as counter:
-        kv = prefix_cache(llm, rows[0][:common])
-    if on_batch is not None and counter.calls:
-        on_batch(list(range(len(rows))), counter.calls, time.perf_counter() - start)
-    out = np.zeros(len(rows))
-    for idx in batches([r[common:] for r in rows], batch_size):
-        start = time.perf_counter()
-        with ForwardCounter(llm.model) as counter:
-            logits = forward_rows(llm, kv, [rows[i][common:] for i in idx], logits=True).logits
-        for b, i in enumerate(idx):
-            logp = torch.log_softmax(logits[b, len(rows[i]) - common - 1].float(), dim=-1)
+    out, step = np.zeros(len(rows)), max(batch_size, 1) * 8  # a progress update every `step` rows
+    for start in range(0, len(rows), step):
+        chunk = list(range(start, min(start + step, len(rows))))
+        relay = None if on_batch is None else (lambda idx, calls, seconds, chunk=chunk: on_batch([chunk[j] for j in idx], calls, seconds))
+        done = prefill(llm, [rows[i] for i in chunk], cache, batch_size, on_batch=relay)
+        for i, logits in zip(chunk, done.logits):
+            logp = torch.log_softmax(logits, dim=-1)
             out[i] = float(torch.sigmoid(torch.logsumexp(logp[yes_ids], 0) - torch.logsumexp(logp[no_ids], 0)))
-        if on_batch is not None:
-            on_batch(list(idx), counter.calls, time.perf_counter() - start)
         if progress is not None:
-            progress.update(len(idx))
+            progress.update(len(chunk))
     return out
 
 

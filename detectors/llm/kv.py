@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 if TYPE_CHECKING:
     from detectors.llm.loading import LLM
@@ -25,11 +26,50 @@ def prefix_states(model: PreTrainedModel, input_ids: torch.Tensor, end: int) -> 
         return cache_states(model(input_ids[:, :end], use_cache=True).past_key_values)
 
 
+class _GrowingLayer(DynamicLayer):
+    """A full-attention cache layer whose states sit in a buffer with room to grow, so that appending a decoded token
+    writes one position instead of copying every cached one (``DynamicLayer`` concatenates at each step: on a CPU that
+    copy was a third of a decoding step). ``keys``/``values`` are views of the filled part; a method of the base class
+    that replaces them (``batch_select_indices``, ``crop``) is followed by a fresh buffer at the next update."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, new = self.get_seq_length(), key_states.shape[-2]
+        buffer = getattr(self, "_buffer", None)
+        fits = buffer is not None and self.keys is self._view and n + new <= buffer[0].shape[-2] and buffer[0].shape[0] == key_states.shape[0]
+        if not fits:
+            room = n + new + max(32, (n + new) // 2)
+            b, h, _, d = key_states.shape
+            buffer = (key_states.new_empty(b, h, room, d), value_states.new_empty(b, h, room, value_states.shape[-1]))
+            if n:
+                buffer[0][:, :, :n], buffer[1][:, :, :n] = self.keys, self.values
+            self._buffer = buffer
+        buffer[0][:, :, n : n + new], buffer[1][:, :, n : n + new] = key_states, value_states
+        self.keys, self.values = buffer[0][:, :, : n + new], buffer[1][:, :, : n + new]
+        self._view = self.keys
+        return self.keys, self.values
+
+
+class GrowingCache(DynamicCache):
+    """A ``DynamicCache`` whose full-attention layers grow in place (:class:`_GrowingLayer`); other layer kinds (sliding
+    windows) are kept as transformers makes them."""
+
+    def __init__(self, ddp_cache_data=None, config=None):
+        super().__init__(config=config)
+        if self.layer_class_to_replicate is DynamicLayer:  # no config: layers made as they are first updated
+            self.layer_class_to_replicate = _GrowingLayer
+        self.layers = [_GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+        for idx, (k, v) in enumerate(ddp_cache_data or ()):
+            self.update(k, v, idx)
+
+
 def as_cache(prefix: KV | None, rows: int, config) -> DynamicCache | None:
-    """A fresh cache holding ``prefix`` for ``rows`` sequences (views: the prefix itself is never changed)."""
+    """A fresh cache holding ``prefix`` for ``rows`` sequences (copied into the cache's own buffers: the prefix itself is
+    never changed), growing in place as tokens are appended (:class:`GrowingCache`)."""
     if not prefix:
         return None
-    return DynamicCache(ddp_cache_data=[(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=config)
+    return GrowingCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=config)
 
 
 def cache_states(cache) -> KV:

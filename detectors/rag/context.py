@@ -6,10 +6,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Callable
+import dataclasses
+from typing import TYPE_CHECKING, Callable
 
 from detectors.llm.words import DEFAULT_STOPWORDS
 from detectors.sources.text import split_sentences
+
+if TYPE_CHECKING:
+    from detectors.config.schema import PromptParams
 
 _CLAUSES = re.compile(r"(?<=[,;:])\s+")
 _WORD = re.compile(r"\w\w\w+")
@@ -82,3 +86,9 @@ def render_passages(hits, chunked: bool, query: str) -> str:
         lines.append(f"[{i}] {title}{body}")
     head = "External Knowledge After Chunk:\n" if chunked else ""
     return head + "\n".join(lines)
+
+
+def with_context(prompt: "PromptParams", block: str) -> "PromptParams":
+    """The question prompt with ``block`` (passages, evidence) right before its ``{question}``: where every RAG prompt of
+    the project puts what was retrieved."""
+    return dataclasses.replace(prompt, template=prompt.template.replace("{question}", block + "{question}", 1))

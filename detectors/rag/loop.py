@@ -40,7 +40,8 @@ from detectors.config.schema import PromptParams
 from detectors.llm.distribution import entropy
 from detectors.llm.kv import PrefixStore, as_cache, cache_states, common_prefix, crop_states, join_states, row_states, stack_left
 from detectors.llm.loading import LLM
-from detectors.rag.context import render_passages, stepwise_retrieve
+from detectors.llm.states import similar_lengths
+from detectors.rag.context import render_passages, stepwise_retrieve, with_context
 from detectors.rag.answer_metrics import FAILED
 from detectors.rag.queries import QueryInput, QuestionQuery
 from detectors.rag.retriever import Hit, Retriever
@@ -155,20 +156,6 @@ class _Row:
     gate: Any = None  # the gate that judges the passages just retrieved, once their prompt has run
     accepting: Trigger | None = None  # the next segment re-predicts one after this trigger's retrieval: kept unscored
     attempts: int = 0  # refusal-handling retrievals for the segment being re-predicted
-
-
-def _similar_lengths(items: list[tuple[_Row, list[int]]], batch_size: int, tokens: int = 16384) -> list[list[tuple[_Row, list[int]]]]:
-    """Rows in batches of at most ``batch_size`` rows and ``tokens`` tokens whose lengths differ by at most an eighth
-    (or 8 tokens): the padding of a left-padded pass stays small."""
-    out: list[list] = []
-    for item in sorted(items, key=lambda it: len(it[1])):
-        n = len(item[1])
-        last = out[-1] if out else None
-        if last is None or len(last) >= batch_size or (len(last) + 1) * n > tokens or n - len(last[0][1]) > max(8, n // 8):
-            out.append([item])
-        else:
-            last.append(item)
-    return out
 
 
 class _Lockstep:
@@ -310,7 +297,7 @@ class RagLoop:
                     row.question_scores[trigger.name] = float(score)
                 fire = [(r, float(s)) for r, s in zip(open_, scores) if not observe and s >= trigger.threshold and len(r.retrievals) < self.config.max_retrievals]
                 if fire:
-                    queries = [self.query.formulate(self.llm, QueryInput(r.question, r.kept, question_stats=r.question_stats)) for r, _ in fire]
+                    queries = self.query.formulate_all(self.llm, [QueryInput(r.question, r.kept, question_stats=r.question_stats) for r, _ in fire])
                     self._retrieve([r for r, _ in fire], queries, trigger.name, [s for _, s in fire])
                     for row, _ in fire:
                         row.gate = trigger.gate
@@ -351,8 +338,8 @@ class RagLoop:
         for group in same:
             for start in range(0, len(group), self.config.batch_size):
                 self._prefill_chunk(group[start : start + self.config.batch_size])
-        for chunk in _similar_lengths(alone, self.config.batch_size):
-            self._prefill_chunk(chunk)
+        for idx in similar_lengths([len(seq) for _, seq in alone], self.config.batch_size):
+            self._prefill_chunk([alone[i] for i in idx])
 
     def _extend(self, row: _Row, seq: list[int], common: int) -> None:
         """Run ``seq[common:]`` on the row's own states of ``seq[:common]``."""
@@ -505,7 +492,7 @@ class RagLoop:
         validated = [f for f in fires if f[2].validator is not None]
         fires = [f for f in fires if f[2].validator is None]
         if fires:
-            queries = [self.query.formulate(self.llm, QueryInput(r.question, r.kept, v, p, r.question_stats)) for r, v, _, p, _ in fires]
+            queries = self.query.formulate_all(self.llm, [QueryInput(r.question, r.kept, v, p, r.question_stats) for r, v, _, p, _ in fires])
             for row, view, trigger, p, _ in fires:
                 row.kept += row.gen[: trigger.cut_at(p)]
                 row.gen = []
@@ -628,8 +615,7 @@ class RagLoop:
         must run again."""
         p = self.config.prompt
         if hits:
-            block = self.config.context.replace("{passages}", render_passages(hits, self.config.chunk, query))
-            p = dataclasses.replace(p, template=p.template.replace("{question}", block + "{question}", 1))
+            p = with_context(p, self.config.context.replace("{passages}", render_passages(hits, self.config.chunk, query)))
         text, _ = self.llm.render(row.question, p)
         if row.record:
             row.prompts.append(text)

@@ -56,23 +56,34 @@ def flare_query(tokenizer, question: str, gen_ids: list[int], probs: np.ndarray,
     return kept or question.strip()
 
 
-def last_layer_attention(llm: LLM, ids: list[int]) -> np.ndarray:
-    """``[T, T]`` last-layer self-attention of ``ids`` averaged over heads (one eager pass; the model's attention
-    implementation is restored afterwards)."""
+def last_layer_attention(llm: LLM, rows: list[list[int]]) -> list[np.ndarray]:
+    """``[T, T]`` last-layer self-attention of each row of token ids, averaged over heads: one eager pass over the rows
+    right-padded (causal attention keeps every real token from the padding after it), the model's attention
+    implementation restored afterwards."""
     from detectors.baselines.rind import attention_implementation
 
+    if not rows:
+        return []
+    width = max(len(r) for r in rows)
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=llm.device)
     with torch.no_grad(), attention_implementation(llm.model, "eager"):
-        out = llm.model(torch.tensor([ids], device=llm.device), output_attentions=True)
-    return out.attentions[-1][0].float().mean(0).cpu().numpy()
+        out = llm.model(ids, output_attentions=True, logits_to_keep=1)
+    weights = out.attentions[-1].float().mean(1).cpu().numpy()
+    return [weights[b, : len(r), : len(r)] for b, r in enumerate(rows)]
 
 
-def qfs_query(llm: LLM, context_ids: list[int], position: int, top_n: int, stopwords: frozenset[str] = DEFAULT_STOPWORDS) -> str:
+def qfs_query(llm: LLM, context_ids: list[int], position: int, top_n: int, stopwords: frozenset[str] = DEFAULT_STOPWORDS,
+              attention: np.ndarray | None = None) -> str:  # fmt: skip
     """DRAGIN QFS: the ``top_n`` content tokens before ``position`` that the token at ``position`` attends to most,
-    their words in text order (the whole context when nothing precedes it)."""
+    their words in text order (the whole context when nothing precedes it). ``attention``: the last-layer attention of
+    ``context_ids[: position + 1]`` when the caller computed it (:func:`last_layer_attention`)."""
     tok = llm.tokenizer
     if position <= 0:
         return tok.decode(context_ids[: position + 1], skip_special_tokens=True).strip()
-    row = last_layer_attention(llm, context_ids[: position + 1])[position, :position]
+    if attention is None:
+        (attention,) = last_layer_attention(llm, [context_ids[: position + 1]])
+    row = attention[position, :position]
     before = context_ids[:position]
     content = np.asarray(word_mask(tok, before, stopwords), dtype=bool)
     ranked = [i for i in np.argsort(-row, kind="stable") if content[i]][:top_n]
@@ -87,15 +98,19 @@ def _minmax(x: np.ndarray) -> np.ndarray:
 
 
 def importance_scores(llm: LLM, question: str, context_ids: list[int], candidates: list[str], weights: DiorWeights,
-                      idf: Callable[[str], float]) -> np.ndarray:  # fmt: skip
+                      idf: Callable[[str], float], attention: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
     """DioR's I_i for each candidate: ``w_a·A + w_t·TFIDF + w_p·P + w_s·S``, each term min-max normalised over the
     candidates. A: attention the candidate's tokens receive from later tokens (last layer, mean over heads and
     positions); TFIDF: its count among the context's words × ``idf``; P: Pos/N of its last occurrence; S: cosine
-    similarity of its and the question's mean input embeddings. A candidate absent from the context has A = P = 0."""
+    similarity of its and the question's mean input embeddings. A candidate absent from the context has A = P = 0.
+    ``attention``: the context's last-layer attention when the caller computed it (:func:`last_layer_attention`)."""
     tok = llm.tokenizer
     words = word_spans(tok, context_ids)
     norms = [normalize_text(text) for _, text in words]
-    attn = last_layer_attention(llm, context_ids) if len(context_ids) > 1 else np.zeros((len(context_ids), len(context_ids)))
+    if len(context_ids) <= 1:
+        attn = np.zeros((len(context_ids), len(context_ids)))
+    else:
+        attn = attention if attention is not None else last_layer_attention(llm, [context_ids])[0]
     received = np.array([attn[i + 1 :, i].mean() if i + 1 < len(context_ids) else 0.0 for i in range(len(context_ids))])
     emb = llm.model.get_input_embeddings().weight.detach()
     q_ids = tok(question, add_special_tokens=False)["input_ids"]
@@ -116,12 +131,12 @@ def importance_scores(llm: LLM, question: str, context_ids: list[int], candidate
 
 
 def dior_query(llm: LLM, question: str, context_ids: list[int], candidates: list[str], weights: DiorWeights,
-               idf: Callable[[str], float], top: int) -> str:  # fmt: skip
+               idf: Callable[[str], float], top: int, attention: np.ndarray | None = None) -> str:  # fmt: skip
     """The question followed by the ``top`` candidates by DioR's importance score (ties: the candidates' order)."""
     candidates = list(dict.fromkeys(c.strip() for c in candidates if c.strip()))
     if not candidates:
         return question.strip()
-    scores = importance_scores(llm, question, context_ids, candidates, weights, idf)
+    scores = importance_scores(llm, question, context_ids, candidates, weights, idf, attention)
     order = np.argsort(-scores, kind="stable")[:top]
     return f"{question.strip()} {' '.join(candidates[i] for i in order)}".strip()
 
@@ -129,8 +144,38 @@ def dior_query(llm: LLM, question: str, context_ids: list[int], candidates: list
 # ---- the formulations the loop calls -----------------------------------------------------------------------
 
 
+class _Formulation:
+    """Formulates one query per :class:`QueryInput` (``formulate``); ``formulate_all`` does a batch of them (the loop
+    calls it with every row that retrieves in a round), by default one after another."""
+
+    def formulate(self, llm: LLM, q: QueryInput) -> str:
+        raise NotImplementedError
+
+    def formulate_all(self, llm: LLM, inputs: list[QueryInput]) -> list[str]:
+        return [self.formulate(llm, q) for q in inputs]
+
+
+class _Attending(_Formulation):
+    """A formulation that reads the last-layer attention over the question and the answer up to the flagged token
+    (QFS, DioR): a batch's attentions come from one eager pass."""
+
+    def formulate(self, llm: LLM, q: QueryInput) -> str:
+        return self.formulate_all(llm, [q])[0]
+
+    def formulate_all(self, llm: LLM, inputs: list[QueryInput]) -> list[str]:
+        contexts = [_answer_context(llm, q) for q in inputs]
+        attending = [i for i, c in enumerate(contexts) if len(c) > 1]
+        attention: list[np.ndarray | None] = [None] * len(inputs)
+        for i, a in zip(attending, last_layer_attention(llm, [contexts[i] for i in attending])):
+            attention[i] = a
+        return [self._with_attention(llm, q, c, a) for q, c, a in zip(inputs, contexts, attention)]
+
+    def _with_attention(self, llm: LLM, q: QueryInput, context: list[int], attention: np.ndarray | None) -> str:
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class QuestionQuery:
+class QuestionQuery(_Formulation):
     name: str = "question"
     needs: tuple[str, ...] = ()
 
@@ -139,7 +184,7 @@ class QuestionQuery:
 
 
 @dataclasses.dataclass(frozen=True)
-class FlareQuery:
+class FlareQuery(_Formulation):
     """FLARE's masked query; ``theta``: the probability under which a word is masked (1 - FLARE's threshold)."""
 
     theta: float = 0.5
@@ -159,19 +204,18 @@ def _answer_context(llm: LLM, q: QueryInput) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class QfsQuery:
+class QfsQuery(_Attending):
     top_n: int = 8
     stopwords: frozenset[str] = DEFAULT_STOPWORDS
     name: str = "qfs"
     needs: tuple[str, ...] = ()
 
-    def formulate(self, llm: LLM, q: QueryInput) -> str:
-        context = _answer_context(llm, q)
-        return qfs_query(llm, context, len(context) - 1, self.top_n, self.stopwords)
+    def _with_attention(self, llm: LLM, q: QueryInput, context: list[int], attention: np.ndarray | None) -> str:
+        return qfs_query(llm, context, len(context) - 1, self.top_n, self.stopwords, attention)
 
 
 @dataclasses.dataclass(frozen=True)
-class DiorQuery:
+class DiorQuery(_Attending):
     """DioR's importance-scored query over the keyword candidates the triggers measured (``keywords`` of the
     question and of the segment), or the question's content words when no trigger measures any."""
 
@@ -191,12 +235,12 @@ class DiorQuery:
             out = llm.tokenizer.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True).split()
         return list(dict.fromkeys(w for w in out if w.strip()))
 
-    def formulate(self, llm: LLM, q: QueryInput) -> str:
-        return dior_query(llm, q.question, _answer_context(llm, q), self.candidates(llm, q), self.weights, self.idf or (lambda w: 1.0), self.top)
+    def _with_attention(self, llm: LLM, q: QueryInput, context: list[int], attention: np.ndarray | None) -> str:
+        return dior_query(llm, q.question, context, self.candidates(llm, q), self.weights, self.idf or (lambda w: 1.0), self.top, attention)
 
 
 @dataclasses.dataclass(frozen=True)
-class CtrlAQuery:
+class CtrlAQuery(_Formulation):
     """CtrlA's Eq. 3: the question and the segment without its new, unconfident words (Eq. 2 < 0)."""
 
     name: str = "ctrla"

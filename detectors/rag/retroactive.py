@@ -65,7 +65,9 @@ from detectors.baselines.retrorag import yes_no_ids, yes_probability
 from detectors.config.retrorag import RetroRagParams
 from detectors.config.schema import PromptParams
 from detectors.llm.generate import Generation, OnBatch, generate, instruction_prompt, row_generator
+from detectors.llm.states import StateCache
 from detectors.llm.loading import LLM
+from detectors.rag.context import with_context
 from detectors.rag.loop import RagResult, Retrieval
 from detectors.rag.retriever import Hit
 
@@ -143,11 +145,6 @@ def split_candidates(text: str) -> list[str]:
     return out
 
 
-def with_context(prompt: PromptParams, context: str) -> PromptParams:
-    """The question prompt with ``context`` right before its question (as rag_eval puts its passages)."""
-    return dataclasses.replace(prompt, template=prompt.template.replace("{question}", context + "{question}", 1))
-
-
 # ---- the procedure --------------------------------------------------------------------------------------------
 
 
@@ -203,12 +200,13 @@ class RetroRag:
     """RetroRAG over ``llm`` and ``retriever`` (``batch_search``), the Answerer's prompts built on the project's
     question prompt ``prompt``; ``batch_size`` rows per batched LLM call."""
 
-    def __init__(self, llm: LLM, retriever, params: RetroRagParams, prompt: PromptParams, batch_size: int = 16):
+    def __init__(self, llm: LLM, retriever, params: RetroRagParams, prompt: PromptParams, batch_size: int = 16, cache_bytes: int = 4 << 30):
         params.check("retrorag")
         prompt.check("prompt")
         if batch_size < 1:
             raise ValueError(f"RetroRAG: batch_size must be >= 1, got {batch_size}")
         self.llm, self.retriever, self.params, self.prompt, self.batch_size = llm, retriever, params, prompt, batch_size
+        self.cache_bytes, self.cache = cache_bytes, None  # a StateCache while a group of questions runs
         self.yes_ids, self.no_ids = yes_no_ids(llm.tokenizer, params.yes_words, params.no_words)
 
     # ---- public API ----------------------------------------------------------------------------------------
@@ -217,28 +215,40 @@ class RetroRag:
         return [s.result() for s in self.run(questions, record_prompts)]
 
     def run(self, questions: Sequence[str], record_prompts: bool | Sequence[bool] = False) -> list[RetroState]:
-        """Every question through Fig. 3's iterations, the open ones together; their states (every iteration kept)."""
-        start = time.perf_counter()
+        """Every question through Fig. 3's iterations, ``batch_size`` questions together (the open ones of a group
+        advance iteration by iteration, each LLM call batched across them); their states (every iteration kept).
+
+        A group's prompts share one :class:`~detectors.llm.states.StateCache`: a prompt continues the longest prefix
+        any earlier prompt of the group ran (evidence scored again against a new matching query, a reference shown to
+        every candidate, the Answerer's prompt that grew by an evidence item), so each prefix runs once."""
         states = self.start(questions, record_prompts)
+        for at in range(0, len(states), self.batch_size):
+            self._run_group(states[at : at + self.batch_size])
+        return states
+
+    def _run_group(self, states: list[RetroState]) -> None:
+        start = time.perf_counter()
+        self.cache = StateCache(self.cache_bytes)
         p = self.params
         for level in range(p.max_iterations):
             active = [s for s in states if not s.done]
             log.info("RetroRAG iteration %d/%d: %d of %d questions open", level + 1, p.max_iterations, len(active), len(states))
             if not active:
                 break
+            last = level == p.max_iterations - 1
             self.collate(active)
-            self.answerer(active)
+            self.answerer(active, judge=not last)
             for s in active:
-                s.done = s.iterations[-1].consistency > p.threshold or level == p.max_iterations - 1
+                s.done = last or s.iterations[-1].consistency > p.threshold
             rest = [s for s in active if not s.done]
             if rest:
                 self.discover(rest)
                 self.requery(rest)
+        self.cache = None
         if states:  # the time outside the LLM's and the retriever's calls, shared evenly
             rest_s = max(time.perf_counter() - start - sum(s.seconds for s in states), 0.0)
             for s in states:
                 s.seconds += rest_s / len(states)
-        return states
 
     def start(self, questions: Sequence[str], record_prompts: bool | Sequence[bool] = False) -> list[RetroState]:
         """The initial states: q_s^(0) = q_m^(0) = q, no evidence."""
@@ -274,20 +284,28 @@ class RetroRag:
             s.iterations[-1].candidates = [dataclasses.replace(e, score=float(v)) for e, v in zip(candidates, own)]
             s.iterations[-1].source = list(s.source)
 
-    def answerer(self, states: list[RetroState]) -> None:
+    def answerer(self, states: list[RetroState], judge: bool = True) -> None:
         """The Answerer (Eq. 1): a and r from the answer-generator (M_C, greedy), a_sc from the SC-generator (M_D,
-        sampled), s_sc from M_sc on (q, a, a_sc); the evidence is E = E_s ∪ E_i."""
+        sampled), s_sc from M_sc on (q, a, a_sc); the evidence is E = E_s ∪ E_i. Without ``judge`` (the last
+        iteration, whose answer stands whatever s_sc says) only a is generated: no reason, no a_sc, no s_sc."""
         p = self.params
         evidence = [self._evidence(s) for s in states]
         answer_prompts = [self._question_prompt(s.question, p.answer_context, e) for s, e in zip(states, evidence)]
-        direct_prompts = [self._question_prompt(s.question, p.direct_context, e) for s, e in zip(states, evidence)]
-        said = self._generate(list(zip(states, answer_prompts)), p.reason_tokens, stop=(), question_prompt=True)
-        samples = self._generate(list(zip(states, direct_prompts)), p.answer_tokens, stop=("\n",), question_prompt=True,
-                                 generators=[row_generator(p.seed, s.question, len(s.iterations) - 1) for s in states])  # fmt: skip
-        for s, e, g, sc in zip(states, evidence, said, samples):
+        if judge:
+            said = self._generate(list(zip(states, answer_prompts)), p.reason_tokens, stop=(), question_prompt=True)
+        else:  # the answer is the continuation's first line, at most answer_tokens: the same tokens, without the reason
+            said = self._generate(list(zip(states, answer_prompts)), p.answer_tokens, stop=("\n",), question_prompt=True)
+        for s, e, g in zip(states, evidence, said):
             it = s.iterations[-1]
             it.evidence = e
-            it.answer, it.reason, it.sc_answer = self.answer_text(g.ids), " ".join(self.llm.tokenizer.decode(g.ids, skip_special_tokens=True).split()), sc.text
+            it.answer, it.reason = self.answer_text(g.ids), " ".join(self.llm.tokenizer.decode(g.ids, skip_special_tokens=True).split())
+        if not judge:
+            return
+        direct_prompts = [self._question_prompt(s.question, p.direct_context, e) for s, e in zip(states, evidence)]
+        samples = self._generate(list(zip(states, direct_prompts)), p.answer_tokens, stop=("\n",), question_prompt=True,
+                                 generators=[row_generator(p.seed, s.question, len(s.iterations) - 1) for s in states])  # fmt: skip
+        for s, sc in zip(states, samples):
+            s.iterations[-1].sc_answer = sc.text
         jobs = [(s, self._instruction(p.consistency_template.format(question=s.question, answer=s.iterations[-1].answer,
                                                                     sc_answer=s.iterations[-1].sc_answer))) for s in states]  # fmt: skip
         for s, score in zip(states, self._score(jobs)):
@@ -375,7 +393,7 @@ class RetroRag:
         self._record(jobs)
         owners = [s for s, _ in jobs]
         return yes_probability(self.llm, [t for _, t in jobs], self.yes_ids, self.no_ids, self.batch_size, add_special_tokens=not self.params.chat,
-                               on_batch=self._accounting(owners))  # fmt: skip
+                               on_batch=self._accounting(owners), cache=self.cache)  # fmt: skip
 
     def _generate(self, jobs: list[tuple[RetroState, str]], max_new_tokens: int, stop: Sequence[str], question_prompt: bool = False,
                   generators: list[torch.Generator] | None = None) -> list[Generation]:  # fmt: skip
@@ -383,7 +401,7 @@ class RetroRag:
         owners = [s for s, _ in jobs]
         chat = self.prompt.chat if question_prompt else self.params.chat
         out = generate(self.llm, [t for _, t in jobs], max_new_tokens, add_special_tokens=not chat, stop=stop, batch_size=self.batch_size,
-                       generators=generators, temperature=self.params.sc_temperature, on_batch=self._accounting(owners))  # fmt: skip
+                       generators=generators, temperature=self.params.sc_temperature, on_batch=self._accounting(owners), cache=self.cache)  # fmt: skip
         for s, g in zip(owners, out):
             s.generated += len(g.ids)
         return out

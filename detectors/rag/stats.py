@@ -18,7 +18,9 @@ states (:class:`~detectors.llm.layers.StateTap`) and CtrlA's projections
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -191,30 +193,42 @@ class CtrlACalculator(Calculator):
 
 class EarlyCalculator(Calculator):
     """The early set's columns of each question (:func:`~detectors.dior.early.batch_question_features`, the
-    function build_early and ``assess`` call), ``batch`` questions per call. A question is measured once and reused
-    by every configuration that asks again; the reuse reports what the first computation cost."""
+    function build_early and ``assess`` call), ``batch`` questions per call; IG only when the detector reads the
+    attribution (its ``attribution`` or ``entropy`` groups). A question is measured once per LLM and feature params and
+    reused by every detector and configuration that asks again (the first computation's cost is reported with the
+    reuse): the dior-early and utility triggers of every corpus share one measurement."""
 
     key, question = "early", ("early",)
 
     def __init__(self, detector, batch: int = 32):
         self.detector, self.batch = detector, batch
-        self._done: dict[str, tuple[dict | Exception, int, float]] = {}
+        self.attribution = bool({"attribution", "entropy"} & set(detector.groups))
+
+    def _done(self, llm: LLM) -> dict[str, tuple[dict | Exception, int, float, bool]]:
+        """The measurements shared by every calculator of ``llm`` with these feature params: question -> (columns or
+        error, forward passes, seconds, with attribution)."""
+        shared = _MEASURED.setdefault(llm.model, {})
+        return shared.setdefault(json.dumps(dataclasses.asdict(self.detector.features), sort_keys=True), {})
 
     def questions(self, questions: list[str]) -> list[Measured]:
         from detectors.dior.early import batch_question_features, features_to_row
 
-        todo = [q for q in dict.fromkeys(questions) if q not in self._done]
-        fresh = set(todo)
         llm = self.detector.require_llm()
+        done = self._done(llm)
+        todo = [q for q in dict.fromkeys(questions) if q not in done or (self.attribution and not done[q][3])]
+        fresh = set(todo)
         for start in range(0, len(todo), self.batch):
             chunk = todo[start : start + self.batch]
             began = time.perf_counter()
             with ForwardCounter(llm.model) as counter:
-                feats = batch_question_features(llm, chunk, self.detector.features)
+                feats = batch_question_features(llm, chunk, self.detector.features, attribution=self.attribution)
             seconds = (time.perf_counter() - began) / len(chunk)
             for q, f in zip(chunk, feats):
-                self._done[q] = (f if isinstance(f, RecordError) else features_to_row(f), counter.calls, seconds)
-        return [Measured(*self._done[q], fresh=q in fresh) for q in questions]
+                done[q] = (f if isinstance(f, RecordError) else features_to_row(f), counter.calls, seconds, self.attribution)
+        return [Measured(*done[q][:3], fresh=q in fresh) for q in questions]
+
+
+_MEASURED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # EarlyCalculator's, per LLM
 
 
 def calculators_of(triggers) -> list[Calculator]:
