@@ -77,6 +77,17 @@ def code_digest(module: str, root: Path = ROOT) -> str:
     return digest.hexdigest()[:16]
 
 
+def closure_digest(modules: Iterable[str], lazy: Iterable[str] = (), root: Path = ROOT) -> str:
+    """SHA-256 (shortened) of the names and bytes of the project files that importing ``modules`` loads, the
+    function-level imports and registry entries of the ``lazy`` modules (modules that dispatch by name) not followed:
+    the code of one computation, not of everything its stage can run."""
+    digest = hashlib.sha256()
+    for rel in sorted(import_closure(sorted(set(modules)), PACKAGES, root, lazy)[0]):
+        digest.update(f"{rel.as_posix()}\0".encode())
+        digest.update((root / rel).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def library_versions(names: Iterable[str]) -> dict[str, str]:
     """Installed versions of the distributions that compute a stage's numbers."""
     return {name: importlib.metadata.version(name) for name in names}

@@ -19,21 +19,61 @@ from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
+from detectors.llm.states import StateCache
 from detectors.rag.loop import RagConfig, RagLoop, RagResult
 from detectors.rag.answer_metrics import FAILED
 from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
-from detectors.rag.triggers import TriggerSettings, check_threshold, make_trigger
+from detectors.rag.kinds import make_trigger
+from detectors.rag.triggers import TriggerSettings, check_threshold
 from detectors.progress import progress
 from detectors.registry import store
 from detectors.shards import ERROR, OK, ShardStore
+from pipelines._provenance import closure_digest
 
 log = logging.getLogger("rag_eval")
 
 Answer = Callable[[list[str], list[bool]], list[dict]]
 SWEEP = "sweep"  # the test sweep's run, and the metrics file's key for the curves
 VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions, where every operating threshold is chosen
+
+
+# modules that dispatch by name (registries, the runtime's builders): their function-level imports and registry entries
+# are not part of a run's code; the modules of what a run actually built are (run_code)
+DISPATCH = ("pipelines._rag_runtime", "detectors.rag.kinds", "detectors.rag.queries", "detectors.registry.kinds", "detectors.config.sections",
+            "detectors.inference")  # fmt: skip
+
+
+def run_modules(triggers: list, *parts: Any) -> set[str]:
+    """The modules a run executes: the runtime, the loop, and the modules of what it built (each trigger's family
+    module and parts, the query formulation, the steering detector, a framework). Their import closure, the dispatching
+    modules' other branches left out (:data:`DISPATCH`), is the run's code (:func:`run_code`)."""
+    modules = {"pipelines._rag_runtime", "detectors.rag.loop", *(t.source for t in triggers if t.source)}
+    return modules | {type(p).__module__ for t in triggers for p in t.parts()} | {type(p).__module__ for p in parts if p is not None}
+
+
+def run_code(triggers: list, *parts: Any) -> str:
+    """The digest of the code a run executes (:func:`run_modules`): a change to one family's code (CtrlA's rule,
+    Stitch-in-Time's validator) changes the key of the runs that use it only."""
+    return closure_digest(run_modules(triggers, *parts), DISPATCH)
+
+
+def run_params(rag, config, triggers: list) -> dict[str, Any]:
+    """The ``rag_eval`` params that shape a configuration's answers: the loop's budget and context, its own entry, and
+    the sections only some systems read (the query's settings, Stitch-in-Time's validation, CtrlA's refusal handling)
+    only where its query or triggers read them."""
+    out: dict[str, Any] = {k: getattr(rag, k) for k in ("k", "max_retrievals", "max_new_tokens", "context")}
+    out["configuration"] = dataclasses.asdict(config)
+    if config.query == "qfs":
+        out["qfs_top_n"] = rag.query.qfs_top_n
+    if config.query == "dior":
+        out["dior"] = {"top": rag.query.dior_top, "weights": dataclasses.asdict(rag.query.dior_weights)}
+    if any(t.validator is not None for t in triggers):
+        out["sit"] = dataclasses.asdict(rag.sit)
+    if any(t.refusal is not None for t in triggers):
+        out["ctrla"] = dataclasses.asdict(rag.ctrla)
+    return out
 
 
 def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagResult]]) -> Answer:
@@ -69,6 +109,16 @@ class RagRuntime:
         self.tracking_uri = store.configure(params["mlflow"].tracking_uri)
         self._retrievers: dict[str, BM25Retriever] = {}
         self._triggers: dict[str, Any] = {}
+        self._states: dict[str, StateCache] = {}  # per steering: the sequences every configuration's loop ran
+
+    def states(self, steering: str | None) -> StateCache:
+        """The states the configurations run under ``steering`` share (a prompt one configuration ran, another does
+        not run again)."""
+        return self._states.setdefault(steering or "", StateCache())
+
+    def forget_states(self) -> None:
+        """Drop the shared states (the configurations moved on to other questions)."""
+        self._states.clear()
 
     def retriever(self, corpus: str) -> BM25Retriever:
         if corpus not in self._retrievers:
@@ -110,31 +160,33 @@ class RagRuntime:
         weights = DiorWeights(**dataclasses.asdict(q.dior_weights))
         return make_query(name, theta, q.qfs_top_n, weights, q.dior_top, retriever.idf if retriever else None)
 
-    def loop(self, name: str, config, corpus: str, thresholds: dict[str, float]) -> Answer:
+    def loop(self, name: str, config, corpus: str, thresholds: dict[str, float]) -> tuple[Answer, str]:
         """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus``, its triggers at ``thresholds``,
-        as ``answer(questions, records)``."""
+        as ``answer(questions, records)``, and the digest of the code it runs (:func:`run_code`)."""
         triggers = [self.trigger(t, corpus, thresholds) for t in config.triggers]
-        steering = None
+        steering, steerer = None, None
         if config.steering:
             steer_name, alias = config.steering.split("@", 1)
-            steering = load_detector(steer_name, alias=alias, llm=self.llm, tracking_uri=self.tracking_uri).vectors()
+            steerer = load_detector(steer_name, alias=alias, llm=self.llm, tracking_uri=self.tracking_uri)
+            steering = steerer.vectors()
         retriever = self.retriever(corpus) if triggers else None
-        rag = RagLoop(self.llm, retriever, self.rag_config(name, config.stepwise, config.chunk, context=config.context), triggers,
-                      self.query(config.query, triggers, retriever), steering)  # fmt: skip
-        return resilient(name, rag.answer_all)
+        query = self.query(config.query, triggers, retriever)
+        rag = RagLoop(self.llm, retriever, self.rag_config(name, config.stepwise, config.chunk, context=config.context), triggers, query, steering,
+                      self.states(config.steering))  # fmt: skip
+        return resilient(name, rag.answer_all), run_code(triggers, query, steerer)
 
-    def framework(self, name: str, corpus: str) -> Answer:
+    def framework(self, name: str, corpus: str) -> tuple[Answer, str]:
         """Seed system ``name`` of ``rag_eval.frameworks`` (its own loop, its params the section of its name) over
-        ``corpus``, as ``answer(questions, records)``."""
+        ``corpus``, as ``answer(questions, records)``, and the digest of the code it runs."""
         from detectors.rag.retroactive import RetroRag  # the only framework (FRAMEWORKS)
 
         rag = RetroRag(self.llm, self.retriever(corpus), self.stage_params[name], self.stage_params["build_early.features.prompt"], self.params.batch_size)
-        return resilient(name, rag.answer_all)
+        return resilient(name, rag.answer_all), run_code([], rag)
 
-    def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], dict[str, str]]:
-        """The sweep over ``corpus``: ``sweep(questions, references)`` (the stored lines) and the swept triggers' kinds by
+    def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], dict[str, str], str]:
+        """The sweep over ``corpus``: ``sweep(questions, references)`` (the stored lines), the swept triggers' kinds by
         name (``baseline``: training-free; ``detector``: trained), every trigger of the configurations but ``always``,
-        which is the sweep's position-0 reference."""
+        which is the sweep's position-0 reference, and the digest of the code it runs."""
         specs = list(dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if t != "always"))
         triggers = [self.trigger(t, corpus) for t in specs]
         retriever = self.retriever(corpus)
@@ -155,65 +207,101 @@ class RagRuntime:
                 lines.append(line)
             return lines
 
-        return sweep, {t.name: t.scorer.kind for t in triggers}
+        return sweep, {t.name: t.scorer.kind for t in triggers}, run_code(triggers)
 
 
 # ---- resumable runs ------------------------------------------------------------------------------------------
 
 
-def run_questions(directory: Path, key: dict[str, Any], rows: pd.DataFrame, answer: Callable[[list[str], list[bool]], list[dict]],
-                  prompts_sample: int, desc: str, shard_size: int) -> list[dict]:  # fmt: skip
-    """Answer every row (``id``, ``question``) with ``answer(questions, record_prompts)`` (JSON-able dicts,
-    ``dataclasses.asdict`` of RagResults), in resumable shards of ``shard_size`` questions under ``directory`` (a
-    :class:`~detectors.shards.ShardStore` keyed on ``key``: what shapes the answers; another key starts it again).
-    Each question is a row ``id``, ``status`` (``error: …`` for a question whose loop raised, computed again by the
-    next run) and ``line`` (its result as JSON); the first ``prompts_sample`` rows record their prompts. Returns the
-    lines of every row, in the rows' order."""
+@dataclasses.dataclass
+class Run:
+    """One resumable run: its shard store's ``directory`` and ``key`` (what shapes its answers) and how it answers a
+    chunk of questions, ``answer(questions, record_prompts) -> [dict]`` (JSON-able RagResults)."""
+
+    name: str
+    directory: Path
+    key: dict[str, Any]
+    answer: Answer
+    prompts_sample: int = 0
+
+
+def run_questions(runs: list[Run], rows: pd.DataFrame, desc: str, shard_size: int, on_shard: Callable[[], None] | None = None) -> dict[str, list[dict]]:
+    """Answer every row (``id``, ``question``) in every run, question-major: shard after shard of ``shard_size``
+    questions, each shard answered by every run that lacks it before the next (``on_shard`` is called before each, so
+    that what the runs share about a shard's questions, their prompts' states, stays small). Each run is a
+    :class:`~detectors.shards.ShardStore` under its directory keyed on its key (another key starts it again): a killed
+    stage resumes where it stopped. A row is ``id``, ``status`` (``error: …`` for a question whose loop raised, computed
+    again by the next run) and ``line`` (its result as JSON); the first ``prompts_sample`` rows of a run record their
+    prompts. Returns each run's lines of every row, in the rows' order."""
     ids = hashlib.sha256("\x1f".join(rows["id"]).encode()).hexdigest()[:16]  # the shards cover exactly these questions
-    store = ShardStore(directory, {**key, "questions_digest": ids, "shard_size": shard_size})
     table = rows[["id", "question"]].reset_index(drop=True)
-    todo = store.todo(table, shard_size)
-    left = sum(len(chunk) for _, chunk in todo)
-    with progress(total=len(table), initial=len(table) - left, desc=desc, unit="question") as bar:
-        for k, chunk in todo:
-            results = answer(list(chunk["question"]), [i < prompts_sample for i in chunk.index])
-            status = [f"{ERROR}{r['error']}" if str(r.get("error") or "").startswith(FAILED) else OK for r in results]
-            store.write(k, pd.DataFrame({"id": list(chunk["id"]), "status": status, "line": [json.dumps(r) for r in results]}))
-            bar.update(len(chunk))
-    frame = store.read_all(len(table), shard_size)
-    return [{"id": i, **json.loads(line)} for i, line in zip(frame["id"], frame["line"])]
+    stores = {r.name: ShardStore(r.directory, {**r.key, "questions_digest": ids, "shard_size": shard_size}) for r in runs}
+    todo = {r.name: dict(stores[r.name].todo(table, shard_size)) for r in runs}
+    shards = sorted({k for t in todo.values() for k in t})
+    left = sum(len(chunk) for t in todo.values() for chunk in t.values())
+    total = len(table) * len(runs)
+    with progress(total=total, initial=total - left, desc=desc, unit="answer") as bar:
+        for k in shards:
+            if on_shard is not None:
+                on_shard()
+            for r in runs:
+                if k not in todo[r.name]:
+                    continue
+                chunk = todo[r.name][k]
+                results = r.answer(list(chunk["question"]), [i < r.prompts_sample for i in chunk.index])
+                status = [f"{ERROR}{x['error']}" if str(x.get("error") or "").startswith(FAILED) else OK for x in results]
+                stores[r.name].write(k, pd.DataFrame({"id": list(chunk["id"]), "status": status, "line": [json.dumps(x) for x in results]}))
+                bar.update(len(chunk))
+    out = {}
+    for r in runs:
+        frame = stores[r.name].read_all(len(table), shard_size)
+        out[r.name] = [{"id": i, **json.loads(line)} for i, line in zip(frame["id"], frame["line"])]
+    return out
 
 
 class RunWorker:
-    """Answers the questions of one run per call (a corpus × configuration at its corpus's ``thresholds``, a framework,
-    or a sweep: of the test questions, or of the validation ones), resuming it; builds the LLM, retrievers and triggers
-    once (in the stage's process or a Ray actor). Returns the run's lines and the digests that identify what answered
-    them."""
+    """Answers the questions of the runs of one unit per call, resuming them: a corpus's configurations (a tuple of
+    names, answered question-major so that they share their prompts' states), a framework, or a sweep (of the test
+    questions, or of the validation ones); builds the LLM, retrievers and triggers once (in the stage's process or a
+    Ray actor). Returns each run's lines and the digests that identify what answered them."""
 
     def __init__(self, params, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, float]] | None = None):
         self.runtime, self.rag, self.rows, self.base_key, self.thresholds = RagRuntime(params), params["rag_eval"], rows, base_key, thresholds
         self.runs_dir = Path(params["paths.rag_runs"])
 
-    def __call__(self, unit: tuple[str, str]) -> dict[str, Any]:
-        corpus, name = unit
+    def _champions(self, specs: list[str]) -> dict[str, str]:
+        """The registered versions the run's ``<name>@<alias>`` specs point to (a promotion restarts the runs that read it)."""
+        return {s: self.base_key["champions"][s] for s in sorted(set(specs)) if s in self.base_key["champions"]}
+
+    def __call__(self, unit: tuple[str, str | tuple[str, ...]]) -> dict[str, Any]:
+        corpus, names = unit
         runtime, rag = self.runtime, self.rag
-        base = {**self.base_key, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
+        base = {**{k: v for k, v in self.base_key.items() if k != "champions"}, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
         out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
-        directory, desc, rows = self.runs_dir / corpus / name, f"{corpus} · {name}", self.rows["test"]
-        if name in (SWEEP, VAL_SWEEP):
-            rows = self.rows["val" if name == VAL_SWEEP else "test"]
-            sweep_loop, out["triggers"] = runtime.sweep_loop(corpus)
-            key = {**base, "sweep": dataclasses.asdict(rag.sweep), "triggers": out["triggers"], "questions": name}
+        rows = self.rows["test"]
+        if names in (SWEEP, VAL_SWEEP):
+            rows = self.rows["val" if names == VAL_SWEEP else "test"]
+            sweep_loop, out["triggers"], code = runtime.sweep_loop(corpus)
+            specs = [on_corpus(t, corpus) for c in rag.configurations.values() for t in c.triggers]
+            key = {**base, "code": code, "params": {k: getattr(rag, k) for k in ("k", "max_new_tokens", "context")}, "sweep": dataclasses.asdict(rag.sweep),
+                   "triggers": out["triggers"], "champions": self._champions(specs), "questions": names}  # fmt: skip
             refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
-            answer, sample = (lambda qs, _: sweep_loop(qs, [refs[q] for q in qs])), 0
-        elif name in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
-            key = {**base, "framework": name, "params": dataclasses.asdict(runtime.stage_params[name])}
-            answer, sample = runtime.framework(name, corpus), rag.prompts_sample
+            runs = [Run(names, self.runs_dir / corpus / names, key, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]))]
+        elif names in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
+            answer, code = runtime.framework(names, corpus)
+            key = {**base, "code": code, "framework": names, "params": dataclasses.asdict(runtime.stage_params[names])}
+            runs = [Run(names, self.runs_dir / corpus / names, key, answer, rag.prompts_sample)]
         else:
-            config = rag.configurations[name]
-            names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
-            thresholds = {t: v for t, v in self.thresholds[corpus].items() if t in names}
-            key = {**base, "configuration": dataclasses.asdict(config), "thresholds": thresholds}
-            answer, sample = runtime.loop(name, config, corpus, self.thresholds[corpus]), rag.prompts_sample
-        out["lines"] = run_questions(directory, key, rows, answer, sample, desc, rag.shard_size)
+            runs = []
+            for name in names:
+                config = rag.configurations[name]
+                answer, code = runtime.loop(name, config, corpus, self.thresholds[corpus])
+                triggers = [runtime.trigger(t, corpus) for t in config.triggers]
+                names_ = {n for s in config.triggers for n in trigger_names(s, [corpus])}
+                key = {**base, "code": code, "params": run_params(rag, config, triggers), "thresholds": {t: v for t, v in self.thresholds[corpus].items() if t in names_},
+                       "champions": self._champions([on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else []))}  # fmt: skip
+                runs.append(Run(name, self.runs_dir / corpus / name, key, answer, rag.prompts_sample))
+        desc = f"{corpus} · {names if isinstance(names, str) else f'{len(names)} configurations'}"
+        out["lines"] = run_questions(runs, rows, desc, rag.shard_size, on_shard=runtime.forget_states)
+        runtime.forget_states()
         return out

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 from safetensors.numpy import load_file
 
-from detectors.baselines import question_baselines, realtime_baselines
+from detectors.baselines.catalog import question_baselines, realtime_baselines
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.dior.served import served_behaviour, served_scorer
 from detectors.evaluation.compare import DATASETS, compare_levels, long_table

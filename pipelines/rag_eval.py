@@ -44,10 +44,9 @@ from detectors.rag.answer_metrics import FAILED, summarise
 from detectors.rag.report import curves_table, headline, log_rag_runs, markdown_table, reference_deltas, thresholds_table, versus_always
 from detectors.rag.sweep import curves as sweep_curves
 from detectors.rag.sweep import operating_point
-from detectors.rag.triggers import check_specs
+from detectors.rag.kinds import check_specs
 from detectors.registry import store
 from detectors.sources.ids import sample
-from pipelines._provenance import code_digest
 from pipelines._rag_runtime import SWEEP, VAL_SWEEP, RunWorker
 from pipelines._stage import run, stage_params
 
@@ -58,12 +57,6 @@ READS = (
     "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_headline", "paths.rag_table", "paths.rag_curves",
     "paths.rag_curves_plot", "paths.rag_prompts",
 )  # fmt: skip
-# rag_eval params that do not shape a run's answers (each configuration, corpus and the sweep are keyed on their own; the
-# questions by their ids, the shards by their size; batch_size only groups questions; the rest is reporting)
-NOT_KEYED = ("configurations", "frameworks", "corpora", "sweep", "prompts_sample", "experiment", "questions", "batch_size", "shard_size",
-             "bootstrap", "seed", "thresholds")  # fmt: skip
-
-
 def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> pd.DataFrame:
     """The first ``limit`` questions of ``split`` by id hash (all of them for None), in the QA table's order."""
     missing = [c for c in ("id", "question", "answers", "split") if c not in qa.columns]
@@ -143,9 +136,10 @@ def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[s
 
 
 def champion_versions(params) -> dict[str, str]:
-    """The version each registered ``<name>@<alias>`` of the configurations points to now (triggers on every corpus and
-    honesty steering): part of every run's key, so that moving an alias (``promote``) outside the pipeline makes
-    the runs that read it compute again instead of resuming what another version answered."""
+    """The version (and its run id) each registered ``<name>@<alias>`` of the configurations points to now (triggers on
+    every corpus and honesty steering): part of the key of every run that reads it, so that moving an alias
+    (``promote``) outside the pipeline makes those runs compute again instead of resuming what another version
+    answered."""
     rag = params["rag_eval"]
     specs = {on_corpus(t, c) for config in rag.configurations.values() for t in config.triggers for c in rag.corpora}
     specs |= {config.steering for config in rag.configurations.values() if config.steering}
@@ -160,7 +154,7 @@ def champion_versions(params) -> dict[str, str]:
                              f"first ({err.error_code})") from err  # fmt: skip
         if version is None:
             raise InputError(f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {params['mlflow'].tracking_uri}: run the register stages first")
-        out[spec] = str(version.version)
+        out[spec] = f"{version.version}:{version.run_id}"  # the run id tells a version 1 of another store apart
     return out
 
 
@@ -171,24 +165,27 @@ def main(argv: list[str] | None = None) -> None:
     qa = pd.read_parquet(params["paths.qa"])
     rows = {"test": split_questions(qa, "test", rag.questions), "val": split_questions(qa, "val")}
     answers = [list(a) for a in rows["test"]["answers"]]
-    registries = {k: file_digest(params[f"paths.registry_{k}"]) for k in ("early", "realtime", "ctrla", "utility") if Path(params[f"paths.registry_{k}"]).exists()}
-    base_key = {"code": code_digest("pipelines._rag_runtime"), "registry": registries, "champions": champion_versions(params), "qa": file_digest(params["paths.qa"]),
-                "shared": {k: v for k, v in dataclasses.asdict(rag).items() if k not in NOT_KEYED}}  # fmt: skip
+    # what shapes every run's answers; each run adds its own code, params, thresholds and champions (pipelines._rag_runtime)
+    base_key = {"qa": file_digest(params["paths.qa"]), "prompt": dataclasses.asdict(params["build_early.features.prompt"]),
+                "stop": list(params["build_early.stop"]), "spacy_model": params["build_realtime.spacy_model"], "champions": champion_versions(params)}  # fmt: skip
     # first every corpus's validation sweep (the operating thresholds) and the test sweep (the curves)
     sweeps = [(corpus, VAL_SWEEP) for corpus in rag.corpora] + [(rag.sweep.corpus, SWEEP)]
     swept = {sweeps[i]: result for i, result in map_units(sweeps, functools.partial(RunWorker, params, rows, base_key), params["execution"])}
+    swept = {unit: {**result, "lines": result["lines"][unit[1]]} for unit, result in swept.items()}
     thresholds = {c: choose_thresholds(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"]), rag.thresholds) for c in rag.corpora}
     for corpus, chosen in thresholds.items():
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
+    # a corpus's configurations in one unit (answered question-major, so that they share their prompts' states); a
+    # configuration that never retrieves answers the same on every corpus: run once; each framework its own unit
     first = rag.corpora[0]
-    units = [(corpus, name) for corpus in rag.corpora for name, config in rag.configurations.items() if config.triggers or corpus == first]
-    units += [(corpus, name) for corpus in rag.corpora for name in rag.frameworks]
-    # a configuration that never retrieves answers the same on every corpus: run once
+    groups = {corpus: tuple(name for name, config in rag.configurations.items() if config.triggers or corpus == first) for corpus in rag.corpora}
+    units = [(corpus, names) for corpus, names in groups.items() if names] + [(corpus, name) for corpus in rag.corpora for name in rag.frameworks]
     worker = functools.partial(RunWorker, params, rows, base_key, thresholds)
     results = {units[i]: result for i, result in map_units(units, worker, params["execution"])}
-    lines = {corpus: {**{name: results[(corpus, name) if config.triggers else (first, name)]["lines"] for name, config in rag.configurations.items()},
-                      **{name: results[(corpus, name)]["lines"] for name in rag.frameworks}} for corpus in rag.corpora}  # fmt: skip
-    for corpus, name in units:
+    answered = {(corpus, name): run for (corpus, _), result in results.items() for name, run in result["lines"].items()}
+    lines = {corpus: {**{name: answered[(corpus, name) if config.triggers else (first, name)] for name, config in rag.configurations.items()},
+                      **{name: answered[(corpus, name)] for name in rag.frameworks}} for corpus in rag.corpora}  # fmt: skip
+    for corpus, name in answered:
         check_failures(lines[corpus][name], f"{corpus} · {name}")
     refs = references(rag.configurations)
     metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, rag.bootstrap, rag.seed)

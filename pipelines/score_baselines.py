@@ -24,7 +24,8 @@ import pandas as pd
 import torch
 
 from detectors.baselines.retrorag import CONSISTENCY, NAME as RETRORAG, self_consistency_scores, self_evaluation_scores
-from detectors.baselines.rind import NAME as RIND, attention_implementation, rind_scores
+from detectors.baselines.rind import NAME as RIND, rind_scores
+from detectors.llm.layers import attention_implementation
 from detectors.errors import InputError
 from detectors.io import write_json
 from detectors.llm.kv import forward_rows

@@ -20,7 +20,8 @@ from detectors.baselines.retrorag import self_consistency_scores, self_evaluatio
 from detectors.config import load_section
 from detectors.config.core import from_dict
 from detectors.config.schema import PromptParams
-from detectors.baselines.rind import attention_implementation, rind_scores
+from detectors.baselines.rind import rind_scores
+from detectors.llm.layers import attention_implementation
 from detectors.dior.recorder import generate_traced
 from detectors.llm.loading import prepare_llm
 from pipelines import score_baselines

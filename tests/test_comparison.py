@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from detectors.baselines import realtime_baselines
+from detectors.baselines.catalog import realtime_baselines
 from detectors.config.core import ParamsError
 from detectors.config.evaluation import EvaluateParams
 from detectors.evaluation.compare import COLUMNS, MissingScoresError, compare, long_table

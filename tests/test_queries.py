@@ -43,7 +43,7 @@ def test_words_decode_whole_even_when_a_character_spans_two_byte_tokens(tiny_llm
 
 
 def test_qfs_takes_context_words_in_text_order_without_stopwords(tiny_llm):
-    from detectors.baselines.rind import attention_implementation
+    from detectors.llm.layers import attention_implementation
 
     context = ids(tiny_llm, "The capital of Occitania is Toulouse and the currency of Japan is yen")
     before = tiny_llm.model.config._attn_implementation

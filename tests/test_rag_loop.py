@@ -37,7 +37,8 @@ from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import CtrlAQuery, make_query
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.triggers import Policy, Trigger, TriggerSettings, make_trigger
+from detectors.rag.kinds import make_trigger
+from detectors.rag.triggers import Policy, Trigger, TriggerSettings
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 
@@ -279,7 +280,8 @@ def test_dior_keywords_come_from_the_whole_generated_text(tiny_llm, registry):
     """DioR §3.3.1 reads the entire generated text for its query's keyword candidates: the real-time detector's lazy
     ``keywords`` of a segment that fired hold the unflagged entities of the answer kept before it, not only the
     segment's own (the kept tokens were not flagged, or the trigger would have cut there)."""
-    from detectors.rag.stats import MlpCalculator, SegmentView
+    from detectors.rag.kinds.dior import MlpCalculator
+    from detectors.rag.stats import SegmentView
 
     detector = copy.copy(trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector)
     detector.threshold = 0.5  # tokens below it are unflagged (the fixture's 0 flags every token)
@@ -308,16 +310,16 @@ def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_ll
     data["rag_eval"]["configurations"] = {"rt": {"triggers": ["t-realtime@champion"], "query": "question", "stepwise": False, "chunk": False,
                                                  "steering": None, "context": None}}  # fmt: skip
     p = {"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)}
-    assert champion_versions(p) == {"t-realtime@champion": "1"}
+    assert champion_versions(p)["t-realtime@champion"].startswith("1:")  # the version and its run id
     detector = trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector
     directory = detector.save(tmp_path / "v2")  # a second version, promoted by hand
     store.configure(registry)
     with mlflow.start_run(experiment_id=store.experiment("rag-tests", str(tmp_path / "artifacts"), tmp_path)):
         info = store.log_detector(load_artifact(directory), directory, {"kind": detector.KIND})
     version = mlflow.register_model(info.model_uri, "t-realtime").version
-    assert champion_versions(p) == {"t-realtime@champion": "1"}
+    assert champion_versions(p)["t-realtime@champion"].startswith("1:")
     store.promote("t-realtime", int(version))
-    assert champion_versions(p) == {"t-realtime@champion": str(version)}
+    assert champion_versions(p)["t-realtime@champion"].startswith(f"{version}:")
     store.promote("t-realtime", 1)
     data["rag_eval"]["configurations"]["rt"]["triggers"] = ["t-gone@champion"]
     with pytest.raises(InputError, match="rag_eval uses t-gone@champion, but t-gone is not registered"):

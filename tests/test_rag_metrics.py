@@ -20,9 +20,9 @@ from detectors.errors import InputError
 from detectors.rag.answer_metrics import FAILED, METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
 from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
-from detectors.rag.triggers import check_specs
+from detectors.rag.kinds import check_specs
 from detectors.registry import store
-from pipelines._rag_runtime import run_questions
+from pipelines._rag_runtime import Run, run_questions
 from pipelines.rag_eval import references, split_questions, write_curves, write_prompts
 
 
@@ -376,10 +376,10 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     run = tmp_path / "runs" / "wiki" / "flare"
     killed = Answerer(stop_after=3)
     with pytest.raises(KeyboardInterrupt):
-        run_questions(run, {"code": "1"}, rows, killed, 2, "wiki · flare", shard_size=2)
+        run_questions([Run("r", run, {"code": "1"}, killed, 2)], rows, "wiki · flare", shard_size=2)["r"]
     assert len(killed.calls) == 3  # the first shard of two is written, the second was lost with the run
     again = Answerer()
-    lines = run_questions(run, {"code": "1"}, rows, again, 2, "wiki · flare", shard_size=2)
+    lines = run_questions([Run("r", run, {"code": "1"}, again, 2)], rows, "wiki · flare", shard_size=2)["r"]
     assert again.calls == [("question 2", False), ("question 3", False), ("question 4", False)]  # only the missing ones
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
     assert lines[0]["prompts"] == ["prompt of question 0"] and lines[2]["prompts"] == []  # prompts of the first 2 only
@@ -388,21 +388,48 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (0.2, 1, 0, 5)  # a recorded outcome is counted, not a crash
 
     nothing = Answerer()
-    assert run_questions(run, {"code": "1"}, rows, nothing, 2, "wiki · flare", shard_size=2) == lines and nothing.calls == []
+    assert run_questions([Run("r", run, {"code": "1"}, nothing, 2)], rows, "wiki · flare", shard_size=2)["r"] == lines and nothing.calls == []
     other = Answerer()
-    run_questions(run, {"code": "2"}, rows, other, 2, "wiki · flare", shard_size=2)  # other code: every question again
+    run_questions([Run("r", run, {"code": "2"}, other, 2)], rows, "wiki · flare", shard_size=2)["r"]  # other code: every question again
     assert len(other.calls) == 5
     fewer = Answerer()
-    run_questions(run, {"code": "2"}, rows.iloc[1:], fewer, 2, "wiki · flare", shard_size=2)  # other questions: their shards differ
+    run_questions([Run("r", run, {"code": "2"}, fewer, 2)], rows.iloc[1:], "wiki · flare", shard_size=2)["r"]  # other questions: their shards differ
     assert len(fewer.calls) == 4
+
+
+def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
+    """Several runs over the same questions answer shard after shard (each shard by every run before the next shard:
+    what they share about a shard's questions stays small), and each run resumes from its own store."""
+    rows = pd.DataFrame({"id": [f"q{i}" for i in range(4)], "question": [f"question {i}" for i in range(4)]})
+    order = []
+
+    class Logged(Answerer):
+        def __init__(self, name, **kw):
+            super().__init__(**kw)
+            self.name = name
+
+        def __call__(self, questions, records):
+            order.append((self.name, tuple(questions)))
+            return super().__call__(questions, records)
+
+    shards = []
+    runs = [Run("a", tmp_path / "a", {"code": "1"}, Logged("a")), Run("b", tmp_path / "b", {"code": "1"}, Logged("b"))]
+    lines = run_questions(runs, rows, "wiki · 2 configurations", shard_size=2, on_shard=lambda: shards.append(len(order)))
+    assert order == [("a", ("question 0", "question 1")), ("b", ("question 0", "question 1")), ("a", ("question 2", "question 3")),
+                     ("b", ("question 2", "question 3"))]  # fmt: skip
+    assert shards == [0, 2] and set(lines) == {"a", "b"} and [x["id"] for x in lines["b"]] == ["q0", "q1", "q2", "q3"]
+    order.clear()
+    runs = [Run("a", tmp_path / "a", {"code": "1"}, Logged("a")), Run("b", tmp_path / "b", {"code": "2"}, Logged("b"))]  # b's code changed
+    again = run_questions(runs, rows, "wiki · 2 configurations", shard_size=2)
+    assert order == [("b", ("question 0", "question 1")), ("b", ("question 2", "question 3"))] and again["a"] == lines["a"]
 
 
 def test_a_question_whose_loop_raised_is_answered_again_by_the_next_run(tmp_path):
     rows = pd.DataFrame({"id": [f"q{i}" for i in range(4)], "question": [f"question {i}" for i in range(4)]})
-    first = run_questions(tmp_path / "run", {"code": "1"}, rows, Answerer(failing=("question 1",)), 0, "facts · dior", shard_size=2)
+    first = run_questions([Run("r", tmp_path / "run", {"code": "1"}, Answerer(failing=("question 1",)))], rows, "facts · dior", shard_size=2)["r"]
     assert summarise(first, [["a0"]] * 4)["failed"] == 1
     again = Answerer()
-    lines = run_questions(tmp_path / "run", {"code": "1"}, rows, again, 0, "facts · dior", shard_size=2)
+    lines = run_questions([Run("r", tmp_path / "run", {"code": "1"}, again, 0)], rows, "facts · dior", shard_size=2)["r"]
     assert again.calls == [("question 1", False)] and summarise(lines, [["a0"]] * 4)["failed"] == 0
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(4)]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from detectors.baselines import question_baselines, realtime_baselines
+from detectors.baselines.catalog import question_baselines, realtime_baselines
 from detectors.baselines.flare import Flare
 from detectors.evaluation.compare import compare
 from detectors.evaluation.scorers import realtime_detector_scorer

@@ -23,7 +23,7 @@ from detectors.rag.corpus import qa_fact_passages
 from detectors.rag.loop import PostRetrieval, RagConfig, RagLoop
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import curve, operating_point, question_outcomes
-from detectors.rag.triggers import make_trigger
+from detectors.rag.kinds import make_trigger
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector

@@ -25,9 +25,7 @@ RAG loop's DRAGIN trigger, which judges each segment once it is generated.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -35,7 +33,7 @@ import torch
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.llm.distribution import entropy as token_entropy
 from detectors.llm.kv import KV, as_cache, batches, forward_rows, stack_left
-from detectors.llm.layers import decoder_layers
+from detectors.llm.layers import attention_implementation, decoder_layers
 from detectors.llm.loading import LLM
 from detectors.llm.words import DEFAULT_STOPWORDS, sentence_of, spaced_words, word_mask
 
@@ -50,20 +48,6 @@ class RindTrace:
     attention: np.ndarray  # [n] a_max(i), last layer, heads averaged
     content: np.ndarray  # [n] s of the token's word (1.0 a content word, 0.0 stop words or punctuation only)
     rind: np.ndarray  # [n] the token's word's score: sentence-normalised attention × mean entropy × s
-
-
-@contextlib.contextmanager
-def attention_implementation(model: torch.nn.Module, name: str = "eager") -> Iterator[None]:
-    """Run the model with attention implementation ``name`` inside the block; the previous one is restored
-    on exit, also when the block raises."""
-    previous = model.config._attn_implementation
-    if previous != name:
-        model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        if previous != name:
-            model.set_attn_implementation(previous)
 
 
 class _LastLayerAttention:

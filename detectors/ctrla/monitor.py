@@ -52,6 +52,8 @@ class ConfidenceMonitor:
     removed on exit. ``scores()`` gives Eq. 2 for every position seen since the last ``reset()``.
     """
 
+    reads_context = True  # Eq. 2's running statistics read every position a pass saw, the prompt's too
+
     def __init__(self, model: torch.nn.Module, directions: Directions, layers: list[int] | None = None,
                  tau: float = 0.0, clip: float = 3.0, skip: int = 1):  # fmt: skip
         self.model, self.layers = model, list(layers or directions.layers)

@@ -12,7 +12,8 @@ Params name layers as block numbers 1..L or negative counts from the last (-1 = 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -104,3 +105,17 @@ class StateTap:
         out = torch.cat([self._caught[i] for i in range(len(self.indices))], dim=-1).to(self.dtype)
         self._caught = {}
         return out
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str = "eager") -> Iterator[None]:
+    """Run the model with attention implementation ``name`` inside the block; the previous one is restored
+    on exit, also when the block raises."""
+    previous = model.config._attn_implementation
+    if previous != name:
+        model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        if previous != name:
+            model.set_attn_implementation(previous)

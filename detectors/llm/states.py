@@ -158,9 +158,11 @@ class Prefilled:
     states: list[KV | None]
 
 
-def _run_rows(llm: "LLM", rows: list[list[int]], prefixes: list[tuple[int, KV | None]], keep_states: bool) -> tuple[torch.Tensor, list[KV | None]]:
-    """One forward pass of each row's tokens after its cached prefix (stacked left-padded to the longest prefix, the
-    new tokens right-padded): the logits at each row's last token and, with ``keep_states``, each row's states."""
+def run_rows(llm: "LLM", rows: list[list[int]], prefixes: list[tuple[int, KV | None]], keep_states: bool) -> tuple[torch.Tensor, list[KV | None]]:
+    """One forward pass of each row's tokens after its cached prefix (``(length, states)``; the prefixes stacked
+    left-padded to the longest, the new tokens right-padded, the padding masked out): the float32 logits at each row's
+    last token and, with ``keep_states``, each row's states (prefix and new). Hooks attached by the caller see the new
+    positions ``[rows, longest rest, ...]``."""
     device, config = llm.device, llm.model.config
     lengths = [p for p, _ in prefixes]
     width = max(lengths)
@@ -206,7 +208,7 @@ def prefill(llm: "LLM", rows: list[list[int]], cache: StateCache | None = None, 
         if p == len(prefix):
             continue
         start = time.perf_counter()
-        _, (states,) = _run_rows(llm, [list(prefix)], [(p, kv)], keep_states=True)
+        _, (states,) = run_rows(llm, [list(prefix)], [(p, kv)], keep_states=True)
         store.store(prefix, states)
         if on_batch is not None:
             on_batch([i for i, r in enumerate(rows) if tuple(r[: len(prefix)]) == prefix], 1, time.perf_counter() - start)
@@ -215,7 +217,7 @@ def prefill(llm: "LLM", rows: list[list[int]], cache: StateCache | None = None, 
     states: list[KV | None] = [None] * len(rows)
     for idx in similar_lengths([len(r) - p for r, (p, _) in zip(rows, found)], batch_size):
         start = time.perf_counter()
-        out, kept = _run_rows(llm, [rows[i] for i in idx], [found[i] for i in idx], keep_states or cache is not None)
+        out, kept = run_rows(llm, [rows[i] for i in idx], [found[i] for i in idx], keep_states or cache is not None)
         for b, i in enumerate(idx):
             logits[i], states[i] = out[b], kept[b]
             if cache is not None:

@@ -5,11 +5,11 @@ questions at once.
     from detectors.rag.retriever import BM25Retriever
     from detectors.rag.loop import RagConfig, RagLoop
     from detectors.rag.queries import make_query
-    from detectors.rag.triggers import make_trigger
+    from detectors.rag.kinds import make_trigger
 
 Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``), ``stats`` (what the loop measures
-while the LLM generates, under the stored sets' names, and the calculators that measure it), ``triggers`` (a scorer, a
-threshold and a policy: when to retrieve), ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
+while the LLM generates, under the stored sets' names), ``triggers`` (a scorer, a threshold and a policy: when to
+retrieve), ``kinds`` (one module per trigger family, with the calculators of what it reads; ``make_trigger``), ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
 stepwise selection, chunking, the passages block), ``loop`` (the batched loop, the threshold sweep's trace),
 ``answer_metrics``, ``sweep``, ``report``; ``retroactive`` (RetroRAG, a loop of its own).
 """

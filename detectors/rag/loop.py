@@ -38,9 +38,9 @@ import torch
 
 from detectors.config.schema import PromptParams
 from detectors.llm.distribution import entropy
-from detectors.llm.kv import PrefixStore, as_cache, cache_states, common_prefix, crop_states, join_states, row_states, stack_left
+from detectors.llm.kv import PrefixStore, as_cache, common_prefix, crop_states, join_states, row_states, stack_left
 from detectors.llm.loading import LLM
-from detectors.llm.states import similar_lengths
+from detectors.llm.states import StateCache, run_rows, similar_lengths
 from detectors.rag.context import render_passages, stepwise_retrieve, with_context
 from detectors.rag.answer_metrics import FAILED
 from detectors.rag.queries import QueryInput, QuestionQuery
@@ -194,11 +194,13 @@ class RagLoop:
     """Answer questions with retrieval decided by ``triggers`` (checked in order) from ``retriever``, the query
     formulated by ``query`` (default: the question).
 
-    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation.
+    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation. ``shared``: a
+    :class:`~detectors.llm.states.StateCache` of the sequences loops over the same LLM and steering ran (a prompt
+    another configuration ran is not run again).
     """
 
     def __init__(self, llm: LLM, retriever: Retriever | None, config: RagConfig, triggers: Sequence[Trigger] = (), query=None,
-                 steering: dict[int, torch.Tensor] | None = None):  # fmt: skip
+                 steering: dict[int, torch.Tensor] | None = None, shared: StateCache | None = None):  # fmt: skip
         if "{question}" not in config.prompt.template:
             raise ValueError(f"the RAG prompt template {config.prompt.template!r} has no {{question}}")
         if triggers and retriever is None:
@@ -217,6 +219,8 @@ class RagLoop:
         self.probes = {c.key: c.probe for c in self.calculators if c.probe is not None}
         self.probes.update({t.gate.key: t.gate.probe for t in self.triggers if t.gate is not None and t.gate.probe is not None})
         self.prefix = PrefixStore(llm, self._hooks, self.probes)
+        # states other loops ran (under the same steering): reused unless a probe reads the values of every position
+        self.shared = shared if not any(getattr(p, "reads_context", False) for p in self.probes.values()) else None
         self.eos = llm.eos_token_ids  # as the early set's greedy answer
         self.pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else min(self.eos or {0})
 
@@ -320,15 +324,22 @@ class RagLoop:
 
     def _prefill(self, rows: list[_Row]) -> None:
         """Run every row's prompt and kept tokens on the longest prefix already run: its own previous sequence (a new
-        retrieval that returned the same first passages) one row at a time, or the prefix rows share (a prompt that
-        several rows continue, or the few-shot primer, cached once) in batches of similar length, so that little is
-        padding (a prompt's pass is arithmetic-bound: batching buys nothing there, padding costs)."""
+        retrieval that returned the same first passages), a sequence another configuration ran (the shared
+        :class:`~detectors.llm.states.StateCache`), or the prefix rows share (a prompt that several rows continue, or
+        the few-shot primer, cached once); in batches of similar length, so that little is padding (a prompt's pass is
+        arithmetic-bound: batching buys little there, padding costs). Every sequence run is offered to the shared
+        cache."""
         by_prompt: dict[tuple[int, ...], list] = {}
+        on_states: list[tuple[_Row, list[int], int, Any, dict[str, torch.Tensor] | None]] = []
         for row in rows:
             seq = row.prompt + row.kept
+            primer = common_prefix(self.prefix.ids, seq)
             own = min(common_prefix(row.ran, seq), len(seq) - 1) if row.kv is not None else 0
-            if own > common_prefix(self.prefix.ids, seq):
-                self._extend(row, seq, own)
+            cached, kv = self.shared.lookup(seq) if self.shared is not None else (0, None)
+            if own > primer and own >= cached:
+                on_states.append((row, seq, own, crop_states(row.kv, own), {key: torch.cat(v)[:own] for key, v in row.values.items()}))
+            elif cached > primer:
+                on_states.append((row, seq, cached, kv, None))  # the probes' values of a reused prefix are never read (no probe reads_context)
             else:
                 by_prompt.setdefault(tuple(row.prompt), []).append((row, seq))
         # rows with the same prompt (the sweep's retrievals at several positions of one answer) run it once, as their
@@ -340,18 +351,23 @@ class RagLoop:
                 self._prefill_chunk(group[start : start + self.config.batch_size])
         for idx in similar_lengths([len(seq) for _, seq in alone], self.config.batch_size):
             self._prefill_chunk([alone[i] for i in idx])
+        for idx in similar_lengths([len(seq) - p for _, seq, p, _, _ in on_states], self.config.batch_size):
+            self._prefill_on_states([on_states[i] for i in idx])
+        if self.shared is not None:
+            for row in rows:
+                self.shared.store(row.ran, row.kv)
 
-    def _extend(self, row: _Row, seq: list[int], common: int) -> None:
-        """Run ``seq[common:]`` on the row's own states of ``seq[:common]``."""
-        ids = torch.tensor([seq[common:]], device=self.llm.device)
-        positions = torch.arange(common, len(seq), device=self.llm.device)[None]
+    def _prefill_on_states(self, items: list[tuple[_Row, list[int], int, Any, dict[str, torch.Tensor] | None]]) -> None:
+        """One pass over each row's sequence after a prefix whose states it has (its own, or the shared cache's):
+        the prefixes stacked left-padded, the rest right-padded (:func:`~detectors.llm.states.run_rows`)."""
         with self._hooks():
-            out = self.llm.model(ids, position_ids=positions, past_key_values=as_cache(crop_states(row.kv, common), 1, self.llm.model.config),
-                                 use_cache=True, logits_to_keep=1)  # fmt: skip
+            logits, states = run_rows(self.llm, [seq for _, seq, _, _, _ in items], [(p, kv) for _, _, p, kv, _ in items], keep_states=True)
             values = {key: probe.take() for key, probe in self.probes.items()}
-        row.kv, row.logits, row.ran = cache_states(out.past_key_values), out.logits[0, -1], list(seq)
-        row.values = {key: [torch.cat(row.values[key])[:common], v[0]] for key, v in values.items()}
-        row.passes += 1
+        for b, (row, seq, p, _, before) in enumerate(items):
+            row.kv, row.logits, row.ran = states[b], logits[b], list(seq)
+            new = {key: v[b, : len(seq) - p].clone() for key, v in values.items()}
+            row.values = {key: [before[key] if before is not None else v.new_zeros(p, v.shape[-1]), v] for key, v in new.items()}
+            row.passes += 1
 
     def _prefill_chunk(self, chunk: list[tuple[_Row, list[int]]]) -> None:
         """One left-padded pass over the rows' sequences after the prefix they share (kept in the prefix store)."""

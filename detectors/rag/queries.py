@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import LLM
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.sources.text import normalize_text
@@ -60,8 +61,6 @@ def last_layer_attention(llm: LLM, rows: list[list[int]]) -> list[np.ndarray]:
     """``[T, T]`` last-layer self-attention of each row of token ids, averaged over heads: one eager pass over the rows
     right-padded (causal attention keeps every real token from the padding after it), the model's attention
     implementation restored afterwards."""
-    from detectors.baselines.rind import attention_implementation
-
     if not rows:
         return []
     width = max(len(r) for r in rows)

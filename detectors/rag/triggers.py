@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pandas as pd
@@ -40,10 +40,6 @@ import pandas as pd
 from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.rag.stats import Calculator
-
-if TYPE_CHECKING:
-    from detectors.llm.loading import LLM
-
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -98,6 +94,13 @@ class Trigger:
     gate: Any = None  # question stage: judges the passages it retrieved before the answer is generated (see Gate)
     validator: Any = None  # token stage: validates the flagged concepts before repairing (SitValidator)
     refusal: Any = None  # token stage: re-retrieves for a re-predicted segment that still refuses (RefusalHandler)
+    source: str = ""  # the module that built it (detectors.rag.kinds.<family>)
+    detector: Any = None  # the registered detector it serves, if any
+
+    def parts(self) -> list[Any]:
+        """Everything it runs: its scorer, calculators, gate, validator, refusal handler and detector (whose modules are
+        its code)."""
+        return [p for p in (self.scorer, *self.calculators, self.gate, self.validator, self.refusal, self.detector) if p is not None]
 
     @property
     def stage(self) -> str:
@@ -155,96 +158,6 @@ def _spacy(model: str):
     return spacy.load(model)
 
 
-def _always(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
-    return Trigger("always", Constant(), 0.0, Policy("question"))
-
-
-def _flare(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
-    from detectors.baselines.flare import Flare
-
-    return Trigger("flare", Flare(Level.TOKEN), threshold, Policy("token", cut="segment"), scores=PROBABILITY)  # 1 - the token's probability
-
-
-def _rind(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
-    from detectors.baselines.rind import Rind
-    from detectors.rag.stats import RindCalculator
-
-    stopwords = frozenset(_spacy(spacy_model).Defaults.stop_words)
-    return Trigger("rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),), scores=(0.0, math.inf))
-
-
-def _sit_min(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
-    from detectors.baselines.stitch_in_time import SitMin
-    from detectors.rag.stats import EntityCalculator
-
-    return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, _spacy(spacy_model)),), scores=PROBABILITY)
-
-
-def _sit(llm: "LLM", threshold: float | None, spacy_model: str, settings: "TriggerSettings") -> Trigger:
-    """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2, as ``sit_min``), validate each uncertain concept
-    (§2.1.3-2.1.5) and repair the sentence with the passages when one fails (§2.2; the repair is kept)."""
-    from detectors.baselines.stitch_in_time import SitMin, SitValidator
-    from detectors.rag.stats import EntityCalculator
-
-    if settings.sit is None:
-        raise InputError("trigger 'sit' validates with rag_eval.sit: give its params (validation_question, prompt, yes/no words, threshold)")
-    policy = Policy("token", cut="segment", after_retrieval="accept")
-    return Trigger("sit", SitMin(Level.ENTITY), threshold, policy, (EntityCalculator(llm, _spacy(spacy_model)),), scores=PROBABILITY,
-                   validator=SitValidator(llm, settings.sit))  # fmt: skip
-
-
-def _early(name: str, detector, settings: "TriggerSettings") -> Trigger:
-    from detectors.evaluation.scorers import DetectorScorer
-    from detectors.rag.stats import EarlyCalculator
-
-    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), scores=PROBABILITY)
-
-
-def _utility(name: str, detector, settings: "TriggerSettings") -> Trigger:
-    from detectors.evaluation.scorers import DetectorScorer
-    from detectors.rag.stats import EarlyCalculator
-    from detectors.utility.detector import UtilityGate
-
-    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), PROBABILITY,
-                   UtilityGate(detector))  # fmt: skip
-
-
-def _realtime(name: str, detector, settings: "TriggerSettings") -> Trigger:
-    from detectors.evaluation.scorers import realtime_detector_scorer
-    from detectors.rag.stats import MlpCalculator
-
-    scorer = realtime_detector_scorer(Level.TOKEN, name)
-    return Trigger(name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),), scores=PROBABILITY)
-
-
-def _ctrla(name: str, detector, settings: "TriggerSettings") -> Trigger:
-    """CtrlA's Alg. 3: retrieval when a new content word is unconfident (Eq. 2 < 0) or the segment refuses (f_d); the
-    segment is re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when
-    ``settings.ctrla`` gives it; the next segment is predicted without the passages (line 4)."""
-    from detectors.baselines.ctrla_confidence import CtrlAConfidence
-    from detectors.ctrla.refusal import RefusalHandler
-    from detectors.rag.stats import CtrlACalculator
-
-    policy = Policy("token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment")
-    refusal = RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla) if settings.ctrla is not None else None
-    return Trigger(name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),), refusal=refusal)  # Eq. 2 already subtracts tau
-
-
-# name -> builder(llm, threshold, spacy model, settings); the ones with a threshold take it from rag_eval.thresholds
-TRAINING_FREE: dict[str, Callable[..., Trigger]] = {"always": _always, "flare": _flare, "rind": _rind, "sit_min": _sit_min, "sit": _sit}
-# registered detector kind -> builder(name, detector attached to the loop's LLM, settings)
-DETECTOR_KINDS: dict[str, Callable[[str, Any, TriggerSettings], Trigger]] = {"dior-early": _early, "dior-realtime": _realtime, "ctrla-confidence": _ctrla,
-                                                         "utility": _utility}  # fmt: skip
-
-
-def check_specs(specs: list[str]) -> None:
-    """Every configured trigger is a training-free one or ``<name>@<alias>`` (a clear error naming the known ones
-    otherwise): checked before any work, the registered ones when they load."""
-    for spec in specs:
-        if "@" not in spec and spec not in TRAINING_FREE:
-            raise InputError(f"trigger {spec!r}: name one of {', '.join(TRAINING_FREE)} or a registered detector as <name>@<alias>")
-
-
 def check_threshold(trigger: Trigger, value: float, key: str) -> None:
     """A fixed threshold of ``trigger`` must lie in the range of its scores (a finite value outside it would make the
     trigger fire always or never; use inf to never retrieve)."""
@@ -252,24 +165,3 @@ def check_threshold(trigger: Trigger, value: float, key: str) -> None:
     if not (low <= value <= high or math.isinf(value)):
         raise InputError(f"{key} = {value!r}: {trigger.name}'s scores lie in [{low:g}, {high:g}]: choose a threshold in that range "
                          "(inf never retrieves), or remove the key to choose it on the validation sweep")  # fmt: skip
-
-
-def make_trigger(spec: str, llm: "LLM", thresholds: dict[str, float] | None, spacy_model: str, tracking_uri: str | None = None,
-                 settings: TriggerSettings | None = None) -> Trigger:  # fmt: skip
-    """The trigger named ``spec``: one of :data:`TRAINING_FREE` (its threshold from ``thresholds``; None: +inf, to be
-    set later, as a sweep does) or ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from
-    ``tracking_uri``) onto ``llm``; the detector's kind decides the trigger, and a detector built with another LLM is
-    refused by its fingerprint. ``settings``: what the ``sit`` and CtrlA triggers read beyond a threshold."""
-    settings = settings or TriggerSettings()
-    check_specs([spec])
-    if spec in TRAINING_FREE:
-        if thresholds is not None and spec != "always" and spec not in thresholds:
-            raise InputError(f"trigger {spec!r} has no threshold: give rag_eval.thresholds.{spec} (a number or `validation`)")
-        return TRAINING_FREE[spec](llm, math.inf if thresholds is None else thresholds.get(spec), spacy_model, settings)
-    name, alias = spec.split("@", 1)
-    from detectors.inference import load_detector
-
-    detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)  # not registered: NotRegisteredError, an InputError
-    if detector.KIND not in DETECTOR_KINDS:
-        raise InputError(f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of {', '.join(DETECTOR_KINDS)})")
-    return DETECTOR_KINDS[detector.KIND](name, detector, settings)

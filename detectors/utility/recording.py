@@ -8,7 +8,7 @@ from typing import Sequence
 
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import Retriever
-from detectors.rag.triggers import make_trigger
+from detectors.rag.kinds import make_trigger
 from detectors.utility.labels import RecordingGate
 
 

@@ -1,0 +1,35 @@
+"""DRAGIN's RIND trigger and its calculator (the segments run once more, eagerly, on the loop's cached states)."""
+
+from __future__ import annotations
+
+import math
+
+from detectors.baselines.rind import Rind, rind_on_states
+from detectors.interfaces import Level
+from detectors.llm.kv import crop_states
+from detectors.llm.loading import LLM
+from detectors.llm.words import spacy_stopwords
+from detectors.rag.stats import Calculator, SegmentView
+from detectors.rag.triggers import Policy, Trigger
+
+
+class RindCalculator(Calculator):
+    """``rind``: DRAGIN's RIND of each generated token (:func:`~detectors.baselines.rind.rind_on_states`): the segments
+    run once more, in one eager batch, on the loop's cached states of their contexts, with the entropies the loop
+    recorded (the real-time set's RIND, :func:`~detectors.baselines.rind.rind_scores`, teacher-forces the whole
+    sequence; the values are the same)."""
+    key, provides = "rind", ("rind",)
+
+    def __init__(self, llm: LLM, stopwords: frozenset[str]):
+        self.llm, self.stopwords = llm, stopwords
+
+    def segments(self, views: list[SegmentView]) -> None:
+        contexts = [crop_states(v.states, len(v.context_ids)) for v in views]
+        traces = rind_on_states(self.llm, contexts, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords)
+        for v, trace in zip(views, traces):
+            v.stats["rind"] = trace.rind
+
+
+def build(llm: "LLM", threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+    stopwords = spacy_stopwords(spacy_model, "build_realtime.spacy_model")
+    return Trigger("rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),), scores=(0.0, math.inf))

