@@ -16,7 +16,7 @@ import torch
 
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer
-from detectors.llm.kv import batches, forward_rows, prefix_states, shared_prefix_length
+from detectors.llm.kv import GrowingCache, batches, forward_rows, prefix_states, shared_prefix_length
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
 from detectors.llm.words import content_mask, token_words
@@ -229,7 +229,7 @@ def generate_segment(
     with torch.no_grad(), steer_ctx, mon_ctx:
         out = llm.model.generate(
             prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
-            pad_token_id=llm.tokenizer.pad_token_id, attention_mask=torch.ones_like(prompt_ids),
+            pad_token_id=llm.tokenizer.pad_token_id, attention_mask=torch.ones_like(prompt_ids), past_key_values=GrowingCache(config=llm.model.config),
         )  # fmt: skip
         gen = out.sequences[0, prompt_ids.shape[1] :].tolist()
         if monitor is not None and gen:

@@ -16,6 +16,7 @@ from transformers import LogitsProcessor
 
 from detectors.config.schema import RealtimePromptParams
 from detectors.llm.distribution import entropy as token_entropy
+from detectors.llm.kv import GrowingCache
 from detectors.llm.layers import StateTap
 from detectors.llm.loading import LLM
 
@@ -153,6 +154,7 @@ def generate_traced(
             max_new_tokens=max_new_tokens + 1,
             do_sample=False,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else min(eos),
+            past_key_values=GrowingCache(config=llm.model.config),  # decoding appends in place
         )
     return prompt_ids, recorder.traces(eos, limit=max_new_tokens)
 
