@@ -38,9 +38,9 @@ import torch
 
 from detectors.config.schema import PromptParams
 from detectors.llm.distribution import entropy
-from detectors.llm.kv import PrefixStore, as_cache, common_prefix, crop_states, join_states, row_states, stack_left
+from detectors.llm.kv import PrefixStore, as_cache, common_prefix, crop_states, join_states, row_states
 from detectors.llm.loading import LLM
-from detectors.llm.states import StateCache, run_rows, similar_lengths
+from detectors.llm.states import Lockstep, StateCache, run_rows, similar_lengths
 from detectors.rag.context import render_passages, stepwise_retrieve, with_context
 from detectors.rag.answer_metrics import FAILED
 from detectors.rag.queries import QueryInput, QuestionQuery
@@ -156,38 +156,6 @@ class _Row:
     gate: Any = None  # the gate that judges the passages just retrieved, once their prompt has run
     accepting: Trigger | None = None  # the next segment re-predicts one after this trigger's retrieval: kept unscored
     attempts: int = 0  # refusal-handling retrievals for the segment being re-predicted
-
-
-class _Lockstep:
-    """Rows decoding together: one left-padded cache of their own states, its attention mask and each row's padding;
-    a row leaves the batch when its segment ends."""
-
-    def __init__(self, llm: LLM, rows: list[_Row]):
-        lengths = [len(r.ran) for r in rows]
-        width = max(lengths)
-        self.llm, self.rows, self.pads = llm, list(rows), [width - n for n in lengths]
-        self.cache = as_cache(stack_left([r.kv for r in rows], width), len(rows), llm.model.config)
-        self.mask = torch.tensor([[0] * p + [1] * n for p, n in zip(self.pads, lengths)], device=llm.device)
-
-    def step(self, tokens: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
-        """Run one token per row at its own position; the next-token logits ``[rows, vocab]``."""
-        device = self.llm.device
-        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=device)], dim=1)
-        out = self.llm.model(torch.tensor(tokens, device=device), attention_mask=self.mask, position_ids=torch.tensor(positions, device=device),
-                             past_key_values=self.cache, use_cache=True)  # fmt: skip
-        self.cache = out.past_key_values
-        return out.logits[:, -1]
-
-    def drop(self, leaving: list[int]) -> None:
-        """Rows ``leaving`` leave with a copy of their own states (to continue from, or to reuse after a retrieval)."""
-        if not leaving:
-            return
-        for i in leaving:
-            self.rows[i].kv = row_states(self.cache, i, self.pads[i])
-        keep = [i for i in range(len(self.rows)) if i not in set(leaving)]
-        self.rows, self.mask, self.pads = [self.rows[i] for i in keep], self.mask[keep], [self.pads[i] for i in keep]
-        if keep:
-            self.cache.batch_select_indices(torch.tensor(keep, device=self.llm.device))
 
 
 class RagLoop:
@@ -394,24 +362,30 @@ class RagLoop:
         """Every row generates its next segment: one batched pass per token, each row leaving at its own stop."""
         for row in rows:
             row.gen, row.prob, row.entropy, row.done = [], [], [], False
-        batch = _Lockstep(self.llm, rows)
-        while batch.rows:
-            batch.drop([i for i, row in enumerate(batch.rows) if not self._choose(row)])
-            if not batch.rows:
+        batch, live = Lockstep(self.llm, [r.kv for r in rows]), list(rows)
+
+        def leave(idx: list[int]) -> None:  # rows leave with a copy of their own states (to continue from, or to reuse)
+            for i in idx:
+                live[i].kv = batch.states(i)
+            batch.drop(idx)
+            for i in sorted(idx, reverse=True):
+                del live[i]
+
+        while live:
+            leave([i for i, row in enumerate(live) if not self._choose(row)])
+            if not live:
                 break
-            for row in batch.rows:
+            for row in live:
                 row.ran.append(row.gen[-1])
-            tokens = [[r.gen[-1]] for r in batch.rows]
-            positions = [[len(r.ran) - 1] for r in batch.rows]  # the fed token's own position
             with self._hooks():
-                logits = batch.step(tokens, positions)
+                logits = batch.step([r.gen[-1] for r in live], [len(r.ran) - 1 for r in live])  # each fed token at its own position
                 values = {key: probe.take() for key, probe in self.probes.items()}
-            for i, row in enumerate(batch.rows):
+            for i, row in enumerate(live):
                 row.logits = logits[i]
                 row.passes += 1
                 for key, v in values.items():
                     row.values[key].append(v[i])
-            batch.drop([i for i, row in enumerate(batch.rows) if self._segment_ends(row)])
+            leave([i for i, row in enumerate(live) if self._segment_ends(row)])
 
     def _choose(self, row: _Row) -> bool:
         """The row's next greedy token with its probability and entropy; False at the end of sequence (not kept)."""
