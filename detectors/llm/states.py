@@ -127,15 +127,21 @@ def similar_lengths(lengths: Sequence[int], batch_size: int, tokens: int = 16384
 
 
 def shared_prefixes(rows: list[list[int]], min_len: int = MIN_SHARED) -> list[tuple[int, ...]]:
-    """The prefixes (each at least ``min_len`` tokens, shorter than the rows that share it) that two or more rows
-    share at their longest, shortest first: the trie nodes where rows part ways."""
+    """The prefixes that two or more rows share at their longest (the trie nodes where rows part ways), shortest first,
+    each kept only when it is at least ``min_len`` tokens longer than the longest kept prefix it extends (and shorter
+    than the rows that share it): a prefix run once is worth its own pass only when it saves that many tokens a row."""
     order = sorted(range(len(rows)), key=lambda i: rows[i])
-    out: set[tuple[int, ...]] = set()
+    found: set[tuple[int, ...]] = set()
     for a, b in zip(order, order[1:]):
         n = min(common_prefix(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1)
         if n >= min_len:
-            out.add(tuple(rows[a][:n]))
-    return sorted(out, key=len)
+            found.add(tuple(rows[a][:n]))
+    kept: list[tuple[int, ...]] = []
+    for prefix in sorted(found, key=len):
+        parent = max((len(k) for k in kept if prefix[: len(k)] == k), default=0)
+        if len(prefix) - parent >= min_len:
+            kept.append(prefix)
+    return kept
 
 
 def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
