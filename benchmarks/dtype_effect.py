@@ -28,28 +28,14 @@ import numpy as np
 import pandas as pd
 from scipy.stats import spearmanr
 
-from detectors.evaluation.metrics import auroc as roc_auc_score
+from detectors.evaluation.bootstrap import paired_bootstrap_delta, paired_mean_delta
 from detectors.rag.answer_metrics import accuracy
-
-B, SEED = 1000, 0
 
 
 def lines(run: Path, corpus: str, name: str) -> pd.DataFrame:
-    """The stored answers of one run (one row per question: id, correct or not)."""
+    """The stored answers of one run (one row per question: id, answer)."""
     frame = pd.concat([pd.read_parquet(p) for p in sorted((run / "data/rag/runs" / corpus / name).glob("shard-*.parquet"))])
     return frame.assign(answer=[json.loads(x)["answer"] for x in frame["line"]])[["id", "answer"]]
-
-
-def bootstrap(diff_fn, n: int) -> tuple[float, float]:
-    rng = np.random.default_rng(SEED)
-    values = [diff_fn(rng.integers(0, n, n)) for _ in range(B)]
-    return float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))
-
-
-def oriented_auroc(labels: np.ndarray, scores: np.ndarray, reported: float) -> tuple[float, int]:
-    """The AUROC and the sign (+1 / -1) of the score that matches the comparison's reported AUROC."""
-    up = roc_auc_score(labels, scores)
-    return (up, 1) if abs(up - reported) <= abs(1 - up - reported) else (1 - up, -1)
 
 
 def early_set(a: Path, b: Path) -> dict:
@@ -78,16 +64,9 @@ def comparison(a: Path, b: Path) -> list[dict]:
             f, d = (early[run][early[run]["split"] == "test"][["id", "label", r["scorer"]]].dropna() for run in (a, b))
             m = f.merge(d, on="id", suffixes=("_f", "_d"))
             lf, ld = m["label_f"].to_numpy(int), m["label_d"].to_numpy(int)
-            sf, sd = m[f"{r['scorer']}_f"].to_numpy(float), m[f"{r['scorer']}_d"].to_numpy(float)
-            _, sign_f = oriented_auroc(lf, sf, r["auroc_f"])
-            _, sign_d = oriented_auroc(ld, sd, r["auroc_d"])
-
-            def delta(idx, lf=lf, ld=ld, sf=sf * sign_f, sd=sd * sign_d):
-                if len(set(lf[idx])) < 2 or len(set(ld[idx])) < 2:
-                    return np.nan
-                return roc_auc_score(ld[idx], sd[idx]) - roc_auc_score(lf[idx], sf[idx])
-
-            row |= {"paired_questions": len(m), "delta_auroc": float(delta(np.arange(len(m)))), "delta_ci": list(bootstrap(delta, len(m)))}
+            sf, sd = m[f"{r['scorer']}_f"].to_numpy(float), m[f"{r['scorer']}_d"].to_numpy(float)  # as the comparison ranked them
+            delta, low, high = paired_bootstrap_delta(ld, sd, sf, reference_labels=lf)  # the same resampled questions, each run's labels
+            row |= {"paired_questions": len(m), "delta_auroc": delta, "delta_ci": [low, high]}
         out.append(row)
     return out
 
@@ -111,8 +90,9 @@ def rag(a: Path, b: Path) -> list[dict]:
             m = f.merge(d, on="id", suffixes=("_f", "_d"))
             cf = np.array([accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_f"])], dtype=float)  # the table's containment
             cd = np.array([accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_d"])], dtype=float)
-            row |= {"paired_questions": len(m), "delta": float((cd - cf).mean()), "delta_ci": list(bootstrap(lambda idx: (cd[idx] - cf[idx]).mean(), len(m))),
-                    "changed_correctness": int((cd != cf).sum()), "same_answer": int((m["answer_f"] == m["answer_d"]).sum())}  # fmt: skip
+            delta, low, high = paired_mean_delta(cd, cf)
+            row |= {"paired_questions": len(m), "delta": delta, "delta_ci": [low, high], "changed_correctness": int((cd != cf).sum()),
+                    "same_answer": int((m["answer_f"] == m["answer_d"]).sum())}  # fmt: skip
             out.append(row)
     return out
 

@@ -76,6 +76,19 @@ def test_paired_difference_recovers_a_planted_difference():
     assert paired_bootstrap_delta(y, weak, weak, n=200) == (0.0, 0.0, 0.0)  # a scorer against itself
 
 
+
+def test_a_paired_difference_can_hold_each_side_to_its_own_labels():
+    """Two runs that labelled the same units differently (a tenth of the labels flipped in the second): the reference
+    is scored against its own labels, on the same resampled units as the other side."""
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 2, 2000)
+    flipped = np.where(rng.random(2000) < 0.1, 1 - y, y)
+    scores = y + rng.normal(0, 1, 2000)
+    delta, low, high = paired_bootstrap_delta(y, scores, scores, n=500, seed=0, reference_labels=flipped)
+    assert delta == pytest.approx(auroc(y, scores) - auroc(flipped, scores)) and delta > 0.05
+    assert low < delta < high and low > 0
+    assert paired_bootstrap_delta(y, scores, scores, n=200, reference_labels=y) == (0.0, 0.0, 0.0)  # own labels: the default
+
 def test_trigger_rate_by_hand():
     scores = [0.1, 0.5, 0.5, 0.9, 0.2]
     assert trigger_rate(scores, 0.5) == pytest.approx(3 / 5)  # the threshold fires inclusively

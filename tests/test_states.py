@@ -69,7 +69,7 @@ def test_generation_from_cached_states_is_the_models_greedy_continuation(tiny_ll
     for row in enc:
         with torch.no_grad():
             out = tiny_llm.model.generate(torch.tensor([row]), max_new_tokens=6, do_sample=False, pad_token_id=tiny_llm.tokenizer.pad_token_id)
-        said = [t for t in out[0, len(row) :].tolist()]
+        said = out[0, len(row) :].tolist()
         cut = next((i for i, t in enumerate(said) if t in tiny_llm.eos_token_ids), len(said))
         expected.append(said[:cut])
     cache = StateCache()

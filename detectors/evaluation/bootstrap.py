@@ -70,13 +70,16 @@ def bootstrap_auroc(labels, scores, groups=None, n: int = 1000, seed: int = 0) -
     return _interval(clustered_auroc(labels, scores, *_cluster_counts(groups, n, seed)))
 
 
-def paired_bootstrap_delta(labels, scores, reference, groups=None, n: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+def paired_bootstrap_delta(labels, scores, reference, groups=None, n: int = 1000, seed: int = 0, reference_labels=None) -> tuple[float, float, float]:
     """AUROC(``scores``) - AUROC(``reference``) on the same units and its paired 95% bootstrap interval: both
-    scorers are measured on the same resampled clusters, so what they share cancels out of the difference."""
+    scorers are measured on the same resampled clusters, so what they share cancels out of the difference.
+    ``reference_labels`` (default ``labels``): the reference's own labels of the same units (another run that labelled
+    them, say)."""
     groups = np.arange(len(labels)) if groups is None else groups
+    reference_labels = labels if reference_labels is None else reference_labels
     index, counts = _cluster_counts(groups, n, seed)
-    delta = clustered_auroc(labels, scores, index, counts) - clustered_auroc(labels, reference, index, counts)
-    return (auroc(labels, scores) - auroc(labels, reference), *_interval(delta))
+    delta = clustered_auroc(labels, scores, index, counts) - clustered_auroc(reference_labels, reference, index, counts)
+    return (auroc(labels, scores) - auroc(reference_labels, reference), *_interval(delta))
 
 
 def paired_mean_delta(values, reference, n: int = 1000, seed: int = 0) -> tuple[float, float, float]:
