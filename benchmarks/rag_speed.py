@@ -85,7 +85,7 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
             lines = sweep(questions, refs)
             answers = [{"answer": line["never_answer"], "retrievals": [], "after": line["answers"]} for line in lines]
         else:
-            made = runtime.framework(name, corpus) if name in rag.frameworks else runtime.loop(name, rag.configurations[name], corpus, thresholds[corpus])
+            made = runtime.framework(name, corpus) if name in rag.frameworks else runtime.loop(name, rag.configurations[name], corpus, own(thresholds[corpus], name))
             start = time.perf_counter()
             answers = first(made)(questions, [False] * len(questions))
         seconds = time.perf_counter() - start
@@ -93,6 +93,12 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
                                               "after": [a.get("after") for a in answers], "passes": [a.get("forward_passes") for a in answers]}  # fmt: skip
         print(f"{side} ({out['dtype']}): {corpus} · {name}: {seconds:.1f} s", file=sys.stderr, flush=True)
     return out
+
+
+def own(thresholds: dict, name: str) -> dict[str, float]:
+    """Configuration ``name``'s thresholds from the metrics file's ``thresholds`` of a corpus: per configuration since
+    each runs its own tuning, by trigger in runs before that."""
+    return thresholds.get(name, {}) if any(isinstance(v, dict) for v in thresholds.values()) else thresholds
 
 
 def side_process(side: str, tree: Path, params: Path, n: int, dtype: str, only: list[str] | None, tmp: Path) -> dict:

@@ -36,7 +36,8 @@ log = logging.getLogger("rag_eval")
 
 Answer = Callable[[list[str], list[bool]], list[dict]]
 SWEEP = "sweep"  # the test sweep's run, and the metrics file's key for the curves
-VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions, where every operating threshold is chosen
+VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions: the candidate thresholds of the tuning
+TUNE = "tune-val"  # each corpus's configurations at their candidate thresholds on the validation questions: the operating points
 
 
 # modules that dispatch by name (registries, the runtime's builders): their function-level imports and registry entries
@@ -261,17 +262,32 @@ def run_questions(runs: list[Run], rows: pd.DataFrame, desc: str, shard_size: in
 
 class RunWorker:
     """Answers the questions of the runs of one unit per call, resuming them: a corpus's configurations (a tuple of
-    names, answered question-major so that they share their prompts' states), a framework, or a sweep (of the test
-    questions, or of the validation ones); builds the LLM, retrievers and triggers once (in the stage's process or a
-    Ray actor). Returns each run's lines and the digests that identify what answered them."""
+    names, answered question-major so that they share their prompts' states, each at its ``thresholds``), the tuning
+    of a corpus's configurations on the validation questions (:data:`TUNE`: each configuration at each of its
+    ``candidates``, question-major too), a framework, or a sweep (of the test questions, or of the validation ones);
+    builds the LLM, retrievers and triggers once (in the stage's process or a Ray actor). Returns each run's lines and
+    the digests that identify what answered them."""
 
-    def __init__(self, params, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, float]] | None = None):
-        self.runtime, self.rag, self.rows, self.base_key, self.thresholds = RagRuntime(params), params["rag_eval"], rows, base_key, thresholds
+    def __init__(self, params, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, dict[str, float]]] | None = None,
+                 candidates: dict[str, dict[str, list[dict[str, float]]]] | None = None):  # fmt: skip
+        self.runtime, self.rag, self.rows, self.base_key = RagRuntime(params), params["rag_eval"], rows, base_key
+        self.thresholds, self.candidates = thresholds, candidates  # {corpus: {configuration: {trigger: threshold}}}, {corpus: {configuration: [those]}}
         self.runs_dir = Path(params["paths.rag_runs"])
 
     def _champions(self, specs: list[str]) -> dict[str, str]:
         """The registered versions the run's ``<name>@<alias>`` specs point to (a promotion restarts the runs that read it)."""
         return {s: self.base_key["champions"][s] for s in sorted(set(specs)) if s in self.base_key["champions"]}
+
+    def _config_run(self, run: str, name: str, corpus: str, thresholds: dict[str, float], base: dict[str, Any], directory: Path, prompts: int) -> Run:
+        """Configuration ``name`` over ``corpus`` at ``thresholds`` as the resumable run ``run``, keyed on its code,
+        params, thresholds and champions."""
+        runtime, config = self.runtime, self.rag.configurations[name]
+        answer, code = runtime.loop(name, config, corpus, thresholds)
+        triggers = [runtime.trigger(t, corpus) for t in config.triggers]
+        names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
+        key = {**base, "code": code, "params": run_params(self.rag, config, triggers), "thresholds": {t: v for t, v in thresholds.items() if t in names},
+               "champions": self._champions([on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else []))}  # fmt: skip
+        return Run(run, directory, key, answer, prompts)
 
     def __call__(self, unit: tuple[str, str | tuple[str, ...]]) -> dict[str, Any]:
         corpus, names = unit
@@ -287,20 +303,16 @@ class RunWorker:
                    "triggers": out["triggers"], "champions": self._champions(specs), "questions": names}  # fmt: skip
             refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
             runs = [Run(names, self.runs_dir / corpus / names, key, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]))]
+        elif names == TUNE:  # run name: <configuration>/<candidate index>
+            rows = self.rows["val"]
+            runs = [self._config_run(f"{name}/{j}", name, corpus, chosen, {**base, "questions": names}, self.runs_dir / corpus / TUNE / name / str(j), 0)
+                    for name, sets in self.candidates[corpus].items() for j, chosen in enumerate(sets)]  # fmt: skip
         elif names in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
             answer, code = runtime.framework(names, corpus)
             key = {**base, "code": code, "framework": names, "params": dataclasses.asdict(runtime.stage_params[names])}
             runs = [Run(names, self.runs_dir / corpus / names, key, answer, rag.prompts_sample)]
         else:
-            runs = []
-            for name in names:
-                config = rag.configurations[name]
-                answer, code = runtime.loop(name, config, corpus, self.thresholds[corpus])
-                triggers = [runtime.trigger(t, corpus) for t in config.triggers]
-                names_ = {n for s in config.triggers for n in trigger_names(s, [corpus])}
-                key = {**base, "code": code, "params": run_params(rag, config, triggers), "thresholds": {t: v for t, v in self.thresholds[corpus].items() if t in names_},
-                       "champions": self._champions([on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else []))}  # fmt: skip
-                runs.append(Run(name, self.runs_dir / corpus / name, key, answer, rag.prompts_sample))
+            runs = [self._config_run(name, name, corpus, self.thresholds[corpus][name], base, self.runs_dir / corpus / name, rag.prompts_sample) for name in names]
         desc = f"{corpus} · {names if isinstance(names, str) else f'{len(names)} configurations'}"
         out["lines"] = run_questions(runs, rows, desc, rag.shard_size, on_shard=runtime.forget_states)
         runtime.forget_states()

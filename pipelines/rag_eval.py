@@ -35,19 +35,19 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from detectors.config.rag import on_corpus
+from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
 from detectors.evaluation.plots import write_rag_curves
 from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.rag.answer_metrics import FAILED, summarise
-from detectors.rag.report import curves_table, headline, log_rag_runs, markdown_table, reference_deltas, thresholds_table, versus_always
+from detectors.rag.report import TRADE, curves_table, headline, log_rag_runs, markdown_table, reference_deltas, tuning_table, versus_always
 from detectors.rag.sweep import curves as sweep_curves
-from detectors.rag.sweep import operating_point
+from detectors.rag.sweep import candidate_thresholds
 from detectors.rag.kinds import check_specs
 from detectors.registry import store
 from detectors.sources.ids import sample
-from pipelines._rag_runtime import SWEEP, VAL_SWEEP, RunWorker
+from pipelines._rag_runtime import SWEEP, TUNE, VAL_SWEEP, RunWorker
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("rag_eval")
@@ -71,12 +71,34 @@ def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> p
 # ---- thresholds and outputs --------------------------------------------------------------------------
 
 
-def choose_thresholds(lines: list[dict], triggers: list[str], fixed: dict[str, float]) -> dict[str, float]:
-    """Each trigger's operating threshold: the number ``fixed`` gives it, else the most accurate point of its curve on
-    the validation sweep's ``lines`` (:func:`~detectors.rag.sweep.operating_point`; +inf when never retrieving is the
-    most accurate). Test questions never enter."""
-    curves = sweep_curves(lines, [t for t in triggers if t not in fixed])
-    return {t: float(fixed[t]) if t in fixed else operating_point(curves[t]) for t in triggers}
+def tuning_candidates(configurations: dict, corpus: str, curves: dict, fixed: dict[str, float], rates: list[float]) -> dict[str, list[dict[str, float]]]:
+    """Per configuration, the threshold sets it is tried at on ``corpus``'s validation questions: set j puts each of its
+    triggers at candidate j of its validation curve (:func:`~detectors.rag.sweep.candidate_thresholds`: the most
+    accurate point, then the points nearest each of ``rates``; the triggers of one configuration at the same target),
+    a trigger ``fixed`` gives a number stays there; a set that repeats is tried once. A configuration with no
+    threshold to choose has one set."""
+    out = {}
+    for name, config in configurations.items():
+        triggers = [n for t in config.triggers if t != "always" for n in trigger_names(t, [corpus])]
+        free = [t for t in triggers if t not in fixed]
+        per = {t: candidate_thresholds(curves[t], rates) for t in free}
+        sets = [{t: float(fixed[t]) if t in fixed else per[t][j] for t in triggers} for j in range(1 + len(rates) if free else 1)]
+        out[name] = [dict(items) for items in dict.fromkeys(tuple(s.items()) for s in sets)]
+    return out
+
+
+def choose_candidates(candidates: dict[str, list[dict[str, float]]], lines: dict[str, list[dict]], answers: list[list[str]]) -> dict[str, dict[str, Any]]:
+    """Per configuration, its operating point among its ``candidates`` from their validation ``lines`` (run
+    ``<configuration>/<j>``): the most accurate, then the one retrieving least, then the earlier candidate. Returns
+    ``{configuration: {"chosen": j, "thresholds": {...}, "candidates": [{"thresholds", "accuracy",
+    "retrievals_per_question"}, ...]}}``."""
+    out = {}
+    for name, sets in candidates.items():
+        tried = [{"thresholds": chosen, **{k: summarise(lines[f"{name}/{j}"], answers)[k] for k in ("accuracy", "retrievals_per_question")}}
+                 for j, chosen in enumerate(sets)]  # fmt: skip
+        best = max(range(len(tried)), key=lambda j: (tried[j]["accuracy"], -tried[j]["retrievals_per_question"], -j))
+        out[name] = {"chosen": best, "thresholds": sets[best], "candidates": tried}
+    return out
 
 
 def write_curves(path: str | Path, curves: dict) -> None:
@@ -118,6 +140,16 @@ def references(configurations: dict) -> dict[str, str]:
         elif c.triggers == ["always"] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
             out.setdefault("always", name)
     return out
+
+
+def other_template(configurations: dict, context: str, always: str | None) -> list[str]:
+    """The configurations that put their passages in another template than the ``always`` reference does (``context``:
+    ``rag_eval.context``, where a configuration's own is null): comparing them with it would count the template as the
+    trigger's gain, so they get no comparison with always retrieving."""
+    if always is None:
+        return []
+    template = configurations[always].context or context
+    return [name for name, c in configurations.items() if c.triggers and (c.context or context) != template]
 
 
 def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[str]], refs: dict[str, str], bootstrap: int,
@@ -172,7 +204,13 @@ def main(argv: list[str] | None = None) -> None:
     sweeps = [(corpus, VAL_SWEEP) for corpus in rag.corpora] + [(rag.sweep.corpus, SWEEP)]
     swept = {sweeps[i]: result for i, result in map_units(sweeps, functools.partial(RunWorker, params, rows, base_key), params["execution"])}
     swept = {unit: {**result, "lines": result["lines"][unit[1]]} for unit, result in swept.items()}
-    thresholds = {c: choose_thresholds(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"]), rag.thresholds) for c in rag.corpora}
+    # then every configuration at its candidate thresholds on the validation questions: its own procedure picks its point
+    val_curves = {c: sweep_curves(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"])) for c in rag.corpora}
+    candidates = {c: tuning_candidates(rag.configurations, c, val_curves[c], rag.thresholds, rag.candidate_rates) for c in rag.corpora}
+    tuned = dict(map_units([(c, TUNE) for c in rag.corpora], functools.partial(RunWorker, params, rows, base_key, None, candidates), params["execution"]))
+    val_answers = [list(a) for a in rows["val"]["answers"]]
+    tuning = {rag.corpora[i]: choose_candidates(candidates[rag.corpora[i]], result["lines"], val_answers) for i, result in tuned.items()}
+    thresholds = {c: {name: t["thresholds"] for name, t in tuning[c].items()} for c in rag.corpora}
     for corpus, chosen in thresholds.items():
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
     # a corpus's configurations in one unit (answered question-major, so that they share their prompts' states); a
@@ -189,17 +227,26 @@ def main(argv: list[str] | None = None) -> None:
         check_failures(lines[corpus][name], f"{corpus} · {name}")
     refs = references(rag.configurations)
     metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, rag.bootstrap, rag.seed)
+    for name in other_template(rag.configurations, rag.context, refs.get("always")):
+        log.warning("%s answers with another context template than %s: it is not compared with always retrieving", name, refs["always"])
+        for corpus in rag.corpora:
+            metrics[corpus][name] = {k: v for k, v in metrics[corpus][name].items() if not k.startswith("accuracy_vs_always") and k not in TRADE}
+    for corpus, chosen in tuning.items():  # each configuration's validation accuracy and retrievals at its chosen point
+        for name, t in chosen.items():
+            point = t["candidates"][t["chosen"]]
+            metrics[corpus][name] |= {"val_accuracy": point["accuracy"], "val_retrievals_per_question": point["retrievals_per_question"]}
     test_sweep = swept[(rag.sweep.corpus, SWEEP)]
     curves = sweep_curves(test_sweep["lines"], list(test_sweep["triggers"]), rag.bootstrap, rag.seed, test_sweep["triggers"])
     metrics[SWEEP] = {"corpus": rag.sweep.corpus, "query": rag.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
     metrics["thresholds"] = thresholds
+    metrics["tuning"] = tuning
     llm_name, llm_digest = test_sweep["llm"]
     digests = {corpus: result["corpus_digest"] for (corpus, _), result in {**swept, **results}.items()}
     metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in rag.corpora}}
     write_json(params["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in rag.corpora}
     write_json(params["paths.rag_headline"], headline(table, metrics[SWEEP]))
-    markdown = markdown_table(table) + "\n" + thresholds_table(thresholds, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
+    markdown = markdown_table(table) + "\n" + tuning_table(tuning, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
     Path(params["paths.rag_table"]).parent.mkdir(parents=True, exist_ok=True)
     Path(params["paths.rag_table"]).write_text(markdown, encoding="utf-8")
     log.info("RAG evaluation:\n%s", markdown)

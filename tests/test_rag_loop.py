@@ -260,20 +260,35 @@ def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_
     assert fails.forward_passes > passes.forward_passes
 
 
-def test_dior_configurations_answer_with_the_papers_post_retrieval_template(tiny_llm, retriever, registry):
+def test_every_configuration_answers_with_dior_post_retrieval_template(tiny_llm, retriever, registry):
     """DioR §3.3.2: after a retrieval the passages come first and the question follows "Using the external knowledge
-    provided above, please answer the following question:"; the DioR configurations of params.yaml say so, the loop
-    renders it, and the other configurations keep the plain context."""
-    configurations = PARAMS["rag_eval"]["configurations"]
-    context = configurations["dior"]["context"]
+    provided above, please answer the following question:". params.yaml gives that template to every configuration
+    (rag_eval.context, no configuration its own), so both references answer with it too, and the loop renders it."""
+    context = PARAMS["rag_eval"]["context"]
     assert context == "{passages}\nUsing the external knowledge provided above, please answer the following question:\n"
-    assert configurations["dior-early"]["context"] == configurations["dior-realtime"]["context"] == context
-    assert configurations["single-round"]["context"] is None
+    assert all(c["context"] is None for c in PARAMS["rag_eval"]["configurations"].values())
     config = RagConfig("dior", PROMPT, k=1, max_new_tokens=6, context=context)
     result = RagLoop(tiny_llm, retriever, config, [trigger("always", tiny_llm, registry)]).answer(QUESTION, record_prompts=True)
     instruction = "\nUsing the external knowledge provided above, please answer the following question:\n" + QUESTION
     assert PASSAGES[0].text in result.prompts[0] and result.prompts[0].endswith(instruction)
     assert result.prompts[0].index(PASSAGES[0].text) < result.prompts[0].index(instruction)
+
+
+@pytest.mark.parametrize("name, reduce", [("entropy_mean", np.mean), ("entropy_max", np.max)])
+def test_a_cheap_entropy_trigger_judges_the_answer_and_answers_again_with_the_questions_passages(name, reduce, tiny_llm, retriever):
+    """The adaptive-retrieval study's cheap scores (arXiv 2501.12835): the answer's mean (or max) token entropy; at or
+    above the threshold the loop retrieves with the question and generates the answer again with the passages, as
+    always retrieving would have answered; below it, the no-retrieval answer stands."""
+    (trace,) = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [make_trigger(name, tiny_llm, None, SPACY)]).trace([QUESTION])
+    score = float(reduce(trace.stats["entropy"]))
+    assert np.nanmax(trace.token_scores[name]) == pytest.approx(score)
+    config = RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1)
+    fired = RagLoop(tiny_llm, retriever, config, [make_trigger(name, tiny_llm, {name: score}, SPACY)]).answer(QUESTION, record_prompts=True)
+    assert [(r.trigger, r.queries) for r in fired.retrievals] == [(name, [QUESTION])]
+    always = RagLoop(tiny_llm, retriever, config, [make_trigger("always", tiny_llm, {}, SPACY)]).answer(QUESTION)
+    assert fired.answer == always.answer
+    quiet = RagLoop(tiny_llm, retriever, config, [make_trigger(name, tiny_llm, {name: score + 1e-6}, SPACY)]).answer(QUESTION)
+    assert not quiet.retrievals and quiet.answer == trace.answer
 
 
 def test_dior_keywords_come_from_the_whole_generated_text(tiny_llm, registry):

@@ -19,11 +19,11 @@ from detectors.config import ParamsError, load_section
 from detectors.errors import InputError
 from detectors.rag.answer_metrics import FAILED, METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
 from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
-from detectors.rag.sweep import Outcome, curve, curves, records, sweep_line, trace_events
+from detectors.rag.sweep import Outcome, candidate_thresholds, curve, curves, question_outcomes, records, sweep_line, trace_events
 from detectors.rag.kinds import check_specs
 from detectors.registry import store
 from pipelines._rag_runtime import Run, run_questions
-from pipelines.rag_eval import references, split_questions, write_curves, write_prompts
+from pipelines.rag_eval import choose_candidates, other_template, references, split_questions, tuning_candidates, write_curves, write_prompts
 
 
 def result(answer: str, retrievals: list[list[str]] = (), error: str | None = None, passes: int = 10, tokens: int = 4, wall: float = 0.5) -> dict:
@@ -187,6 +187,57 @@ def test_the_references_are_the_configurations_that_never_and_always_retrieve():
     assert references(section.configurations) == {"never": "no-retrieval", "always": "single-round"}
 
 
+def test_a_configuration_with_its_own_template_is_not_compared_with_always_retrieving():
+    section = load_section("rag_eval", data=rag_params())
+    assert other_template(section.configurations, section.context, "single-round") == []  # one template for all
+    data = rag_params()
+    data["rag_eval"]["configurations"]["dior"]["context"] = "{passages}\nAnswer from the passages above.\n"
+    section = load_section("rag_eval", data=data)
+    assert other_template(section.configurations, section.context, "single-round") == ["dior"]
+    assert other_template(section.configurations, section.context, None) == []
+
+
+# ---- operating points: each configuration's own procedure on the validation questions ---------------------------
+
+
+def val_curve(scores, never, with_passages):
+    return curve("t", question_outcomes(scores, never, with_passages))
+
+
+def test_a_configurations_candidates_are_its_curves_best_point_and_the_points_nearest_the_rates():
+    # four questions; retrieval helps the first two; scores rank them 0.9 > 0.7 > 0.5 > 0.2
+    c = val_curve([0.9, 0.7, 0.5, 0.2], [False, False, True, True], [True, True, False, True])
+    assert list(c.retrieval_rate) == [0, 0.25, 0.5, 0.75, 1.0]
+    assert candidate_thresholds(c, [0.3, 0.7]) == [0.7, 0.9, 0.5]  # the best point (2 of 4), then rates 0.25 and 0.75
+    assert candidate_thresholds(c, [0.375]) == [0.7, 0.9]  # equally near 0.25 and 0.5: the higher threshold
+
+
+def test_each_configuration_is_tried_at_its_triggers_candidates_together_and_fixed_thresholds_stay():
+    section = load_section("rag_eval", data=rag_params())
+    curves_ = {"a": val_curve([0.9, 0.7, 0.5, 0.2], [False, False, True, True], [True, True, False, True]),
+               "b": val_curve([0.8, 0.6, 0.4, 0.1], [True, True, True, True], [False, False, False, False])}  # fmt: skip
+    configs = {name: section.configurations["flare"].__class__(**{**section.configurations["flare"].__dict__, "triggers": t})
+               for name, t in {"none": [], "always": ["always"], "one": ["a"], "two": ["a", "b@champion"]}.items()}  # fmt: skip
+    got = tuning_candidates(configs, "wiki", curves_, {}, [0.3, 0.7])
+    assert got["none"] == [{}] and got["always"] == [{}]  # nothing to choose: one run
+    assert got["one"] == [{"a": 0.7}, {"a": 0.9}, {"a": 0.5}]
+    assert got["two"] == [{"a": 0.7, "b": float("inf")}, {"a": 0.9, "b": 0.8}, {"a": 0.5, "b": 0.4}]  # b never helps: its best point never retrieves
+    assert tuning_candidates(configs, "wiki", curves_, {"a": 0.1}, [0.3, 0.7])["one"] == [{"a": 0.1}]  # fixed in params: tried once
+
+
+def test_the_chosen_point_is_the_most_accurate_then_the_one_retrieving_least():
+    answers = [["x"], ["y"]]
+    line = lambda answer, n: {"answer": answer, "retrievals": [{"passages": []}] * n, "forward_passes": 1, "generated_tokens": 1, "wall_s": 0.1,
+                              "error": None}  # noqa: E731, fmt: skip
+    candidates = {"c": [{"t": 0.7}, {"t": 0.9}, {"t": 0.5}]}
+    lines = {"c/0": [line("x", 1), line("no", 1)], "c/1": [line("x", 1), line("y", 2)], "c/2": [line("x", 1), line("y", 1)]}
+    got = choose_candidates(candidates, lines, answers)["c"]
+    assert got["chosen"] == 2 and got["thresholds"] == {"t": 0.5}  # c/1 and c/2 answer both; c/2 retrieves less (1 vs 1.5)
+    assert [c["accuracy"] for c in got["candidates"]] == [0.5, 1.0, 1.0]
+    lines["c/2"] = [line("x", 2), line("y", 1)]
+    assert choose_candidates(candidates, lines, answers)["c"]["chosen"] == 1  # a tie in both: the earlier candidate
+
+
 def test_a_curves_area_over_random_has_a_bootstrap_interval():
     lines = [sweep_line({"t": [(0.9, 0)] if needed else [(0.1, 0)]}, "x", {0: "Rome" if needed else "x"}, ["Rome"]) for needed in [True, False] * 10]
     (c,) = curves(lines, ["t"], bootstrap=300, seed=0).values()
@@ -322,7 +373,7 @@ def test_an_unknown_trigger_is_refused_before_any_work_naming_the_known_ones():
     """A training-free trigger's name is checked against the trigger registry when rag_eval starts (the params section
     checks the spelling only; it does not import the triggers)."""
     check_specs(["flare", "sit", "dior-early@champion", "utility-facts@champion"])
-    with pytest.raises(InputError, match=r"trigger 'dior-early': name one of always, flare, rind, sit_min, sit or a registered detector as <name>@<alias>"):
+    with pytest.raises(InputError, match=r"trigger 'dior-early': name one of always, flare, rind, sit_min, sit, entropy_mean, entropy_max or a registered detector as <name>@<alias>"):
         check_specs(["flare", "dior-early"])
 
 

@@ -4,6 +4,8 @@ one system's params or code restarts that system's runs and resumes every other 
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,7 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
     params["index_corpus"]["corpora"] = {"facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}}
     configurations = {name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare", "sit")}
     params["rag_eval"].update(questions=6, corpora=["facts"], configurations=configurations, sweep={"corpus": "facts", "query": "question"},
-                              thresholds={"flare": 0.5, "sit": 0.5}, max_new_tokens=4, frameworks=[], shard_size=3)  # fmt: skip
+                              thresholds={"sit": 0.5}, max_new_tokens=4, frameworks=[], shard_size=3)  # fmt: skip
     params["rag_eval"]["sit"].update(yes_words=["Y"], no_words=["N"])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     index_corpus.main(["--params", "params.yaml"])
@@ -57,15 +59,26 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
 
 
 def shard_times(project: Path) -> dict[str, list[int]]:
-    return {run.name: [p.stat().st_mtime_ns for p in sorted(run.glob("shard-*.parquet"))] for run in (project / "data/rag/runs/facts").iterdir()}
+    """Each run's shard times by its directory under the corpus's runs (the tuning's runs: ``tune-val/<configuration>/<j>``)."""
+    root = project / "data/rag/runs/facts"
+    return {str(run.relative_to(root)): [p.stat().st_mtime_ns for p in sorted(run.glob("shard-*.parquet"))]
+            for run in {p.parent for p in root.rglob("shard-*.parquet")}}  # fmt: skip
 
 
 def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     rag_eval.main(["--params", "params.yaml"])
     before = shard_times(project)
-    assert set(before) == {"no-retrieval", "single-round", "flare", "sit", "sweep", "sweep-val"} and all(before.values())
+    metrics = json.loads((project / "data/metrics/rag_eval.json").read_text())
+    tuning = metrics["tuning"]["facts"]
+    tried = [f"tune-val/{name}/{j}" for name, t in tuning.items() for j in range(len(t["candidates"]))]
+    assert set(before) == {"no-retrieval", "single-round", "flare", "sit", "sweep", "sweep-val", *tried} and all(before.values())
+    assert [len(tuning[n]["candidates"]) for n in ("no-retrieval", "single-round", "sit")] == [1, 1, 1]  # nothing to choose, or fixed in params
+    assert 1 <= len(tuning["flare"]["candidates"]) <= 3 and metrics["thresholds"]["facts"]["flare"] == tuning["flare"]["thresholds"]
+    chosen = tuning["flare"]["candidates"][tuning["flare"]["chosen"]]
+    assert chosen["accuracy"] == max(c["accuracy"] for c in tuning["flare"]["candidates"]) == metrics["facts"]["flare"]["val_accuracy"]
     edit_params(project, "rag_eval", sit={**yaml.safe_load((project / "params.yaml").read_text())["rag_eval"]["sit"], "threshold": 0.25})
     rag_eval.main(["--params", "params.yaml"])
     after = shard_times(project)
-    assert after["sit"] != before["sit"]  # Stitch-in-Time's validation changed: its run restarted
-    assert {k: v for k, v in after.items() if k != "sit"} == {k: v for k, v in before.items() if k != "sit"}  # every other run resumed whole
+    sit = {"sit", "tune-val/sit/0"}
+    assert all(after[k] != before[k] for k in sit)  # Stitch-in-Time's validation changed: its runs restarted, on validation and test
+    assert {k: v for k, v in after.items() if k not in sit} == {k: v for k, v in before.items() if k not in sit}  # every other run resumed whole

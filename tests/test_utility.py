@@ -39,7 +39,6 @@ from detectors.utility.labels import (
     utility_records,
 )
 from detectors.utility.recording import recording_loop
-from pipelines.rag_eval import choose_thresholds
 
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 PROMPT = PromptParams(template="{question}", chat=False, system=None)  # as the tiny Llama learnt its facts
@@ -209,13 +208,7 @@ def test_only_labelled_rows_are_joined_from_records_or_from_the_labels_table():
     assert joined(records[records["id"] == "b"].dropna(axis=1), early).empty  # no row labelled: no utility column
 
 
-def test_operating_thresholds_are_the_most_accurate_point_of_the_validation_sweep():
-    # three questions: retrieval helps the first two, hurts the third; scores rank them in that order
-    line = lambda score, never, at0: {"events": {"t": [[score, 0]]}, "never": never, "at": {"0": at0}}  # noqa: E731
-    val = [line(0.9, False, True), line(0.7, False, True), line(0.2, True, False)]
-    assert choose_thresholds(val, ["t"], {}) == {"t": 0.7}  # retrieve the two that it helps, not the third
-    assert choose_thresholds(val, ["t"], {"t": 0.1}) == {"t": 0.1}  # a number in params fixes it
-    hurts = [line(0.9, True, False), line(0.5, True, False)]
-    assert choose_thresholds(hurts, ["t"], {}) == {"t": math.inf}  # never retrieving is the most accurate
+def test_an_operating_point_can_be_held_to_a_retrieval_budget():
     c = curve("t", question_outcomes([0.9, 0.7, 0.2], [False, False, True], [True, True, False]))
+    assert operating_point(c) == 0.7  # retrieve the two that it helps, not the third
     assert operating_point(c, budget=0.4) == 0.9  # at most 40% of the questions: only the first

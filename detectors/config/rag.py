@@ -13,7 +13,7 @@ QueryKind = Literal["question", "flare", "qfs", "dior", "ctrla"]
 QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 FRAMEWORKS = ("retrorag",)  # seed systems with a loop of their own (detectors.rag.retroactive); params: the section of that name
-RESERVED = ("sweep", "digests", "thresholds")  # keys of paths.rag_metrics beside the corpora
+RESERVED = ("sweep", "digests", "thresholds", "tuning")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
 CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configuration runs on (utility-{corpus}@champion)
 
@@ -160,7 +160,8 @@ class RagEvalParams:
     context: str  # inserted right before {question} of the early prompt when passages were retrieved
     configurations: dict[str, RagConfigurationParams]
     frameworks: list[str]  # seed systems that run their own loop (FRAMEWORKS), one row each beside the configurations
-    thresholds: dict[str, float]  # fixed operating thresholds by trigger name; every other one is chosen on the validation sweep
+    thresholds: dict[str, float]  # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
+    candidate_rates: list[float]  # besides the validation curve's most accurate point, the retrieval rates a configuration is tried at
     query: RagQueryParams
     sit: SitParams
     ctrla: CtrlARefusalParams
@@ -199,6 +200,9 @@ class RagEvalParams:
                 fail(f"{where}.frameworks[{i}]", name, "a configuration has this name too: rename the configuration (each row has one name)")
         if len(set(self.frameworks)) != len(self.frameworks):
             fail(f"{where}.frameworks", self.frameworks, "list each framework once")
+        for i, rate in enumerate(self.candidate_rates):
+            if not 0 <= rate <= 1:
+                fail(f"{where}.candidate_rates[{i}]", rate, "a retrieval rate in [0, 1], e.g. 0.3")
         swept = {n for c in self.configurations.values() for t in c.triggers if t != "always" for n in trigger_names(t, self.corpora)}
         for name, value in self.thresholds.items():
             if name not in swept:

@@ -26,6 +26,7 @@ ROWS = (  # metric key, row label, format
     ("trigger_rate", "trigger rate", "{:.2f}"), ("forward_passes_per_question", "forward passes / question", "{:.1f}"),
     ("generated_tokens_per_question", "generated tokens / question", "{:.1f}"), ("wall_s_per_question", "wall s / question", "{:.2f}"),
     ("n", "questions", "{:d}"), ("failed", "failed", "{:d}"), ("no_passage", "nothing retrieved", "{:d}"),
+    ("val_accuracy", "Acc on validation at its chosen point", "{:.3f}"), ("val_retrievals_per_question", "retrievals / question on validation", "{:.2f}"),
     ("accuracy_vs_never", "Acc − no retrieval [95% CI]", DELTA), ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
 )  # fmt: skip
 TRADE = ("retrievals_saved_vs_always", "accuracy_lost_vs_always")  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
@@ -131,14 +132,29 @@ def curves_table(sweep: Mapping[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def thresholds_table(thresholds: Mapping[str, Mapping[str, float]], n_val: int) -> str:
-    """Each corpus's operating thresholds (chosen on its validation sweep) as Markdown: a row per trigger."""
-    corpora = list(thresholds)
-    triggers = list(dict.fromkeys(t for chosen in thresholds.values() for t in chosen))
-    out = [f"### operating thresholds, chosen on the {n_val} validation questions (the most accurate point of each curve; inf = never retrieve)", "",
-           "| trigger | " + " | ".join(corpora) + " |", "| --- |" + " ---: |" * len(corpora)]  # fmt: skip
-    for t in triggers:
-        out.append(f"| {t} | " + " | ".join(_cell(thresholds[c].get(t), "{:.4g}") for c in corpora) + " |")
+def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: int) -> str:
+    """Each configuration's operating point as Markdown (``tuning``: ``{corpus: {configuration: {"chosen", "candidates":
+    [{"thresholds", "accuracy", "retrievals_per_question"}]}}}``): a row per configuration, a column per corpus, every
+    candidate as ``thresholds → accuracy (retrievals / question)`` on the validation questions, the chosen one in bold."""
+    corpora = list(tuning)
+    names = list(dict.fromkeys(name for chosen in tuning.values() for name in chosen))
+    out = [f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate thresholds "
+           "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; inf = never retrieve)", "",
+           "| configuration | " + " | ".join(corpora) + " |", "| --- |" + " --- |" * len(corpora)]  # fmt: skip
+    for name in names:
+        cells = []
+        for corpus in corpora:
+            t = tuning[corpus].get(name)
+            if t is None:
+                cells.append("–")
+                continue
+            tried = []
+            for j, c in enumerate(t["candidates"]):
+                where = ", ".join(f"{k} {v:.4g}" for k, v in c["thresholds"].items()) or "no threshold"
+                text = f"{where} → {c['accuracy']:.3f} ({c['retrievals_per_question']:.2f})"
+                tried.append(f"**{text}**" if j == t["chosen"] else text)
+            cells.append("<br>".join(tried))
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 

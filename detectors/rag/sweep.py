@@ -154,6 +154,17 @@ def operating_point(c: Curve, budget: float | None = None) -> float:
     return float(c.threshold[best[np.argmin(c.retrieval_rate[best])]])
 
 
+def candidate_thresholds(c: Curve, rates: Sequence[float]) -> list[float]:
+    """The thresholds a configuration is tried at on the validation questions (rag_eval runs the configuration's own
+    procedure at each and keeps the most accurate): the curve's most accurate point (:func:`operating_point`), then,
+    for each of ``rates``, the point whose retrieval rate is nearest it (the higher threshold of equally near ones).
+    In that order; a threshold may repeat."""
+    out = [operating_point(c)]
+    for r in rates:
+        out.append(float(c.threshold[int(np.argmin(np.abs(c.retrieval_rate - r)))]))  # first of the nearest: the highest threshold
+    return out
+
+
 def question_outcomes(scores: Sequence[float], correct_without: Sequence[bool], correct_with: Sequence[bool]) -> list[Outcome]:
     """Outcomes of a question-level score (one event at position 0; none for NaN) from each question's correctness
     without and with its passages."""

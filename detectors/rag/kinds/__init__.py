@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 TRAINING_FREE = LazyRegistry("training-free trigger", {
     "always": "detectors.rag.kinds.always:build", "flare": "detectors.rag.kinds.flare:build", "rind": "detectors.rag.kinds.rind:build",
     "sit_min": "detectors.rag.kinds.sit:build_min", "sit": "detectors.rag.kinds.sit:build",
+    "entropy_mean": "detectors.rag.kinds.entropy:build_mean", "entropy_max": "detectors.rag.kinds.entropy:build_max",
 })  # fmt: skip
 # registered detector kind -> builder(name, detector attached to the loop's LLM, settings)
 DETECTOR_KINDS = LazyRegistry("trigger kind of a registered detector", {

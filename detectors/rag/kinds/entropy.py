@@ -1,0 +1,55 @@
+"""Cheap uncertainty triggers (the adaptive-retrieval study arXiv 2501.12835, which finds such scores as accurate as
+complex pipelines at a fraction of the calls): the LLM's own token entropies decide. Both judge a generated segment
+and, when they fire, retrieve with the question and generate the segment again with the passages (the study's
+procedure: answer, measure, retrieve and answer again).
+
+- ``entropy_max``: the most uncertain token of the segment (it fires when any token's entropy reaches the threshold);
+- ``entropy_mean``: the mean entropy of the segment's tokens (the study's "Mean Entropy"; with short answers the
+  segment is the whole answer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from detectors.baselines.token_entropy import TokenEntropy
+from detectors.evaluation.scorers import TokenStatScorer
+from detectors.interfaces import Level
+from detectors.rag.triggers import Policy, Trigger
+
+ENTROPY = (0.0, math.inf)  # nats
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanTokenEntropy(TokenStatScorer):
+    """The mean predictive entropy of a segment's tokens, on its last token (every other token scores -inf): the
+    segment is judged once it is generated."""
+
+    name: str = "entropy_mean"
+    stat: str = "entropy"
+    levels: tuple[Level, ...] = (Level.CONTINUATION,)
+
+    def continuation(self, stats: dict[str, np.ndarray], entities: list[np.ndarray]) -> float:
+        return float(np.mean(stats[self.stat]))
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return (self.stat,)
+
+    def token_scores(self, stats: Mapping[str, Any]) -> np.ndarray:
+        values = np.asarray(stats[self.stat], dtype=np.float64)
+        out = np.full(len(values), -np.inf)
+        if len(values):
+            out[-1] = float(values.mean())
+        return out
+
+
+def build_max(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+    return Trigger("entropy_max", TokenEntropy(Level.TOKEN, name="entropy_max"), threshold, Policy("token", cut="segment"), scores=ENTROPY)
+
+
+def build_mean(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+    return Trigger("entropy_mean", MeanTokenEntropy(Level.CONTINUATION), threshold, Policy("token", cut="segment"), scores=ENTROPY)
