@@ -236,6 +236,17 @@ def test_ctrla_predicts_the_segment_after_a_retrieval_without_its_passages(talke
     assert [p == plain for p in keeping.answer(question, record_prompts=True).prompts] == [True, False, False]
 
 
+def test_flare_accepts_the_regenerated_sentence_and_uses_its_passages_for_that_sentence_only(talker, retriever):
+    """FLARE (§3, and DRAGIN's released TokenRAG): a sentence with a low-probability token is generated again with the
+    passages and accepted, not judged again; the next sentence is predicted without those passages."""
+    question, prompt = "The capital of France is", PromptParams(template="{question}", chat=False, system=None)
+    config = RagConfig("flare", prompt, k=1, max_new_tokens=12, max_retrievals=3)
+    result = RagLoop(talker, retriever, config, [make_trigger("flare", talker, {"flare": -1.0}, SPACY)]).answer(question, record_prompts=True)
+    plain = talker.render(question, prompt)[0]
+    assert result.answer.count(".") == 2 and [r.trigger for r in result.retrievals] == ["flare", "flare"]  # once a sentence
+    assert [p == plain for p in result.prompts] == [True, False, True, False, True]
+
+
 def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_it_fails(tiny_llm, retriever, registry):
     """Stitch-in-Time (§2.1.3-2.2): the flagged concept's validation question is the query; the LLM answers it yes/no
     from the passages. A concept that passes leaves the sentence as it was (the passages unused); one that fails

@@ -1,7 +1,7 @@
 """Cheap uncertainty triggers (the adaptive-retrieval study arXiv 2501.12835, which finds such scores as accurate as
 complex pipelines at a fraction of the calls): the LLM's own token entropies decide. Both judge a generated segment
-and, when they fire, retrieve with the question and generate the segment again with the passages (the study's
-procedure: answer, measure, retrieve and answer again).
+and, when they fire, retrieve with the question and generate the segment again with the passages, which stands (the
+study's procedure: answer, measure, retrieve once and answer again).
 
 - ``entropy_max``: the most uncertain token of the segment (it fires when any token's entropy reaches the threshold);
 - ``entropy_mean``: the mean entropy of the segment's tokens (the study's "Mean Entropy"; with short answers the
@@ -48,8 +48,8 @@ class MeanTokenEntropy(TokenStatScorer):
 
 
 def build_max(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    return Trigger("entropy_max", TokenEntropy(Level.TOKEN, name="entropy_max"), threshold, Policy("token", cut="segment"), scores=ENTROPY)
+    return Trigger("entropy_max", TokenEntropy(Level.TOKEN, name="entropy_max"), threshold, Policy("token", cut="segment", after_retrieval="accept"), scores=ENTROPY)
 
 
 def build_mean(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    return Trigger("entropy_mean", MeanTokenEntropy(Level.CONTINUATION), threshold, Policy("token", cut="segment"), scores=ENTROPY)
+    return Trigger("entropy_mean", MeanTokenEntropy(Level.CONTINUATION), threshold, Policy("token", cut="segment", after_retrieval="accept"), scores=ENTROPY)

@@ -1,4 +1,6 @@
-"""FLARE's trigger: a token whose probability is below 1 - the threshold regenerates its sentence (the look-ahead segment)."""
+"""FLARE's trigger: a token whose probability is below 1 - the threshold regenerates its sentence (the look-ahead segment)
+with the passages its masked query retrieves; the regenerated sentence is accepted, not judged again, and the passages
+serve that sentence only (FLARE's §3, as DRAGIN's released TokenRAG also runs it)."""
 
 from __future__ import annotations
 
@@ -8,4 +10,4 @@ from detectors.rag.triggers import PROBABILITY, Policy, Trigger
 
 
 def build(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    return Trigger("flare", Flare(Level.TOKEN), threshold, Policy("token", cut="segment"), scores=PROBABILITY)  # 1 - the token's probability
+    return Trigger("flare", Flare(Level.TOKEN), threshold, Policy("token", cut="segment", after_retrieval="accept", passages="segment"), scores=PROBABILITY)  # 1 - the token's probability
