@@ -269,14 +269,16 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
             index_corpus.main(["--params", "params.yaml"])
             rag_eval.main(["--params", "params.yaml"])
         runs = {}
-        for run in sorted(p for p in (project / f"data/rag/runs-{backend}/facts").iterdir() if p.is_dir()):
+        root = project / f"data/rag/runs-{backend}/facts"
+        for run in sorted({p.parent for p in root.rglob("shard-*.parquet")}):  # the tuning's runs: tune-val/<configuration>/<j>
             stored = pd.concat([pd.read_parquet(shard) for shard in sorted(run.glob("shard-*.parquet"))])
-            runs[run.name] = [{k: v for k, v in json.loads(line).items() if k not in ("wall_s", "seconds")} for line in stored["line"]]
+            runs[str(run.relative_to(root))] = [{k: v for k, v in json.loads(line).items() if k not in ("wall_s", "seconds")} for line in stored["line"]]
         metrics = json.loads((project / f"data/metrics/rag-{backend}.json").read_text())
         results[backend] = runs, {name: {k: v for k, v in m.items() if "wall" not in k and "second" not in k} for name, m in metrics["facts"].items()}
-    assert set(results["local"][0]) == {"no-retrieval", "single-round", "flare", "retrorag", "sweep", "sweep-val"}
+    tuned = {f"tune-val/{name}/0" for name in configurations}  # flare's threshold is fixed: one candidate each
+    assert set(results["local"][0]) == {"no-retrieval", "single-round", "flare", "retrorag", "sweep", "sweep-val", *tuned}
     assert all(1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag"])  # RetroRAG's own row: one per iteration
-    assert all(len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val")  # the validation sweep: every val question
+    assert all(len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val" and name not in tuned)  # validation: every val question
     assert results["ray"] == results["local"]
 
 
