@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
     from detectors.evaluation.bootstrap import paired_mean_delta
-    from detectors.rag.answer_metrics import summarise
+    from detectors.rag.answer_metrics import accuracy, summarise
     from pipelines import rag_eval as stage
     from pipelines._rag_runtime import RagRuntime
     from pipelines._stage import stage_params
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                 del runtime._triggers[spec]  # built again as configured by the next call
             runtime.forget_states()
             a, b = summarise(configured, refs), summarise(varied, refs)
-            right = [stage_correct(x, refs) for x in (configured, varied)]
+            right = [[accuracy(line["answer"], r) for line, r in zip(lines, refs)] for lines in (configured, varied)]
             delta, low, high = paired_mean_delta(right[1], right[0], rag.bootstrap, rag.seed)
             result = {"thresholds": own, "accuracy": a["accuracy"], "variant_accuracy": b["accuracy"], "delta": delta, "ci_low": low, "ci_high": high,
                       "retrievals_per_question": a["retrievals_per_question"], "variant_retrievals_per_question": b["retrievals_per_question"],
@@ -94,12 +94,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"{a['retrievals_per_question']:.2f} → {b['retrievals_per_question']:.2f}", file=sys.stderr, flush=True)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-
-
-def stage_correct(lines: list[dict], refs: list[list[str]]) -> list[float]:
-    from detectors.rag.answer_metrics import accuracy
-
-    return [accuracy(line["answer"], r) for line, r in zip(lines, refs)]
 
 
 if __name__ == "__main__":

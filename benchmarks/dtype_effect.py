@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy.stats import spearmanr
 
+from detectors.config.rag import RESERVED
 from detectors.evaluation.bootstrap import paired_bootstrap_delta, paired_mean_delta
 from detectors.rag.answer_metrics import accuracy
 
@@ -77,7 +78,7 @@ def rag(a: Path, b: Path) -> list[dict]:
     x, y = (json.loads((r / "data/metrics/rag_eval.json").read_text()) for r in (a, b))
     qa = pd.read_parquet(a / "data/prepared/qa.parquet", columns=["id", "answers"]).set_index("id")["answers"]
     out = []
-    for corpus in [c for c in x if c in y and isinstance(x[c], dict) and c not in ("sweep", "thresholds", "digests")]:
+    for corpus in [c for c in x if c in y and isinstance(x[c], dict) and c not in RESERVED]:
         for name in x[corpus]:
             row = {"corpus": corpus, "configuration": name, "accuracy_float32": x[corpus][name]["accuracy"], "accuracy_default": y[corpus][name]["accuracy"],
                    "retrievals_float32": x[corpus][name].get("retrievals_per_question"), "retrievals_default": y[corpus][name].get("retrievals_per_question")}  # fmt: skip

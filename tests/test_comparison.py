@@ -76,7 +76,6 @@ def test_paired_difference_recovers_a_planted_difference():
     assert paired_bootstrap_delta(y, weak, weak, n=200) == (0.0, 0.0, 0.0)  # a scorer against itself
 
 
-
 def test_a_paired_difference_can_hold_each_side_to_its_own_labels():
     """Two runs that labelled the same units differently (a tenth of the labels flipped in the second): the reference
     is scored against its own labels, on the same resampled units as the other side."""
@@ -88,6 +87,7 @@ def test_a_paired_difference_can_hold_each_side_to_its_own_labels():
     assert delta == pytest.approx(auroc(y, scores) - auroc(flipped, scores)) and delta > 0.05
     assert low < delta < high and low > 0
     assert paired_bootstrap_delta(y, scores, scores, n=200, reference_labels=y) == (0.0, 0.0, 0.0)  # own labels: the default
+
 
 def test_trigger_rate_by_hand():
     scores = [0.1, 0.5, 0.5, 0.9, 0.2]
