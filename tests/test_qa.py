@@ -12,7 +12,7 @@ import pytest
 
 from detectors.errors import SourceError
 from detectors.sources.ids import sample, split_of, stable_id
-from detectors.sources.qa import load_raw, normalize_records
+from detectors.sources.qa import load_raw, normalize_records, parse_hf_source
 from detectors.sources.text import contains_reference, normalize_text, split_sentences
 
 # --- normalize_text ---------------------------------------------------------------------------------
@@ -425,6 +425,120 @@ def test_upper_case_suffix_is_read(tmp_path):
     path = tmp_path / "QA.JSONL"
     path.write_text(json.dumps(POPQA[0]) + "\n")
     assert load_raw(str(path), tmp_path) == [POPQA[0]]
+
+
+# --- hf: sources (datasets.load_dataset), on local directories laid out as the hub's copies -----------------
+
+# HotpotQA's fields as hotpotqa/hotpot_qa serves them (less its context and supporting facts); its two configs
+HOTPOTQA = {
+    "distractor": [
+        {"id": "5a8b57f25542995d1e6f1371", "question": "Were Scott Derrickson and Ed Wood of the same nationality?",
+         "answer": "yes", "type": "comparison", "level": "hard"},
+        {"id": "5a8c7595554299585d9e36b6",
+         "question": "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?",
+         "answer": "Chief of Protocol", "type": "bridge", "level": "hard"},
+        {"id": "5a85ea095542994775f606a8", "question": "Which country is the film Amélie set in?", "answer": "",
+         "type": "bridge", "level": "easy"},  # no usable answer: rejected
+    ],
+    "fullwiki": [
+        {"id": "5adbf0a255429947ff17385a", "question": "Who directed the film that Kiss and Tell (1945) was based on?",
+         "answer": "Richard Wallace", "type": "bridge", "level": "medium"},
+    ],
+}  # fmt: skip
+# 2WikiMultihopQA's dev.json: a JSON list whose records are identified by _id
+TWOWIKI = [
+    {"_id": "8813f87c0bdd11eba7f7acde48001122", "type": "compositional",
+     "question": "Who is the mother of the director of film Polish-Russian War (Film)?", "answer": "Małgorzata Braunek"},
+    {"_id": "28941e2c0bdc11eba7f7acde48001122", "type": "comparison",
+     "question": "Which film came out first, Blind Shaft or The Mask Of Fu Manchu?", "answer": "The Mask Of Fu Manchu"},
+    {"_id": "28941e2c0bdc11eba7f7acde48001122", "type": "comparison",
+     "question": "Which film came out first, Blind Shaft or The Mask Of Fu Manchu?", "answer": "The Mask of Fu Manchu"},
+]  # fmt: skip
+
+
+def hotpotqa_dir(root: Path) -> Path:
+    """A local dataset directory laid out as the hub's hotpotqa/hotpot_qa: one parquet file per config and split,
+    the configs declared in the README's metadata (``load_dataset(root, "distractor", split="validation")``)."""
+    for config, rows in HOTPOTQA.items():
+        (root / config).mkdir(parents=True)
+        pd.DataFrame(rows).to_parquet(root / config / "validation-00000-of-00001.parquet")
+    configs = "".join(f"- config_name: {c}\n  data_files:\n  - split: validation\n    path: {c}/validation-*.parquet\n"
+                      for c in HOTPOTQA)
+    (root / "README.md").write_text(f"---\nconfigs:\n{configs}---\n", encoding="utf-8")
+    return root
+
+
+def twowiki_dir(root: Path) -> Path:
+    """A local directory holding 2WikiMultihopQA's ``dev.json`` (the datasets library reads ``dev`` as validation)."""
+    root.mkdir(parents=True)
+    (root / "dev.json").write_text(json.dumps(TWOWIKI, ensure_ascii=False), encoding="utf-8")
+    return root
+
+
+@pytest.fixture
+def offline_hf(tmp_path, monkeypatch):
+    """The datasets library offline, its cache under tmp_path: a test never downloads, nor writes to ~/.cache."""
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    return tmp_path / "hf-cache"
+
+
+@pytest.mark.parametrize(
+    "source, parsed",
+    [
+        ("hf:hotpotqa/hotpot_qa:distractor:validation", ("hotpotqa/hotpot_qa", "distractor", "validation")),
+        ("hf:a/b:train", ("a/b", None, "train")),  # two parts: id and split, as before configs
+        ("hf:a/b", ("a/b", None, "validation")),  # the id alone: its validation split
+        ("hf:/data/hotpot_qa:fullwiki:validation", ("/data/hotpot_qa", "fullwiki", "validation")),  # a local directory
+    ],
+)
+def test_hf_source_names_dataset_config_and_split(source, parsed):
+    assert parse_hf_source(source) == parsed
+
+
+@pytest.mark.parametrize("source", ["hf:", "hf::validation", "hf:a/b:", "hf:a/b::validation", "hf:a/b:distractor:validation:x"])
+def test_malformed_hf_source_is_a_source_error_that_shows_the_syntax(source, tmp_path):
+    with pytest.raises(SourceError) as err:
+        load_raw(source, tmp_path)  # refused before the datasets library is asked
+    assert repr(source) in str(err.value)
+    assert "hf:<dataset id>[:<config>]:<split>" in str(err.value)
+
+
+def test_hotpotqa_config_and_split_are_read_from_a_local_directory(tmp_path, offline_hf):
+    root = hotpotqa_dir(tmp_path / "hotpot_qa")
+    source = f"hf:{root}:distractor:validation"
+    raw = load_raw(source, tmp_path / "raw")
+    assert [r["id"] for r in raw] == [r["id"] for r in HOTPOTQA["distractor"]]
+    assert raw[0]["type"] == "comparison" and raw[0]["level"] == "hard"  # the other fields come along
+    ok, rejected = normalize_records(raw, source)
+    assert ok["id"].tolist() == ["5a8b57f25542995d1e6f1371", "5a8c7595554299585d9e36b6"]  # HotpotQA's own ids
+    assert ok["answers"].tolist() == [["yes"], ["Chief of Protocol"]]
+    assert rejected["id"].tolist() == ["5a85ea095542994775f606a8"]
+    assert rejected["reason"].tolist() == ["no usable reference answer (field answer)"]
+    other = load_raw(f"hf:{root}:fullwiki:validation", tmp_path / "raw")
+    assert [r["question"] for r in other] == [HOTPOTQA["fullwiki"][0]["question"]]  # the config chooses the files
+    assert offline_hf.is_dir()
+
+
+def test_twowiki_ids_come_from_its_id_field_and_a_repeated_record_merges(tmp_path, offline_hf):
+    source = f"hf:{twowiki_dir(tmp_path / '2wikimultihopqa')}:validation"
+    ok, rejected = normalize_records(load_raw(source, tmp_path / "raw"), source)
+    assert ok["id"].tolist() == [TWOWIKI[0]["_id"], TWOWIKI[1]["_id"]]
+    assert ok["answers"].tolist() == [["Małgorzata Braunek"], ["The Mask Of Fu Manchu", "The Mask of Fu Manchu"]]
+    assert rejected["reason"].tolist() == ["duplicate question: answers merged into the first"]
+
+
+@pytest.mark.parametrize("config, split, said", [("nope", "validation", "'nope' not found"),
+                                                 ("distractor", "test", 'Unknown split "test"')])
+def test_an_unknown_config_or_split_is_a_source_error_naming_the_source(tmp_path, offline_hf, config, split, said):
+    source = f"hf:{hotpotqa_dir(tmp_path / 'hotpot_qa')}:{config}:{split}"
+    with pytest.raises(SourceError) as err:
+        load_raw(source, tmp_path / "raw")
+    assert repr(source) in str(err.value) and said in str(err.value)
 
 
 # --- sample -----------------------------------------------------------------------------------------

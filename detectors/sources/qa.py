@@ -2,7 +2,9 @@
 
 A source is ``bigbench:<task>`` (fetched from the ``bigbench==1.0.0`` source archive with
 ``pip download --no-deps``, only the task file unpacked), a ``.json`` / ``.jsonl`` / ``.csv`` /
-``.parquet`` file, or ``hf:<dataset id>[:split]`` (the ``datasets`` hub loader).
+``.parquet`` file, or ``hf:<dataset id>[:<config>]:<split>`` (``datasets.load_dataset``; ``hf:<dataset id>`` alone
+reads the validation split). The dataset id is a hub id (``hotpotqa/hotpot_qa``) or a local directory of data files,
+whose configs are those its ``README.md`` declares, as on the hub (:func:`parse_hf_source`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from detectors.errors import SourceError
 from detectors.sources.bigbench import fetch_bigbench_task
 from detectors.sources.files import read_records
 from detectors.sources.ids import stable_id
@@ -21,7 +24,9 @@ from detectors.sources.text import normalize_text
 
 QUESTION_FIELDS = ("question", "input", "query", "prompt")
 ANSWER_FIELDS = ("answers", "possible_answers", "target", "answer", "targets")
-ID_FIELDS = ("id", "question_id", "qid")
+ID_FIELDS = ("id", "question_id", "qid", "_id")  # _id: 2WikiMultihopQA's
+HF = "hf:"
+HF_SYNTAX = "hf:<dataset id>[:<config>]:<split> (hf:<dataset id> alone: its validation split)"
 
 
 def _pick(record: dict[str, Any], explicit: str | None, candidates: tuple[str, ...]) -> str | None:
@@ -56,15 +61,32 @@ def _as_answers(value: Any) -> list[str]:
     return [str(value)]
 
 
+def parse_hf_source(source: str) -> tuple[str, str | None, str]:
+    """``(dataset id, config, split)`` of an ``hf:`` source: ``hf:<id>`` is ``(id, None, "validation")``,
+    ``hf:<id>:<split>`` ``(id, None, split)`` and ``hf:<id>:<config>:<split>`` ``(id, config, split)``, e.g.
+    ``hf:hotpotqa/hotpot_qa:distractor:validation``. Any other shape is a :class:`SourceError` naming the source."""
+    parts = source.removeprefix(HF).split(":")
+    if not source.startswith(HF) or len(parts) > 3 or any(not part.strip() for part in parts):
+        raise SourceError(f"qa.source = {source!r}: write {HF_SYNTAX}, each part non-empty, "
+                          "e.g. hf:hotpotqa/hotpot_qa:distractor:validation")  # fmt: skip
+    if len(parts) == 1:
+        return parts[0], None, "validation"
+    return parts[0], parts[1] if len(parts) == 3 else None, parts[-1]
+
+
 def load_raw(source: str, raw_dir: str | Path) -> list[dict[str, Any]]:
     """The source's records as dicts, fields as the source names them."""
     if source.startswith("bigbench:"):
         return fetch_bigbench_task(source.split(":", 1)[1], raw_dir)
-    if source.startswith("hf:"):
+    if source.startswith(HF):
         import datasets
 
-        name, _, split = source[3:].partition(":")
-        return list(datasets.load_dataset(name, split=split or "validation"))
+        name, config, split = parse_hf_source(source)
+        try:
+            return list(datasets.load_dataset(name, config, split=split))
+        except (ValueError, OSError) as err:  # an unknown config or split, no such dataset, offline without a copy
+            raise SourceError(f"qa.source = {source!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) "
+                              f"failed: {err} (write {HF_SYNTAX}; a hub dataset must be downloaded or reachable)") from err
     return read_records(Path(source))
 
 
