@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,20 @@ def test_shipped_params_validate():
     assert isinstance(sections["train_early"], TrainEarlyParams)
     assert sections["mlflow"].tracking_uri.startswith("sqlite:///")
 
+
+
+def test_params_rewritten_by_dvc_exp_run_set_still_validate(tmp_path):
+    """``dvc exp run -S key=value`` (docs/pipeline.md) rewrites the whole file with DVC's YAML 1.2 writer, which leaves
+    the yes/no words unquoted: they must still read as the words, not as booleans."""
+    from dvc.utils.hydra import apply_overrides
+
+    path = tmp_path / "params.yaml"
+    shutil.copyfile(SHIPPED, path)
+    apply_overrides(str(path), ["qa.limit=2000"])
+    assert "- yes\n" in path.read_text() or "[yes]" in path.read_text()  # the word is unquoted now
+    sections = load_all(path)
+    assert sections["qa"].limit == 2000
+    assert sections["rag_eval"].sit.yes_words == load_all(SHIPPED)["rag_eval"].sit.yes_words == ["yes"]
 
 def test_shipped_params_values_are_typed(shipped):
     sections = load_all(SHIPPED)
