@@ -31,10 +31,13 @@ from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.interfaces import Level
+from detectors.dior.entities import token_offsets
+from detectors.llm.generate import generate
 from detectors.llm.kv import PrefixStore, prefix_states
 from detectors.llm.loading import LLM
 from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.kinds.sit import concept_spans
 from detectors.rag.queries import CtrlAQuery, make_query
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.kinds import make_trigger
@@ -102,7 +105,8 @@ def registry(tmp_path_factory, tiny_llm) -> str:
 
 
 # Stitch-in-Time's validation with the words the tiny Llama has as single tokens (its P(yes) is what the test reads)
-SIT = from_dict(SitParams, {**PARAMS["rag_eval"]["sit"], "yes_words": ["Y"], "no_words": ["N"]}, "sit")
+SIT = from_dict(SitParams, {**PARAMS["rag_eval"]["sit"], "concepts": "entities", "yes_words": ["Y"], "no_words": ["N"]}, "sit")  # the tiny
+# Llama names no concepts when instructed: the validation tests read spaCy's (the LLM's: test_sit_validates_the_concepts_the_llm_names)
 
 
 def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT, ctrla=None):
@@ -270,6 +274,32 @@ def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_
     assert PASSAGES[2].text in fails.prompts[-1] and fails.prompts[-1].endswith(question)
     assert fails.forward_passes > passes.forward_passes
 
+
+
+def test_llm_named_concepts_cover_the_segment_tokens_of_each_phrase():
+    offsets = [0, 4, 8, 9]  # segment " English." as " Eng" "lish" "."
+    question = "The language of Owen Meany is"
+    assert concept_spans(question, " English.", offsets, "English, language") == [[0, 1]]  # "language" is in the question only
+    assert concept_spans(question, " English.", offsets, "1. The language of Owen Meany is English.\n2. english") == [[0, 1]]  # numbered lines
+    assert concept_spans(question, " English.", offsets, "Meany is Eng") == [[0]]  # a phrase across question and segment: its segment part
+    assert concept_spans(question, " English.", offsets, "French") == []
+
+
+def test_sit_validates_the_concepts_the_llm_names(tiny_llm, retriever, registry):
+    """Stitch-in-Time's preferred concepts (§2.1.1): the LLM, instructed, names the sentence's keyphrases; the concepts
+    the trigger scores and validates are those phrases' tokens in the segment, not spaCy's entities. (The tiny Llama
+    follows no instruction: its "instruction" here opens a fact it completes with the city of its own answer.)"""
+    question, config = "The capital of Kenya is", RagConfig("sit", PROMPT, k=1, max_new_tokens=6, max_retrievals=3)
+    asks_again = dataclasses.replace(SIT, concepts="llm", concepts_prompt="{sentence}\nThe capital of France is", chat=False, concept_tokens=4)
+    sit = trigger("sit", tiny_llm, registry, sit=dataclasses.replace(asks_again, threshold=1e-9))
+    (trace,) = RagLoop(tiny_llm, retriever, config, [sit]).trace([question])
+    text = tiny_llm.tokenizer.decode(trace.gen_ids, skip_special_tokens=True)
+    named = generate(tiny_llm, [f"{question} {text.strip()}\nThe capital of France is"], 4, stop=("\n\n",))[0].text
+    concepts = [list(c) for c in trace.stats["concepts"]]
+    assert concepts and concepts == concept_spans(question, text, token_offsets(tiny_llm, trace.gen_ids), named)
+    first = tiny_llm.tokenizer.decode([trace.gen_ids[i] for i in concepts[0]], skip_special_tokens=True).strip()
+    result = RagLoop(tiny_llm, retriever, config, [sit]).answer(question)
+    assert result.retrievals and result.retrievals[0].queries == [SIT.validation_question.format(question=question, sentence="", concept=first)]
 
 def test_every_configuration_answers_with_dior_post_retrieval_template(tiny_llm, retriever, registry):
     """DioR §3.3.2: after a retrieval the passages come first and the question follows "Using the external knowledge

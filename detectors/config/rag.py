@@ -71,11 +71,18 @@ def check_context(key: str, context: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SitParams:
-    """Stitch-in-Time's validation of the ``sit`` trigger's uncertain concepts (§2.1.3-2.1.5): the yes/no
-    ``validation_question`` about a concept (``{question}``, ``{sentence}``, ``{concept}``; it is also the retrieval
-    query), the ``prompt`` that answers it from the passages (``{passages}``, ``{validation_question}``), its yes/no
-    words, and the P(yes) at or above which a concept passes (below: the sentence is repaired with the passages)."""
+    """Stitch-in-Time's ``sit`` trigger: its concepts (§2.1.1; ``llm``: the keyphrases the LLM names when instructed
+    with ``concepts_prompt`` (``{sentence}``; as a chat turn with ``chat``, at most ``concept_tokens`` tokens), the
+    paper's preferred technique; ``entities``: spaCy's entities of the segment) and the validation of the uncertain
+    ones (§2.1.3-2.1.5): the yes/no ``validation_question`` about a concept (``{question}``, ``{sentence}``,
+    ``{concept}``; it is also the retrieval query), the ``prompt`` that answers it from the passages (``{passages}``,
+    ``{validation_question}``), its yes/no words, and the P(yes) at or above which a concept passes (below: the
+    sentence is repaired with the passages)."""
 
+    concepts: Literal["llm", "entities"]
+    concepts_prompt: str
+    chat: bool
+    concept_tokens: int
     validation_question: str
     prompt: str
     yes_words: list[str]
@@ -83,6 +90,8 @@ class SitParams:
     threshold: float
 
     def check(self, where: str) -> None:
+        check_fields(f"{where}.concepts_prompt", self.concepts_prompt, ("sentence",))
+        positive(f"{where}.concept_tokens", self.concept_tokens)
         check_fields(f"{where}.validation_question", self.validation_question, ("question", "sentence", "concept"), ("concept",))
         check_fields(f"{where}.prompt", self.prompt, ("passages", "validation_question"))
         for key in ("yes_words", "no_words"):

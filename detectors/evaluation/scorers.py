@@ -71,6 +71,7 @@ class TokenStatScorer:
     kind: str = "baseline"
     is_probability: bool = False
     threshold: float | None = None
+    spans: str = "entities"  # online: the segment statistic holding each entity's token indices
 
     def __post_init__(self) -> None:
         if self.level not in self.levels:
@@ -91,8 +92,8 @@ class TokenStatScorer:
 
     @property
     def needs(self) -> tuple[str, ...]:
-        """The statistics the score is computed from (``entities``: the token indices of each entity)."""
-        return (self.stat,) if Level.TOKEN in self.levels else (self.stat, "entities")
+        """The statistics the score is computed from (``spans``: the token indices of each entity)."""
+        return (self.stat,) if Level.TOKEN in self.levels else (self.stat, self.spans)
 
     def token_scores(self, stats: Mapping[str, Any]) -> np.ndarray:
         """The online form: a score for every generated token of a sequence whose per-token statistics are
@@ -103,7 +104,7 @@ class TokenStatScorer:
         if Level.TOKEN in self.levels:
             return np.asarray(self.token(values), dtype=np.float64)
         out = np.full(len(values), -np.inf)
-        for idx in stats["entities"]:
+        for idx in stats[self.spans]:
             if len(idx):
                 out[idx[0]] = max(out[idx[0]], self.entity(values[np.asarray(idx)]))
         return out

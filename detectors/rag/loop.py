@@ -509,7 +509,7 @@ class RagLoop:
         queue = []
         for row, view, trigger, _, _ in fires:
             scores = trigger.token_scores(view.stats)
-            spans = {int(idx[0]): idx for idx in view.stats["entities"] if len(idx)}
+            spans = {int(idx[0]): idx for idx in view.stats[trigger.scorer.spans] if len(idx)}  # an entity-level scorer's concepts
             order = [i for i in np.argsort(-scores, kind="stable") if scores[i] >= trigger.threshold and int(i) in spans]
             room = self.config.max_retrievals - len(row.retrievals)
             concepts = [(float(scores[i]), tok.decode([view.gen_ids[j] for j in spans[int(i)]], skip_special_tokens=True)) for i in order][:room]

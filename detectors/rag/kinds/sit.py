@@ -1,7 +1,10 @@
-"""Stitch-in-Time's triggers: ``sit_min`` (detection: an entity's minimum token probability) and ``sit`` (detection,
-validation of each uncertain concept, repair), and the calculator of the segment's entities."""
+"""Stitch-in-Time's triggers: ``sit_min`` (detection: an entity's minimum token probability, the comparison's scorer
+over the real-time set's entities) and ``sit`` (the paper's procedure: the concepts the LLM names, validation of each
+uncertain one, repair), and the calculators of the segment's concepts."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import spacy
@@ -10,6 +13,7 @@ from detectors.baselines.stitch_in_time import SitMin, SitValidator
 from detectors.dior.entities import entity_tokens, token_offsets
 from detectors.errors import InputError
 from detectors.interfaces import Level
+from detectors.llm.generate import generate, instruction_prompt
 from detectors.llm.loading import LLM
 from detectors.rag.stats import Calculator, SegmentView
 from detectors.rag.triggers import PROBABILITY, Policy, Trigger
@@ -30,15 +34,53 @@ class EntityCalculator(Calculator):
             v.stats["entities"] = [np.asarray(s, dtype=np.int64) for s in spans if s]
 
 
+def concept_spans(question: str, segment: str, offsets: list[int], named: str) -> list[list[int]]:
+    """The token spans of the concepts the LLM ``named`` (a list split at commas and lines, numbering dropped) in the
+    sentence ``question`` + ``segment``: each phrase found in the sentence covers the segment's tokens (``offsets``:
+    :func:`~detectors.dior.entities.token_offsets`) it overlaps; the part in the question was not generated."""
+    sentence = f"{question.strip()} {segment.strip()}".lower()
+    shift = len(question.strip()) + 1 - (len(segment) - len(segment.lstrip()))  # a sentence offset minus the segment's
+    phrases = dict.fromkeys(re.sub(r"^\d+[.)]\s*", "", p.strip()).strip(" .;:\"'").lower() for p in re.split(r"[,\n]", named))
+    spans = []
+    for phrase in (p for p in phrases if p and p in sentence):
+        at = sentence.find(phrase)
+        start, end = max(at - shift, 0), min(at + len(phrase) - shift, len(segment))
+        span = entity_tokens(offsets, start, end) if start < end else []
+        if span and span not in spans:
+            spans.append(span)
+    return spans
+
+
+class ConceptCalculator(Calculator):
+    """``entities`` as Stitch-in-Time's preferred technique finds concepts (§2.1.1): the LLM, instructed
+    (``rag_eval.sit.concepts_prompt``, Table 3), names the important keyphrases of the sentence (the question and the
+    segment), greedily, the segments batched; each one's tokens in the segment are a concept (:func:`concept_spans`):
+    ``concepts``, beside the entities ``sit_min`` reads."""
+    key, provides = "concepts", ("concepts",)
+
+    def __init__(self, llm: LLM, params):
+        self.llm, self.params = llm, params
+
+    def segments(self, views: list[SegmentView]) -> None:
+        p = self.params
+        prompts = [instruction_prompt(self.llm, p.concepts_prompt.format(sentence=f"{v.question.strip()} {v.text.strip()}"), p.chat) for v in views]
+        for v, named in zip(views, generate(self.llm, prompts, p.concept_tokens, add_special_tokens=not p.chat, stop=("\n\n",))):
+            v.stats["concepts"] = [np.asarray(s, dtype=np.int64) for s in concept_spans(v.question, v.text, token_offsets(self.llm, v.gen_ids), named.text)]
+
+
 def build_min(llm: "LLM", threshold: float | None, spacy_model: str, settings: object) -> Trigger:
     return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, spacy.load(spacy_model)),), scores=PROBABILITY)
 
 
 def build(llm: "LLM", threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2, as ``sit_min``), validate each uncertain concept
-    (§2.1.3-2.1.5) and repair the sentence with the passages when one fails (§2.2; the repair is kept)."""
+    """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2: the concepts of ``rag_eval.sit.concepts``, each
+    scored by its least probable token, as ``sit_min``), validate each uncertain concept (§2.1.3-2.1.5) and repair the
+    sentence with the passages when one fails (§2.2; the repair is kept)."""
     if settings.sit is None:
-        raise InputError("trigger 'sit' validates with rag_eval.sit: give its params (validation_question, prompt, yes/no words, threshold)")
+        raise InputError("trigger 'sit' validates with rag_eval.sit: give its params (concepts, validation_question, prompt, yes/no words, threshold)")
     policy = Policy("token", cut="segment", after_retrieval="accept")
-    return Trigger("sit", SitMin(Level.ENTITY), threshold, policy, (EntityCalculator(llm, spacy.load(spacy_model)),), scores=PROBABILITY,
-                   validator=SitValidator(llm, settings.sit))  # fmt: skip
+    if settings.sit.concepts == "llm":
+        scorer, concepts = SitMin(Level.ENTITY, spans="concepts"), ConceptCalculator(llm, settings.sit)
+    else:
+        scorer, concepts = SitMin(Level.ENTITY), EntityCalculator(llm, spacy.load(spacy_model))
+    return Trigger("sit", scorer, threshold, policy, (concepts,), scores=PROBABILITY, validator=SitValidator(llm, settings.sit))
