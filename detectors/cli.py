@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -31,6 +32,40 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- values checked where they are parsed (a malformed one: exit status 2, before anything loads) ----------------
+
+
+def device(value: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N of a CUDA device this machine has."""
+    if value in ("auto", "cpu"):
+        return value
+    match = re.fullmatch(r"cuda(?::(\d+))?", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N")
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: this machine has no CUDA device: use auto or cpu")
+    if match.group(1) is not None and int(match.group(1)) >= count:
+        raise argparse.ArgumentTypeError(f"{value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return value
+
+
+def alias(value: str) -> str:
+    """``--alias``: a registered alias as MLflow spells one (letters, digits, '_' and '-', at most 255)."""
+    if not re.fullmatch(r"[\w-]{1,255}", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an alias: use letters, digits, '_' or '-', e.g. champion or challenger")
+    return value
+
+
+def new_alias(value: str) -> str:
+    """An alias to set: :func:`alias`, and none of the names MLflow reserves for versions (latest, v1, V2, ...)."""
+    if value.lower() == "latest" or re.fullmatch(r"[vV]\d+", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is reserved by MLflow for versions: choose another alias, e.g. challenger")
+    return alias(value)
 
 
 # ---- the store and the project ----------------------------------------------------------------------
@@ -162,8 +197,8 @@ def parser(prog: str = "dynrag") -> Parser:
     common.add_argument("--tracking-uri", help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the params file's mlflow.tracking_uri)")
     common.add_argument("--params", help="params file whose mlflow section names the store (default: params.yaml here)")
     model = Parser(add_help=False)
-    model.add_argument("--alias", default="champion", help="registered alias (default: champion)")
-    model.add_argument("--device", default="auto", help="where the LLM runs: auto, cpu, cuda, cuda:1 (default: auto)")
+    model.add_argument("--alias", type=alias, default="champion", help="registered alias (default: champion)")
+    model.add_argument("--device", type=device, default="auto", help="where the LLM runs: auto, cpu, cuda, cuda:1 (default: auto)")
     model.add_argument("--json", action="store_true", help="one JSON object per result instead of text")
 
     top = Parser(prog=prog, description="Registered retrieval-trigger detectors: assess, monitor, promote, relocate, screenshot.")
@@ -183,7 +218,7 @@ def parser(prog: str = "dynrag") -> Parser:
     p = sub.add_parser("promote", parents=[common], help="move an alias (default: champion) to a version", description=promote.__doc__)
     p.add_argument("name")
     p.add_argument("version", type=int)
-    p.add_argument("--alias", default="champion")
+    p.add_argument("--alias", type=new_alias, default="champion")
     p.set_defaults(run=promote)
     p = sub.add_parser("relocate", parents=[common], help="rewrite a moved sqlite store's artifact locations", description=relocate.__doc__)
     p.add_argument("--from", dest="from_dir", default=None, help="the directory the store was in, for a store that records none")

@@ -75,6 +75,18 @@ def test_assess_and_monitor_refuse_the_other_kind(registered, capsys):  # noqa: 
     assert status == 1 and "pass its title with --title TITLE" in one_line(err)
 
 
+
+@pytest.mark.parametrize("argv, message", [
+    (["assess", "x", "--device", "banana"], "argument --device: 'banana' is not a device: use auto, cpu, cuda or cuda:N"),
+    (["assess", "x", "--device", "cuda:7"], "argument --device: 'cuda:7': this machine has"),
+    (["monitor", "x", "--alias", ""], "argument --alias: '' is not an alias: use letters, digits, '_' or '-'"),
+    (["promote", "dior-early", "1", "--alias", ""], "argument --alias: '' is not an alias"),
+    (["promote", "dior-early", "1", "--alias", "v2"], "argument --alias: 'v2' is reserved by MLflow for versions"),
+])  # fmt: skip
+def test_a_bad_device_or_alias_is_refused_where_it_is_parsed(argv, message, capsys):
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == "" and message in one_line(err)
+
 def test_monitor_shows_where_the_realtime_detector_triggers(registered, tiny_llm, capsys):  # noqa: F811
     status, out, err = run(capsys, "monitor", "Paris is the capital of", "--title", "Paris", "--max-new-tokens", "8", "--tracking-uri", registered, "--json")
     assert status == 0, err
