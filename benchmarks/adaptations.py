@@ -220,17 +220,21 @@ def _repair_instruction(trigger, runtime):
     return dataclasses.replace(trigger, validator=RepairingValidator(v.llm, v.params, v.batch_size))
 
 
+def _beside(trigger, suffix: str, calculator):
+    """The variant trigger of a score variant: its own name and the one statistic ``calculator`` provides, to be swept
+    beside ``trigger`` (the same policy and threshold range)."""
+    name = f"{trigger.name}:{suffix}"
+    (stat,) = calculator.provides
+    return dataclasses.replace(trigger, name=name, scorer=dataclasses.replace(trigger.scorer, name=name, stat=stat), calculators=(calculator,))
+
+
 def _released_scale(trigger, runtime):
-    calc = ReleasedScaleCalculator(trigger.calculators[0].detector)
-    name = f"{trigger.name}:released-scale"
-    return dataclasses.replace(trigger, name=name, scorer=dataclasses.replace(trigger.scorer, name=name, stat="ctrla_released"), calculators=(calc,))
+    return _beside(trigger, "released-scale", ReleasedScaleCalculator(trigger.calculators[0].detector))
 
 
 def _generated_only(trigger, runtime):
     base = trigger.calculators[0]
-    name = f"{trigger.name}:generated-only"
-    return dataclasses.replace(trigger, name=name, scorer=dataclasses.replace(trigger.scorer, name=name, stat="rind_generated"),
-                               calculators=(GeneratedOnlyRindCalculator(base.llm, base.stopwords),))  # fmt: skip
+    return _beside(trigger, "generated-only", GeneratedOnlyRindCalculator(base.llm, base.stopwords))
 
 
 @dataclasses.dataclass(frozen=True)
