@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup repro test bench
+.PHONY: setup repro lint test bench
 
 setup: $(VENV)/.installed
 
@@ -19,7 +19,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 repro: setup
 	PATH="$(abspath $(BIN)):$$PATH" dvc repro
 
-test: setup
+# the formatter and the linter first (pyproject.toml [tool.ruff]: line length 120), then the tests
+lint: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench: setup

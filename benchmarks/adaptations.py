@@ -52,8 +52,9 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from unittest import mock
 
 import numpy as np
@@ -110,7 +111,9 @@ class GeneratedOnlyRindCalculator(RindCalculator):
 
     def segments(self, views) -> None:
         alone = [crop_states(v.states, 0) for v in views]
-        traces = rind_on_states(self.llm, alone, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords)
+        traces = rind_on_states(
+            self.llm, alone, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords
+        )
         for v, trace in zip(views, traces):
             v.stats["rind_generated"] = trace.rind
 
@@ -142,9 +145,16 @@ class TvqQuery:
 
     def formulate_all(self, llm, inputs) -> list[str]:
         asked = [i for i, q in enumerate(inputs) if q.segment is not None and q.segment.text.strip()]
-        prompts = [instruction_prompt(llm, TVQ.format(question=inputs[i].question.strip(), answer=inputs[i].segment.text.strip()), self.chat)
-                   for i in asked]  # fmt: skip
-        written = {i: g.text.strip().strip("\"'") for i, g in zip(asked, generate(llm, prompts, self.tokens, add_special_tokens=not self.chat))}
+        prompts = [
+            instruction_prompt(
+                llm, TVQ.format(question=inputs[i].question.strip(), answer=inputs[i].segment.text.strip()), self.chat
+            )
+            for i in asked
+        ]
+        written = {
+            i: g.text.strip().strip("\"'")
+            for i, g in zip(asked, generate(llm, prompts, self.tokens, add_special_tokens=not self.chat))
+        }
         return [f"{q.question.strip()} {written.get(i, '')}".strip() for i, q in enumerate(inputs)]
 
 
@@ -157,11 +167,15 @@ class ReleasedQfsQuery(QfsQuery):
     name: str = "qfs-released"
 
     def _with_attention(self, llm, q, context: list[int], attention) -> str:
-        return qfs_query(llm, context, max(len(context) - 2, 0), self.top_n, self.stopwords, attention)  # causal: row i-1 of the same matrix
+        return qfs_query(
+            llm, context, max(len(context) - 2, 0), self.top_n, self.stopwords, attention
+        )  # causal: row i-1 of the same matrix
 
 
-SIT_REPAIR = ("{passages}\n{sentence}\nThe above sentence has information that can not be verified from the provided evidence, repair that "
-              "incorrect information and create a new sentence based on the provided evidence.\n")  # fmt: skip
+SIT_REPAIR = (
+    "{passages}\n{sentence}\nThe above sentence has information that can not be verified from the provided evidence, repair that "
+    "incorrect information and create a new sentence based on the provided evidence.\n"
+)
 # Stitch-in-Time's Table 3, "Repair Hallucinated Sentence" (as the block before the question, where every RAG prompt
 # here puts the evidence, so that the answer continues the question)
 
@@ -184,7 +198,10 @@ class RepairLoop(RagLoop):
     instruction before the question (``SIT_REPAIR``); configured: the evidence under ``rag_eval.context``."""
 
     def _set_prompt(self, row, hits, query: str) -> None:
-        sentence = next((t.validator.sentences.get(query) for t in self.triggers if isinstance(t.validator, RepairingValidator)), None)
+        sentence = next(
+            (t.validator.sentences.get(query) for t in self.triggers if isinstance(t.validator, RepairingValidator)),
+            None,
+        )
         if not (hits and sentence):
             return super()._set_prompt(row, hits, query)
         configured = self.config
@@ -199,7 +216,9 @@ class RepairLoop(RagLoop):
 
 
 def _flare_rescore(trigger, runtime):
-    return dataclasses.replace(trigger, policy=dataclasses.replace(trigger.policy, after_retrieval="rescore", passages="keep"))
+    return dataclasses.replace(
+        trigger, policy=dataclasses.replace(trigger.policy, after_retrieval="rescore", passages="keep")
+    )
 
 
 def _tvq(query, runtime):
@@ -211,8 +230,11 @@ def _released_qfs(query, runtime):
 
 
 def _spacy_entities(trigger, runtime):
-    return dataclasses.replace(trigger, scorer=dataclasses.replace(trigger.scorer, spans="entities"),
-                               calculators=(EntityCalculator(runtime.llm, spacy.load(runtime.stage_params["build_realtime.spacy_model"])),))  # fmt: skip
+    return dataclasses.replace(
+        trigger,
+        scorer=dataclasses.replace(trigger.scorer, spans="entities"),
+        calculators=(EntityCalculator(runtime.llm, spacy.load(runtime.stage_params["build_realtime.spacy_model"])),),
+    )
 
 
 def _repair_instruction(trigger, runtime):
@@ -225,7 +247,9 @@ def _beside(trigger, suffix: str, calculator):
     beside ``trigger`` (the same policy and threshold range)."""
     name = f"{trigger.name}:{suffix}"
     (stat,) = calculator.provides
-    return dataclasses.replace(trigger, name=name, scorer=dataclasses.replace(trigger.scorer, name=name, stat=stat), calculators=(calculator,))
+    return dataclasses.replace(
+        trigger, name=name, scorer=dataclasses.replace(trigger.scorer, name=name, stat=stat), calculators=(calculator,)
+    )
 
 
 def _released_scale(trigger, runtime):
@@ -254,20 +278,43 @@ class Score:
 
 
 PROCEDURES = {
-    "flare-rescore": Procedure("flare", "the regenerated sentence scored again, its passages kept (before 2026-11-26)", trigger=("flare", _flare_rescore)),
-    "ctrla-tvq": Procedure("ctrla", "the query: the question and the LLM's targeted validation query (Prompt B.1) instead of Eq. 3's masked segment",
-                           query=_tvq),
-    "dragin-qfs-released": Procedure("dragin", "QFS from the attention row of the token before the flagged one, 25 tokens (the released code)",
-                                     query=_released_qfs),
-    "sit-spacy-entities": Procedure("sit", "concepts: spaCy's entities of the segment instead of the keyphrases the LLM names (before 2026-11-26)",
-                                    trigger=("sit", _spacy_entities)),
-    "sit-repair-instruction": Procedure("sit", "the repair: evidence, sentence and Table 3's repair instruction instead of the evidence alone",
-                                        trigger=("sit", _repair_instruction), loop=RepairLoop),
-}  # fmt: skip
+    "flare-rescore": Procedure(
+        "flare",
+        "the regenerated sentence scored again, its passages kept (before 2026-11-26)",
+        trigger=("flare", _flare_rescore),
+    ),
+    "ctrla-tvq": Procedure(
+        "ctrla",
+        "the query: the question and the LLM's targeted validation query (Prompt B.1) instead of Eq. 3's masked segment",
+        query=_tvq,
+    ),
+    "dragin-qfs-released": Procedure(
+        "dragin",
+        "QFS from the attention row of the token before the flagged one, 25 tokens (the released code)",
+        query=_released_qfs,
+    ),
+    "sit-spacy-entities": Procedure(
+        "sit",
+        "concepts: spaCy's entities of the segment instead of the keyphrases the LLM names (before 2026-11-26)",
+        trigger=("sit", _spacy_entities),
+    ),
+    "sit-repair-instruction": Procedure(
+        "sit",
+        "the repair: evidence, sentence and Table 3's repair instruction instead of the evidence alone",
+        trigger=("sit", _repair_instruction),
+        loop=RepairLoop,
+    ),
+}
 SCORES = {
-    "ctrla-released-scale": Score("ctrla-confidence@champion", _released_scale, "Eq. 2 as the released code scales it: not centred, whole-sequence spread"),
-    "rind-generated-only": Score("rind", _generated_only, "RIND's attention from the segment run alone (the released generate_attn)"),
-}  # fmt: skip
+    "ctrla-released-scale": Score(
+        "ctrla-confidence@champion",
+        _released_scale,
+        "Eq. 2 as the released code scales it: not centred, whole-sequence spread",
+    ),
+    "rind-generated-only": Score(
+        "rind", _generated_only, "RIND's attention from the segment run alone (the released generate_attn)"
+    ),
+}
 
 
 class VariantRuntime(RagRuntime):
@@ -312,17 +359,32 @@ def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, 
             runtime.changes = dict([variant.trigger]) if changed and variant.trigger else {}
             runtime.query_change = variant.query if changed else None
             runtime.loop_class = variant.loop if changed else None
-            answered.append(runtime.loop(variant.configuration, config, corpus, own)[0](questions, [False] * len(questions)))
+            answered.append(
+                runtime.loop(variant.configuration, config, corpus, own)[0](questions, [False] * len(questions))
+            )
         runtime.changes, runtime.query_change, runtime.loop_class = {}, None, None
         runtime.forget_states()
         a, b = (summarise(lines, refs) for lines in answered)
         right = [[accuracy(line["answer"], r) for line, r in zip(lines, refs)] for lines in answered]
         delta, low, high = paired_mean_delta(right[1], right[0], rag.bootstrap, rag.seed)
-        out[corpus] = {"thresholds": own, "accuracy": a["accuracy"], "variant_accuracy": b["accuracy"], "delta": delta, "ci_low": low, "ci_high": high,
-                       "retrievals_per_question": a["retrievals_per_question"], "variant_retrievals_per_question": b["retrievals_per_question"],
-                       "became_right": int(sum(y > x for x, y in zip(*right))), "became_wrong": int(sum(y < x for x, y in zip(*right)))}  # fmt: skip
-        print(f"{variant.configuration} · {corpus}: {a['accuracy']:.3f} → {b['accuracy']:.3f} ({delta:+.3f} [{low:+.3f}, {high:+.3f}]), "
-              f"retrievals {a['retrievals_per_question']:.2f} → {b['retrievals_per_question']:.2f}", file=sys.stderr, flush=True)  # fmt: skip
+        out[corpus] = {
+            "thresholds": own,
+            "accuracy": a["accuracy"],
+            "variant_accuracy": b["accuracy"],
+            "delta": delta,
+            "ci_low": low,
+            "ci_high": high,
+            "retrievals_per_question": a["retrievals_per_question"],
+            "variant_retrievals_per_question": b["retrievals_per_question"],
+            "became_right": int(sum(y > x for x, y in zip(*right))),
+            "became_wrong": int(sum(y < x for x, y in zip(*right))),
+        }
+        print(
+            f"{variant.configuration} · {corpus}: {a['accuracy']:.3f} → {b['accuracy']:.3f} ({delta:+.3f} [{low:+.3f}, {high:+.3f}]), "
+            f"retrievals {a['retrievals_per_question']:.2f} → {b['retrievals_per_question']:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
     return out
 
 
@@ -335,7 +397,10 @@ def run_score(runtime: VariantRuntime, variant: Score, rag, questions, refs) -> 
     runtime.variants = {variant.trigger: variant.change}
     configured = runtime.params  # the sweep sweeps the triggers of every configuration: here the two alone
     specs = [variant.trigger, f"{variant.trigger}#variant"]
-    runtime.params = dataclasses.replace(configured, configurations={"variant": dataclasses.replace(next(iter(configured.configurations.values())), triggers=specs)})
+    runtime.params = dataclasses.replace(
+        configured,
+        configurations={"variant": dataclasses.replace(next(iter(configured.configurations.values())), triggers=specs)},
+    )
     try:
         sweep, kinds, _ = runtime.sweep_loop(corpus)
         lines = sweep(questions, refs)
@@ -346,11 +411,24 @@ def run_score(runtime: VariantRuntime, variant: Score, rag, questions, refs) -> 
     outcomes = {t: [outcome_from_json(line, t) for line in lines] for t in names}
     before, after = (curve(t, outcomes[t]) for t in names)
     low, high = area_interval(names[1], outcomes[names[1]], rag.bootstrap, rag.seed, reference=outcomes[names[0]])
-    out = {"corpus": corpus, "trigger": names[0], "area": before.area, "variant_area": after.area, "delta": after.area - before.area,
-           "ci_low": low, "ci_high": high, "random_area": before.random_area, "rate_to_always": before.rate_to_always,
-           "variant_rate_to_always": after.rate_to_always}  # fmt: skip
-    print(f"{names[0]} · {corpus}: curve area {before.area:.3f} → {after.area:.3f} ({out['delta']:+.3f} [{low:+.3f}, {high:+.3f}]; "
-          f"random {before.random_area:.3f})", file=sys.stderr, flush=True)  # fmt: skip
+    out = {
+        "corpus": corpus,
+        "trigger": names[0],
+        "area": before.area,
+        "variant_area": after.area,
+        "delta": after.area - before.area,
+        "ci_low": low,
+        "ci_high": high,
+        "random_area": before.random_area,
+        "rate_to_always": before.rate_to_always,
+        "variant_rate_to_always": after.rate_to_always,
+    }
+    print(
+        f"{names[0]} · {corpus}: curve area {before.area:.3f} → {after.area:.3f} ({out['delta']:+.3f} [{low:+.3f}, {high:+.3f}]; "
+        f"random {before.random_area:.3f})",
+        file=sys.stderr,
+        flush=True,
+    )
     return out
 
 
@@ -359,7 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
-    parser.add_argument("--questions", type=int, default=None, help="the first N of rag_eval's test questions (default: all)")
+    parser.add_argument(
+        "--questions", type=int, default=None, help="the first N of rag_eval's test questions (default: all)"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/adaptations_cpu.json"))
     args = parser.parse_args(argv)
 
@@ -372,7 +452,9 @@ def main(argv: list[str] | None = None) -> None:
     rag = p["rag_eval"]
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():
-        raise SystemExit(f"{metrics} is missing: run `dvc repro rag_eval` first (the variants run at the thresholds it chose)")
+        raise SystemExit(
+            f"{metrics} is missing: run `dvc repro rag_eval` first (the variants run at the thresholds it chose)"
+        )
     thresholds = json.loads(metrics.read_text())["thresholds"]
     rows = stage.split_questions(pd.read_parquet(p["paths.qa"]), "test", rag.questions)
     rows = rows.head(args.questions) if args.questions else rows
@@ -385,8 +467,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.variants:
         variant = variants[name]
         if isinstance(variant, Procedure):
-            result = {"kind": "procedure", "configuration": variant.configuration, "what": variant.what,
-                      "corpora": run_procedure(runtime, variant, rag, thresholds, questions, refs)}  # fmt: skip
+            result = {
+                "kind": "procedure",
+                "configuration": variant.configuration,
+                "what": variant.what,
+                "corpora": run_procedure(runtime, variant, rag, thresholds, questions, refs),
+            }
         else:
             result = {"kind": "score", "what": variant.what, **run_score(runtime, variant, rag, questions, refs)}
         out["variants"][name] = result

@@ -21,17 +21,27 @@ from detectors.io import write_json
 from detectors.llm.loading import load_llm
 
 PROMPTS = [
-    "Who wrote the novel Moby-Dick?", "What is the capital of Australia?", "How does a telescope work?",
-    "When did the Berlin Wall fall?", "What causes the seasons on Earth?", "Who painted the Mona Lisa?",
-]  # fmt: skip
+    "Who wrote the novel Moby-Dick?",
+    "What is the capital of Australia?",
+    "How does a telescope work?",
+    "When did the Berlin Wall fall?",
+    "What causes the seasons on Earth?",
+    "Who painted the Mona Lisa?",
+]
 
 
 def _generate(llm, ids, n: int):
     eos = llm.model.generation_config.eos_token_id
     llm.model.generation_config.eos_token_id = None  # same length every time: no early stop
     try:
-        return llm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=llm.tokenizer.pad_token_id,
-                                  attention_mask=torch.ones_like(ids))  # fmt: skip
+        return llm.model.generate(
+            ids,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=llm.tokenizer.pad_token_id,
+            attention_mask=torch.ones_like(ids),
+        )
     finally:
         llm.model.generation_config.eos_token_id = eos
 

@@ -35,7 +35,9 @@ from detectors.rag.answer_metrics import accuracy
 
 def lines(run: Path, corpus: str, name: str) -> pd.DataFrame:
     """The stored answers of one run (one row per question: id, answer)."""
-    frame = pd.concat([pd.read_parquet(p) for p in sorted((run / "data/rag/runs" / corpus / name).glob("shard-*.parquet"))])
+    frame = pd.concat(
+        [pd.read_parquet(p) for p in sorted((run / "data/rag/runs" / corpus / name).glob("shard-*.parquet"))]
+    )
     return frame.assign(answer=[json.loads(x)["answer"] for x in frame["line"]])[["id", "answer"]]
 
 
@@ -44,12 +46,22 @@ def early_set(a: Path, b: Path) -> dict:
     x, y = (pd.read_parquet(r / "data/early/early.parquet", columns=cols) for r in (a, b))
     both = x.merge(y, on="id", suffixes=("_f", "_d"))
     both = both[(both["status_f"] == "ok") & (both["status_d"] == "ok")]
-    rho = [spearmanr(p, q).statistic for p, q in zip(both["attribution_f"], both["attribution_d"]) if len(p) > 2 and len(p) == len(q)]
+    rho = [
+        spearmanr(p, q).statistic
+        for p, q in zip(both["attribution_f"], both["attribution_d"])
+        if len(p) > 2 and len(p) == len(q)
+    ]
     ent = both[["entropy_f", "entropy_d"]].to_numpy(dtype=float)
-    return {"questions": len(both), "same_answer": int((both["answer_f"] == both["answer_d"]).sum()), "same_label": int((both["label_f"] == both["label_d"]).sum()),
-            "attribution_spearman_median": float(np.nanmedian(rho)), "attribution_spearman_p10": float(np.nanpercentile(rho, 10)),
-            "entropy_correlation": float(np.corrcoef(ent.T)[0, 1]), "entropy_mean_abs_diff": float(np.abs(ent[:, 0] - ent[:, 1]).mean()),
-            "entropy_sd": float(ent[:, 0].std())}  # fmt: skip
+    return {
+        "questions": len(both),
+        "same_answer": int((both["answer_f"] == both["answer_d"]).sum()),
+        "same_label": int((both["label_f"] == both["label_d"]).sum()),
+        "attribution_spearman_median": float(np.nanmedian(rho)),
+        "attribution_spearman_p10": float(np.nanpercentile(rho, 10)),
+        "entropy_correlation": float(np.corrcoef(ent.T)[0, 1]),
+        "entropy_mean_abs_diff": float(np.abs(ent[:, 0] - ent[:, 1]).mean()),
+        "entropy_sd": float(ent[:, 0].std()),
+    }
 
 
 def comparison(a: Path, b: Path) -> list[dict]:
@@ -59,14 +71,23 @@ def comparison(a: Path, b: Path) -> list[dict]:
     early = {r: pd.read_parquet(r / "data/eval/early_scores.parquet") for r in (a, b)}
     out = []
     for _, r in rows.iterrows():
-        row = {k: r[k] for k in keys} | {"auroc_float32": r["auroc_f"], "ci_float32": [r["auroc_ci_low_f"], r["auroc_ci_high_f"]],
-                                          "auroc_default": r["auroc_d"], "ci_default": [r["auroc_ci_low_d"], r["auroc_ci_high_d"]]}  # fmt: skip
+        row = {k: r[k] for k in keys} | {
+            "auroc_float32": r["auroc_f"],
+            "ci_float32": [r["auroc_ci_low_f"], r["auroc_ci_high_f"]],
+            "auroc_default": r["auroc_d"],
+            "ci_default": [r["auroc_ci_low_d"], r["auroc_ci_high_d"]],
+        }
         if r["dataset"] == "early" and r["scorer"] in early[a].columns and r["scorer"] in early[b].columns:
             f, d = (early[run][early[run]["split"] == "test"][["id", "label", r["scorer"]]].dropna() for run in (a, b))
             m = f.merge(d, on="id", suffixes=("_f", "_d"))
             lf, ld = m["label_f"].to_numpy(int), m["label_d"].to_numpy(int)
-            sf, sd = m[f"{r['scorer']}_f"].to_numpy(float), m[f"{r['scorer']}_d"].to_numpy(float)  # as the comparison ranked them
-            delta, low, high = paired_bootstrap_delta(ld, sd, sf, reference_labels=lf)  # the same resampled questions, each run's labels
+            sf, sd = (
+                m[f"{r['scorer']}_f"].to_numpy(float),
+                m[f"{r['scorer']}_d"].to_numpy(float),
+            )  # as the comparison ranked them
+            delta, low, high = paired_bootstrap_delta(
+                ld, sd, sf, reference_labels=lf
+            )  # the same resampled questions, each run's labels
             row |= {"paired_questions": len(m), "delta_auroc": delta, "delta_ci": [low, high]}
         out.append(row)
     return out
@@ -80,8 +101,14 @@ def rag(a: Path, b: Path) -> list[dict]:
     out = []
     for corpus in [c for c in x if c in y and isinstance(x[c], dict) and c not in RESERVED]:
         for name in x[corpus]:
-            row = {"corpus": corpus, "configuration": name, "accuracy_float32": x[corpus][name]["accuracy"], "accuracy_default": y[corpus][name]["accuracy"],
-                   "retrievals_float32": x[corpus][name].get("retrievals_per_question"), "retrievals_default": y[corpus][name].get("retrievals_per_question")}  # fmt: skip
+            row = {
+                "corpus": corpus,
+                "configuration": name,
+                "accuracy_float32": x[corpus][name]["accuracy"],
+                "accuracy_default": y[corpus][name]["accuracy"],
+                "retrievals_float32": x[corpus][name].get("retrievals_per_question"),
+                "retrievals_default": y[corpus][name].get("retrievals_per_question"),
+            }
             run = corpus if (a / "data/rag/runs" / corpus / name).exists() else next(iter(x))
             try:
                 f, d = lines(a, run, name), lines(b, run, name)
@@ -89,11 +116,18 @@ def rag(a: Path, b: Path) -> list[dict]:
                 out.append(row)
                 continue
             m = f.merge(d, on="id", suffixes=("_f", "_d"))
-            cf = np.array([accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_f"])], dtype=float)  # the table's containment
+            cf = np.array(
+                [accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_f"])], dtype=float
+            )  # the table's containment
             cd = np.array([accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_d"])], dtype=float)
             delta, low, high = paired_mean_delta(cd, cf)
-            row |= {"paired_questions": len(m), "delta": delta, "delta_ci": [low, high], "changed_correctness": int((cd != cf).sum()),
-                    "same_answer": int((m["answer_f"] == m["answer_d"]).sum())}  # fmt: skip
+            row |= {
+                "paired_questions": len(m),
+                "delta": delta,
+                "delta_ci": [low, high],
+                "changed_correctness": int((cd != cf).sum()),
+                "same_answer": int((m["answer_f"] == m["answer_d"]).sum()),
+            }
             out.append(row)
     return out
 
@@ -104,19 +138,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--default", required=True, type=Path)
     parser.add_argument("--out", default="benchmarks/results/dtype_effect_cpu.json")
     args = parser.parse_args(argv)
-    result = {"float32": str(args.float32), "default": str(args.default), "early_set": early_set(args.float32, args.default),
-              "comparison": comparison(args.float32, args.default), "rag": rag(args.float32, args.default)}  # fmt: skip
+    result = {
+        "float32": str(args.float32),
+        "default": str(args.default),
+        "early_set": early_set(args.float32, args.default),
+        "comparison": comparison(args.float32, args.default),
+        "rag": rag(args.float32, args.default),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=float) + "\n")
     e = result["early_set"]
-    print(f"early set: {e['same_answer']}/{e['questions']} same answers, {e['same_label']} same labels; IG Spearman median "
-          f"{e['attribution_spearman_median']:.3f}, entropy r = {e['entropy_correlation']:.3f}")  # fmt: skip
+    print(
+        f"early set: {e['same_answer']}/{e['questions']} same answers, {e['same_label']} same labels; IG Spearman median "
+        f"{e['attribution_spearman_median']:.3f}, entropy r = {e['entropy_correlation']:.3f}"
+    )
     for r in result["comparison"]:
-        extra = f"  paired Δ {r['delta_auroc']:+.3f} [{r['delta_ci'][0]:+.3f}, {r['delta_ci'][1]:+.3f}]" if "delta_auroc" in r else ""
-        print(f"{r['dataset']:8s} {r['level']:12s} {r['scorer']:38s} {r['auroc_float32']:.3f} -> {r['auroc_default']:.3f}{extra}")
+        extra = (
+            f"  paired Δ {r['delta_auroc']:+.3f} [{r['delta_ci'][0]:+.3f}, {r['delta_ci'][1]:+.3f}]"
+            if "delta_auroc" in r
+            else ""
+        )
+        print(
+            f"{r['dataset']:8s} {r['level']:12s} {r['scorer']:38s} {r['auroc_float32']:.3f} -> {r['auroc_default']:.3f}{extra}"
+        )
     for r in result["rag"]:
-        extra = f"  paired Δ {r['delta']:+.3f} [{r['delta_ci'][0]:+.3f}, {r['delta_ci'][1]:+.3f}], {r['changed_correctness']} changed" if "delta" in r else ""
-        print(f"{r['corpus']:6s} {r['configuration']:14s} {r['accuracy_float32']:.3f} -> {r['accuracy_default']:.3f}{extra}")
+        extra = (
+            f"  paired Δ {r['delta']:+.3f} [{r['delta_ci'][0]:+.3f}, {r['delta_ci'][1]:+.3f}], {r['changed_correctness']} changed"
+            if "delta" in r
+            else ""
+        )
+        print(
+            f"{r['corpus']:6s} {r['configuration']:14s} {r['accuracy_float32']:.3f} -> {r['accuracy_default']:.3f}{extra}"
+        )
 
 
 if __name__ == "__main__":

@@ -50,9 +50,10 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from itertools import cycle, islice
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -187,7 +188,9 @@ def run(llm: LLM, questions: list[str], n_steps: int, prompt: PromptParams, repe
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'question':<58} {'target':>10} {'tok':>4} {'ours s':>8} {'ref s':>8} {'ratio':>6} {'max|dp|':>9} {'|dH|':>9}")
+    print(
+        f"{'question':<58} {'target':>10} {'tok':>4} {'ours s':>8} {'ref s':>8} {'ratio':>6} {'max|dp|':>9} {'|dH|':>9}"
+    )
     for r in result["questions"]:
         q = r["question"] if len(r["question"]) <= 58 else r["question"][:55] + "..."
         print(
@@ -195,9 +198,11 @@ def print_table(result: dict[str, Any]) -> None:
             f"{r['time_reference_s'] / r['time_ours_s']:>6.2f} {r['max_abs_diff_distribution']:>9.2e} {r['abs_diff_entropy']:>9.2e}"
         )
     print()
-    print(f"prompt={result['prompt']}  n_questions={result['n_questions']}  n_steps={result['n_steps']}  method={result['method']}  "
-          f"repeats={result['repeats']}  threads={result['torch_threads']}  device={result['device']}  "
-          f"load={result['load_before']:.1f}->{result['load_after']:.1f} on {result['cpu_count']} cpus")
+    print(
+        f"prompt={result['prompt']}  n_questions={result['n_questions']}  n_steps={result['n_steps']}  method={result['method']}  "
+        f"repeats={result['repeats']}  threads={result['torch_threads']}  device={result['device']}  "
+        f"load={result['load_before']:.1f}->{result['load_after']:.1f} on {result['cpu_count']} cpus"
+    )
     print(f"{'total ours (s)':<28} {result['total_time_ours_s']:.3f}")
     print(f"{'total reference (s)':<28} {result['total_time_reference_s']:.3f}")
     print(f"{'speed ratio (ref / ours)':<28} {result['speed_ratio_reference_over_ours']:.2f}")
@@ -207,12 +212,27 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n-questions", type=int, default=8, help="first N built-in questions, cycling past the list (default 8)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--n-questions", type=int, default=8, help="first N built-in questions, cycling past the list (default 8)"
+    )
     parser.add_argument("--n-steps", type=int, default=16, help="IG interpolation steps (default 16)")
-    parser.add_argument("--repeats", type=int, default=1, help="time each call this many times, keep the fastest (default 1)")
-    parser.add_argument("--llm", default=None, help="prepared LLM directory (default: paths.llm of params.yaml; run the prepare stage first)")
-    parser.add_argument("--prompt", choices=["params", "plain"], default="params", help="the pipeline's prompt (default) or the bare question")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="time each call this many times, keep the fastest (default 1)"
+    )
+    parser.add_argument(
+        "--llm",
+        default=None,
+        help="prepared LLM directory (default: paths.llm of params.yaml; run the prepare stage first)",
+    )
+    parser.add_argument(
+        "--prompt",
+        choices=["params", "plain"],
+        default="params",
+        help="the pipeline's prompt (default) or the bare question",
+    )
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     if min(args.n_questions, args.n_steps, args.repeats) < 1:

@@ -28,7 +28,9 @@ def timed_run(command: list[str], cwd: Path, log: Path) -> tuple[float, list[tup
     marks: list[tuple[str, float]] = []
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         for line in proc.stdout:  # type: ignore[union-attr]
             out.write(line)
             sys.stderr.write(line)
@@ -49,14 +51,20 @@ def main(argv: list[str] | None = None) -> None:
     total, marks = timed_run(args.command.split(), checkout, checkout / "repro.log")
     ends = [t for _, t in marks[1:]] + [total]
     stages = {name: round((end - begin) / 60, 2) for (name, begin), end in zip(marks, ends)}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True
+    ).stdout.strip()
     metrics = checkout / "data/metrics/score_baselines.json"  # it records the dtype the LLM ran in
     dtype = json.loads(metrics.read_text()).get("dtype") if metrics.exists() else None
     result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}, "commit": commit, "command": args.command,
-        "llm_dtype": dtype, "total_minutes": round(total / 60, 2), "setup_minutes": round((marks[0][1] if marks else total) / 60, 2),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "commit": commit,
+        "command": args.command,
+        "llm_dtype": dtype,
+        "total_minutes": round(total / 60, 2),
+        "setup_minutes": round((marks[0][1] if marks else total) / 60, 2),
         "stage_minutes": stages,
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

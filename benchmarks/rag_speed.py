@@ -41,7 +41,9 @@ SWEEP = "sweep"
 
 def trace(line: dict) -> list:
     """What must not change: the retrievals (trigger, position, queries, passages), as JSON stores them."""
-    return json.loads(json.dumps([[r["trigger"], r["position"], r["queries"], r["passage_ids"]] for r in line.get("retrievals", [])]))
+    return json.loads(
+        json.dumps([[r["trigger"], r["position"], r["queries"], r["passage_ids"]] for r in line.get("retrievals", [])])
+    )
 
 
 def first(result):
@@ -68,12 +70,22 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():
-        raise SystemExit(f"{metrics} is missing: run `dvc repro rag_eval` first (the benchmark uses the thresholds it chose)")
+        raise SystemExit(
+            f"{metrics} is missing: run `dvc repro rag_eval` first (the benchmark uses the thresholds it chose)"
+        )
     thresholds = json.loads(metrics.read_text())["thresholds"]
     runtime = RagRuntime(p)
-    out = {"side": side, "dtype": runtime.llm.dtype_name, "threads": torch.get_num_threads(), "questions": len(questions), "units": {}}
+    out = {
+        "side": side,
+        "dtype": runtime.llm.dtype_name,
+        "threads": torch.get_num_threads(),
+        "questions": len(questions),
+        "units": {},
+    }
     corpora = rag.corpora
-    units = [(c, n_) for c in corpora for n_, config in rag.configurations.items() if config.triggers or c == corpora[0]]
+    units = [
+        (c, n_) for c in corpora for n_, config in rag.configurations.items() if config.triggers or c == corpora[0]
+    ]
     units += [(c, f) for c in corpora for f in rag.frameworks] + [(rag.sweep.corpus, SWEEP)]
     for corpus, name in units:
         if only and name not in only:
@@ -85,12 +97,21 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
             lines = sweep(questions, refs)
             answers = [{"answer": line["never_answer"], "retrievals": [], "after": line["answers"]} for line in lines]
         else:
-            made = runtime.framework(name, corpus) if name in rag.frameworks else runtime.loop(name, rag.configurations[name], corpus, own(thresholds[corpus], name))
+            made = (
+                runtime.framework(name, corpus)
+                if name in rag.frameworks
+                else runtime.loop(name, rag.configurations[name], corpus, own(thresholds[corpus], name))
+            )
             start = time.perf_counter()
             answers = first(made)(questions, [False] * len(questions))
         seconds = time.perf_counter() - start
-        out["units"][f"{corpus} · {name}"] = {"seconds": seconds, "answers": [a["answer"] for a in answers], "traces": [trace(a) for a in answers],
-                                              "after": [a.get("after") for a in answers], "passes": [a.get("forward_passes") for a in answers]}  # fmt: skip
+        out["units"][f"{corpus} · {name}"] = {
+            "seconds": seconds,
+            "answers": [a["answer"] for a in answers],
+            "traces": [trace(a) for a in answers],
+            "after": [a.get("after") for a in answers],
+            "passes": [a.get("forward_passes") for a in answers],
+        }
         print(f"{side} ({out['dtype']}): {corpus} · {name}: {seconds:.1f} s", file=sys.stderr, flush=True)
     return out
 
@@ -104,8 +125,20 @@ def own(thresholds: dict, name: str) -> dict[str, float]:
 def side_process(side: str, tree: Path, params: Path, n: int, dtype: str, only: list[str] | None, tmp: Path) -> dict:
     """One side in a child process with ``tree`` first on the path (its code), run from this checkout (its data)."""
     out = tmp / f"{side}-{dtype}.json"
-    cmd = [sys.executable, str(Path(__file__)), "--side", side, "--params", str(params), "--questions", str(n), "--dtypes", dtype,
-           "--side-out", str(out)] + (["--only", *only] if only else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__)),
+        "--side",
+        side,
+        "--params",
+        str(params),
+        "--questions",
+        str(n),
+        "--dtypes",
+        dtype,
+        "--side-out",
+        str(out),
+    ] + (["--only", *only] if only else [])
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(tree)})
     return json.loads(out.read_text())
 
@@ -117,13 +150,26 @@ def compare(reference: dict, ours: dict) -> dict:
         n = min(len(ref["answers"]), len(new["answers"]))
         total_ref, total_ours = total_ref + ref["seconds"], total_ours + new["seconds"]
         rows[unit] = {
-            "reference_s_per_question": ref["seconds"] / n, "ours_s_per_question": new["seconds"] / n, "speedup": ref["seconds"] / new["seconds"],
-            "same_answers": sum(a == b for a, b in zip(ref["answers"], new["answers"])), "same_traces": sum(a == b for a, b in zip(ref["traces"], new["traces"])),
-            "same_answers_after": sum(a == b for a, b in zip(ref["after"], new["after"])), "questions": n,
-            "forward_passes_per_question": [sum(x or 0 for x in ref["passes"]) / n, sum(x or 0 for x in new["passes"]) / n],
-        }  # fmt: skip
-    return {"reference_dtype": reference["dtype"], "ours_dtype": ours["dtype"], "units": rows, "reference_s": total_ref, "ours_s": total_ours,
-            "speedup": total_ref / total_ours}  # fmt: skip
+            "reference_s_per_question": ref["seconds"] / n,
+            "ours_s_per_question": new["seconds"] / n,
+            "speedup": ref["seconds"] / new["seconds"],
+            "same_answers": sum(a == b for a, b in zip(ref["answers"], new["answers"])),
+            "same_traces": sum(a == b for a, b in zip(ref["traces"], new["traces"])),
+            "same_answers_after": sum(a == b for a, b in zip(ref["after"], new["after"])),
+            "questions": n,
+            "forward_passes_per_question": [
+                sum(x or 0 for x in ref["passes"]) / n,
+                sum(x or 0 for x in new["passes"]) / n,
+            ],
+        }
+    return {
+        "reference_dtype": reference["dtype"],
+        "ours_dtype": ours["dtype"],
+        "units": rows,
+        "reference_s": total_ref,
+        "ours_s": total_ours,
+        "speedup": total_ref / total_ours,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,25 +184,48 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
-        Path(args.side_out).write_text(json.dumps(run_side(args.side, args.params, args.questions, args.dtypes[0], args.only)))
+        Path(args.side_out).write_text(
+            json.dumps(run_side(args.side, args.params, args.questions, args.dtypes[0], args.only))
+        )
         return
     with tempfile.TemporaryDirectory(prefix="rag-reference-") as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.reference], check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.reference],
+            check=True,
+            capture_output=True,
+        )
         try:
-            reference = side_process("reference", tree, tree / "params.yaml", args.questions, "auto", args.only, Path(tmp))
+            reference = side_process(
+                "reference", tree, tree / "params.yaml", args.questions, "auto", args.only, Path(tmp)
+            )
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False, capture_output=True)
-        ours = [side_process("ours", ROOT, ROOT / args.params, args.questions, dtype, args.only, Path(tmp)) for dtype in args.dtypes]
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": ours[0]["threads"]},
-              "reference": args.reference, "questions": args.questions, "runs": [compare(reference, o) for o in ours]}  # fmt: skip
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False, capture_output=True
+            )
+        ours = [
+            side_process("ours", ROOT, ROOT / args.params, args.questions, dtype, args.only, Path(tmp))
+            for dtype in args.dtypes
+        ]
+    result = {
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "threads": ours[0]["threads"],
+        },
+        "reference": args.reference,
+        "questions": args.questions,
+        "runs": [compare(reference, o) for o in ours],
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for run in result["runs"]:
         print(f"reference ({run['reference_dtype']}) vs ours ({run['ours_dtype']})")
         for unit, row in run["units"].items():
-            print(f"  {unit:28s} {row['reference_s_per_question']:6.3f} -> {row['ours_s_per_question']:6.3f} s/question ({row['speedup']:4.1f}x), "
-                  f"same answers {row['same_answers']}/{row['questions']}, same retrievals {row['same_traces']}/{row['questions']}")  # fmt: skip
+            print(
+                f"  {unit:28s} {row['reference_s_per_question']:6.3f} -> {row['ours_s_per_question']:6.3f} s/question ({row['speedup']:4.1f}x), "
+                f"same answers {row['same_answers']}/{row['questions']}, same retrievals {row['same_traces']}/{row['questions']}"
+            )
         print(f"  total {run['reference_s']:.0f} s -> {run['ours_s']:.0f} s: {run['speedup']:.2f}x")
 
 

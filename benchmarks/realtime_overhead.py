@@ -55,8 +55,19 @@ def detector_for(llm, build, train, model_dir: str) -> RealtimeDetector:
     dim = len(indices) * llm.fingerprint.hidden_size + 3
     net = TokenMLP(dim, train.training.hidden, 0.0).eval()
     ones = np.ones(dim, np.float32)
-    return RealtimeDetector(net, 0 * ones, ones, 0.5, build.hidden_layers, indices, build.prompt, build.spacy_model,
-                            llm.fingerprint, {"dtype": llm.dtype_name}, {}).attach(llm)  # fmt: skip
+    return RealtimeDetector(
+        net,
+        0 * ones,
+        ones,
+        0.5,
+        build.hidden_layers,
+        indices,
+        build.prompt,
+        build.spacy_model,
+        llm.fingerprint,
+        {"dtype": llm.dtype_name},
+        {},
+    ).attach(llm)
 
 
 def timed(fn, repeats: int):
@@ -84,11 +95,20 @@ def main(argv: list[str] | None = None) -> None:
     prompts = []
     for art in pd.read_parquet(paths.articles).itertuples():
         try:
-            prompts.append(prepare_article(
-                tools, llm, art.id, art.title, art.text, build.prompt, max_new_tokens=build.max_new_tokens,
-                max_article_chars=build.max_article_chars, prefix_sentences=build.prefix_sentences,
-                min_prefix_chars=build.min_prefix_chars,
-            )[1])  # fmt: skip
+            prompts.append(
+                prepare_article(
+                    tools,
+                    llm,
+                    art.id,
+                    art.title,
+                    art.text,
+                    build.prompt,
+                    max_new_tokens=build.max_new_tokens,
+                    max_article_chars=build.max_article_chars,
+                    prefix_sentences=build.prefix_sentences,
+                    min_prefix_chars=build.min_prefix_chars,
+                )[1]
+            )
         except ValueError:
             continue
         if len(prompts) == args.n_prompts:

@@ -58,7 +58,11 @@ def run_stage(base: dict, scratch: Path, name: str, execution: dict) -> tuple[fl
     """Wall time of build_early with ``execution``, the merge's time, and the stage's table."""
     params = json.loads(json.dumps(base))
     run_dir = scratch / name
-    params["paths"].update(early_shards=str(run_dir / "shards"), early=str(run_dir / "early.parquet"), early_report=str(run_dir / "report.json"))
+    params["paths"].update(
+        early_shards=str(run_dir / "shards"),
+        early=str(run_dir / "early.parquet"),
+        early_report=str(run_dir / "report.json"),
+    )
     params["execution"] = execution
     path = scratch / f"{name}.yaml"
     path.write_text(yaml.safe_dump(params))
@@ -67,7 +71,9 @@ def run_stage(base: dict, scratch: Path, name: str, execution: dict) -> tuple[fl
     wall = time.perf_counter() - start
     n, size = len(pd.read_parquet(params["paths"]["qa"])), params["build_early"]["shard_size"]
     start = time.perf_counter()
-    frame = ShardStore(run_dir / "shards", json.loads((run_dir / "shards/manifest.json").read_text())["config"]).read_all(n, size)
+    frame = ShardStore(
+        run_dir / "shards", json.loads((run_dir / "shards/manifest.json").read_text())["config"]
+    ).read_all(n, size)
     frame.to_parquet(run_dir / "merged.parquet", index=False)
     return wall, time.perf_counter() - start, pd.read_parquet(run_dir / "early.parquet")
 
@@ -78,8 +84,10 @@ def compare(frame: pd.DataFrame, reference: pd.DataFrame) -> dict:
     for column in ("attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin", "hidden"):
         for a, b in zip(frame[column], reference[column]):
             if a is not None and b is not None:
-                diff = np.abs(np.asarray(np.stack(a) if np.ndim(a) and np.asarray(a).dtype == object else a, np.float64)
-                              - np.asarray(np.stack(b) if np.ndim(b) and np.asarray(b).dtype == object else b, np.float64))  # fmt: skip
+                diff = np.abs(
+                    np.asarray(np.stack(a) if np.ndim(a) and np.asarray(a).dtype == object else a, np.float64)
+                    - np.asarray(np.stack(b) if np.ndim(b) and np.asarray(b).dtype == object else b, np.float64)
+                )
                 floats = max(floats, float(np.max(diff, initial=0.0)))
     return {"identical_ids_status_answers_labels": all(same.values()), "max_float_diff": floats}
 
@@ -92,13 +100,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--gpus-per-worker", type=float, default=0.0)
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
-    parser.add_argument("--random-shape", default=None, help="a random-weight LLM of this shape instead of paths.llm's weights")
+    parser.add_argument(
+        "--random-shape", default=None, help="a random-weight LLM of this shape instead of paths.llm's weights"
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     base = yaml.safe_load(Path(args.params).read_text())
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    device = (
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         if args.random_shape:
@@ -108,26 +122,49 @@ def main() -> None:
         base["paths"]["qa"] = str(scratch / "qa.parquet")
         base["llm"]["device"] = device
         base["build_early"]["shard_size"] = args.shard_size
-        ray_execution = {"backend": "ray", "address": None, "gpus_per_worker": args.gpus_per_worker, "cpus_per_worker": args.cpus_per_worker}
-        runs = {"local": ({"backend": "local", "address": None, "workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1}, None)}
-        whole = {**ray_execution, "workers": 1, "cpus_per_worker": torch.get_num_threads(), "gpus_per_worker": 1 if device == "cuda" else 0}
+        ray_execution = {
+            "backend": "ray",
+            "address": None,
+            "gpus_per_worker": args.gpus_per_worker,
+            "cpus_per_worker": args.cpus_per_worker,
+        }
+        runs = {
+            "local": (
+                {"backend": "local", "address": None, "workers": 1, "gpus_per_worker": 0, "cpus_per_worker": 1},
+                None,
+            )
+        }
+        whole = {
+            **ray_execution,
+            "workers": 1,
+            "cpus_per_worker": torch.get_num_threads(),
+            "gpus_per_worker": 1 if device == "cuda" else 0,
+        }
         runs["ray-1-whole"] = (whole, 1)  # the local run's resources in one actor: what Ray itself costs
         runs.update({f"ray-{n}": ({**ray_execution, "workers": n}, n) for n in args.workers})
         results, reference = {}, None
         for name, (execution, _) in runs.items():
             wall, merge, frame = run_stage(base, scratch, name, execution)
             reference = frame if reference is None else reference
-            results[name] = {"wall_s": round(wall, 2), "questions_per_s": round(len(qa) / wall, 2), "merge_s": round(merge, 3), **compare(frame, reference)}
+            results[name] = {
+                "wall_s": round(wall, 2),
+                "questions_per_s": round(len(qa) / wall, 2),
+                "merge_s": round(merge, 3),
+                **compare(frame, reference),
+            }
             print(name, results[name], flush=True)
     local = results["local"]["wall_s"]
     one = results.get("ray-1", {}).get("wall_s")
-    for name, r in results.items():
+    for r in results.values():
         r["speedup_vs_local"] = round(local / r["wall_s"], 2)
         if one:
             r["speedup_vs_one_worker"] = round(one / r["wall_s"], 2)
     summary = {
-        "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform(),
-                    "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None},  # fmt: skip
+        "machine": {
+            "cpu_count": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        },
         "llm": args.random_shape or base["paths"]["llm"],
         "device": device,
         "questions": len(qa),

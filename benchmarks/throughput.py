@@ -35,7 +35,7 @@ import argparse
 import json
 import platform
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -58,18 +58,50 @@ from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 
 SHAPES = {  # config.json of HuggingFaceTB/SmolLM2-135M and meta-llama/Llama-2-7b-hf (vocabulary: the tokenizer's)
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=4096),
-}  # fmt: skip
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+    ),
+    "llama2-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    ),
+}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 tensor-core peak (SXM)
 ARTICLE = (
     "Below is the opening sentence from a Wikipedia article titled {t}. Please continue the passage from where the "
     "sentence ends.\n\n{t} is a city in the north of the country, known for its"
 )
-TITLES = ["Occitania", "Toulouse", "Kenya", "Nairobi", "Bolt", "Cairo", "Faroe Islands", "Lima", "Peru", "Madrid", "Sevilla",
-          "Bergen", "Oslo", "Kyoto", "Osaka", "Quito"]  # fmt: skip
+TITLES = [
+    "Occitania",
+    "Toulouse",
+    "Kenya",
+    "Nairobi",
+    "Bolt",
+    "Cairo",
+    "Faroe Islands",
+    "Lima",
+    "Peru",
+    "Madrid",
+    "Sevilla",
+    "Bergen",
+    "Oslo",
+    "Kyoto",
+    "Osaka",
+    "Quito",
+]
 
 
 def random_llm(shape: str, tokenizer, device: str, dtype: torch.dtype, seed: int = 0) -> LLM:
@@ -108,13 +140,16 @@ def captum_per_question(llm: LLM, ids: torch.Tensor, mask: torch.Tensor, target:
 
     def forward(inputs_embeds: torch.Tensor) -> torch.Tensor:
         cache = as_cache(prefix, inputs_embeds.shape[0], llm.model.config)
-        logits = llm.model(inputs_embeds=inputs_embeds, past_key_values=cache, logits_to_keep=1, use_cache=cache is not None).logits
+        logits = llm.model(
+            inputs_embeds=inputs_embeds, past_key_values=cache, logits_to_keep=1, use_cache=cache is not None
+        ).logits
         return torch.softmax(logits[:, -1].float(), dim=-1)[:, target]
 
     embeds = llm.model.get_input_embeddings()(ids[:, start:]).detach()
     baseline = embeds * (~mask[start:])[None, :, None].to(embeds.dtype)
-    attr = IntegratedGradients(forward).attribute(embeds, baselines=baseline, n_steps=n_steps, method="gausslegendre",
-                                                  internal_batch_size=n_steps)  # fmt: skip
+    attr = IntegratedGradients(forward).attribute(
+        embeds, baselines=baseline, n_steps=n_steps, method="gausslegendre", internal_batch_size=n_steps
+    )
     return attr[0].float().norm(dim=-1)[mask[start:]].detach().cpu().numpy()
 
 
@@ -136,7 +171,10 @@ def ig_section(llm: LLM, prompt, n_questions: int, n_steps: int, repeats: int, p
         return [captum_per_question(llm, ids, m, t, n_steps) for (ids, m), t in zip(enc, targets)]
 
     def reference(batch: int):
-        return lambda: [reference_token_attributions(llm.model, ids, m, t, n_steps, batch_size=batch) for (ids, m), t in zip(enc, targets)]
+        return lambda: [
+            reference_token_attributions(llm.model, ids, m, t, n_steps, batch_size=batch)
+            for (ids, m), t in zip(enc, targets)
+        ]
 
     batched()  # warm-up (allocator, kernels)
     t = {}
@@ -144,33 +182,41 @@ def ig_section(llm: LLM, prompt, n_questions: int, n_steps: int, repeats: int, p
     t["per_question"], theirs = timed(per_question, dev, repeats)
     t["reference_bN"], _ = timed(reference(n_steps), dev, max(1, repeats - 1))
     t["reference_b4"], _ = timed(reference(4), dev, max(1, repeats - 1))
-    dp = max(float(np.abs(attribution_distribution(a) - attribution_distribution(b)).max()) for a, b in zip(ours, theirs))
+    dp = max(
+        float(np.abs(attribution_distribution(a) - attribution_distribution(b)).max()) for a, b in zip(ours, theirs)
+    )
     n_params = sum(p.numel() for n, p in llm.model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     tokens = sum(int(m[common:].shape[0]) for _, m in enc) * n_steps
     tflops = 4 * n_params * tokens / t["batched"] / 1e12
     per_q = {k: round(v / n_questions, 5) for k, v in t.items()}
     return {
-        "questions": n_questions, "n_steps": n_steps, "shared_prefix_tokens": common,
+        "questions": n_questions,
+        "n_steps": n_steps,
+        "shared_prefix_tokens": common,
         "s_per_question": per_q,
         "speedup_batched_vs_per_question": round(t["per_question"] / t["batched"], 2),
         "speedup_batched_vs_reference_b4": round(t["reference_b4"] / t["batched"], 2),
         "speedup_reference_bN_vs_b4": round(t["reference_b4"] / t["reference_bN"], 2),
         "speedup_per_question_vs_reference_bN": round(t["reference_bN"] / t["per_question"], 2),
         "max_abs_dp_batched_vs_per_question": dp,
-        "achieved_tflops": round(tflops, 3), "peak_tflops": peak,
-    }  # fmt: skip
+        "achieved_tflops": round(tflops, 3),
+        "peak_tflops": peak,
+    }
 
 
 def worker_section(llm: LLM, features, n_questions: int, max_new_tokens: int, repeats: int) -> dict:
     questions = (QUESTIONS * (n_questions // len(QUESTIONS) + 1))[:n_questions]
-    early_s, _ = timed(lambda: early_records(llm, questions, [["x"]] * len(questions), features, 8, ["\n"]), llm.device, repeats)
+    early_s, _ = timed(
+        lambda: early_records(llm, questions, [["x"]] * len(questions), features, 8, ["\n"]), llm.device, repeats
+    )
     prompts = [ARTICLE.format(t=t) for t in TITLES]
     state = hidden_state_indices([10, 20, -1], llm.fingerprint.num_layers, "layers")
     rt_s, _ = timed(lambda: generate_traced(llm, prompts, state, max_new_tokens, False), llm.device, repeats)
     return {
         "build_early_questions_per_s": round(len(questions) / early_s, 2),
         "build_realtime_continuations_per_s": round(len(prompts) / rt_s, 2),
-        "realtime_batch": len(prompts), "realtime_new_tokens": max_new_tokens,
+        "realtime_batch": len(prompts),
+        "realtime_new_tokens": max_new_tokens,
     }
 
 
@@ -179,13 +225,30 @@ def monitor_section(llm: LLM, max_new_tokens: int, repeats: int) -> dict:
     state = hidden_state_indices([10, 20, -1], fp.num_layers, "layers")
     width = len(state) * fp.hidden_size + 3
     detector = RealtimeDetector(
-        net=TokenMLP(width).eval(), mean=np.zeros(width, np.float32), std=np.ones(width, np.float32), threshold=2.0,
-        hidden_layers=[10, 20, -1], state_indices=state, prompt=None, spacy_model="", fingerprint=fp,
-        llm_ref={"dtype": llm.dtype_name}, info={},
-    ).attach(llm)  # fmt: skip
-    vectors = torch.nn.functional.normalize(torch.randn(fp.num_layers, fp.hidden_size, generator=torch.Generator().manual_seed(0)), dim=-1)
-    directions = Directions("confidence", vectors, torch.zeros(fp.num_layers), torch.ones(fp.num_layers),
-                            list(range(1, fp.num_layers + 1)), fp, {})  # fmt: skip
+        net=TokenMLP(width).eval(),
+        mean=np.zeros(width, np.float32),
+        std=np.ones(width, np.float32),
+        threshold=2.0,
+        hidden_layers=[10, 20, -1],
+        state_indices=state,
+        prompt=None,
+        spacy_model="",
+        fingerprint=fp,
+        llm_ref={"dtype": llm.dtype_name},
+        info={},
+    ).attach(llm)
+    vectors = torch.nn.functional.normalize(
+        torch.randn(fp.num_layers, fp.hidden_size, generator=torch.Generator().manual_seed(0)), dim=-1
+    )
+    directions = Directions(
+        "confidence",
+        vectors,
+        torch.zeros(fp.num_layers),
+        torch.ones(fp.num_layers),
+        list(range(1, fp.num_layers + 1)),
+        fp,
+        {},
+    )
     steering = {layer: 0.05 * vectors[layer - 1].to(dev) for layer in range(fp.num_layers // 6, fp.num_layers // 2)}
     out = {}
     for batch in (1, 16):
@@ -193,7 +256,9 @@ def monitor_section(llm: LLM, max_new_tokens: int, repeats: int) -> dict:
         tok = llm.tokenizer
         tok.padding_side = "left"
         enc = {k: v.to(dev) for k, v in tok(prompts, return_tensors="pt", padding=True).items()}
-        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        kw = dict(
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+        )
 
         def plain():
             with torch.no_grad():
@@ -229,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--questions", type=int, default=None, help="questions per IG run (default 32 on a GPU, 12 on a CPU)")
+    parser.add_argument(
+        "--questions", type=int, default=None, help="questions per IG run (default 32 on a GPU, 12 on a CPU)"
+    )
     parser.add_argument("--n-steps", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
@@ -242,8 +309,14 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(paths.llm)
     name = torch.cuda.get_device_name(args.device) if gpu else platform.processor() or platform.machine()
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None) if gpu else None
-    result = {"device": name, "device_kind": args.device, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-              "cpu_threads": torch.get_num_threads(), "shapes": {}}  # fmt: skip
+    result = {
+        "device": name,
+        "device_kind": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "shapes": {},
+    }
     for shape in shapes:
         llm = random_llm(shape, tokenizer, args.device, dtype)
         n_questions = args.questions or (32 if gpu else 12)

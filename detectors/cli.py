@@ -50,21 +50,27 @@ def device(value: str) -> str:
     if count == 0:
         raise argparse.ArgumentTypeError(f"{value!r}: this machine has no CUDA device: use auto or cpu")
     if match.group(1) is not None and int(match.group(1)) >= count:
-        raise argparse.ArgumentTypeError(f"{value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
     return value
 
 
 def alias(value: str) -> str:
     """``--alias``: a registered alias as MLflow spells one (letters, digits, '_' and '-', at most 255)."""
     if not re.fullmatch(r"[\w-]{1,255}", value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not an alias: use letters, digits, '_' or '-', e.g. champion or challenger")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an alias: use letters, digits, '_' or '-', e.g. champion or challenger"
+        )
     return value
 
 
 def new_alias(value: str) -> str:
     """An alias to set: :func:`alias`, and none of the names MLflow reserves for versions (latest, v1, V2, ...)."""
     if value.lower() == "latest" or re.fullmatch(r"[vV]\d+", value):
-        raise argparse.ArgumentTypeError(f"{value!r} is reserved by MLflow for versions: choose another alias, e.g. challenger")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is reserved by MLflow for versions: choose another alias, e.g. challenger"
+        )
     return alias(value)
 
 
@@ -99,7 +105,9 @@ def detector(args: argparse.Namespace, kinds: tuple[str, ...], other: str):
     uri, root = store(args)
     det = load_detector(args.model, args.alias, tracking_uri=uri, load_llm=False)
     if det.KIND not in kinds:
-        raise InputError(f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {', '.join(kinds)} ({other})")
+        raise InputError(
+            f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {', '.join(kinds)} ({other})"
+        )
     return det, lambda: det.load_llm(device=args.device, root=root)
 
 
@@ -116,17 +124,30 @@ def assess(args: argparse.Namespace) -> None:
     for question, row in zip(args.questions, out.to_dict("records")):
         keywords = [str(k) for k in row.get("keywords", [])]
         if args.json:
-            print(json.dumps({"question": question, "retrieve": bool(row["retrieve"]), "probability": float(row["probability"]), "keywords": keywords}))
+            print(
+                json.dumps(
+                    {
+                        "question": question,
+                        "retrieve": bool(row["retrieve"]),
+                        "probability": float(row["probability"]),
+                        "keywords": keywords,
+                    }
+                )
+            )
         else:
             words = f"  keywords: {', '.join(keywords)}" if keywords else ""
-            print(f"retrieve: {'yes' if row['retrieve'] else 'no '}  probability: {row['probability']:.3f}{words}  question: {question}")
+            print(
+                f"retrieve: {'yes' if row['retrieve'] else 'no '}  probability: {row['probability']:.3f}{words}  question: {question}"
+            )
 
 
 def monitor(args: argparse.Namespace) -> None:
     """Generate a continuation with the detector attached and show where it would trigger retrieval."""
     det, load_llm = detector(args, MONITOR_KINDS, "use `dynrag assess` for a detector that decides from the question")
     if det.KIND == "dior-realtime" and not args.title:
-        raise InputError("dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with --title TITLE")
+        raise InputError(
+            "dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with --title TITLE"
+        )
     load_llm()
     if det.KIND == "dior-realtime":
         r = det.generate(args.title, args.text, args.max_new_tokens or 32)
@@ -134,12 +155,28 @@ def monitor(args: argparse.Namespace) -> None:
         rule, extra = f"P(hallucination) >= {det.threshold:.3f}", {"keywords": r.keywords}
     else:
         seg = det.generate(args.text, max_new_tokens=args.max_new_tokens)
-        tokens, scores, trigger = [det.llm.tokenizer.decode([t]) for t in seg.token_ids], seg.scores, seg.trigger_position
+        tokens, scores, trigger = (
+            [det.llm.tokenizer.decode([t]) for t in seg.token_ids],
+            seg.scores,
+            seg.trigger_position,
+        )
         rule, extra = "confidence < 0 on a new content word", {"refusal": seg.refusal, "query": seg.query}
     if args.json:
-        print(json.dumps({"text": "".join(tokens), "tokens": tokens, "scores": [float(s) for s in scores], "trigger": trigger, **extra}))
+        print(
+            json.dumps(
+                {
+                    "text": "".join(tokens),
+                    "tokens": tokens,
+                    "scores": [float(s) for s in scores],
+                    "trigger": trigger,
+                    **extra,
+                }
+            )
+        )
         return
-    marked = "".join(tokens) if trigger is None else "".join(tokens[:trigger]) + " <<retrieve>> " + "".join(tokens[trigger:])
+    marked = (
+        "".join(tokens) if trigger is None else "".join(tokens[:trigger]) + " <<retrieve>> " + "".join(tokens[trigger:])
+    )
     print(marked)
     if trigger is None:
         print(f"no trigger in {len(tokens)} generated tokens ({rule} never holds)")
@@ -183,7 +220,9 @@ def screenshot(args: argparse.Namespace) -> None:
     else:
         params = Path(args.params or root / "params.yaml")
         if not params.exists():
-            raise InputError(f"no {params} to read the experiment prefix (evaluate.experiment) from: pass --experiment NAME or --params PATH")
+            raise InputError(
+                f"no {params} to read the experiment prefix (evaluate.experiment) from: pass --experiment NAME or --params PATH"
+            )
         name = f"{load_section('evaluate', params).experiment}-{args.dataset}"
     out = Path(args.out) if args.out else root / "data" / "screenshots" / f"runs-{args.dataset}.png"
     print(take(uri, name, out, chromium=args.chromium, window_size=args.window_size, wait_ms=args.wait_ms, cwd=root))
@@ -194,36 +233,66 @@ def screenshot(args: argparse.Namespace) -> None:
 
 def parser(prog: str = "dynrag") -> Parser:
     common = Parser(add_help=False)
-    common.add_argument("--tracking-uri", help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the params file's mlflow.tracking_uri)")
+    common.add_argument(
+        "--tracking-uri",
+        help="the MLflow store (default: $MLFLOW_TRACKING_URI, else the params file's mlflow.tracking_uri)",
+    )
     common.add_argument("--params", help="params file whose mlflow section names the store (default: params.yaml here)")
     model = Parser(add_help=False)
     model.add_argument("--alias", type=alias, default="champion", help="registered alias (default: champion)")
-    model.add_argument("--device", type=device, default="auto", help="where the LLM runs: auto, cpu, cuda, cuda:1 (default: auto)")
+    model.add_argument(
+        "--device", type=device, default="auto", help="where the LLM runs: auto, cpu, cuda, cuda:1 (default: auto)"
+    )
     model.add_argument("--json", action="store_true", help="one JSON object per result instead of text")
 
-    top = Parser(prog=prog, description="Registered retrieval-trigger detectors: assess, monitor, promote, relocate, screenshot.")
+    top = Parser(
+        prog=prog, description="Registered retrieval-trigger detectors: assess, monitor, promote, relocate, screenshot."
+    )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("assess", parents=[common, model], help="retrieve before answering? (an early or utility detector)",
-                       description=assess.__doc__)  # fmt: skip
+    p = sub.add_parser(
+        "assess",
+        parents=[common, model],
+        help="retrieve before answering? (an early or utility detector)",
+        description=assess.__doc__,
+    )
     p.add_argument("questions", nargs="+", metavar="QUESTION")
     p.add_argument("--model", default="dior-early", help="registered name (default: dior-early)")
     p.set_defaults(run=assess)
-    p = sub.add_parser("monitor", parents=[common, model], help="where a generation would trigger retrieval (dior-realtime, ctrla-confidence)",
-                       description=monitor.__doc__)  # fmt: skip
-    p.add_argument("text", metavar="TEXT", help="dior-realtime: the article's opening to continue; ctrla-confidence: the question")
+    p = sub.add_parser(
+        "monitor",
+        parents=[common, model],
+        help="where a generation would trigger retrieval (dior-realtime, ctrla-confidence)",
+        description=monitor.__doc__,
+    )
+    p.add_argument(
+        "text", metavar="TEXT", help="dior-realtime: the article's opening to continue; ctrla-confidence: the question"
+    )
     p.add_argument("--model", default="dior-realtime", help="registered name (default: dior-realtime)")
     p.add_argument("--title", help="dior-realtime: the article's title (its prompt names it)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default: 32, ctrla: its artifact's)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens to generate (default: 32, ctrla: its artifact's)"
+    )
     p.set_defaults(run=monitor)
-    p = sub.add_parser("promote", parents=[common], help="move an alias (default: champion) to a version", description=promote.__doc__)
+    p = sub.add_parser(
+        "promote", parents=[common], help="move an alias (default: champion) to a version", description=promote.__doc__
+    )
     p.add_argument("name")
     p.add_argument("version", type=int)
     p.add_argument("--alias", type=new_alias, default="champion")
     p.set_defaults(run=promote)
-    p = sub.add_parser("relocate", parents=[common], help="rewrite a moved sqlite store's artifact locations", description=relocate.__doc__)
-    p.add_argument("--from", dest="from_dir", default=None, help="the directory the store was in, for a store that records none")
+    p = sub.add_parser(
+        "relocate",
+        parents=[common],
+        help="rewrite a moved sqlite store's artifact locations",
+        description=relocate.__doc__,
+    )
+    p.add_argument(
+        "--from", dest="from_dir", default=None, help="the directory the store was in, for a store that records none"
+    )
     p.set_defaults(run=relocate)
-    p = sub.add_parser("screenshot", parents=[common], help="PNG of the MLflow UI's comparison view", description=screenshot.__doc__)
+    p = sub.add_parser(
+        "screenshot", parents=[common], help="PNG of the MLflow UI's comparison view", description=screenshot.__doc__
+    )
     p.add_argument("--dataset", default="early", choices=["early", "realtime"])
     p.add_argument("--experiment", help="experiment name (default: <evaluate.experiment of the params file>-<dataset>)")
     p.add_argument("--out", help="PNG path (default: data/screenshots/runs-<dataset>.png in the project)")

@@ -24,7 +24,8 @@ import dataclasses
 import logging
 import os
 import pickle
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -50,7 +51,9 @@ def worker_device(device: str, execution: ExecutionParams) -> str:
             "each actor its own GPUs (its CUDA_VISIBLE_DEVICES), so use llm.device auto (or cuda) with gpus_per_worker > 0, or cpu"
         )
     if device == "cpu" and execution.gpus_per_worker > 0:
-        raise InputError(f"llm.device = cpu but execution.gpus_per_worker = {execution.gpus_per_worker}: set gpus_per_worker to 0 (CPU workers)")
+        raise InputError(
+            f"llm.device = cpu but execution.gpus_per_worker = {execution.gpus_per_worker}: set gpus_per_worker to 0 (CPU workers)"
+        )
     return device
 
 
@@ -65,7 +68,7 @@ class LLMSpec:
     device: str
 
     @classmethod
-    def of(cls, p) -> "LLMSpec":
+    def of(cls, p) -> LLMSpec:
         """From a stage's params (:class:`~detectors.config.StageParams` reading ``llm``, ``paths.llm`` and ``execution``)."""
         return cls(p["paths.llm"], p["llm"].dtype, worker_device(p["llm"].device, p["execution"]))
 
@@ -76,10 +79,16 @@ class LLMSpec:
         """What identifies the loaded LLM: its fingerprint, the dtype and the device type it runs in."""
         fingerprint, _ = prepared_reference(self.location)
         device = resolve_device(self.device) if self.device == "auto" else torch.device(self.device)
-        return {**fingerprint.to_dict(), "dtype": str(resolve_dtype(self.dtype, device)).removeprefix("torch."), "device": device.type}
+        return {
+            **fingerprint.to_dict(),
+            "dtype": str(resolve_dtype(self.dtype, device)).removeprefix("torch."),
+            "device": device.type,
+        }
 
 
-def map_units(units: Sequence[Any], make_worker: Callable[[], Callable[[Any], Any]], execution: ExecutionParams) -> Iterator[tuple[int, Any]]:
+def map_units(
+    units: Sequence[Any], make_worker: Callable[[], Callable[[Any], Any]], execution: ExecutionParams
+) -> Iterator[tuple[int, Any]]:
     """``(index, worker(unit))`` for every unit, as units finish (in order with the local backend, in any order
     with Ray). No worker is built when there are no units."""
     if not units:
@@ -110,15 +119,24 @@ def _ray_units(units: Sequence[Any], make_worker, execution: ExecutionParams) ->
     try:
         import ray
     except ImportError:
-        raise InputError("execution.backend = ray but Ray is not installed: pip install 'dynrag-detectors[scale]' (ray[data])") from None
+        raise InputError(
+            "execution.backend = ray but Ray is not installed: pip install 'dynrag-detectors[scale]' (ray[data])"
+        ) from None
     from detectors.imports import ROOT
 
     started = not ray.is_initialized()
     if started:
-        runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}}
+        runtime_env = {
+            "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        }
         if execution.address is None:  # a Ray of our own on this machine, sized for the pool (and the driver)
-            ray.init(address="local", num_cpus=execution.workers * execution.cpus_per_worker + 1, runtime_env=runtime_env,
-                     include_dashboard=False, logging_level=logging.WARNING)  # fmt: skip
+            ray.init(
+                address="local",
+                num_cpus=execution.workers * execution.cpus_per_worker + 1,
+                runtime_env=runtime_env,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+            )
         else:
             ray.init(address=execution.address, runtime_env=runtime_env, logging_level=logging.WARNING)
     try:
@@ -136,7 +154,13 @@ def _ray_units(units: Sequence[Any], make_worker, execution: ExecutionParams) ->
             num_gpus=execution.gpus_per_worker,
             max_task_retries=UNIT_RETRIES,
         )
-        log.info("ray: %d units on %d actors (%s GPU, %s CPU each)", n, min(execution.workers, n), execution.gpus_per_worker, execution.cpus_per_worker)
+        log.info(
+            "ray: %d units on %d actors (%s GPU, %s CPU each)",
+            n,
+            min(execution.workers, n),
+            execution.gpus_per_worker,
+            execution.cpus_per_worker,
+        )
         for row in dataset.iter_rows():
             yield int(row["index"]), pickle.loads(row["result"])
     finally:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 ROOT = Path(__file__).resolve().parents[1]  # the directory holding the detectors package
 REGISTERED = re.compile(r"(?:detectors|pipelines)(?:\.\w+)+:\w+")  # a lazy registry's "module:attribute"
@@ -42,7 +42,12 @@ def imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
                 raise ValueError(f"{path}: use absolute imports (the import closure is computed from module names)")
             out.add(node.module)
             out.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules imported by name
-        elif not top_level_only and isinstance(node, ast.Constant) and isinstance(node.value, str) and REGISTERED.fullmatch(node.value):
+        elif (
+            not top_level_only
+            and isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and REGISTERED.fullmatch(node.value)
+        ):
             out.add(node.value.partition(":")[0])
     return out
 

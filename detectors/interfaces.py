@@ -37,7 +37,7 @@ class Detector(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def load(cls, directory: str | Path) -> "Detector":
+    def load(cls, directory: str | Path) -> Detector:
         """The detector stored in ``directory`` (written by :meth:`save`)."""
 
     @abc.abstractmethod
@@ -60,7 +60,7 @@ class Detector(abc.ABC):
         self.fingerprint.require_same(llm.fingerprint, what)
         require_dtype(self.feature_dtype, llm.dtype_name, what, allow_dtype_mismatch)
 
-    def attach(self, llm: LLM, allow_dtype_mismatch: bool = False) -> "Detector":
+    def attach(self, llm: LLM, allow_dtype_mismatch: bool = False) -> Detector:
         """Use ``llm`` (already in memory) from now on; it must be the detector's LLM, in the dtype its
         features were computed in unless ``allow_dtype_mismatch``."""
         self.check_llm(llm, allow_dtype_mismatch)
@@ -68,7 +68,11 @@ class Detector(abc.ABC):
         return self
 
     def load_llm(
-        self, dtype: str | None = None, device: str = "auto", *, root: str | Path | None = None,
+        self,
+        dtype: str | None = None,
+        device: str = "auto",
+        *,
+        root: str | Path | None = None,
         allow_dtype_mismatch: bool = False,
     ) -> LLM:
         """Load the LLM from where the artifact says it came from (relative locations against ``root``, default
@@ -91,7 +95,7 @@ class Level(str, enum.Enum):
     CONTINUATION = "continuation"  # a whole continuation (DioR's "sentence level"; the key in metrics files)
 
     @classmethod
-    def _missing_(cls, value: object) -> "Level | None":
+    def _missing_(cls, value: object) -> Level | None:
         """``"sentence"``, the continuation level's name in metrics files and MLflow tags written before it was
         renamed, still reads as :attr:`CONTINUATION`."""
         return cls.CONTINUATION if value == "sentence" else None

@@ -9,7 +9,8 @@ import of that module, so a stage that holds a registry depends on everything th
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from detectors.errors import InputError
 

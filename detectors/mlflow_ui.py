@@ -14,8 +14,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from detectors.errors import InputError
 
@@ -39,8 +39,15 @@ def answers(url: str, timeout: float = 2.0) -> bool:
 
 
 @contextlib.contextmanager
-def running(cmd: list[str], ready_url: str, log: str | Path, *, cwd: str | Path | None = None, env: dict | None = None,
-            timeout: float = 120) -> Iterator[subprocess.Popen]:  # fmt: skip
+def running(
+    cmd: list[str],
+    ready_url: str,
+    log: str | Path,
+    *,
+    cwd: str | Path | None = None,
+    env: dict | None = None,
+    timeout: float = 120,
+) -> Iterator[subprocess.Popen]:
     """``cmd`` in its own process group, output to ``log``; yields the process once ``ready_url`` answers 200, and
     stops the whole group (the server and its workers) on exit. A process that exits or is not ready within ``timeout``
     seconds is a RuntimeError with the end of its log."""
@@ -50,8 +57,12 @@ def running(cmd: list[str], ready_url: str, log: str | Path, *, cwd: str | Path 
         deadline = time.monotonic() + timeout
         while not answers(ready_url):
             if proc.poll() is not None or time.monotonic() > deadline:
-                state = f"exited with {proc.returncode}" if proc.poll() is not None else f"not ready after {timeout:.0f} s"
-                raise RuntimeError(f"{Path(cmd[0]).name} {cmd[1]} {state}:\n{Path(log).read_text(errors='replace')[-3000:]}")
+                state = (
+                    f"exited with {proc.returncode}" if proc.poll() is not None else f"not ready after {timeout:.0f} s"
+                )
+                raise RuntimeError(
+                    f"{Path(cmd[0]).name} {cmd[1]} {state}:\n{Path(log).read_text(errors='replace')[-3000:]}"
+                )
             time.sleep(0.5)
         yield proc
     finally:
@@ -65,12 +76,29 @@ def running(cmd: list[str], ready_url: str, log: str | Path, *, cwd: str | Path 
 
 
 @contextlib.contextmanager
-def mlflow_server(backend: str, log: str | Path, *, cwd: str | Path | None = None, artifacts: str | Path | None = None,
-                  timeout: float = 120) -> Iterator[str]:  # fmt: skip
+def mlflow_server(
+    backend: str,
+    log: str | Path,
+    *,
+    cwd: str | Path | None = None,
+    artifacts: str | Path | None = None,
+    timeout: float = 120,
+) -> Iterator[str]:
     """``mlflow server`` on the store ``backend`` at a free loopback port (one worker), serving the artifacts of new
     experiments from ``artifacts`` when given; yields its base URL once ``/health`` answers."""
     port = free_port()
-    cmd = [str(MLFLOW), "server", "--backend-store-uri", backend, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    cmd = [
+        str(MLFLOW),
+        "server",
+        "--backend-store-uri",
+        backend,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     cmd += ["--artifacts-destination", str(artifacts)] if artifacts else []
     base = f"http://127.0.0.1:{port}"
     with running(cmd, f"{base}/health", log, cwd=cwd, timeout=timeout):
@@ -86,8 +114,16 @@ def find_chromium(chromium: str | None = None) -> str:
     return found
 
 
-def screenshot(tracking_uri: str, experiment: str, out: str | Path, *, chromium: str | None = None, window_size: str = "2200,1100",
-               wait_ms: int = 20000, cwd: str | Path | None = None) -> Path:  # fmt: skip
+def screenshot(
+    tracking_uri: str,
+    experiment: str,
+    out: str | Path,
+    *,
+    chromium: str | None = None,
+    window_size: str = "2200,1100",
+    wait_ms: int = 20000,
+    cwd: str | Path | None = None,
+) -> Path:
     """A PNG at ``out`` of experiment ``experiment``'s comparison view (runs sorted by ``test_auroc``, metric columns shown;
     :func:`detectors.evaluation.tracking.view_url`) as the MLflow UI shows it: served by the tracking server itself when
     ``tracking_uri`` names one, else by an ``mlflow server`` started on the store for the shot. A missing experiment or
@@ -99,17 +135,37 @@ def screenshot(tracking_uri: str, experiment: str, out: str | Path, *, chromium:
     browser = find_chromium(chromium)
     found = MlflowClient(tracking_uri).get_experiment_by_name(experiment)
     if found is None:
-        raise InputError(f"no experiment {experiment!r} in {tracking_uri}: run the evaluate stage first (dvc repro evaluate)")
+        raise InputError(
+            f"no experiment {experiment!r} in {tracking_uri}: run the evaluate stage first (dvc repro evaluate)"
+        )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remote = tracking_uri.startswith(("http://", "https://"))
-    with tempfile.TemporaryDirectory() as tmp, (
-        contextlib.nullcontext(tracking_uri.rstrip("/")) if remote else mlflow_server(tracking_uri, Path(tmp) / "server.log", cwd=cwd)
-    ) as base:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        (
+            contextlib.nullcontext(tracking_uri.rstrip("/"))
+            if remote
+            else mlflow_server(tracking_uri, Path(tmp) / "server.log", cwd=cwd)
+        ) as base,
+    ):
         # a fresh browser profile: no column choice of an earlier visit
         subprocess.run(
-            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp}/profile",
-             f"--window-size={window_size}", f"--virtual-time-budget={wait_ms}", f"--screenshot={out}", view_url(base, found.experiment_id)],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=180,
-        )  # fmt: skip
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                f"--user-data-dir={tmp}/profile",
+                f"--window-size={window_size}",
+                f"--virtual-time-budget={wait_ms}",
+                f"--screenshot={out}",
+                view_url(base, found.experiment_id),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=180,
+        )
     return out

@@ -8,7 +8,7 @@ line that bury the log messages. There, a bar writes whole lines instead, at mos
 from __future__ import annotations
 
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 from tqdm import tqdm
 

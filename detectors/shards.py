@@ -15,8 +15,9 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -60,7 +61,11 @@ def status_counts(frame: pd.DataFrame) -> dict[str, Any]:
         "records": int(len(frame)),
         "ok": int((frame["status"] == OK).sum()),
         "skipped": int(len(skipped)),
-        "skip_reasons": skipped["status"].str.removeprefix(SKIPPED).str.replace(r"\d+", "N", regex=True).value_counts().to_dict(),
+        "skip_reasons": skipped["status"]
+        .str.removeprefix(SKIPPED)
+        .str.replace(r"\d+", "N", regex=True)
+        .value_counts()
+        .to_dict(),
         "failed": int(len(failed)),
         "failures": failed[["id", "status"]].head(50).to_dict("records"),
     }
@@ -105,7 +110,12 @@ class ShardStore:
             if stale:
                 old = previous.get("config", {})
                 changed = sorted(k for k in config.keys() | old.keys() if config.get(k) != old.get(k))
-                log.info("%s: %s changed since the shards were written: %d stale files removed", self.dir, changed, len(stale))
+                log.info(
+                    "%s: %s changed since the shards were written: %d stale files removed",
+                    self.dir,
+                    changed,
+                    len(stale),
+                )
             for path in stale:
                 path.unlink()
             write_json(manifest, {"config_hash": digest, "config": config})
@@ -145,7 +155,9 @@ class ShardStore:
                     offset += len(arrays[row.id])
             frames.append(shard.assign(**{column: offsets}))
         width = blocks[0].shape[1] if blocks else 0
-        return pd.concat(frames, ignore_index=True), np.concatenate(blocks) if blocks else np.zeros((0, width), np.float16)
+        return pd.concat(frames, ignore_index=True), np.concatenate(blocks) if blocks else np.zeros(
+            (0, width), np.float16
+        )
 
     def write(self, index: int, frame: pd.DataFrame) -> None:
         """Write shard ``index``; when it exists already (a retry of its errors), ``frame``'s records
@@ -176,7 +188,9 @@ class ShardStore:
     def todo(self, table: pd.DataFrame, size: int) -> list[tuple[int, pd.DataFrame]]:
         """The work left in ``table`` (which has an ``id`` column) as ``(shard index, rows)``: every row of an
         unfinished shard and the error records of a finished one."""
-        chunks = [(k, self._todo(k, table.iloc[k * size : (k + 1) * size])) for k in range(self.count(len(table), size))]
+        chunks = [
+            (k, self._todo(k, table.iloc[k * size : (k + 1) * size])) for k in range(self.count(len(table), size))
+        ]
         return [(k, rows) for k, rows in chunks if len(rows)]
 
     def read_all(self, n_items: int, size: int) -> pd.DataFrame:
@@ -185,8 +199,14 @@ class ShardStore:
 
 
 def run_shards(
-    store: ShardStore, table: pd.DataFrame, size: int, make_worker: Callable[[], Callable[[tuple[int, pd.DataFrame]], pd.DataFrame]],
-    execution: ExecutionParams, budget: FailureBudget, desc: str, unit: str,
+    store: ShardStore,
+    table: pd.DataFrame,
+    size: int,
+    make_worker: Callable[[], Callable[[tuple[int, pd.DataFrame]], pd.DataFrame]],
+    execution: ExecutionParams,
+    budget: FailureBudget,
+    desc: str,
+    unit: str,
 ) -> None:
     """Compute the work left in ``table`` in shards of ``size`` rows, where ``execution`` says (see
     :mod:`detectors.execution`), with a progress bar over the records. ``make_worker()`` builds a worker (it loads
@@ -195,7 +215,9 @@ def run_shards(
     loses only its shard in flight: the others are on disk, and the next run computes only what is missing."""
     todo = store.todo(table, size)
     n_todo = sum(len(rows) for _, rows in todo)
-    log.info("%s: %d %s in %d shards, %d %s to compute", desc, len(table), unit, store.count(len(table), size), n_todo, unit)
+    log.info(
+        "%s: %d %s in %d shards, %d %s to compute", desc, len(table), unit, store.count(len(table), size), n_todo, unit
+    )
     with progress(total=len(table), initial=len(table) - n_todo, desc=desc, unit=unit) as bar:
         for i, statuses in map_units(todo, make_worker, execution):
             k, rows = todo[i]

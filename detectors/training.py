@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import tempfile
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytorch_lightning as pl
@@ -58,7 +58,13 @@ class BinaryDetector(pl.LightningModule):
 
     def validation_step(self, batch: dict, _: int) -> None:
         logits = self(batch)
-        self.log("val_loss", self.loss(logits, batch["label"].float()), on_epoch=True, batch_size=len(batch["label"]), sync_dist=True)
+        self.log(
+            "val_loss",
+            self.loss(logits, batch["label"].float()),
+            on_epoch=True,
+            batch_size=len(batch["label"]),
+            sync_dist=True,
+        )
         self.val_auroc.update(logits, batch["label"].long())
         self.log("val_auroc", self.val_auroc, on_epoch=True)
 
@@ -84,7 +90,10 @@ def deterministic_training() -> Iterator[None]:
     benchmarking off and sets ``CUBLAS_WORKSPACE_CONFIG``; all of it is put back as it was when the block
     ends, also when training raises, so a notebook or a test session that trains keeps its own settings.
     """
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     benchmark, cublas = torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
@@ -105,7 +114,9 @@ class Loaders(pl.LightningDataModule):
     split is sharded without padding: Lightning's default sampler repeats records to even the shards out, and the
     synced AUROC (the checkpoint and early-stopping criterion) would count those records twice."""
 
-    def __init__(self, train: list[dict], val: list[dict], collate: Callable[[list[dict]], dict], batch_size: int, seed: int):
+    def __init__(
+        self, train: list[dict], val: list[dict], collate: Callable[[list[dict]], dict], batch_size: int, seed: int
+    ):
         super().__init__()
         self.train, self.val, self.collate, self.batch_size, self.seed = train, val, collate, batch_size, seed
 
@@ -116,7 +127,9 @@ class Loaders(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         data, world, rank = ListDataset(self.val), self.trainer.world_size, self.trainer.global_rank
-        sampler = UnrepeatedDistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        sampler = (
+            UnrepeatedDistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        )
         return DataLoader(data, batch_size=max(self.batch_size, 256), sampler=sampler, collate_fn=self.collate)
 
 
@@ -178,7 +191,9 @@ def fit(
 
 
 @torch.no_grad()
-def predict(net: nn.Module, items: list[dict], collate: Callable[[list[dict]], dict], batch_size: int = 256) -> np.ndarray:
+def predict(
+    net: nn.Module, items: list[dict], collate: Callable[[list[dict]], dict], batch_size: int = 256
+) -> np.ndarray:
     """Hallucination probabilities for ``items`` (on CPU, in order)."""
     net = net.to("cpu").eval()
     out = [torch.sigmoid(net(collate(items[i : i + batch_size]))) for i in range(0, len(items), batch_size)]

@@ -13,8 +13,9 @@ import importlib.metadata
 import logging
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from detectors.config.sections import section_modules
 from detectors.execution import LLMSpec
@@ -47,9 +48,12 @@ def stage_code_deps(module: str, root: Path = ROOT) -> list[str]:
     every ``.py`` file of it (a sub-package the stage imports whole), ``pipelines`` before ``detectors``."""
     files = stage_closure(module, root)
     whole = {
-        d for d in {f.parent for f in files}
-        if d.as_posix() not in PACKAGES and len(py := list((root / d).glob("*.py"))) > 1 and all(p.relative_to(root) in files for p in py)
-    }  # fmt: skip
+        d
+        for d in {f.parent for f in files}
+        if d.as_posix() not in PACKAGES
+        and len(py := list((root / d).glob("*.py"))) > 1
+        and all(p.relative_to(root) in files for p in py)
+    }
     deps = {f.parent.as_posix() if f.parent in whole else f.as_posix() for f in files}
     return sorted(deps, key=lambda d: (not d.startswith("pipelines/"), d))
 
@@ -63,7 +67,10 @@ def write_code_deps(dvc_yaml: Path = ROOT / "dvc.yaml", root: Path = ROOT) -> st
     for match in stage.finditer(text):
         listed = [line.removeprefix("      - ") for line in match.group(3).splitlines()]
         data = [d for d in listed if d.split("/")[0] not in PACKAGES]
-        out += [text[last : match.start(3)], "".join(f"      - {d}\n" for d in stage_code_deps(match.group(2), root) + data)]
+        out += [
+            text[last : match.start(3)],
+            "".join(f"      - {d}\n" for d in stage_code_deps(match.group(2), root) + data),
+        ]
         last = match.end(3)
     return "".join(out) + text[last:]
 
@@ -93,7 +100,9 @@ def library_versions(names: Iterable[str]) -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in names}
 
 
-def record_key(module: str, params: dict[str, Any], llm: LLMSpec, inputs: dict[str, str], libraries: Iterable[str]) -> dict[str, Any]:
+def record_key(
+    module: str, params: dict[str, Any], llm: LLMSpec, inputs: dict[str, str], libraries: Iterable[str]
+) -> dict[str, Any]:
     """Everything that shapes the records of stage ``module``: the params that enter a record, the LLM
     (fingerprint, dtype, device type), the input tables' digests, the code and the library versions."""
     return {
@@ -105,8 +114,16 @@ def record_key(module: str, params: dict[str, Any], llm: LLMSpec, inputs: dict[s
     }
 
 
-def open_shards(stage: str, params: Any, llm: LLMSpec, inputs: dict[str, str], libraries: Iterable[str], directory: str, n_records: int,
-                shared: dict[str, Any] | None = None):  # fmt: skip
+def open_shards(
+    stage: str,
+    params: Any,
+    llm: LLMSpec,
+    inputs: dict[str, str],
+    libraries: Iterable[str],
+    directory: str,
+    n_records: int,
+    shared: dict[str, Any] | None = None,
+):
     """The shard store of build stage ``stage`` (section ``params``), keyed on what shapes its records
     (every key of the section but ``max_failed_share``, and the ``shared`` params it reads from other sections), and
     the failure budget of its ``n_records``."""

@@ -10,8 +10,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
@@ -20,14 +21,14 @@ from detectors.errors import InputError
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
 from detectors.llm.states import StateCache
-from detectors.rag.loop import RagConfig, RagLoop, RagResult
+from detectors.progress import progress
 from detectors.rag.answer_metrics import FAILED
+from detectors.rag.kinds import make_trigger
+from detectors.rag.loop import RagConfig, RagLoop, RagResult
 from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
-from detectors.rag.kinds import make_trigger
 from detectors.rag.triggers import TriggerSettings, check_threshold
-from detectors.progress import progress
 from detectors.registry import store
 from detectors.shards import ERROR, OK, ShardStore
 from pipelines._provenance import closure_digest
@@ -42,8 +43,14 @@ TUNE = "tune-val"  # each corpus's configurations at their candidate thresholds 
 
 # modules that dispatch by name (registries, the runtime's builders): their function-level imports and registry entries
 # are not part of a run's code; the modules of what a run actually built are (run_code)
-DISPATCH = ("pipelines._rag_runtime", "detectors.rag.kinds", "detectors.rag.queries", "detectors.registry.kinds", "detectors.config.sections",
-            "detectors.inference")  # fmt: skip
+DISPATCH = (
+    "pipelines._rag_runtime",
+    "detectors.rag.kinds",
+    "detectors.rag.queries",
+    "detectors.registry.kinds",
+    "detectors.config.sections",
+    "detectors.inference",
+)
 
 
 def run_modules(triggers: list, *parts: Any) -> set[str]:
@@ -51,7 +58,11 @@ def run_modules(triggers: list, *parts: Any) -> set[str]:
     module and parts, the query formulation, the steering detector, a framework). Their import closure, the dispatching
     modules' other branches left out (:data:`DISPATCH`), is the run's code (:func:`run_code`)."""
     modules = {"pipelines._rag_runtime", "detectors.rag.loop", *(t.source for t in triggers if t.source)}
-    return modules | {type(p).__module__ for t in triggers for p in t.parts()} | {type(p).__module__ for p in parts if p is not None}
+    return (
+        modules
+        | {type(p).__module__ for t in triggers for p in t.parts()}
+        | {type(p).__module__ for p in parts if p is not None}
+    )
 
 
 def run_code(triggers: list, *parts: Any) -> str:
@@ -94,7 +105,11 @@ def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagR
                 out.append(dataclasses.asdict(answer_all([question], [record])[0]))
             except Exception as err:  # recorded, never a crash halfway; the stage stops if most questions fail
                 log.exception("%s: %r failed", name, question)
-                out.append(dataclasses.asdict(RagResult(question, "", [], 0, 0, 0.0, [], f"{FAILED} {type(err).__name__}: {err}")))
+                out.append(
+                    dataclasses.asdict(
+                        RagResult(question, "", [], 0, 0, 0.0, [], f"{FAILED} {type(err).__name__}: {err}")
+                    )
+                )
         return out
 
     return answer
@@ -135,7 +150,9 @@ class RagRuntime:
         spec = on_corpus(spec, corpus)
         if spec not in self._triggers:  # built once, without a threshold: each loop sets its triggers' thresholds below
             settings = TriggerSettings(sit=self.params.sit, ctrla=self.params.ctrla)
-            trigger = make_trigger(spec, self.llm, None, self.stage_params["build_realtime.spacy_model"], self.tracking_uri, settings)
+            trigger = make_trigger(
+                spec, self.llm, None, self.stage_params["build_realtime.spacy_model"], self.tracking_uri, settings
+            )
             if trigger.name in self.params.thresholds:
                 check_threshold(trigger, self.params.thresholds[trigger.name], f"rag_eval.thresholds.{trigger.name}")
             self._triggers[spec] = trigger
@@ -143,16 +160,32 @@ class RagRuntime:
         if thresholds is None or trigger.name == "always":
             return trigger
         if trigger.name not in thresholds:
-            raise InputError(f"trigger {trigger.name!r} has no threshold on corpus {corpus!r}: its validation sweep did not measure it")
+            raise InputError(
+                f"trigger {trigger.name!r} has no threshold on corpus {corpus!r}: its validation sweep did not measure it"
+            )
         return dataclasses.replace(trigger, threshold=thresholds[trigger.name])
 
-    def rag_config(self, name: str, stepwise: bool = False, chunk: bool = False, max_retrievals: int | None = None, context: str | None = None) -> RagConfig:
+    def rag_config(
+        self,
+        name: str,
+        stepwise: bool = False,
+        chunk: bool = False,
+        max_retrievals: int | None = None,
+        context: str | None = None,
+    ) -> RagConfig:
         r = self.params
         return RagConfig(
-            name=name, prompt=self.stage_params["build_early.features.prompt"], context=r.context if context is None else context, k=r.k,
-            max_retrievals=r.max_retrievals if max_retrievals is None else max_retrievals, max_new_tokens=r.max_new_tokens,
-            stop=tuple(self.stage_params["build_early.stop"]), stepwise=stepwise, chunk=chunk, batch_size=r.batch_size,
-        )  # fmt: skip
+            name=name,
+            prompt=self.stage_params["build_early.features.prompt"],
+            context=r.context if context is None else context,
+            k=r.k,
+            max_retrievals=r.max_retrievals if max_retrievals is None else max_retrievals,
+            max_new_tokens=r.max_new_tokens,
+            stop=tuple(self.stage_params["build_early.stop"]),
+            stepwise=stepwise,
+            chunk=chunk,
+            batch_size=r.batch_size,
+        )
 
     def query(self, name: str, triggers: list, retriever: BM25Retriever | None):
         """Formulation ``name``; FLARE's masks words under 1 - the FLARE trigger's threshold (0.5 without one)."""
@@ -172,8 +205,15 @@ class RagRuntime:
             steering = steerer.vectors()
         retriever = self.retriever(corpus) if triggers else None
         query = self.query(config.query, triggers, retriever)
-        rag = RagLoop(self.llm, retriever, self.rag_config(name, config.stepwise, config.chunk, context=config.context), triggers, query, steering,
-                      self.states(config.steering))  # fmt: skip
+        rag = RagLoop(
+            self.llm,
+            retriever,
+            self.rag_config(name, config.stepwise, config.chunk, context=config.context),
+            triggers,
+            query,
+            steering,
+            self.states(config.steering),
+        )
         return resilient(name, rag.answer_all), run_code(triggers, query, steerer)
 
     def framework(self, name: str, corpus: str) -> tuple[Answer, str]:
@@ -181,7 +221,13 @@ class RagRuntime:
         ``corpus``, as ``answer(questions, records)``, and the digest of the code it runs."""
         from detectors.rag.retroactive import RetroRag  # the only framework (FRAMEWORKS)
 
-        rag = RetroRag(self.llm, self.retriever(corpus), self.stage_params[name], self.stage_params["build_early.features.prompt"], self.params.batch_size)
+        rag = RetroRag(
+            self.llm,
+            self.retriever(corpus),
+            self.stage_params[name],
+            self.stage_params["build_early.features.prompt"],
+            self.params.batch_size,
+        )
         return resilient(name, rag.answer_all), run_code([], rag)
 
     def sweep_loop(self, corpus: str) -> tuple[Callable[[list[str], list[list[str]]], list[dict]], dict[str, str], str]:
@@ -191,7 +237,9 @@ class RagRuntime:
         specs = list(dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if t != "always"))
         triggers = [self.trigger(t, corpus) for t in specs]
         retriever = self.retriever(corpus)
-        rag = RagLoop(self.llm, retriever, self.rag_config("sweep", max_retrievals=1), triggers)  # the query is the job's (the question)
+        rag = RagLoop(
+            self.llm, retriever, self.rag_config("sweep", max_retrievals=1), triggers
+        )  # the query is the job's (the question)
 
         def sweep(questions: list[str], references: list[list[str]]) -> list[dict]:
             traces = rag.trace(questions)
@@ -226,7 +274,9 @@ class Run:
     prompts_sample: int = 0
 
 
-def run_questions(runs: list[Run], rows: pd.DataFrame, desc: str, shard_size: int, on_shard: Callable[[], None] | None = None) -> dict[str, list[dict]]:
+def run_questions(
+    runs: list[Run], rows: pd.DataFrame, desc: str, shard_size: int, on_shard: Callable[[], None] | None = None
+) -> dict[str, list[dict]]:
     """Answer every row (``id``, ``question``) in every run, question-major: shard after shard of ``shard_size``
     questions, each shard answered by every run that lacks it before the next (``on_shard`` is called before each, so
     that what the runs share about a shard's questions, their prompts' states, stays small). Each run is a
@@ -236,7 +286,9 @@ def run_questions(runs: list[Run], rows: pd.DataFrame, desc: str, shard_size: in
     prompts. Returns each run's lines of every row, in the rows' order."""
     ids = hashlib.sha256("\x1f".join(rows["id"]).encode()).hexdigest()[:16]  # the shards cover exactly these questions
     table = rows[["id", "question"]].reset_index(drop=True)
-    stores = {r.name: ShardStore(r.directory, {**r.key, "questions_digest": ids, "shard_size": shard_size}) for r in runs}
+    stores = {
+        r.name: ShardStore(r.directory, {**r.key, "questions_digest": ids, "shard_size": shard_size}) for r in runs
+    }
     todo = {r.name: dict(stores[r.name].todo(table, shard_size)) for r in runs}
     shards = sorted({k for t in todo.values() for k in t})
     left = sum(len(chunk) for t in todo.values() for chunk in t.values())
@@ -250,8 +302,13 @@ def run_questions(runs: list[Run], rows: pd.DataFrame, desc: str, shard_size: in
                     continue
                 chunk = todo[r.name][k]
                 results = r.answer(list(chunk["question"]), [i < r.prompts_sample for i in chunk.index])
-                status = [f"{ERROR}{x['error']}" if str(x.get("error") or "").startswith(FAILED) else OK for x in results]
-                stores[r.name].write(k, pd.DataFrame({"id": list(chunk["id"]), "status": status, "line": [json.dumps(x) for x in results]}))
+                status = [
+                    f"{ERROR}{x['error']}" if str(x.get("error") or "").startswith(FAILED) else OK for x in results
+                ]
+                stores[r.name].write(
+                    k,
+                    pd.DataFrame({"id": list(chunk["id"]), "status": status, "line": [json.dumps(x) for x in results]}),
+                )
                 bar.update(len(chunk))
     out = {}
     for r in runs:
@@ -268,51 +325,111 @@ class RunWorker:
     builds the LLM, retrievers and triggers once (in the stage's process or a Ray actor). Returns each run's lines and
     the digests that identify what answered them."""
 
-    def __init__(self, params, rows: dict[str, pd.DataFrame], base_key: dict[str, Any], thresholds: dict[str, dict[str, dict[str, float]]] | None = None,
-                 candidates: dict[str, dict[str, list[dict[str, float]]]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        params,
+        rows: dict[str, pd.DataFrame],
+        base_key: dict[str, Any],
+        thresholds: dict[str, dict[str, dict[str, float]]] | None = None,
+        candidates: dict[str, dict[str, list[dict[str, float]]]] | None = None,
+    ):
         self.runtime, self.rag, self.rows, self.base_key = RagRuntime(params), params["rag_eval"], rows, base_key
-        self.thresholds, self.candidates = thresholds, candidates  # {corpus: {configuration: {trigger: threshold}}}, {corpus: {configuration: [those]}}
+        self.thresholds, self.candidates = (
+            thresholds,
+            candidates,
+        )  # {corpus: {configuration: {trigger: threshold}}}, {corpus: {configuration: [those]}}
         self.runs_dir = Path(params["paths.rag_runs"])
 
     def _champions(self, specs: list[str]) -> dict[str, str]:
         """The registered versions the run's ``<name>@<alias>`` specs point to (a promotion restarts the runs that read it)."""
         return {s: self.base_key["champions"][s] for s in sorted(set(specs)) if s in self.base_key["champions"]}
 
-    def _config_run(self, run: str, name: str, corpus: str, thresholds: dict[str, float], base: dict[str, Any], directory: Path, prompts: int) -> Run:
+    def _config_run(
+        self,
+        run: str,
+        name: str,
+        corpus: str,
+        thresholds: dict[str, float],
+        base: dict[str, Any],
+        directory: Path,
+        prompts: int,
+    ) -> Run:
         """Configuration ``name`` over ``corpus`` at ``thresholds`` as the resumable run ``run``, keyed on its code,
         params, thresholds and champions."""
         runtime, config = self.runtime, self.rag.configurations[name]
         answer, code = runtime.loop(name, config, corpus, thresholds)
         triggers = [runtime.trigger(t, corpus) for t in config.triggers]
         names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
-        key = {**base, "code": code, "params": run_params(self.rag, config, triggers), "thresholds": {t: v for t, v in thresholds.items() if t in names},
-               "champions": self._champions([on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else []))}  # fmt: skip
+        key = {
+            **base,
+            "code": code,
+            "params": run_params(self.rag, config, triggers),
+            "thresholds": {t: v for t, v in thresholds.items() if t in names},
+            "champions": self._champions(
+                [on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else [])
+            ),
+        }
         return Run(run, directory, key, answer, prompts)
 
     def __call__(self, unit: tuple[str, str | tuple[str, ...]]) -> dict[str, Any]:
         corpus, names = unit
         runtime, rag = self.runtime, self.rag
-        base = {**{k: v for k, v in self.base_key.items() if k != "champions"}, "llm": runtime.llm_digest, "corpus": runtime.corpus_digest(corpus)}
+        base = {
+            **{k: v for k, v in self.base_key.items() if k != "champions"},
+            "llm": runtime.llm_digest,
+            "corpus": runtime.corpus_digest(corpus),
+        }
         out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
         rows = self.rows["test"]
         if names in (SWEEP, VAL_SWEEP):
             rows = self.rows["val" if names == VAL_SWEEP else "test"]
             sweep_loop, out["triggers"], code = runtime.sweep_loop(corpus)
             specs = [on_corpus(t, corpus) for c in rag.configurations.values() for t in c.triggers]
-            key = {**base, "code": code, "params": {k: getattr(rag, k) for k in ("k", "max_new_tokens", "context")}, "sweep": dataclasses.asdict(rag.sweep),
-                   "triggers": out["triggers"], "champions": self._champions(specs), "questions": names}  # fmt: skip
+            key = {
+                **base,
+                "code": code,
+                "params": {k: getattr(rag, k) for k in ("k", "max_new_tokens", "context")},
+                "sweep": dataclasses.asdict(rag.sweep),
+                "triggers": out["triggers"],
+                "champions": self._champions(specs),
+                "questions": names,
+            }
             refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
-            runs = [Run(names, self.runs_dir / corpus / names, key, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]))]
+            runs = [
+                Run(names, self.runs_dir / corpus / names, key, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]))
+            ]
         elif names == TUNE:  # run name: <configuration>/<candidate index>
             rows = self.rows["val"]
-            runs = [self._config_run(f"{name}/{j}", name, corpus, chosen, {**base, "questions": names}, self.runs_dir / corpus / TUNE / name / str(j), 0)
-                    for name, sets in self.candidates[corpus].items() for j, chosen in enumerate(sets)]  # fmt: skip
+            runs = [
+                self._config_run(
+                    f"{name}/{j}",
+                    name,
+                    corpus,
+                    chosen,
+                    {**base, "questions": names},
+                    self.runs_dir / corpus / TUNE / name / str(j),
+                    0,
+                )
+                for name, sets in self.candidates[corpus].items()
+                for j, chosen in enumerate(sets)
+            ]
         elif names in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
             answer, code = runtime.framework(names, corpus)
             key = {**base, "code": code, "framework": names, "params": dataclasses.asdict(runtime.stage_params[names])}
             runs = [Run(names, self.runs_dir / corpus / names, key, answer, rag.prompts_sample)]
         else:
-            runs = [self._config_run(name, name, corpus, self.thresholds[corpus][name], base, self.runs_dir / corpus / name, rag.prompts_sample) for name in names]
+            runs = [
+                self._config_run(
+                    name,
+                    name,
+                    corpus,
+                    self.thresholds[corpus][name],
+                    base,
+                    self.runs_dir / corpus / name,
+                    rag.prompts_sample,
+                )
+                for name in names
+            ]
         desc = f"{corpus} · {names if isinstance(names, str) else f'{len(names)} configurations'}"
         out["lines"] = run_questions(runs, rows, desc, rag.shard_size, on_shard=runtime.forget_states)
         runtime.forget_states()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from detectors.config import StageParams, read_params
 from detectors.errors import InputError, one_line, traceback_wanted

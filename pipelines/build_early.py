@@ -28,22 +28,42 @@ from pipelines._stage import run, stage_params
 log = logging.getLogger("build_early")
 LIBRARIES = ("torch", "transformers", "tokenizers", "captum")  # their versions are part of the shard key
 READS = (
-    "llm", "build_early", "execution", "paths.llm", "paths.qa", "paths.early_shards", "paths.early", "paths.early_report",
+    "llm",
+    "build_early",
+    "execution",
+    "paths.llm",
+    "paths.qa",
+    "paths.early_shards",
+    "paths.early",
+    "paths.early_report",
     "paths.early_answer_hidden",
-)  # fmt: skip
+)
 HIDDEN = ".answer-hidden.safetensors"
 
 
 def _records(llm, rows: list, params, state_indices: list[int]) -> list[dict]:
     """The shard's records, the questions computed together; a batch that raises is retried one question at a time."""
     bases = [
-        {"id": r.id, "split": r.split, "question": r.question, "answers": list(r.answers), "feature_dtype": llm.dtype_name}
+        {
+            "id": r.id,
+            "split": r.split,
+            "question": r.question,
+            "answers": list(r.answers),
+            "feature_dtype": llm.dtype_name,
+        }
         for r in rows
-    ]  # fmt: skip
+    ]
 
     def compute(group: list[dict]) -> list:
-        return early_records(llm, [b["question"] for b in group], [b["answers"] for b in group], params.features,
-                             params.max_new_tokens, params.stop, state_indices)  # fmt: skip
+        return early_records(
+            llm,
+            [b["question"] for b in group],
+            [b["answers"] for b in group],
+            params.features,
+            params.max_new_tokens,
+            params.stop,
+            state_indices,
+        )
 
     try:
         results = compute(bases)
@@ -60,7 +80,9 @@ def _records(llm, rows: list, params, state_indices: list[int]) -> list[dict]:
 def _alone(compute, base: dict) -> list:
     try:
         return compute([base])
-    except Exception as err:  # one bad record is reported (an error is retried on the next run), never the end of the run
+    except (
+        Exception
+    ) as err:  # one bad record is reported (an error is retried on the next run), never the end of the run
         return [err]
 
 
@@ -82,7 +104,9 @@ class ShardWorker:
 
     def __init__(self, llm: LLMSpec, params, store: ShardStore):
         self.llm, self.params, self.store = llm.load(), params, store
-        self.state_indices = hidden_state_indices(params.answer_hidden_layers, self.llm.fingerprint.num_layers, "build_early.answer_hidden_layers")
+        self.state_indices = hidden_state_indices(
+            params.answer_hidden_layers, self.llm.fingerprint.num_layers, "build_early.answer_hidden_layers"
+        )
 
     def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
         k, rows = shard
@@ -99,9 +123,22 @@ def main(argv: list[str] | None = None) -> None:
     early = params["build_early"]
     table = pd.read_parquet(params["paths.qa"])
     llm = LLMSpec.of(params)
-    hidden_state_indices(early.answer_hidden_layers, llm.key()["num_layers"], "build_early.answer_hidden_layers")  # fail before any work
-    store, budget = open_shards("build_early", early, llm, {"qa": params["paths.qa"]}, LIBRARIES, params["paths.early_shards"], len(table))
-    run_shards(store, table, early.shard_size, functools.partial(ShardWorker, llm, early, store), params["execution"], budget, "build_early", "q")
+    hidden_state_indices(
+        early.answer_hidden_layers, llm.key()["num_layers"], "build_early.answer_hidden_layers"
+    )  # fail before any work
+    store, budget = open_shards(
+        "build_early", early, llm, {"qa": params["paths.qa"]}, LIBRARIES, params["paths.early_shards"], len(table)
+    )
+    run_shards(
+        store,
+        table,
+        early.shard_size,
+        functools.partial(ShardWorker, llm, early, store),
+        params["execution"],
+        budget,
+        "build_early",
+        "q",
+    )
     frame, hidden = store.read_with_arrays(len(table), early.shard_size, HIDDEN, "answer_hidden_offset")
     for path in (params["paths.early"], params["paths.early_answer_hidden"]):
         Path(path).parent.mkdir(parents=True, exist_ok=True)

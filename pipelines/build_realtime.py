@@ -27,9 +27,16 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("build_realtime")
 READS = (
-    "llm", "build_realtime", "execution", "paths.llm", "paths.articles", "paths.realtime_shards", "paths.realtime",
-    "paths.realtime_hidden", "paths.realtime_report",
-)  # fmt: skip
+    "llm",
+    "build_realtime",
+    "execution",
+    "paths.llm",
+    "paths.articles",
+    "paths.realtime_shards",
+    "paths.realtime",
+    "paths.realtime_hidden",
+    "paths.realtime_report",
+)
 HIDDEN = ".hidden.safetensors"
 LIBRARIES = ("torch", "transformers", "tokenizers", "spacy", "sentence-transformers")  # versions in the shard key
 
@@ -40,7 +47,9 @@ class ShardWorker:
 
     def __init__(self, llm: LLMSpec, params, store: ShardStore):
         self.llm, self.params, self.store = llm.load(), params, store
-        self.state_indices = hidden_state_indices(params.hidden_layers, self.llm.fingerprint.num_layers, "build_realtime.hidden_layers")
+        self.state_indices = hidden_state_indices(
+            params.hidden_layers, self.llm.fingerprint.num_layers, "build_realtime.hidden_layers"
+        )
         self.tools = EntityTools(params.spacy_model, params.embedding_model)
 
     def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
@@ -58,12 +67,23 @@ def main(argv: list[str] | None = None) -> None:
     realtime = params["build_realtime"]
     table = pd.read_parquet(params["paths.articles"])
     llm = LLMSpec.of(params)
-    hidden_state_indices(realtime.hidden_layers, llm.key()["num_layers"], "build_realtime.hidden_layers")  # bad layers fail before any work
+    hidden_state_indices(
+        realtime.hidden_layers, llm.key()["num_layers"], "build_realtime.hidden_layers"
+    )  # bad layers fail before any work
     inputs = {"articles": params["paths.articles"]}
-    store, budget = open_shards("build_realtime", realtime, llm, inputs, LIBRARIES, params["paths.realtime_shards"], len(table))
+    store, budget = open_shards(
+        "build_realtime", realtime, llm, inputs, LIBRARIES, params["paths.realtime_shards"], len(table)
+    )
     worker = functools.partial(ShardWorker, llm, realtime, store)
     run_shards(store, table, realtime.shard_size, worker, params["execution"], budget, "build_realtime", "article")
-    write_outputs(store, len(table), realtime.shard_size, params["paths.realtime"], params["paths.realtime_hidden"], params["paths.realtime_report"])
+    write_outputs(
+        store,
+        len(table),
+        realtime.shard_size,
+        params["paths.realtime"],
+        params["paths.realtime_hidden"],
+        params["paths.realtime_report"],
+    )
 
 
 def write_outputs(store: ShardStore, n_items: int, size: int, out: str, hidden_out: str, report_path: str) -> None:

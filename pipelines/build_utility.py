@@ -30,16 +30,36 @@ from pipelines._stage import run, stage_params
 log = logging.getLogger("build_utility")
 LIBRARIES = ("torch", "transformers", "tokenizers", "bm25s")
 READS = (
-    "llm", "build_utility", "execution", "build_early.features.prompt", "build_early.features.hidden_layers", "build_early.stop",
-    "rag_eval.k", "rag_eval.context", "rag_eval.max_new_tokens",
-    "paths.llm", "paths.early", "paths.rag_index", "paths.utility_shards", "paths.utility", "paths.utility_report",
-)  # fmt: skip
+    "llm",
+    "build_utility",
+    "execution",
+    "build_early.features.prompt",
+    "build_early.features.hidden_layers",
+    "build_early.stop",
+    "rag_eval.k",
+    "rag_eval.context",
+    "rag_eval.max_new_tokens",
+    "paths.llm",
+    "paths.early",
+    "paths.rag_index",
+    "paths.utility_shards",
+    "paths.utility",
+    "paths.utility_report",
+)
 
 
 def rag_config(params, batch_size: int) -> RagConfig:
     """Single-round RAG as rag_eval runs it: one retrieval with the question, before the answer."""
-    return RagConfig("utility-labels", prompt=params["build_early.features.prompt"], context=params["rag_eval.context"], k=params["rag_eval.k"],
-                     max_retrievals=1, max_new_tokens=params["rag_eval.max_new_tokens"], stop=tuple(params["build_early.stop"]), batch_size=batch_size)  # fmt: skip
+    return RagConfig(
+        "utility-labels",
+        prompt=params["build_early.features.prompt"],
+        context=params["rag_eval.context"],
+        k=params["rag_eval.k"],
+        max_retrievals=1,
+        max_new_tokens=params["rag_eval.max_new_tokens"],
+        stop=tuple(params["build_early.stop"]),
+        batch_size=batch_size,
+    )
 
 
 class ShardWorker:
@@ -62,7 +82,9 @@ class ShardWorker:
         k, rows = shard
         out = []
         for corpus, group in rows.groupby("corpus", sort=False):
-            records = utility_records(*self.loop(corpus), list(group["question"]), [list(a) for a in group["answers"]], list(group["answer"]))
+            records = utility_records(
+                *self.loop(corpus), list(group["question"]), [list(a) for a in group["answers"]], list(group["answer"])
+            )
             for base, rec in zip(group.to_dict("records"), records):
                 error = rec.pop("error")
                 out.append({**base, **rec, "status": OK if error is None else f"skipped: {error}"})
@@ -83,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     utility = params["build_utility"]
     missing = [c for c in utility.corpora if not (Path(params["paths.rag_index"]) / c).is_dir()]
     if missing:
-        raise FileNotFoundError(f"build_utility.corpora {missing} have no index under {params['paths.rag_index']}: add them to index_corpus.corpora and run `dvc repro index_corpus`")
+        raise FileNotFoundError(
+            f"build_utility.corpora {missing} have no index under {params['paths.rag_index']}: add them to index_corpus.corpora and run `dvc repro index_corpus`"
+        )
     table = questions(pd.read_parquet(params["paths.early"]), utility.corpora)
     out = Path(params["paths.utility"])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,11 +116,25 @@ def main(argv: list[str] | None = None) -> None:
         write_json(params["paths.utility_report"], {"records": 0, "balance": {}})
         return
     llm = LLMSpec.of(params)
-    inputs = {"early": params["paths.early"], **{f"index_{c}": str(Path(params["paths.rag_index"]) / c / "manifest.json") for c in utility.corpora}}
+    inputs = {
+        "early": params["paths.early"],
+        **{f"index_{c}": str(Path(params["paths.rag_index"]) / c / "manifest.json") for c in utility.corpora},
+    }
     shared = {k: params[k] for k in READS if k.startswith(("build_early.", "rag_eval."))}
-    store, budget = open_shards("build_utility", utility, llm, inputs, LIBRARIES, params["paths.utility_shards"], len(table), shared)
+    store, budget = open_shards(
+        "build_utility", utility, llm, inputs, LIBRARIES, params["paths.utility_shards"], len(table), shared
+    )
     work = table.rename(columns={"id": "question_id", "key": "id"})  # a shard row's id is corpus/question id
-    run_shards(store, work, utility.shard_size, functools.partial(ShardWorker, llm, params, store), params["execution"], budget, "build_utility", "q")
+    run_shards(
+        store,
+        work,
+        utility.shard_size,
+        functools.partial(ShardWorker, llm, params, store),
+        params["execution"],
+        budget,
+        "build_utility",
+        "q",
+    )
     frame = store.read_all(len(work), utility.shard_size).rename(columns={"id": "key", "question_id": "id"})
     frame.to_parquet(out, index=False)
     ok = frame[frame["status"] == OK]

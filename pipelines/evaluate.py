@@ -36,17 +36,37 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("evaluate")
 READS = (
-    "train_early.training.threshold", "train_realtime.training.threshold", "evaluate", "mlflow",
-    "paths.early", "paths.early_model", "paths.realtime", "paths.realtime_hidden", "paths.realtime_model",
-    "paths.ctrla_early", "paths.ctrla_realtime", "paths.baselines_early", "paths.baselines_realtime",
-    "paths.early_scores", "paths.realtime_scores", "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics",
-    "paths.evaluate_headline", "paths.comparison", "paths.comparison_table", "paths.served_metrics", "paths.plots",
-)  # fmt: skip
+    "train_early.training.threshold",
+    "train_realtime.training.threshold",
+    "evaluate",
+    "mlflow",
+    "paths.early",
+    "paths.early_model",
+    "paths.realtime",
+    "paths.realtime_hidden",
+    "paths.realtime_model",
+    "paths.ctrla_early",
+    "paths.ctrla_realtime",
+    "paths.baselines_early",
+    "paths.baselines_realtime",
+    "paths.early_scores",
+    "paths.realtime_scores",
+    "paths.evaluate_early_metrics",
+    "paths.evaluate_realtime_metrics",
+    "paths.evaluate_headline",
+    "paths.comparison",
+    "paths.comparison_table",
+    "paths.served_metrics",
+    "paths.plots",
+)
 
 
 def early_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     """The early set joined with the question-level score tables, its units and its scorers (by level)."""
-    frame, _ = join_score_tables(pd.read_parquet(params["paths.early"]), {"CtrlA": params["paths.ctrla_early"], "baselines": params["paths.baselines_early"]})
+    frame, _ = join_score_tables(
+        pd.read_parquet(params["paths.early"]),
+        {"CtrlA": params["paths.ctrla_early"], "baselines": params["paths.baselines_early"]},
+    )
     scorers = early_detector_scorers(params["paths.early_model"]) + question_baselines(set(frame.columns))
     return frame, {Level.QUESTION: frame}, {Level.QUESTION: scorers}
 
@@ -62,7 +82,9 @@ def realtime_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     units = realtime_units(frame, stats)
     names = set().union(*(s.keys() for s in stats.values()))
     scorers = {level: [realtime_detector_scorer(level)] + realtime_baselines(level, names) for level in units}
-    scorers[Level.CONTINUATION].insert(1, served_scorer(detector.threshold))  # what monitor() does: the max over every token
+    scorers[Level.CONTINUATION].insert(
+        1, served_scorer(detector.threshold)
+    )  # what monitor() does: the max over every token
     served = served_behaviour(frame, mlp, detector.threshold) | {"tokens": detector.info.get("tokens")}
     write_json(params["paths.served_metrics"], served)
     log.info("served real-time detector on the test split: %s", served)
@@ -73,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     params = stage_params(__doc__, argv, READS, "evaluate")
     evaluation, mlflow_params = params["evaluate"], params["mlflow"]
     inputs = {"early": early_inputs(params), "realtime": realtime_inputs(params)}
-    strategy = {"early": params["train_early.training.threshold"], "realtime": params["train_realtime.training.threshold"]}
+    strategy = {
+        "early": params["train_early.training.threshold"],
+        "realtime": params["train_realtime.training.threshold"],
+    }
     tables, scores, probabilities = [], {}, {}
     for dataset, (_, units, scorers) in inputs.items():
         results, scores[dataset], probabilities[dataset] = compare_levels(
@@ -92,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     Path(params["paths.comparison_table"]).parent.mkdir(parents=True, exist_ok=True)
     Path(params["paths.comparison_table"]).write_text(markdown + "\n", encoding="utf-8")
     log.info("comparison:\n%s", markdown)
-    plots = write_comparison_plots(table, scores, probabilities, inputs["early"][0], Path(params["paths.plots"]), evaluation.ece_bins)
+    plots = write_comparison_plots(
+        table, scores, probabilities, inputs["early"][0], Path(params["paths.plots"]), evaluation.ece_bins
+    )
 
     store.configure(mlflow_params.tracking_uri)
     fingerprint = inputs["early"][2][Level.QUESTION][0].detector.fingerprint

@@ -23,7 +23,15 @@ from pathlib import Path
 import pandas as pd
 
 from detectors.ctrla.directions import Directions
-from detectors.ctrla.quality import confidence_metrics, early_set, honesty_metrics, load_truthfulqa, realtime_metrics, realtime_set, truthfulqa_grid
+from detectors.ctrla.quality import (
+    confidence_metrics,
+    early_set,
+    honesty_metrics,
+    load_truthfulqa,
+    realtime_metrics,
+    realtime_set,
+    truthfulqa_grid,
+)
 from detectors.ctrla.statements import load_statements
 from detectors.evaluation.plots import write_directions_plots
 from detectors.evaluation.report import directions_headline
@@ -35,10 +43,23 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("evaluate_directions")
 READS = (
-    "llm", "build_early.features.prompt", "extract_directions", "evaluate_directions", "mlflow",
-    "paths.llm", "paths.raw", "paths.qa", "paths.early", "paths.realtime", "paths.directions",
-    "paths.ctrla_early", "paths.ctrla_realtime", "paths.evaluate_directions_metrics", "paths.evaluate_directions_headline", "paths.plots",
-)  # fmt: skip
+    "llm",
+    "build_early.features.prompt",
+    "extract_directions",
+    "evaluate_directions",
+    "mlflow",
+    "paths.llm",
+    "paths.raw",
+    "paths.qa",
+    "paths.early",
+    "paths.realtime",
+    "paths.directions",
+    "paths.ctrla_early",
+    "paths.ctrla_realtime",
+    "paths.evaluate_directions_metrics",
+    "paths.evaluate_directions_headline",
+    "paths.plots",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,12 +79,16 @@ def main(argv: list[str] | None = None) -> None:
     timings: dict[str, float] = {}
 
     start = time.time()
-    metrics["honesty"] = honesty_metrics(llm, honesty, confidence, statements, evaluation, extract.honesty.statements.max_tokens)
+    metrics["honesty"] = honesty_metrics(
+        llm, honesty, confidence, statements, evaluation, extract.honesty.statements.max_tokens
+    )
     timings["honesty"] = time.time() - start
 
     start = time.time()
     monitored = early_set(llm, confidence, early, params["build_early.features.prompt"], evaluation.batch_size)
-    metrics["confidence_early"], columns = confidence_metrics(monitored, early, confidence, mon.tau, mon.clip, evaluation.layer_window)
+    metrics["confidence_early"], columns = confidence_metrics(
+        monitored, early, confidence, mon.tau, mon.clip, evaluation.layer_window
+    )
     Path(params["paths.ctrla_early"]).parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame({"id": early["id"].astype(str), **columns}).to_parquet(params["paths.ctrla_early"], index=False)
     timings["confidence_early"] = time.time() - start
@@ -74,11 +99,18 @@ def main(argv: list[str] | None = None) -> None:
         start = time.time()
         frame = pd.read_parquet(realtime)
         frame = frame[frame["status"] == "ok"].reset_index(drop=True) if "status" in frame else frame
-        metrics["confidence_realtime"], columns = realtime_metrics(realtime_set(llm, confidence, frame, evaluation.batch_size), frame, layers, mon.tau, mon.clip)
+        metrics["confidence_realtime"], columns = realtime_metrics(
+            realtime_set(llm, confidence, frame, evaluation.batch_size), frame, layers, mon.tau, mon.clip
+        )
         pd.DataFrame({"id": frame["id"].astype(str), **columns}).to_parquet(params["paths.ctrla_realtime"], index=False)
         timings["confidence_realtime"] = time.time() - start
     else:
-        log.info("real-time set not scored (score_realtime: %s, %s exists: %s)", evaluation.score_realtime, realtime, realtime.exists())
+        log.info(
+            "real-time set not scored (score_realtime: %s, %s exists: %s)",
+            evaluation.score_realtime,
+            realtime,
+            realtime.exists(),
+        )
 
     start = time.time()
     tqa = evaluation.truthfulqa

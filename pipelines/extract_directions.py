@@ -25,15 +25,25 @@ from detectors.llm.loading import prepared_reference
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("extract_directions")
-READS = ("llm", "extract_directions", "execution", "paths.llm", "paths.qa", "paths.directions", "paths.extract_directions_metrics")
+READS = (
+    "llm",
+    "extract_directions",
+    "execution",
+    "paths.llm",
+    "paths.qa",
+    "paths.directions",
+    "paths.extract_directions_metrics",
+)
 CONCEPTS = ("honesty", "confidence")
 
 
 def curve_similarity(directions, layers: list[int]) -> dict[str, float]:
     """Mean |cosine| at ``layers`` between the directions fitted on n statements and on all of them."""
     full = directions.at(layers)
-    return {str(n): round(float(torch.nn.functional.cosine_similarity(v[[l - 1 for l in layers]], full).mean()), 4)  # noqa: E741
-            for n, v in sorted(directions.curve.items())}  # fmt: skip
+    return {
+        str(n): round(float(torch.nn.functional.cosine_similarity(v[[l - 1 for l in layers]], full).mean()), 4)  # noqa: E741
+        for n, v in sorted(directions.curve.items())
+    }
 
 
 class ConceptWorker:
@@ -45,7 +55,10 @@ class ConceptWorker:
         torch.manual_seed(params.seed)
         _, self.llm_ref = prepared_reference(llm.location)  # extract() adds the dtype the directions are extracted in
         n_layers = self.llm.fingerprint.num_layers
-        self.layers = {"honesty": resolve_range(params.steering.layers, n_layers), "confidence": resolve_range(params.monitor.layers, n_layers)}
+        self.layers = {
+            "honesty": resolve_range(params.steering.layers, n_layers),
+            "confidence": resolve_range(params.monitor.layers, n_layers),
+        }
 
     def __call__(self, concept: str) -> dict:
         start, params = time.time(), self.params
@@ -60,7 +73,15 @@ class ConceptWorker:
         }
         layers = self.layers[concept]
         directions, _ = extract(
-            self.llm, concept, contrast, self.statements[concept], layers, params.batch_size, params.seed, params.size_curve, config
+            self.llm,
+            concept,
+            contrast,
+            self.statements[concept],
+            layers,
+            params.batch_size,
+            params.seed,
+            params.size_curve,
+            config,
         )
         directions.save(self.out / concept)
         ev = directions.explained_variance.numpy()
@@ -81,7 +102,9 @@ class ConceptWorker:
 def main(argv: list[str] | None = None) -> None:
     params = stage_params(__doc__, argv, READS, "extract_directions")
     directions = params["extract_directions"]
-    statements = {c: load_statements(getattr(directions, c).statements, params["paths.qa"]) for c in CONCEPTS}  # fail early
+    statements = {
+        c: load_statements(getattr(directions, c).statements, params["paths.qa"]) for c in CONCEPTS
+    }  # fail early
     worker = functools.partial(ConceptWorker, LLMSpec.of(params), directions, statements, params["paths.directions"])
     metrics = {CONCEPTS[i]: result for i, result in map_units(CONCEPTS, worker, params["execution"])}
     write_json(params["paths.extract_directions_metrics"], {c: metrics[c] for c in CONCEPTS})

@@ -16,8 +16,8 @@ from pathlib import Path
 import pandas as pd
 
 from detectors.io import write_json
-from detectors.rag.corpus import OVOS, QA, check_passages, jsonl_passages, ovos_passages, qa_fact_passages
 from detectors.rag.answer_metrics import answer_recall
+from detectors.rag.corpus import OVOS, QA, check_passages, jsonl_passages, ovos_passages, qa_fact_passages
 from detectors.rag.retriever import BM25Retriever
 from pipelines._stage import run, stage_params
 
@@ -35,11 +35,18 @@ def corpus_passages(name: str, corpus, qa: pd.DataFrame):
     return check_passages(passages, f"index_corpus.corpora.{name} ({corpus.source})")
 
 
-def recall_at_k(retriever: BM25Retriever, questions: list[str], answers: list[list[str]], ks: list[int]) -> dict[str, float]:
+def recall_at_k(
+    retriever: BM25Retriever, questions: list[str], answers: list[list[str]], ks: list[int]
+) -> dict[str, float]:
     """Share of questions with a reference answer in one of their top-k passages, for each k."""
     hits = retriever.batch_search(questions, max(ks))
-    return {f"answer_recall@{k}": sum(answer_recall([h.passage.text for h in found[:k]], refs) for found, refs in zip(hits, answers)) / len(questions)
-            for k in ks}  # fmt: skip
+    return {
+        f"answer_recall@{k}": sum(
+            answer_recall([h.passage.text for h in found[:k]], refs) for found, refs in zip(hits, answers)
+        )
+        / len(questions)
+        for k in ks
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,9 +64,23 @@ def main(argv: list[str] | None = None) -> None:
         manifest = retriever.save(root / name)
         seconds = time.perf_counter() - start
         recall = recall_at_k(retriever, list(test["question"]), [list(a) for a in test["answers"]], index.recall_k)
-        report[name] = {"source": corpus.source, "passages": manifest["passages"], "vocabulary": manifest["vocabulary"],
-                        "digest": manifest["digest"], "seconds": round(seconds, 2), "test_questions": len(test), **recall}  # fmt: skip
-        log.info("%s: %d passages, vocabulary %d, %.1f s; %s", name, manifest["passages"], manifest["vocabulary"], seconds, recall)
+        report[name] = {
+            "source": corpus.source,
+            "passages": manifest["passages"],
+            "vocabulary": manifest["vocabulary"],
+            "digest": manifest["digest"],
+            "seconds": round(seconds, 2),
+            "test_questions": len(test),
+            **recall,
+        }
+        log.info(
+            "%s: %d passages, vocabulary %d, %.1f s; %s",
+            name,
+            manifest["passages"],
+            manifest["vocabulary"],
+            seconds,
+            recall,
+        )
     write_json(params["paths.index_report"], report)
 
 

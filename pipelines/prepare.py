@@ -20,7 +20,9 @@ def prepare_qa(qa, raw_dir: str, out: str, report_path: str) -> dict:
     raw = load_raw(qa.source, raw_dir)
     table, rejected = normalize_records(raw, qa.source, qa.question_field, qa.answers_field, qa.id_field)
     if table.empty:
-        raise SourceError(f"qa.source = {qa.source!r}: no usable record among {len(raw)} ({rejected['reason'].value_counts().to_dict()})")
+        raise SourceError(
+            f"qa.source = {qa.source!r}: no usable record among {len(raw)} ({rejected['reason'].value_counts().to_dict()})"
+        )
     table = sample(table, qa.limit)
     table["split"] = table["id"].map(lambda i: split_of(i, qa.splits))
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -41,10 +41,19 @@ from detectors.evaluation.plots import write_rag_curves
 from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.rag.answer_metrics import FAILED, summarise
-from detectors.rag.report import TRADE, curves_table, headline, log_rag_runs, markdown_table, reference_deltas, tuning_table, versus_always
-from detectors.rag.sweep import curves as sweep_curves
-from detectors.rag.sweep import candidate_thresholds
 from detectors.rag.kinds import check_specs
+from detectors.rag.report import (
+    TRADE,
+    curves_table,
+    headline,
+    log_rag_runs,
+    markdown_table,
+    reference_deltas,
+    tuning_table,
+    versus_always,
+)
+from detectors.rag.sweep import candidate_thresholds
+from detectors.rag.sweep import curves as sweep_curves
 from detectors.registry import store
 from detectors.sources.ids import sample
 from pipelines._rag_runtime import SWEEP, TUNE, VAL_SWEEP, RunWorker
@@ -52,11 +61,31 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("rag_eval")
 READS = (
-    "llm", "build_early.features.prompt", "build_early.stop", "build_realtime.spacy_model", "rag_eval", "retrorag", "mlflow", "execution",
-    "paths.llm", "paths.qa", "paths.registry_early", "paths.registry_realtime", "paths.registry_ctrla", "paths.registry_utility",
-    "paths.rag_index", "paths.rag_runs", "paths.rag_metrics", "paths.rag_headline", "paths.rag_table", "paths.rag_curves",
-    "paths.rag_curves_plot", "paths.rag_prompts",
-)  # fmt: skip
+    "llm",
+    "build_early.features.prompt",
+    "build_early.stop",
+    "build_realtime.spacy_model",
+    "rag_eval",
+    "retrorag",
+    "mlflow",
+    "execution",
+    "paths.llm",
+    "paths.qa",
+    "paths.registry_early",
+    "paths.registry_realtime",
+    "paths.registry_ctrla",
+    "paths.registry_utility",
+    "paths.rag_index",
+    "paths.rag_runs",
+    "paths.rag_metrics",
+    "paths.rag_headline",
+    "paths.rag_table",
+    "paths.rag_curves",
+    "paths.rag_curves_plot",
+    "paths.rag_prompts",
+)
+
+
 def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> pd.DataFrame:
     """The first ``limit`` questions of ``split`` by id hash (all of them for None), in the QA table's order."""
     missing = [c for c in ("id", "question", "answers", "split") if c not in qa.columns]
@@ -71,7 +100,9 @@ def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> p
 # ---- thresholds and outputs --------------------------------------------------------------------------
 
 
-def tuning_candidates(configurations: dict, corpus: str, curves: dict, fixed: dict[str, float], rates: list[float]) -> dict[str, list[dict[str, float]]]:
+def tuning_candidates(
+    configurations: dict, corpus: str, curves: dict, fixed: dict[str, float], rates: list[float]
+) -> dict[str, list[dict[str, float]]]:
     """Per configuration, the threshold sets it is tried at on ``corpus``'s validation questions: set j puts each of its
     triggers at candidate j of its validation curve (:func:`~detectors.rag.sweep.candidate_thresholds`: the most
     accurate point, then the points nearest each of ``rates``; the triggers of one configuration at the same target),
@@ -82,20 +113,30 @@ def tuning_candidates(configurations: dict, corpus: str, curves: dict, fixed: di
         triggers = [n for t in config.triggers if t != "always" for n in trigger_names(t, [corpus])]
         free = [t for t in triggers if t not in fixed]
         per = {t: candidate_thresholds(curves[t], rates) for t in free}
-        sets = [{t: float(fixed[t]) if t in fixed else per[t][j] for t in triggers} for j in range(1 + len(rates) if free else 1)]
+        sets = [
+            {t: float(fixed[t]) if t in fixed else per[t][j] for t in triggers}
+            for j in range(1 + len(rates) if free else 1)
+        ]
         out[name] = [dict(items) for items in dict.fromkeys(tuple(s.items()) for s in sets)]
     return out
 
 
-def choose_candidates(candidates: dict[str, list[dict[str, float]]], lines: dict[str, list[dict]], answers: list[list[str]]) -> dict[str, dict[str, Any]]:
+def choose_candidates(
+    candidates: dict[str, list[dict[str, float]]], lines: dict[str, list[dict]], answers: list[list[str]]
+) -> dict[str, dict[str, Any]]:
     """Per configuration, its operating point among its ``candidates`` from their validation ``lines`` (run
     ``<configuration>/<j>``): the most accurate, then the one retrieving least, then the earlier candidate. Returns
     ``{configuration: {"chosen": j, "thresholds": {...}, "candidates": [{"thresholds", "accuracy",
     "retrievals_per_question"}, ...]}}``."""
     out = {}
     for name, sets in candidates.items():
-        tried = [{"thresholds": chosen, **{k: summarise(lines[f"{name}/{j}"], answers)[k] for k in ("accuracy", "retrievals_per_question")}}
-                 for j, chosen in enumerate(sets)]  # fmt: skip
+        tried = [
+            {
+                "thresholds": chosen,
+                **{k: summarise(lines[f"{name}/{j}"], answers)[k] for k in ("accuracy", "retrievals_per_question")},
+            }
+            for j, chosen in enumerate(sets)
+        ]
         best = max(range(len(tried)), key=lambda j: (tried[j]["accuracy"], -tried[j]["retrievals_per_question"], -j))
         out[name] = {"chosen": best, "thresholds": sets[best], "candidates": tried}
     return out
@@ -119,7 +160,17 @@ def write_prompts(path: str | Path, lines: dict[str, dict[str, list[dict]]], sam
         for corpus, configs in lines.items():
             for name, results in configs.items():
                 for line in results[:sample_size]:
-                    f.write(json.dumps({"corpus": corpus, "configuration": name, "id": line["id"], "prompts": line.get("prompts", [])}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "corpus": corpus,
+                                "configuration": name,
+                                "id": line["id"],
+                                "prompts": line.get("prompts", []),
+                            }
+                        )
+                        + "\n"
+                    )
 
 
 def check_failures(lines: list[dict], what: str, share: float = 0.5) -> None:
@@ -152,8 +203,9 @@ def other_template(configurations: dict, context: str, always: str | None) -> li
     return [name for name, c in configurations.items() if c.triggers and (c.context or context) != template]
 
 
-def evaluate_lines(lines: dict[str, dict[str, list[dict]]], answers: list[list[str]], refs: dict[str, str], bootstrap: int,
-                   seed: int) -> dict[str, dict[str, dict]]:  # fmt: skip
+def evaluate_lines(
+    lines: dict[str, dict[str, list[dict]]], answers: list[list[str]], refs: dict[str, str], bootstrap: int, seed: int
+) -> dict[str, dict[str, dict]]:
     """``{corpus: {configuration: metrics}}`` of the stored lines (one per question, in the order of ``answers``), with
     each configuration's paired accuracy difference to the reference configurations ``refs`` and, with an ``always``
     reference, the retrievals it saves at always's accuracy or the accuracy it loses (:func:`versus_always`)."""
@@ -182,10 +234,14 @@ def champion_versions(params) -> dict[str, str]:
         try:
             version = store.alias_version(client, name, alias)
         except MlflowException as err:  # no such registered model
-            raise InputError(f"rag_eval uses {spec}, but {name} is not registered in {params['mlflow'].tracking_uri}: run the register stages "
-                             f"first ({err.error_code})") from err  # fmt: skip
+            raise InputError(
+                f"rag_eval uses {spec}, but {name} is not registered in {params['mlflow'].tracking_uri}: run the register stages "
+                f"first ({err.error_code})"
+            ) from err
         if version is None:
-            raise InputError(f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {params['mlflow'].tracking_uri}: run the register stages first")
+            raise InputError(
+                f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {params['mlflow'].tracking_uri}: run the register stages first"
+            )
         out[spec] = f"{version.version}:{version.run_id}"  # the run id tells a version 1 of another store apart
     return out
 
@@ -198,46 +254,98 @@ def main(argv: list[str] | None = None) -> None:
     rows = {"test": split_questions(qa, "test", rag.questions), "val": split_questions(qa, "val")}
     answers = [list(a) for a in rows["test"]["answers"]]
     # what shapes every run's answers; each run adds its own code, params, thresholds and champions (pipelines._rag_runtime)
-    base_key = {"qa": file_digest(params["paths.qa"]), "prompt": dataclasses.asdict(params["build_early.features.prompt"]),
-                "stop": list(params["build_early.stop"]), "spacy_model": params["build_realtime.spacy_model"], "champions": champion_versions(params)}  # fmt: skip
+    base_key = {
+        "qa": file_digest(params["paths.qa"]),
+        "prompt": dataclasses.asdict(params["build_early.features.prompt"]),
+        "stop": list(params["build_early.stop"]),
+        "spacy_model": params["build_realtime.spacy_model"],
+        "champions": champion_versions(params),
+    }
     # first every corpus's validation sweep (the operating thresholds) and the test sweep (the curves)
     sweeps = [(corpus, VAL_SWEEP) for corpus in rag.corpora] + [(rag.sweep.corpus, SWEEP)]
-    swept = {sweeps[i]: result for i, result in map_units(sweeps, functools.partial(RunWorker, params, rows, base_key), params["execution"])}
+    swept = {
+        sweeps[i]: result
+        for i, result in map_units(sweeps, functools.partial(RunWorker, params, rows, base_key), params["execution"])
+    }
     swept = {unit: {**result, "lines": result["lines"][unit[1]]} for unit, result in swept.items()}
     # then every configuration at its candidate thresholds on the validation questions: its own procedure picks its point
-    val_curves = {c: sweep_curves(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"])) for c in rag.corpora}
-    candidates = {c: tuning_candidates(rag.configurations, c, val_curves[c], rag.thresholds, rag.candidate_rates) for c in rag.corpora}
-    tuned = dict(map_units([(c, TUNE) for c in rag.corpora], functools.partial(RunWorker, params, rows, base_key, None, candidates), params["execution"]))
+    val_curves = {
+        c: sweep_curves(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"])) for c in rag.corpora
+    }
+    candidates = {
+        c: tuning_candidates(rag.configurations, c, val_curves[c], rag.thresholds, rag.candidate_rates)
+        for c in rag.corpora
+    }
+    tuned = dict(
+        map_units(
+            [(c, TUNE) for c in rag.corpora],
+            functools.partial(RunWorker, params, rows, base_key, None, candidates),
+            params["execution"],
+        )
+    )
     val_answers = [list(a) for a in rows["val"]["answers"]]
-    tuning = {rag.corpora[i]: choose_candidates(candidates[rag.corpora[i]], result["lines"], val_answers) for i, result in tuned.items()}
+    tuning = {
+        rag.corpora[i]: choose_candidates(candidates[rag.corpora[i]], result["lines"], val_answers)
+        for i, result in tuned.items()
+    }
     thresholds = {c: {name: t["thresholds"] for name, t in tuning[c].items()} for c in rag.corpora}
     for corpus, chosen in thresholds.items():
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
     # a corpus's configurations in one unit (answered question-major, so that they share their prompts' states); a
     # configuration that never retrieves answers the same on every corpus: run once; each framework its own unit
     first = rag.corpora[0]
-    groups = {corpus: tuple(name for name, config in rag.configurations.items() if config.triggers or corpus == first) for corpus in rag.corpora}
-    units = [(corpus, names) for corpus, names in groups.items() if names] + [(corpus, name) for corpus in rag.corpora for name in rag.frameworks]
+    groups = {
+        corpus: tuple(name for name, config in rag.configurations.items() if config.triggers or corpus == first)
+        for corpus in rag.corpora
+    }
+    units = [(corpus, names) for corpus, names in groups.items() if names] + [
+        (corpus, name) for corpus in rag.corpora for name in rag.frameworks
+    ]
     worker = functools.partial(RunWorker, params, rows, base_key, thresholds)
     results = {units[i]: result for i, result in map_units(units, worker, params["execution"])}
     answered = {(corpus, name): run for (corpus, _), result in results.items() for name, run in result["lines"].items()}
-    lines = {corpus: {**{name: answered[(corpus, name) if config.triggers else (first, name)] for name, config in rag.configurations.items()},
-                      **{name: answered[(corpus, name)] for name in rag.frameworks}} for corpus in rag.corpora}  # fmt: skip
+    lines = {
+        corpus: {
+            **{
+                name: answered[(corpus, name) if config.triggers else (first, name)]
+                for name, config in rag.configurations.items()
+            },
+            **{name: answered[(corpus, name)] for name in rag.frameworks},
+        }
+        for corpus in rag.corpora
+    }
     for corpus, name in answered:
         check_failures(lines[corpus][name], f"{corpus} · {name}")
     refs = references(rag.configurations)
     metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, rag.bootstrap, rag.seed)
     for name in other_template(rag.configurations, rag.context, refs.get("always")):
-        log.warning("%s answers with another context template than %s: it is not compared with always retrieving", name, refs["always"])
+        log.warning(
+            "%s answers with another context template than %s: it is not compared with always retrieving",
+            name,
+            refs["always"],
+        )
         for corpus in rag.corpora:
-            metrics[corpus][name] = {k: v for k, v in metrics[corpus][name].items() if not k.startswith("accuracy_vs_always") and k not in TRADE}
+            metrics[corpus][name] = {
+                k: v
+                for k, v in metrics[corpus][name].items()
+                if not k.startswith("accuracy_vs_always") and k not in TRADE
+            }
     for corpus, chosen in tuning.items():  # each configuration's validation accuracy and retrievals at its chosen point
         for name, t in chosen.items():
             point = t["candidates"][t["chosen"]]
-            metrics[corpus][name] |= {"val_accuracy": point["accuracy"], "val_retrievals_per_question": point["retrievals_per_question"]}
+            metrics[corpus][name] |= {
+                "val_accuracy": point["accuracy"],
+                "val_retrievals_per_question": point["retrievals_per_question"],
+            }
     test_sweep = swept[(rag.sweep.corpus, SWEEP)]
-    curves = sweep_curves(test_sweep["lines"], list(test_sweep["triggers"]), rag.bootstrap, rag.seed, test_sweep["triggers"])
-    metrics[SWEEP] = {"corpus": rag.sweep.corpus, "query": rag.sweep.query, "curves": {t: c.summary() for t, c in curves.items()}}
+    curves = sweep_curves(
+        test_sweep["lines"], list(test_sweep["triggers"]), rag.bootstrap, rag.seed, test_sweep["triggers"]
+    )
+    metrics[SWEEP] = {
+        "corpus": rag.sweep.corpus,
+        "query": rag.sweep.query,
+        "curves": {t: c.summary() for t, c in curves.items()},
+    }
     metrics["thresholds"] = thresholds
     metrics["tuning"] = tuning
     llm_name, llm_digest = test_sweep["llm"]
@@ -246,18 +354,32 @@ def main(argv: list[str] | None = None) -> None:
     write_json(params["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in rag.corpora}
     write_json(params["paths.rag_headline"], headline(table, metrics[SWEEP]))
-    markdown = markdown_table(table) + "\n" + tuning_table(tuning, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
+    markdown = (
+        markdown_table(table) + "\n" + tuning_table(tuning, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
+    )
     Path(params["paths.rag_table"]).parent.mkdir(parents=True, exist_ok=True)
     Path(params["paths.rag_table"]).write_text(markdown, encoding="utf-8")
     log.info("RAG evaluation:\n%s", markdown)
     write_curves(params["paths.rag_curves"], curves)
     swept_on = f"sweep of corpus {rag.sweep.corpus}, query {rag.sweep.query}, {len(answers)} test questions"
-    write_rag_curves(curves, Path(params["paths.rag_curves_plot"]), f"RAG: accuracy vs retrieval rate of every trigger ({swept_on})")
+    write_rag_curves(
+        curves, Path(params["paths.rag_curves_plot"]), f"RAG: accuracy vs retrieval rate of every trigger ({swept_on})"
+    )
     write_prompts(params["paths.rag_prompts"], lines, rag.prompts_sample)
     configs = {name: dataclasses.asdict(c) for name, c in rag.configurations.items()}
-    configs |= {name: {"triggers": [name], "query": name, **dataclasses.asdict(params[name])} for name in rag.frameworks}
+    configs |= {
+        name: {"triggers": [name], "query": name, **dataclasses.asdict(params[name])} for name in rag.frameworks
+    }
     tags = {"llm": llm_name, "llm_digest": llm_digest}
-    log_rag_runs(table, metrics[SWEEP], configs, rag.experiment, tags, params["mlflow"].artifact_root, metrics["digests"]["corpora"])
+    log_rag_runs(
+        table,
+        metrics[SWEEP],
+        configs,
+        rag.experiment,
+        tags,
+        params["mlflow"].artifact_root,
+        metrics["digests"]["corpora"],
+    )
 
 
 if __name__ == "__main__":

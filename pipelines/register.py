@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 
 from detectors.config import ParamsError
-from detectors.errors import InputError
 from detectors.dior.realtime_training import CONTINUATIONS
 from detectors.dior.served import SERVED
+from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.io import write_json
 from detectors.registry import store
@@ -30,11 +30,24 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register")
 READS = (
-    "build_realtime.hidden_layers", "register_early", "register_realtime", "register_utility", "build_utility.corpora", "mlflow",
-    "paths.early", "paths.early_model", "paths.realtime_model", "paths.utility", "paths.utility_model",
-    "paths.evaluate_early_metrics", "paths.evaluate_realtime_metrics", "paths.train_utility_metrics",
-    "paths.registry_early", "paths.registry_realtime", "paths.registry_utility",
-)  # fmt: skip
+    "build_realtime.hidden_layers",
+    "register_early",
+    "register_realtime",
+    "register_utility",
+    "build_utility.corpora",
+    "mlflow",
+    "paths.early",
+    "paths.early_model",
+    "paths.realtime_model",
+    "paths.utility",
+    "paths.utility_model",
+    "paths.evaluate_early_metrics",
+    "paths.evaluate_realtime_metrics",
+    "paths.train_utility_metrics",
+    "paths.registry_early",
+    "paths.registry_realtime",
+    "paths.registry_utility",
+)
 
 
 def early_val_ids(path: str | Path) -> list[str]:
@@ -57,8 +70,15 @@ def realtime_val_digest(info: dict, artifact_dir: str | Path) -> str:
 
 
 def register_detector(
-    artifact_dir: str | Path, val_digest: str, test: dict, name: str, alias: str, experiment_id: str, extra_params: dict,
-    features: str | None = None, val_key: str = "best_val_auroc",
+    artifact_dir: str | Path,
+    val_digest: str,
+    test: dict,
+    name: str,
+    alias: str,
+    experiment_id: str,
+    extra_params: dict,
+    features: str | None = None,
+    val_key: str = "best_val_auroc",
 ) -> dict:
     """Log ``artifact_dir`` as a pyfunc, register it as ``name`` and apply the champion rule (the result, logged).
 
@@ -73,7 +93,17 @@ def register_detector(
     run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
     test_metrics = {f"test_{k}": v for k, v in test.items() if isinstance(v, (int, float))}  # not kind, delta_vs
     result = store.log_and_register(
-        detector, artifact_dir, name, alias, experiment_id, val_auroc, val_digest, test_metrics, run_params, metadata, features
+        detector,
+        artifact_dir,
+        name,
+        alias,
+        experiment_id,
+        val_auroc,
+        val_digest,
+        test_metrics,
+        run_params,
+        metadata,
+        features,
     )
     result["test_auroc"] = test["auroc"]
     log.info("%s", result)
@@ -96,7 +126,9 @@ def early_test_metrics(path: str | Path, scorer: str) -> dict:
     """The evaluate stage's test metrics of ``scorer`` in the early metrics file at ``path``."""
     metrics = json.loads(Path(path).read_text())[Level.QUESTION.value]
     if scorer not in metrics:
-        raise InputError(f"{path} has no test metrics of {scorer!r} (scorers: {sorted(metrics)}): run `dvc repro evaluate`")
+        raise InputError(
+            f"{path} has no test metrics of {scorer!r} (scorers: {sorted(metrics)}): run `dvc repro evaluate`"
+        )
     return metrics[scorer]
 
 
@@ -109,7 +141,9 @@ def register_early(params, experiment_id: str) -> dict[str, dict]:
         features = ",".join(read_config(artifact)["groups"])
         test = early_test_metrics(params["paths.evaluate_early_metrics"], detector)
         extra = {"detector": detector, "features": features}
-        results[detector] = register_detector(artifact, val_digest, test, registered, early.alias, experiment_id, extra, features)
+        results[detector] = register_detector(
+            artifact, val_digest, test, registered, early.alias, experiment_id, extra, features
+        )
     return results
 
 
@@ -124,8 +158,16 @@ def register_utility(params, experiment_id: str) -> dict[str, dict]:
         val = labels[(labels["corpus"] == corpus) & (labels["split"] == "val") & (labels["status"] == "ok")]
         artifact = Path(params["paths.utility_model"]) / corpus
         features = ",".join(read_config(artifact)["pre_groups"])
-        results[corpus] = register_detector(artifact, store.validation_digest(val["id"].astype(str).tolist()), tests[corpus]["test"], f"{utility.name}-{corpus}", utility.alias,
-                                            experiment_id, {"corpus": corpus, "features": features}, f"{corpus}: {features}")  # fmt: skip
+        results[corpus] = register_detector(
+            artifact,
+            store.validation_digest(val["id"].astype(str).tolist()),
+            tests[corpus]["test"],
+            f"{utility.name}-{corpus}",
+            utility.alias,
+            experiment_id,
+            {"corpus": corpus, "features": features},
+            f"{corpus}: {features}",
+        )
     return results
 
 
@@ -133,22 +175,35 @@ def main(argv: list[str] | None = None) -> None:
     params = stage_params(__doc__, argv, READS, "register")
     mlflow_params = params["mlflow"]
     store.configure(mlflow_params.tracking_uri)
-    for name in params["register_early"].names:  # every artifact and its test metrics exist before anything is registered
+    for name in params[
+        "register_early"
+    ].names:  # every artifact and its test metrics exist before anything is registered
         early_artifact(params["paths.early_model"], name)
         early_test_metrics(params["paths.evaluate_early_metrics"], name)
     info = read_config(params["paths.realtime_model"])["info"]
-    chosen_on, realtime_digest = info.get("chosen_on", CONTINUATIONS), realtime_val_digest(info, params["paths.realtime_model"])
+    chosen_on, realtime_digest = (
+        info.get("chosen_on", CONTINUATIONS),
+        realtime_val_digest(info, params["paths.realtime_model"]),
+    )
     exp = store.experiment(params["register_early"].experiment, mlflow_params.artifact_root)
     write_json(params["paths.registry_early"], register_early(params, exp))
     realtime = params["register_realtime"]
     # what is served: the max over every generated token (mlp[served]), compared by its validation AUROC
-    realtime_test = json.loads(Path(params["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value][SERVED]
+    realtime_test = json.loads(Path(params["paths.evaluate_realtime_metrics"]).read_text())[Level.CONTINUATION.value][
+        SERVED
+    ]
     exp = store.experiment(realtime.experiment, mlflow_params.artifact_root)
     layers = ",".join(map(str, params["build_realtime.hidden_layers"]))
     result = register_detector(
-        params["paths.realtime_model"], realtime_digest, realtime_test, realtime.name,
-        realtime.alias, exp, {"hidden_layers": layers, "chosen_on": chosen_on},
-        f"hidden layers {layers}; served validation AUROC on the {chosen_on}", val_key="val_served_auroc",
+        params["paths.realtime_model"],
+        realtime_digest,
+        realtime_test,
+        realtime.name,
+        realtime.alias,
+        exp,
+        {"hidden_layers": layers, "chosen_on": chosen_on},
+        f"hidden layers {layers}; served validation AUROC on the {chosen_on}",
+        val_key="val_served_auroc",
     )  # a champion compared on another number (older versions: token AUROC, or the other set) is not compared: the new one waits as challenger
     write_json(params["paths.registry_realtime"], result)
     exp = store.experiment(params["register_utility"].experiment, mlflow_params.artifact_root)

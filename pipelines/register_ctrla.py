@@ -44,12 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     params = stage_params(__doc__, argv, READS, "register_ctrla")
     registration, mlflow_params = params["register_ctrla"], params["mlflow"]
     metrics = json.loads(Path(params["paths.evaluate_directions_metrics"]).read_text())
-    digests = {"honesty": (metrics.get("honesty") or {}).get("val_digest"), "confidence": metrics["confidence_early"].get("val_digest")}
+    digests = {
+        "honesty": (metrics.get("honesty") or {}).get("val_digest"),
+        "confidence": metrics["confidence_early"].get("val_digest"),
+    }
     store.configure(mlflow_params.tracking_uri)
     exp = store.experiment(registration.experiment, mlflow_params.artifact_root)
     results = {}
-    concepts = (("honesty", HonestySteering, registration.honesty_name, registration.honesty_layers),
-                ("confidence", ConfidenceDetector, registration.confidence_name, registration.confidence_layers))  # fmt: skip
+    concepts = (
+        ("honesty", HonestySteering, registration.honesty_name, registration.honesty_layers),
+        ("confidence", ConfidenceDetector, registration.confidence_name, registration.confidence_layers),
+    )
     for concept, cls, name, selection in concepts:
         directory = Path(params["paths.directions"]) / concept
         detector = cls.load(directory)  # refuses a malformed artifact before anything is logged
@@ -61,13 +66,26 @@ def main(argv: list[str] | None = None) -> None:
             d = detector.directions
             val_auroc = float(chosen["val_auroc"]) if chosen.get("val_auroc") is not None else float("nan")
             metadata = {"llm": d.fingerprint.to_dict(), "kind": cls.KIND, "layers": d.layers, "layer_range": selection}
-            run_params = {"kind": cls.KIND, "layers": str(d.layers), "layer_range": selection, "llm": d.fingerprint.name,
-                          "n_statements": d.config["n_statements"]}  # fmt: skip
+            run_params = {
+                "kind": cls.KIND,
+                "layers": str(d.layers),
+                "layer_range": selection,
+                "llm": d.fingerprint.name,
+                "n_statements": d.config["n_statements"],
+            }
             test = chosen.get("test_auroc")
             results[concept] = store.log_and_register(
-                detector, directory, name, registration.alias, exp, val_auroc, digests[concept], {} if test is None else {"test_auroc": test},
-                run_params, metadata,
-            )  # fmt: skip
+                detector,
+                directory,
+                name,
+                registration.alias,
+                exp,
+                val_auroc,
+                digests[concept],
+                {} if test is None else {"test_auroc": test},
+                run_params,
+                metadata,
+            )
         results[concept]["layers"], results[concept]["layer_range"] = d.layers, selection
         log.info("%s", results[concept])
     write_json(params["paths.registry_ctrla"], results)

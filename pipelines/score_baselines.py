@@ -23,12 +23,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from detectors.baselines.retrorag import CONSISTENCY, NAME as RETRORAG, self_consistency_scores, self_evaluation_scores
-from detectors.baselines.rind import NAME as RIND, rind_scores
-from detectors.llm.layers import attention_implementation
+from detectors.baselines.retrorag import CONSISTENCY, self_consistency_scores, self_evaluation_scores
+from detectors.baselines.retrorag import NAME as RETRORAG
+from detectors.baselines.rind import NAME as RIND
+from detectors.baselines.rind import rind_scores
 from detectors.errors import InputError
 from detectors.io import write_json
 from detectors.llm.kv import forward_rows
+from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import load_llm
 from detectors.llm.words import spacy_stopwords
 from detectors.progress import progress
@@ -36,9 +38,18 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("score_baselines")
 READS = (
-    "llm", "score_baselines", "retrorag", "build_early.features.prompt", "build_realtime.spacy_model", "paths.llm", "paths.early", "paths.realtime",
-    "paths.baselines_early", "paths.baselines_realtime", "paths.score_baselines_metrics",
-)  # fmt: skip
+    "llm",
+    "score_baselines",
+    "retrorag",
+    "build_early.features.prompt",
+    "build_realtime.spacy_model",
+    "paths.llm",
+    "paths.early",
+    "paths.realtime",
+    "paths.baselines_early",
+    "paths.baselines_realtime",
+    "paths.score_baselines_metrics",
+)
 
 
 def ok_records(path: str, columns: list[str]) -> pd.DataFrame:
@@ -55,8 +66,16 @@ def score_early(llm, frame: pd.DataFrame, params, retrorag, prompt) -> pd.DataFr
     ev = params.evaluator
     questions, answers = list(frame["question"]), list(frame["answer"])
     with progress(total=len(questions), desc="retrorag self-evaluation", unit="question") as bar:
-        evaluation = self_evaluation_scores(llm, list(zip(questions, answers)), ev.template, ev.chat, tuple(ev.yes_words), tuple(ev.no_words),
-                                            params.batch_size, bar)  # fmt: skip
+        evaluation = self_evaluation_scores(
+            llm,
+            list(zip(questions, answers)),
+            ev.template,
+            ev.chat,
+            tuple(ev.yes_words),
+            tuple(ev.no_words),
+            params.batch_size,
+            bar,
+        )
     with progress(total=len(questions), desc="retrorag self-consistency (Eq. 1)", unit="question") as bar:
         consistency = self_consistency_scores(llm, questions, answers, retrorag, prompt, params.batch_size, bar)
     return pd.DataFrame({"id": frame["id"], RETRORAG: evaluation, CONSISTENCY: consistency})
@@ -67,7 +86,10 @@ def score_realtime(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_si
     prompts, gens = [list(p) for p in frame["prompt_ids"]], [list(g) for g in frame["gen_ids"]]
     with progress(total=len(prompts), desc="rind", unit="continuation") as bar:
         traces = rind_scores(llm, prompts, gens, stopwords, batch_size, bar)
-    drift = max((float(np.abs(t.entropy - np.asarray(e)).max()) for t, e in zip(traces, frame["entropy"]) if len(t.entropy)), default=0.0)
+    drift = max(
+        (float(np.abs(t.entropy - np.asarray(e)).max()) for t, e in zip(traces, frame["entropy"]) if len(t.entropy)),
+        default=0.0,
+    )
     return pd.DataFrame({"id": frame["id"], RIND: [t.rind.tolist() for t in traces]}), drift
 
 
@@ -83,8 +105,13 @@ def pass_speeds(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_size:
         start = time.perf_counter()
         forward_rows(llm, None, [p + g for p, g in zip(prompts, gens)], logits=True)
         sdpa = time.perf_counter() - start
-    return {"batch_rows": len(rows), "batch_tokens": tokens, "rind_eager_tokens_per_s": round(tokens / eager, 1),
-            "sdpa_forward_tokens_per_s": round(tokens / sdpa, 1), "eager_over_sdpa_time": round(eager / sdpa, 2)}  # fmt: skip
+    return {
+        "batch_rows": len(rows),
+        "batch_tokens": tokens,
+        "rind_eager_tokens_per_s": round(tokens / eager, 1),
+        "sdpa_forward_tokens_per_s": round(tokens / sdpa, 1),
+        "eager_over_sdpa_time": round(eager / sdpa, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,14 +135,23 @@ def main(argv: list[str] | None = None) -> None:
         table.to_parquet(params[key], index=False)
     tokens = int(sum(len(a) + len(b) for a, b in zip(realtime["prompt_ids"], realtime["gen_ids"])))
     metrics = {
-        "device": str(llm.device), "dtype": llm.dtype_name,
-        "retrorag": {"records": len(early), "seconds": round(seconds["retrorag"], 2),
-                     "seconds_per_record": round(seconds["retrorag"] / max(len(early), 1), 4)},
-        "rind": {"records": len(realtime), "tokens": tokens, "seconds": round(seconds["rind"], 2),
-                 "seconds_per_record": round(seconds["rind"] / max(len(realtime), 1), 4),
-                 "tokens_per_s": round(tokens / max(seconds["rind"], 1e-9), 1),
-                 "entropy_max_abs_diff_vs_generation": round(drift, 5), **speeds},
-    }  # fmt: skip
+        "device": str(llm.device),
+        "dtype": llm.dtype_name,
+        "retrorag": {
+            "records": len(early),
+            "seconds": round(seconds["retrorag"], 2),
+            "seconds_per_record": round(seconds["retrorag"] / max(len(early), 1), 4),
+        },
+        "rind": {
+            "records": len(realtime),
+            "tokens": tokens,
+            "seconds": round(seconds["rind"], 2),
+            "seconds_per_record": round(seconds["rind"] / max(len(realtime), 1), 4),
+            "tokens_per_s": round(tokens / max(seconds["rind"], 1e-9), 1),
+            "entropy_max_abs_diff_vs_generation": round(drift, 5),
+            **speeds,
+        },
+    }
     write_json(params["paths.score_baselines_metrics"], metrics)
     log.info("done: %s", metrics)
 

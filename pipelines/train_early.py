@@ -9,6 +9,7 @@ it holds exactly this run's detectors (evaluate loads every sub-directory) and a
 from __future__ import annotations
 
 import logging
+
 import pandas as pd
 
 from detectors.dior.early_detector import train_early_detector
@@ -18,7 +19,14 @@ from pipelines._stage import run, stage_params
 from pipelines._swap import swapped_in
 
 log = logging.getLogger("train_early")
-READS = ("build_early.features", "train_early", "paths.llm", "paths.early", "paths.early_model", "paths.train_early_metrics")
+READS = (
+    "build_early.features",
+    "train_early",
+    "paths.llm",
+    "paths.early",
+    "paths.early_model",
+    "paths.train_early_metrics",
+)
 
 
 def ablation_name(groups: list[str]) -> str:

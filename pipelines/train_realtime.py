@@ -19,10 +19,19 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("train_realtime")
 READS = (
-    "build_realtime.hidden_layers", "build_realtime.prompt", "build_realtime.spacy_model", "build_early.answer_hidden_layers",
-    "train_realtime", "paths.llm", "paths.realtime", "paths.realtime_hidden", "paths.early", "paths.early_answer_hidden",
-    "paths.realtime_model", "paths.train_realtime_metrics",
-)  # fmt: skip
+    "build_realtime.hidden_layers",
+    "build_realtime.prompt",
+    "build_realtime.spacy_model",
+    "build_early.answer_hidden_layers",
+    "train_realtime",
+    "paths.llm",
+    "paths.realtime",
+    "paths.realtime_hidden",
+    "paths.early",
+    "paths.early_answer_hidden",
+    "paths.realtime_model",
+    "paths.train_realtime_metrics",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,18 +39,29 @@ def main(argv: list[str] | None = None) -> None:
     fingerprint, llm_ref = prepared_reference(params["paths.llm"])
     layers, answer_layers = params["build_realtime.hidden_layers"], params["build_early.answer_hidden_layers"]
     if layers != answer_layers:
-        raise InputError(f"build_early.answer_hidden_layers = {answer_layers} but build_realtime.hidden_layers = {layers}: the real-time "
-                         "detector reads one set of layers, so set both to the same list")  # fmt: skip
+        raise InputError(
+            f"build_early.answer_hidden_layers = {answer_layers} but build_realtime.hidden_layers = {layers}: the real-time "
+            "detector reads one set of layers, so set both to the same list"
+        )
     sets = TokenSets(
         (pd.read_parquet(params["paths.realtime"]), load_file(params["paths.realtime_hidden"])["hidden"]),
-        (answer_records(pd.read_parquet(params["paths.early"])), load_file(params["paths.early_answer_hidden"])["hidden"]),
+        (
+            answer_records(pd.read_parquet(params["paths.early"])),
+            load_file(params["paths.early_answer_hidden"])["hidden"],
+        ),
     )
     train = params["train_realtime"]
     detector = train_and_choose(
-        sets, train.training, train.tokens, train.choose_on,
-        hidden_layers=params["build_realtime.hidden_layers"], prompt=params["build_realtime.prompt"], spacy_model=params["build_realtime.spacy_model"],
-        fingerprint=fingerprint, llm_ref=llm_ref,
-    )  # fmt: skip
+        sets,
+        train.training,
+        train.tokens,
+        train.choose_on,
+        hidden_layers=params["build_realtime.hidden_layers"],
+        prompt=params["build_realtime.prompt"],
+        spacy_model=params["build_realtime.spacy_model"],
+        fingerprint=fingerprint,
+        llm_ref=llm_ref,
+    )
     detector.save(params["paths.realtime_model"])
     metrics = {"mlp": {"threshold": detector.threshold, **detector.info}}
     write_json(params["paths.train_realtime_metrics"], metrics)

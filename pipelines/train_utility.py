@@ -12,6 +12,7 @@ AUROC for ``helps`` against ``hurts``, the same AUROC and difference for the tra
 from __future__ import annotations
 
 import logging
+
 import numpy as np
 import pandas as pd
 
@@ -26,15 +27,31 @@ from pipelines._stage import run, stage_params
 from pipelines._swap import swapped_in
 
 log = logging.getLogger("train_utility")
-READS = ("build_early.features", "build_utility.corpora", "train_utility", "rag_eval.k", "evaluate.bootstrap", "evaluate.seed",
-         "paths.llm", "paths.early", "paths.early_model", "paths.utility", "paths.utility_model", "paths.train_utility_metrics")  # fmt: skip
+READS = (
+    "build_early.features",
+    "build_utility.corpora",
+    "train_utility",
+    "rag_eval.k",
+    "evaluate.bootstrap",
+    "evaluate.seed",
+    "paths.llm",
+    "paths.early",
+    "paths.early_model",
+    "paths.utility",
+    "paths.utility_model",
+    "paths.train_utility_metrics",
+)
 
 
 def helps_auroc(scores: np.ndarray, helps: np.ndarray, confidence: np.ndarray, n: int, seed: int) -> dict:
     """AUROC of ``scores`` for ``helps`` and its paired difference with the first-token probability's."""
     delta, low, high = paired_bootstrap_delta(helps, scores, confidence, n=n, seed=seed)
-    return {"auroc": auroc(helps, scores), "auroc_ci": list(bootstrap_auroc(helps, scores, n=n, seed=seed)), "auroc_minus_first_token": delta,
-            "auroc_minus_first_token_ci": [low, high]}  # fmt: skip
+    return {
+        "auroc": auroc(helps, scores),
+        "auroc_ci": list(bootstrap_auroc(helps, scores, n=n, seed=seed)),
+        "auroc_minus_first_token": delta,
+        "auroc_minus_first_token_ci": [low, high],
+    }
 
 
 def test_report(detector: UtilityDetector, early: dict, test: pd.DataFrame, n: int, seed: int) -> dict:
@@ -53,15 +70,24 @@ def test_report(detector: UtilityDetector, early: dict, test: pd.DataFrame, n: i
         return {"accuracy": float(np.where(used, with_, without).mean()), "retrieval_rate": float(retrieve.mean())}
 
     return {
-        "n": len(test), "helps_rate": float(helps.mean()), **helps_auroc(pre, helps, confidence, n, seed), "first_token_auroc": auroc(helps, confidence),
-        "early_detectors": {name: helps_auroc(d.predict_proba(rows), helps, confidence, n, seed) for name, d in early.items()},
-        "gate_auroc": auroc(helps[changed], gate[changed]) if len(set(helps[changed])) == 2 else float("nan"),  # helps vs hurts
-        "never": at(np.zeros(len(test), bool)), "always": at(np.ones(len(test), bool)),
-        "at_threshold": at(pre >= detector.threshold), "at_budget": at(pre >= detector.budget_threshold),
+        "n": len(test),
+        "helps_rate": float(helps.mean()),
+        **helps_auroc(pre, helps, confidence, n, seed),
+        "first_token_auroc": auroc(helps, confidence),
+        "early_detectors": {
+            name: helps_auroc(d.predict_proba(rows), helps, confidence, n, seed) for name, d in early.items()
+        },
+        "gate_auroc": auroc(helps[changed], gate[changed])
+        if len(set(helps[changed])) == 2
+        else float("nan"),  # helps vs hurts
+        "never": at(np.zeros(len(test), bool)),
+        "always": at(np.ones(len(test), bool)),
+        "at_threshold": at(pre >= detector.threshold),
+        "at_budget": at(pre >= detector.budget_threshold),
         "at_threshold_gated": at(pre >= detector.threshold, gate >= detector.gate_threshold),
         "always_gated": at(np.ones(len(test), bool), gate >= detector.gate_threshold),
         "oracle": at(helps.astype(bool)),
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,17 +95,40 @@ def main(argv: list[str] | None = None) -> None:
     train, features = params["train_utility"], params["build_early.features"]
     fingerprint, llm_ref = prepared_reference(params["paths.llm"])
     labels, early = pd.read_parquet(params["paths.utility"]), pd.read_parquet(params["paths.early"])
-    early_detectors = {name: d for name, d in load_early_detectors(params["paths.early_model"]).items() if not name.startswith("gru[")}
+    early_detectors = {
+        name: d for name, d in load_early_detectors(params["paths.early_model"]).items() if not name.startswith("gru[")
+    }
     metrics = {}
     with swapped_in(params["paths.utility_model"]) as partial:
         for corpus in params["build_utility.corpora"]:
             rows = joined(labels[labels["corpus"] == corpus].drop(columns=["corpus"]), early)  # its labelled rows only
-            detector = train_utility_detector(rows, corpus, train.pre_features, train.training, train.budget, params["rag_eval.k"], features,
-                                              fingerprint, llm_ref, name=f"utility-{corpus}")  # fmt: skip
+            detector = train_utility_detector(
+                rows,
+                corpus,
+                train.pre_features,
+                train.training,
+                train.budget,
+                params["rag_eval.k"],
+                features,
+                fingerprint,
+                llm_ref,
+                name=f"utility-{corpus}",
+            )
             detector.save(partial / corpus)
-            test = test_report(detector, early_detectors, rows[rows["split"] == "test"], params["evaluate.bootstrap"], params["evaluate.seed"])
-            metrics[corpus] = {"threshold": detector.threshold, "budget_threshold": detector.budget_threshold, "gate_threshold": detector.gate_threshold,
-                               **detector.info, "test": test}  # fmt: skip
+            test = test_report(
+                detector,
+                early_detectors,
+                rows[rows["split"] == "test"],
+                params["evaluate.bootstrap"],
+                params["evaluate.seed"],
+            )
+            metrics[corpus] = {
+                "threshold": detector.threshold,
+                "budget_threshold": detector.budget_threshold,
+                "gate_threshold": detector.gate_threshold,
+                **detector.info,
+                "test": test,
+            }
             log.info("%s: %s", corpus, metrics[corpus])
     write_json(params["paths.train_utility_metrics"], metrics)
 

@@ -36,13 +36,22 @@ def test_an_outlier_projection_is_replaced_by_the_median_before_scaling():
 
 
 def test_rind_of_the_segment_alone_reads_the_attention_of_a_pass_over_the_segment_only(tiny_llm):
-    context, segment = tiny_llm.tokenizer("Paris is the capital of")["input_ids"], tiny_llm.tokenizer(" France and Berlin")["input_ids"]
+    context, segment = (
+        tiny_llm.tokenizer("Paris is the capital of")["input_ids"],
+        tiny_llm.tokenizer(" France and Berlin")["input_ids"],
+    )
     entropy = np.linspace(0.5, 2.0, len(segment))
     states = prefix_cache(tiny_llm, context)
     alone = rind_on_states(tiny_llm, [crop_states(states, 0)], [segment], [entropy], DEFAULT_STOPWORDS)[0]
     with torch.no_grad(), attention_implementation(tiny_llm.model, "eager"):
         weights = tiny_llm.model(torch.tensor([segment]), output_attentions=True).attentions[-1]
-    expected = rind_trace(tiny_llm, segment, entropy, later_attention_max(weights, torch.tensor([len(segment)]))[0].numpy(), DEFAULT_STOPWORDS)
+    expected = rind_trace(
+        tiny_llm,
+        segment,
+        entropy,
+        later_attention_max(weights, torch.tensor([len(segment)]))[0].numpy(),
+        DEFAULT_STOPWORDS,
+    )
     np.testing.assert_allclose(alone.rind, expected.rind, rtol=1e-5, atol=1e-7)
     within = rind_on_states(tiny_llm, [states], [segment], [entropy], DEFAULT_STOPWORDS)[0]
     assert not np.allclose(within.rind, alone.rind)  # the configured window (prompt + segment) is another score
@@ -52,7 +61,13 @@ def test_the_targeted_validation_query_follows_the_question_and_is_the_question_
     tvq = TvqQuery(chat=False, tokens=6)
     ids = tiny_llm.tokenizer(" Berlin")["input_ids"]
     view = SegmentView("The capital of France is", [], ids, " Berlin", {}, {}, {})
-    queries = tvq.formulate_all(tiny_llm, [QueryInput("The capital of France is", [], None, 0, {}), QueryInput("The capital of France is", [], view, 0, {})])
+    queries = tvq.formulate_all(
+        tiny_llm,
+        [
+            QueryInput("The capital of France is", [], None, 0, {}),
+            QueryInput("The capital of France is", [], view, 0, {}),
+        ],
+    )
     assert queries[0] == "The capital of France is"
     assert queries[1].startswith("The capital of France is")
 

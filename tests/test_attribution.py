@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from detectors.dior.attribution import attribution_distribution, attribution_entropy, keyword_candidates, token_attributions
 from detectors.config.schema import PromptParams
+from detectors.dior.attribution import (
+    attribution_distribution,
+    attribution_entropy,
+    keyword_candidates,
+    token_attributions,
+)
 
 
 def naive_ig(model, ids, mask, target, n_steps):
@@ -68,7 +73,10 @@ def test_ig_of_several_questions_at_once_equals_one_at_a_time(tiny_llm, rows):
     from detectors.llm.kv import prefix_states
 
     prompt = PromptParams(template="Q: {question} A:", chat=False)  # a cached prefix and a suffix after the question
-    encoded = [tiny_llm.encode_prompt(q, prompt) for q in ("The capital of Kenya is", "Paris is in", "The longest river of the whole of Africa is the")]
+    encoded = [
+        tiny_llm.encode_prompt(q, prompt)
+        for q in ("The capital of Kenya is", "Paris is in", "The longest river of the whole of Africa is the")
+    ]
     common = min(int(mask.nonzero()[0, 0]) for _, mask in encoded)  # "Q:" is the same before every question
     items, alone = [], []
     for ids, mask in encoded:

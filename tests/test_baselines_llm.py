@@ -14,20 +14,28 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT, known_facts
+
 from detectors.baselines.retrorag import self_consistency_scores, self_evaluation_scores, word_token_ids
+from detectors.baselines.rind import rind_scores
 from detectors.config import load_section
 from detectors.config.core import from_dict
 from detectors.config.schema import PromptParams
-from detectors.baselines.rind import rind_scores
-from detectors.llm.layers import attention_implementation
 from detectors.dior.recorder import generate_traced
+from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import prepare_llm
 from pipelines import score_baselines
 
 PROMPT = "The capital of France is"
-WORDS = [" Paris", " and", " the", " river", " of", " Spain", "."]  # " and", " the", " of" are stop words, "." punctuation
+WORDS = [
+    " Paris",
+    " and",
+    " the",
+    " river",
+    " of",
+    " Spain",
+    ".",
+]  # " and", " the", " of" are stop words, "." punctuation
 CONTENT = [1, 0, 0, 1, 0, 1, 0]
 
 
@@ -86,7 +94,9 @@ def test_rind_combines_entropy_and_attention_over_a_sentences_words_as_dragins_c
         spans.append(list(range(start, start + n)))
         start += n
     assert trace.content.tolist() == content[: -len(ids(tok, "."))] + [1] * len(ids(tok, "."))
-    np.testing.assert_allclose(trace.rind, sentence_scores(entropy, a_max, spans, [1, 0, 0, 1, 0, 1]), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        trace.rind, sentence_scores(entropy, a_max, spans, [1, 0, 0, 1, 0, 1]), rtol=1e-4, atol=1e-7
+    )
     assert (trace.rind[trace.content == 0] == 0).all() and (trace.rind[trace.content == 1] > 0).all()
     assert tiny_llm.model.config._attn_implementation == "sdpa"  # restored after the eager pass
 
@@ -101,7 +111,9 @@ def test_rind_normalises_attention_within_each_sentence_and_scores_a_one_word_an
     assert sum(map(len, words)) == len(cont)
     bounds = np.cumsum([0] + [len(w) for w in words])
     spans = [list(range(bounds[k], bounds[k + 1])) for k in range(len(words))]
-    expected = sentence_scores(entropy, a_max, spans[:3], [1, 0, 1]) + sentence_scores(entropy, a_max, spans[3:], [1, 1])
+    expected = sentence_scores(entropy, a_max, spans[:3], [1, 0, 1]) + sentence_scores(
+        entropy, a_max, spans[3:], [1, 1]
+    )
     np.testing.assert_allclose(trace.rind, expected, rtol=1e-4, atol=1e-7)
     # a one-word answer (DRAGIN's Eq. 3 gives its last token nothing to read): its score is its entropy
     (one,) = rind_scores(tiny_llm, [ids(tok, "The capital of Peru is")], [ids(tok, " Lima")[:1]])
@@ -129,7 +141,9 @@ def test_rind_while_generating_is_a_running_max_over_the_tokens_seen_so_far(tiny
     previous = None
     for m in range(1, len(cont) + 1):
         (now,) = rind_scores(tiny_llm, [prompt], [cont[:m]])
-        np.testing.assert_allclose(now.entropy, full.entropy[:m], rtol=1e-4)  # causal: later tokens change no distribution
+        np.testing.assert_allclose(
+            now.entropy, full.entropy[:m], rtol=1e-4
+        )  # causal: later tokens change no distribution
         if previous is not None:
             assert (now.attention[: m - 1] >= previous.attention - 1e-7).all()
         previous = now
@@ -152,11 +166,17 @@ def test_retrorag_score_is_the_two_way_softmax_of_yes_and_no(tiny_llm):
     tok = tiny_llm.tokenizer
     yes, no = word_token_ids(tok, ["Y"]), word_token_ids(tok, ["N"])
     assert sorted(yes) == sorted({ids(tok, "Y")[0], ids(tok, "y")[0]})  # " Y" is two tokens here: left out
-    pairs = [("The capital of France is", "Paris"), ("The capital of Spain is", "Lima"), ("The river of Paris is", "the Seine")]
+    pairs = [
+        ("The capital of France is", "Paris"),
+        ("The capital of Spain is", "Lima"),
+        ("The river of Paris is", "the Seine"),
+    ]
     got = self_evaluation_scores(tiny_llm, pairs, TEMPLATE, yes=("Y",), no=("N",), batch_size=2)
     for (q, a), score in zip(pairs, got):
         with torch.no_grad():
-            logits = tiny_llm.model(torch.tensor([ids(tok, TEMPLATE.format(question=q, answer=a))])).logits[0, -1].double()
+            logits = (
+                tiny_llm.model(torch.tensor([ids(tok, TEMPLATE.format(question=q, answer=a))])).logits[0, -1].double()
+            )
         probs = torch.softmax(logits, -1)
         p_yes, p_no = float(probs[yes].sum()), float(probs[no].sum())
         assert score == pytest.approx(p_yes / (p_yes + p_no), rel=1e-4)
@@ -174,7 +194,9 @@ def test_retrorag_score_is_higher_for_a_right_answer_than_a_wrong_one(tiny_llm):
     right = [(f["question"], f["answers"][0]) for f in facts]
     wrong = [(f["question"], facts[(k + 1) % len(facts)]["answers"][0]) for k, f in enumerate(facts)]
     judge = copy.deepcopy(tiny_llm)
-    texts = [TEMPLATE.format(question=q, answer=a) + "Y" for q, a in right] + [TEMPLATE.format(question=q, answer=a) + "N" for q, a in wrong]
+    texts = [TEMPLATE.format(question=q, answer=a) + "Y" for q, a in right] + [
+        TEMPLATE.format(question=q, answer=a) + "N" for q, a in wrong
+    ]
     batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     torch.manual_seed(0)
@@ -212,10 +234,24 @@ def stage_run(tmp_path_factory, tiny_llm, tiny_checkpoint):
     prompts = ["The capital of France is", "The river of", "The capital of Peru is the city of", "The language of"]
     prompt_ids, traces = generate_traced(tiny_llm, prompts, [1], max_new_tokens=6, chat=False)
     rows = [
-        {"id": f"a{k}", "status": "ok", "prompt_ids": p, "gen_ids": t.gen_ids, "prob": t.prob.tolist(), "entropy": t.entropy.tolist()}
+        {
+            "id": f"a{k}",
+            "status": "ok",
+            "prompt_ids": p,
+            "gen_ids": t.gen_ids,
+            "prob": t.prob.tolist(),
+            "entropy": t.entropy.tolist(),
+        }
         for k, (p, t) in enumerate(zip(prompt_ids, traces))
     ]
-    rows[2] = {"id": "a2", "status": "skipped: no entity", "prompt_ids": None, "gen_ids": None, "prob": None, "entropy": None}
+    rows[2] = {
+        "id": "a2",
+        "status": "skipped: no entity",
+        "prompt_ids": None,
+        "gen_ids": None,
+        "prob": None,
+        "entropy": None,
+    }
     for name, frame in (("early/early.parquet", early), ("realtime/realtime.parquet", pd.DataFrame(rows))):
         (work / "data" / name).parent.mkdir(parents=True, exist_ok=True)
         frame.to_parquet(work / "data" / name, index=False)
@@ -237,13 +273,17 @@ def stage_run(tmp_path_factory, tiny_llm, tiny_checkpoint):
 
 def test_stage_writes_one_score_per_ok_question(stage_run, tiny_llm):
     table = pd.read_parquet(stage_run / "data/eval/baselines_early.parquet")
-    assert table.columns.tolist() == ["id", "retrorag_self_evaluation", "retrorag_self_consistency"] and table["id"].tolist() == ["q1", "q2", "q4"]
+    assert table.columns.tolist() == ["id", "retrorag_self_evaluation", "retrorag_self_consistency"] and table[
+        "id"
+    ].tolist() == ["q1", "q2", "q4"]
     expected = self_evaluation_scores(tiny_llm, [("The capital of Spain is", "Lima")], TEMPLATE, yes=("Y",), no=("N",))
     assert table.loc[1, "retrorag_self_evaluation"] == pytest.approx(expected[0], rel=1e-4)
     params = yaml.safe_load((stage_run / "params.yaml").read_text())
     retrorag = load_section("retrorag", data=params)
     prompt = from_dict(PromptParams, params["build_early"]["features"]["prompt"], "prompt")
-    consistency = self_consistency_scores(tiny_llm, ["The capital of Spain is"], ["Lima"], retrorag, prompt)  # Eq. 1: a sampled a_sc
+    consistency = self_consistency_scores(
+        tiny_llm, ["The capital of Spain is"], ["Lima"], retrorag, prompt
+    )  # Eq. 1: a sampled a_sc
     assert table.loc[1, "retrorag_self_consistency"] == pytest.approx(consistency[0], rel=1e-4)
     assert table[["retrorag_self_evaluation", "retrorag_self_consistency"]].stack().between(0, 1).all()
 
@@ -259,7 +299,9 @@ def test_stage_writes_rind_aligned_with_each_continuation(stage_run, tiny_llm):
         np.testing.assert_allclose(row.rind, alone.rind, rtol=1e-4, atol=1e-6)
     metrics = json.loads((stage_run / "data/metrics/score_baselines.json").read_text())
     assert metrics["retrorag"]["records"] == 3 and metrics["rind"]["records"] == 3
-    assert metrics["rind"]["entropy_max_abs_diff_vs_generation"] < 1e-3  # the teacher-forced pass sees what generation saw
+    assert (
+        metrics["rind"]["entropy_max_abs_diff_vs_generation"] < 1e-3
+    )  # the teacher-forced pass sees what generation saw
     assert metrics["rind"]["rind_eager_tokens_per_s"] > 0 and metrics["rind"]["sdpa_forward_tokens_per_s"] > 0
 
 

@@ -35,7 +35,10 @@ def test_a_tampered_archive_is_refused_and_nothing_is_unpacked(tmp_path):
     message = f"{archive}: sha256 is {actual}, expected {bigbench.BIGBENCH_SHA256}"
     with pytest.raises(SourceError, match=re.escape(message) + ".*Delete the file and rerun"):
         bigbench.fetch_bigbench_task("tiny", tmp_path)
-    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["bigbench", f"bigbench/{bigbench.ARCHIVE}"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "bigbench",
+        f"bigbench/{bigbench.ARCHIVE}",
+    ]
 
 
 def test_an_archive_with_the_pinned_hash_is_unpacked(tmp_path, monkeypatch):

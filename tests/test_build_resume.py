@@ -11,14 +11,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import ROOT
 from safetensors.numpy import load_file
+from test_pipeline import write_params
 
 from detectors.dior import realtime_set
 from detectors.shards import FailedRecordsError
 from pipelines import build_early, build_realtime, prepare, prepare_articles
-from conftest import ROOT
 from pipelines._provenance import PACKAGES, code_digest, stage_closure, stage_code_deps
-from test_pipeline import write_params
 
 
 @pytest.fixture()
@@ -78,8 +78,11 @@ def test_the_code_digest_covers_the_stage_closure_and_nothing_else(tmp_path):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     assert {p.as_posix() for p in stage_closure("pipelines.stage", tmp_path)} == {
-        "pipelines/__init__.py", "pipelines/stage.py", "detectors/__init__.py", "detectors/used.py",
-    }  # fmt: skip
+        "pipelines/__init__.py",
+        "pipelines/stage.py",
+        "detectors/__init__.py",
+        "detectors/used.py",
+    }
     before = code_digest("pipelines.stage", tmp_path)
     (tmp_path / "detectors/unused.py").write_text("x = 2\n")
     assert code_digest("pipelines.stage", tmp_path) == before
@@ -104,7 +107,10 @@ def test_another_sections_type_leaves_build_earlys_code_key_and_deps(tmp_path):
     reads, not rag_eval's, and a new section changes neither."""
     for package in PACKAGES:
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    early_digest, rag_digest = code_digest("pipelines.build_early", tmp_path), code_digest("pipelines.rag_eval", tmp_path)
+    early_digest, rag_digest = (
+        code_digest("pipelines.build_early", tmp_path),
+        code_digest("pipelines.rag_eval", tmp_path),
+    )
     assert "detectors/config/rag.py" not in stage_code_deps("pipelines.build_early", tmp_path)
     rag = tmp_path / "detectors/config/rag.py"
     rag.write_text(rag.read_text().replace("class RagEvalParams:\n", "class RagEvalParams:\n    new_key: int\n", 1))
@@ -125,7 +131,9 @@ def test_failed_early_records_are_retried_and_too_many_stop_the_stage(project, m
     (project / "data/early/shards/manifest.json").unlink()  # start over (as after a code change)
     ids, qs = clean["id"].tolist(), clean["question"].tolist()
     failing = {ids[5]}  # 1 of 24 records hits a transient error: within max_failed_share = 0.05
-    batches = inject_errors(monkeypatch, build_early, "early_records", failing, lambda args: [ids[qs.index(q)] for q in args[1]])
+    batches = inject_errors(
+        monkeypatch, build_early, "early_records", failing, lambda args: [ids[qs.index(q)] for q in args[1]]
+    )
     flaky = early(project)
     assert set(flaky.loc[flaky["status"].str.startswith("error: OSError"), "id"]) == failing
     assert [ids[5]] in batches and [ids[4]] in batches  # the failing batch was retried one question at a time
@@ -134,7 +142,9 @@ def test_failed_early_records_are_retried_and_too_many_stop_the_stage(project, m
     retried = early(project)
     assert batches == [[ids[5]]]
     pd.testing.assert_frame_equal(
-        retried.drop(columns=["attribution", "hidden"]), clean.drop(columns=["attribution", "hidden"]), check_like=True,
+        retried.drop(columns=["attribution", "hidden"]),
+        clean.drop(columns=["attribution", "hidden"]),
+        check_like=True,
         check_dtype=False,  # labels of a shard that held an error row are floats
     )
     (project / "data/early/shards/manifest.json").unlink()
@@ -153,7 +163,9 @@ def test_failed_realtime_records_are_retried_with_their_hidden_states(project, m
 
     def run() -> tuple[pd.DataFrame, dict]:
         build_realtime.main(["--params", "params.yaml"])
-        return pd.read_parquet(project / "data/realtime/realtime.parquet"), load_file(project / "data/realtime/hidden.safetensors")
+        return pd.read_parquet(project / "data/realtime/realtime.parquet"), load_file(
+            project / "data/realtime/hidden.safetensors"
+        )
 
     clean, clean_hidden = run()
     ok_ids = clean.loc[clean["status"] == "ok", "id"].tolist()
@@ -172,4 +184,3 @@ def test_failed_realtime_records_are_retried_with_their_hidden_states(project, m
         got = hidden["hidden"][row.hidden_offset : row.hidden_offset + n]
         want = clean_hidden["hidden"][ref.hidden_offset : ref.hidden_offset + n]
         np.testing.assert_allclose(got, want, atol=2e-2, err_msg=row.id)
-

@@ -15,11 +15,14 @@ import pytest
 from detectors.baselines.catalog import realtime_baselines
 from detectors.config.core import ParamsError
 from detectors.config.evaluation import EvaluateParams
+from detectors.evaluation.bootstrap import (
+    _cluster_counts,
+    bootstrap_auroc,
+    clustered_auroc,
+    paired_bootstrap_delta,
+)
 from detectors.evaluation.compare import COLUMNS, MissingScoresError, compare, long_table
 from detectors.evaluation.inputs import join_score_tables
-from detectors.evaluation.bootstrap import (
-    _cluster_counts, bootstrap_auroc, clustered_auroc, paired_bootstrap_delta,
-)  # fmt: skip
 from detectors.evaluation.metrics import auroc, binary_metrics, trigger_rate
 from detectors.evaluation.plots import reliability, scorer_colours
 from detectors.evaluation.report import markdown_table, nested_metrics
@@ -86,7 +89,11 @@ def test_a_paired_difference_can_hold_each_side_to_its_own_labels():
     delta, low, high = paired_bootstrap_delta(y, scores, scores, n=500, seed=0, reference_labels=flipped)
     assert delta == pytest.approx(auroc(y, scores) - auroc(flipped, scores)) and delta > 0.05
     assert low < delta < high and low > 0
-    assert paired_bootstrap_delta(y, scores, scores, n=200, reference_labels=y) == (0.0, 0.0, 0.0)  # own labels: the default
+    assert paired_bootstrap_delta(y, scores, scores, n=200, reference_labels=y) == (
+        0.0,
+        0.0,
+        0.0,
+    )  # own labels: the default
 
 
 def test_trigger_rate_by_hand():
@@ -101,8 +108,12 @@ def question_units() -> pd.DataFrame:
     """Validation and test questions where ``good`` separates the labels perfectly and ``noisy`` does not."""
     rows = []
     for split in ("val", "test"):
-        for i, (label, good, noisy) in enumerate([(0, 0.1, 0.3), (0, 0.2, 0.9), (0, 0.3, 0.2), (1, 0.7, 0.8), (1, 0.8, 0.1), (1, 0.9, 0.7)]):
-            rows.append({"id": f"{split}{i}", "split": split, "status": "ok", "label": label, "good": good, "noisy": noisy})
+        for i, (label, good, noisy) in enumerate(
+            [(0, 0.1, 0.3), (0, 0.2, 0.9), (0, 0.3, 0.2), (1, 0.7, 0.8), (1, 0.8, 0.1), (1, 0.9, 0.7)]
+        ):
+            rows.append(
+                {"id": f"{split}{i}", "split": split, "status": "ok", "label": label, "good": good, "noisy": noisy}
+            )
     rows.append({"id": "failed", "split": "test", "status": "RuntimeError", "label": None, "good": None, "noisy": None})
     return pd.DataFrame(rows)
 
@@ -123,7 +134,9 @@ def test_detector_is_compared_with_the_best_baseline_on_the_same_examples():
     assert list(scores.columns) == ["id", "group", "split", "label", "detector", "good", "noisy_baseline"]
     assert scores["group"].tolist() == scores["id"].tolist()  # a question is its own cluster
     assert "failed" not in set(scores["id"]) and list(probabilities.columns) == ["detector", "good", "noisy_baseline"]
-    np.testing.assert_allclose(probabilities["detector"], [0.3, 0.9, 0.2, 0.8, 0.1, 0.7])  # its own probabilities, as given
+    np.testing.assert_allclose(
+        probabilities["detector"], [0.3, 0.9, 0.2, 0.8, 0.1, 0.7]
+    )  # its own probabilities, as given
     table = long_table({"question": results}, [DETECTOR, *BASELINES], "early")
     assert list(table.columns) == list(COLUMNS) and len(table) == 3
     row = table.set_index("scorer").loc["detector"]
@@ -134,7 +147,9 @@ def test_detector_is_compared_with_the_best_baseline_on_the_same_examples():
 def test_a_scorer_missing_scores_is_a_clear_error():
     units = question_units()
     units.loc[units["id"] == "test4", "noisy"] = np.nan  # e.g. a score table that lacks this id
-    with pytest.raises(MissingScoresError, match=r"'noisy_baseline' has no score for 1 of 12 units \(e.g. \['test4'\]\)"):
+    with pytest.raises(
+        MissingScoresError, match=r"'noisy_baseline' has no score for 1 of 12 units \(e.g. \['test4'\]\)"
+    ):
         compare(units, BASELINES, "youden", 5, n_bootstrap=200)
 
 
@@ -144,10 +159,16 @@ def test_markdown_table_sorts_by_auroc_and_gives_intervals_and_paired_difference
     text = markdown_table(table)
     assert "## early · question (test: 6 units, 50% hallucinated)" in text
     lines = [line for line in text.splitlines() if line.startswith("| ") and "AUROC" not in line and "---" not in line]
-    assert [line.split(" | ")[0] for line in lines[:3]] == ["| good", "| detector", "| noisy_baseline"]  # by AUROC, ties keep order
+    assert [line.split(" | ")[0] for line in lines[:3]] == [
+        "| good",
+        "| detector",
+        "| noisy_baseline",
+    ]  # by AUROC, ties keep order
     assert "| good | baseline | 1.000 [1.00, 1.00] | 1.000 |" in text
     d = results["detector"]
-    assert f"| detector | good | {d['delta_auroc']:+.3f} [{d['delta_ci_low']:+.2f}, {d['delta_ci_high']:+.2f}] |" in text
+    assert (
+        f"| detector | good | {d['delta_auroc']:+.3f} [{d['delta_ci_low']:+.2f}, {d['delta_ci_high']:+.2f}] |" in text
+    )
     nested = nested_metrics(table, "early")
     assert set(nested) == {"question"} and set(nested["question"]) == {"detector", "good", "noisy_baseline"}
     assert "delta_vs" not in nested["question"]["good"] and nested["question"]["detector"]["delta_vs"] == "good"
@@ -170,23 +191,48 @@ def test_reliability_bins_by_hand():
 
 
 def realtime_frame() -> pd.DataFrame:
-    return pd.DataFrame([
-        {"id": "r1", "split": "test", "status": "ok", "label": 1, "prob": [0.5, 0.2, 0.9], "entropy": [1.0, 2.0, 0.1],
-         "token_label": [1, 1, 0], "entities": json.dumps([{"tokens": [0, 1], "hallucinated": 1}, {"tokens": [2], "hallucinated": 0}])},
-        {"id": "r2", "split": "test", "status": "ok", "label": 0, "prob": [0.6, 0.9], "entropy": [0.3, 0.2],
-         "token_label": [-1, 0], "entities": json.dumps([{"tokens": [1], "hallucinated": 0}])},
-    ])  # fmt: skip
+    return pd.DataFrame(
+        [
+            {
+                "id": "r1",
+                "split": "test",
+                "status": "ok",
+                "label": 1,
+                "prob": [0.5, 0.2, 0.9],
+                "entropy": [1.0, 2.0, 0.1],
+                "token_label": [1, 1, 0],
+                "entities": json.dumps([{"tokens": [0, 1], "hallucinated": 1}, {"tokens": [2], "hallucinated": 0}]),
+            },
+            {
+                "id": "r2",
+                "split": "test",
+                "status": "ok",
+                "label": 0,
+                "prob": [0.6, 0.9],
+                "entropy": [0.3, 0.2],
+                "token_label": [-1, 0],
+                "entities": json.dumps([{"tokens": [1], "hallucinated": 0}]),
+            },
+        ]
+    )
 
 
 def test_score_tables_join_by_id_and_list_columns_become_token_stats(tmp_path, caplog):
     pd.DataFrame({"id": ["r2", "r1"], "rind": [[0.0, 0.4], [0.3, 0.1, 0.2]]}).to_parquet(tmp_path / "baselines.parquet")
     with caplog.at_level(logging.INFO):
-        frame, joined = join_score_tables(realtime_frame(), {"CtrlA": tmp_path / "absent.parquet", "baselines": tmp_path / "baselines.parquet"})
+        frame, joined = join_score_tables(
+            realtime_frame(), {"CtrlA": tmp_path / "absent.parquet", "baselines": tmp_path / "baselines.parquet"}
+        )
     assert joined == ["rind"] and "no CtrlA scores at" in caplog.text
     stats = realtime_token_stats(frame, None, joined)
     np.testing.assert_allclose(stats["r1"]["rind"], [0.3, 0.1, 0.2])
     units = realtime_units(frame, stats)
-    assert units[Level.TOKEN]["group"].tolist() == ["r1", "r1", "r1", "r2"]  # tokens are resampled with their continuation
+    assert units[Level.TOKEN]["group"].tolist() == [
+        "r1",
+        "r1",
+        "r1",
+        "r2",
+    ]  # tokens are resampled with their continuation
     assert units[Level.ENTITY]["group"].tolist() == ["r1", "r1", "r2"]
     assert "rind" not in [s.name for s in realtime_baselines(Level.TOKEN, {"prob", "entropy"})]
     ctrla = realtime_baselines(Level.TOKEN, {"prob", "entropy", "ctrla_confidence", "ctrla_confidence[val]"})

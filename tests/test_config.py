@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from detectors.config import ParamsError, StageParams, from_dict, load_all, load_section
-from detectors.config.rag import on_corpus, trigger_names
 from detectors.config.common import LLMParams
 from detectors.config.early import BuildEarlyParams, QAParams, TrainEarlyParams
+from detectors.config.rag import on_corpus, trigger_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = REPO_ROOT / "params.yaml"
@@ -49,8 +49,19 @@ def params_error(path: Path) -> str:
 
 def test_shipped_params_validate():
     sections = load_all(SHIPPED)
-    assert {"llm", "qa", "build_early", "train_early", "evaluate", "mlflow", "register_early", "articles", "build_realtime",
-            "train_realtime", "register_realtime"} <= set(sections)
+    assert {
+        "llm",
+        "qa",
+        "build_early",
+        "train_early",
+        "evaluate",
+        "mlflow",
+        "register_early",
+        "articles",
+        "build_realtime",
+        "train_realtime",
+        "register_realtime",
+    } <= set(sections)
     assert sections["register_realtime"].name == "dior-realtime"
     qa = sections["qa"]
     assert isinstance(qa, QAParams)
@@ -59,7 +70,6 @@ def test_shipped_params_validate():
     assert "{question}" in sections["build_early"].features.prompt.template
     assert isinstance(sections["train_early"], TrainEarlyParams)
     assert sections["mlflow"].tracking_uri.startswith("sqlite:///")
-
 
 
 def test_params_rewritten_by_dvc_exp_run_set_still_validate(tmp_path):
@@ -74,6 +84,7 @@ def test_params_rewritten_by_dvc_exp_run_set_still_validate(tmp_path):
     sections = load_all(path)
     assert sections["qa"].limit == 2000
     assert sections["rag_eval"].sit.yes_words == load_all(SHIPPED)["rag_eval"].sit.yes_words == ["yes"]
+
 
 def test_shipped_params_values_are_typed(shipped):
     sections = load_all(SHIPPED)
@@ -102,7 +113,9 @@ def test_a_missing_key_or_section_is_an_error_naming_it(shipped, tmp_path):
 def test_artifact_schema_types_keep_their_defaults_outside_params():
     from detectors.config.schema import EarlyFeatureParams
 
-    feats = from_dict(EarlyFeatureParams, {"n_steps": 4}, "detector.features")  # an artifact written before a key existed
+    feats = from_dict(
+        EarlyFeatureParams, {"n_steps": 4}, "detector.features"
+    )  # an artifact written before a key existed
     assert feats.n_steps == 4 and feats.prompt.template == "{question}"
     with pytest.raises(ParamsError, match="build_early.features.prompt = None: required key is missing"):
         from_dict(EarlyFeatureParams, {"n_steps": 4}, "build_early.features", strict=True)
@@ -115,14 +128,18 @@ def test_stage_params_hand_out_only_declared_keys(shipped):
     assert p["build_early.features.n_steps"] == shipped["build_early"]["features"]["n_steps"]
     assert p["paths.qa"] == shipped["paths"]["qa"]
     for undeclared in ("build_early", "build_early.stop", "paths.early", "qa"):
-        with pytest.raises(ParamsError, match=f"build_early reads params key '{re.escape(undeclared)}' but does not declare it"):
+        with pytest.raises(
+            ParamsError, match=f"build_early reads params key '{re.escape(undeclared)}' but does not declare it"
+        ):
             p[undeclared]
 
 
 def test_a_declared_key_that_params_does_not_have_is_refused(shipped):
     from detectors.config import StageParams
 
-    with pytest.raises(ParamsError, match=r"paths\.qaa = None: build_early declares this params key but params.yaml has no such key"):
+    with pytest.raises(
+        ParamsError, match=r"paths\.qaa = None: build_early declares this params key but params.yaml has no such key"
+    ):
         StageParams(shipped, ("paths.qaa",), "build_early")
 
 
@@ -141,7 +158,11 @@ def test_paths_is_an_open_section_of_named_paths(shipped, tmp_path):
     data["paths"]["new_report"] = "data/metrics/new.json"
     assert StageParams(data, ("paths.new_report", "paths.qa"), "a stage")["paths.new_report"] == "data/metrics/new.json"
     assert "new_report" in load_all(write_params(tmp_path, data))["paths"]
-    for key, value, why in (("qa", " ", "must name a path"), ("Bad-Name", "x", "lower-case identifier"), ("qa", None, "must name a path")):
+    for key, value, why in (
+        ("qa", " ", "must name a path"),
+        ("Bad-Name", "x", "lower-case identifier"),
+        ("qa", None, "must name a path"),
+    ):
         bad = copy.deepcopy(shipped)
         bad["paths"][key] = value
         with pytest.raises(ParamsError, match=rf"paths\.{key} = .*{why}"):
@@ -204,8 +225,16 @@ def test_shipped_dior_early_is_the_papers_rnn_over_ig_features():
     """DioR Eq. 2: the detector reads IG(Q) only (the attribution sequence and its entropy); the stronger set has its own name."""
     sections = load_all(SHIPPED)
     assert sections["train_early"].detectors["dior-early"] == ["attribution", "entropy"]
-    assert set(sections["train_early"].detectors["dior-early-extended"]) == {"attribution", "entropy", "first_token", "hidden"}
-    assert sections["register_early"].names == {"dior-early": "dior-early", "dior-early-extended": "dior-early-extended"}
+    assert set(sections["train_early"].detectors["dior-early-extended"]) == {
+        "attribution",
+        "entropy",
+        "first_token",
+        "hidden",
+    }
+    assert sections["register_early"].names == {
+        "dior-early": "dior-early",
+        "dior-early-extended": "dior-early-extended",
+    }
 
 
 @pytest.mark.parametrize(
@@ -213,13 +242,28 @@ def test_shipped_dior_early_is_the_papers_rnn_over_ig_features():
     [
         ("train_early.detectors", {}, "train_early.detectors", "at least one detector"),
         ("train_early.detectors", {"gru/all": ["entropy"]}, "train_early.detectors", "letters, digits"),
-        ("train_early.detectors", {"a": ["entropy", "hidden"], "b": ["hidden", "entropy"]}, "train_early.detectors.b", "same feature groups as train_early.detectors.a"),
-        ("train_early.ablation", [["entropy", "attribution"]], "train_early.ablation[0]", "same feature groups as train_early.detectors.dior-early"),
+        (
+            "train_early.detectors",
+            {"a": ["entropy", "hidden"], "b": ["hidden", "entropy"]},
+            "train_early.detectors.b",
+            "same feature groups as train_early.detectors.a",
+        ),
+        (
+            "train_early.ablation",
+            [["entropy", "attribution"]],
+            "train_early.ablation[0]",
+            "same feature groups as train_early.detectors.dior-early",
+        ),
         ("register_early.names", {}, "register_early.names", "at least one trained early detector"),
-        ("register_early.names", {"dior-early": "x", "dior-early-extended": "x"}, "register_early.names", "under one name"),
+        (
+            "register_early.names",
+            {"dior-early": "x", "dior-early-extended": "x"},
+            "register_early.names",
+            "under one name",
+        ),
         ("register_early.names", {"dior-early": "models:/x"}, "register_early.names.dior-early", "letters, digits"),
     ],
-)  # fmt: skip
+)
 def test_early_detector_names_and_feature_sets_are_checked(shipped, tmp_path, key, value, where, why):
     msg = params_error(edited(shipped, tmp_path, key, value))
     assert f"params: {where} = " in msg and why in msg
@@ -293,9 +337,13 @@ def test_file_store_tracking_uri_is_refused(shipped, tmp_path, uri):
 
 @pytest.mark.parametrize(
     "uri, root",
-    [("sqlite:///data/mlflow/mlflow.db", "data/mlflow/artifacts"), ("postgresql://u@db/mlflow", "s3://bucket/mlflow"),
-     ("http://127.0.0.1:5000", None), ("https://mlflow.example.org", "s3://bucket/mlflow")],
-)  # fmt: skip
+    [
+        ("sqlite:///data/mlflow/mlflow.db", "data/mlflow/artifacts"),
+        ("postgresql://u@db/mlflow", "s3://bucket/mlflow"),
+        ("http://127.0.0.1:5000", None),
+        ("https://mlflow.example.org", "s3://bucket/mlflow"),
+    ],
+)
 def test_database_or_server_tracking_uri_is_accepted(shipped, tmp_path, uri, root):
     data = copy.deepcopy(shipped)
     data["mlflow"] = {"tracking_uri": uri, "artifact_root": root}
@@ -304,8 +352,11 @@ def test_database_or_server_tracking_uri_is_accepted(shipped, tmp_path, uri, roo
 
 @pytest.mark.parametrize(
     "uri, root, why",
-    [("sqlite:///data/mlflow/mlflow.db", None, "only a tracking server"), ("http://127.0.0.1:5000", "data/mlflow/artifacts", "each client's")],
-)  # fmt: skip
+    [
+        ("sqlite:///data/mlflow/mlflow.db", None, "only a tracking server"),
+        ("http://127.0.0.1:5000", "data/mlflow/artifacts", "each client's"),
+    ],
+)
 def test_an_artifact_root_that_clients_would_not_share_is_refused(shipped, tmp_path, uri, root, why):
     data = copy.deepcopy(shipped)
     data["mlflow"] = {"tracking_uri": uri, "artifact_root": root}
@@ -341,6 +392,7 @@ def test_from_dict_checks_llm_device(shipped):
 
 
 # --- llm.source resolution (no model is loaded) ---------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def llm():

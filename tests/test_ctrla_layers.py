@@ -14,8 +14,8 @@ import torch
 from detectors.baselines.ctrla_confidence import question_scorers, realtime_scorers
 from detectors.config.schema import ContrastParams, PromptParams, StatementParams
 from detectors.ctrla.directions import Directions, contrast_differences, fit_pca
-from detectors.ctrla.quality import MonitoredSet, early_set, realtime_set
 from detectors.ctrla.layer_ranges import choose_window
+from detectors.ctrla.quality import MonitoredSet, early_set, realtime_set
 from detectors.ctrla.steering import steer
 from detectors.errors import InputError
 from detectors.evaluation.metrics import auroc
@@ -24,10 +24,15 @@ from detectors.llm.layers import decoder_layers
 from pipelines.register_ctrla import chosen_range
 
 STATEMENTS = [
-    "The capital of France is Paris.", "The capital of Spain is Madrid.", "The river of Paris is the Seine.",
-    "The capital of Peru is Lima.", "The language of Germany is German.", "The capital of Italy is Rome.",
-    "The country of Toronto is Canada.", "The capital of Japan is Tokyo.",
-]  # fmt: skip
+    "The capital of France is Paris.",
+    "The capital of Spain is Madrid.",
+    "The river of Paris is the Seine.",
+    "The capital of Peru is Lima.",
+    "The language of Germany is German.",
+    "The capital of Italy is Rome.",
+    "The country of Toronto is Canada.",
+    "The capital of Japan is Tokyo.",
+]
 
 
 # ---- choosing a window on validation ----------------------------------------------------------------
@@ -71,7 +76,9 @@ def test_eq2_per_range_gives_the_hand_computed_scores_and_trigger_rates():
     z = 4 / np.sqrt(4.8)
     np.testing.assert_allclose(monitored.eq2([1], 0.0, 3.0)[0][5:], [z, -5 / 3], atol=1e-5)
     # the answer's score is -min over its new non-stopword tokens (position 5 only)
-    np.testing.assert_allclose(monitored.answer_scores([1], 0.0, 3.0), [-z, 1.0], atol=1e-5)  # [.., -Eq. 2 of [1,-1,1,-1]]
+    np.testing.assert_allclose(
+        monitored.answer_scores([1], 0.0, 3.0), [-z, 1.0], atol=1e-5
+    )  # [.., -Eq. 2 of [1,-1,1,-1]]
     np.testing.assert_allclose(monitored.answer_scores([2], 0.0, 3.0), [z, -1.0], atol=1e-5)
     np.testing.assert_allclose(monitored.answer_scores([1, 2], 0.5, 3.0), [0.5, 0.5], atol=1e-6)  # no spread: -(0 - τ)
     np.testing.assert_allclose(monitored.token_scores([2], 0.0, 3.0)[0], [z, -5 / 3], atol=1e-5)
@@ -82,7 +89,11 @@ def test_eq2_per_range_gives_the_hand_computed_scores_and_trigger_rates():
     assert monitored.trigger_rates([2], 0.0, 3.0, rows) == {"token": 0.5, "new_content_token": 1.0, "sequence": 0.5}
     assert monitored.trigger_rates([1, 2], 0.5, 3.0, rows)["token"] == 1.0  # τ > 0: Eq. 2 = -τ < 0 fires everywhere
     assert monitored.trigger_rates([1, 2], 0.0, 3.0, rows)["token"] == 0.0  # Eq. 2 = 0 is not below zero
-    assert monitored.trigger_rates([2], 0.0, 3.0, np.array([False, True])) == {"token": None, "new_content_token": None, "sequence": 0.0}
+    assert monitored.trigger_rates([2], 0.0, 3.0, np.array([False, True])) == {
+        "token": None,
+        "new_content_token": None,
+        "sequence": 0.0,
+    }
 
 
 # ---- the sign: which end is confident, and which score is high for hallucinations -------------------
@@ -108,7 +119,10 @@ def plant_at_tokens(model, shifts: dict[int, torch.Tensor]):
             h[current["ids"] == token] += shift
         return (h, *output[1:]) if isinstance(output, tuple) else h
 
-    handles = [model.register_forward_pre_hook(remember, with_kwargs=True), decoder_layers(model)[0].register_forward_hook(add)]
+    handles = [
+        model.register_forward_pre_hook(remember, with_kwargs=True),
+        decoder_layers(model)[0].register_forward_hook(add),
+    ]
     try:
         yield
     finally:
@@ -129,20 +143,31 @@ def test_the_confident_end_and_the_hallucination_score_have_the_papers_sign(tiny
     stats = contrast_differences(tiny_llm, params, STATEMENTS, batch_size=4, positive_context=plant)
     vectors, explained = fit_pca(stats.diffs, seed=0)
     assert float(vectors[0] @ u) > 0.9  # the confident end is +u
-    directions = Directions("confidence", vectors, explained, stats.norms, [1], tiny_llm.fingerprint, {"llm": {"dtype": "float32"}})
+    directions = Directions(
+        "confidence", vectors, explained, stats.norms, [1], tiny_llm.fingerprint, {"llm": {"dtype": "float32"}}
+    )
 
     tok = tiny_llm.tokenizer
     unsure, sure = (tok(w, add_special_tokens=False)["input_ids"] for w in (" Cairo", " river"))
     assert len(unsure) == len(sure) == 1
-    questions = ["The capital of France is", "The capital of Italy is", "The country of Toronto is", "The capital of Japan is"] * 2
+    questions = [
+        "The capital of France is",
+        "The capital of Italy is",
+        "The country of Toronto is",
+        "The capital of Japan is",
+    ] * 2
     early = pd.DataFrame({"question": questions, "answer": ["Cairo", "river"] * 4, "label": [1, 0] * 4})
     with plant_at_tokens(tiny_llm.model, {unsure[0]: -8.0 * u, sure[0]: 8.0 * u}):
         monitored = early_set(tiny_llm, directions, early, PromptParams(template="{question}", chat=False), 3)
     scores = monitored.answer_scores([1], 0.0, 3.0)
     assert auroc(early["label"].to_numpy(), scores) == 1.0
     assert (scores[early["label"] == 1] > 0).all() and (scores[early["label"] == 0] < 0).all()
-    assert monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 1)["sequence"] == 1.0  # fires on every unconfident answer
-    assert monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 0)["sequence"] == 0.0  # and on no confident one
+    assert (
+        monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 1)["sequence"] == 1.0
+    )  # fires on every unconfident answer
+    assert (
+        monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 0)["sequence"] == 0.0
+    )  # and on no confident one
 
     # per generated token (the real-time set): the unconfident token scores high, the confident one low
     prompt = tok("The capital of Peru is", add_special_tokens=False)["input_ids"]
@@ -161,18 +186,33 @@ def test_one_scorer_per_ctrla_column_and_stat():
     units = pd.DataFrame({"ctrla_confidence": [0.5, -1.0], "ctrla_confidence[val-layers]": [2.0, 3.0]})
     np.testing.assert_array_equal(question_scorers(columns)[1].score(units), [2.0, 3.0])
     scorers = realtime_scorers(Level.ENTITY, ["entropy", "ctrla_confidence[val-layers]"])
-    assert [(s.name, s.stat, s.level) for s in scorers] == [("ctrla_confidence[val-layers]", "ctrla_confidence[val-layers]", Level.ENTITY)]
+    assert [(s.name, s.stat, s.level) for s in scorers] == [
+        ("ctrla_confidence[val-layers]", "ctrla_confidence[val-layers]", Level.ENTITY)
+    ]
 
 
 def test_the_registered_range_is_recorded_in_the_artifact_and_a_missing_one_is_a_clear_error(tmp_path, tiny_llm):
-    paper = Directions("confidence", torch.stack([_unit(1), _unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1, 2],
-                       tiny_llm.fingerprint, {"llm": {"dtype": "float32"}})  # fmt: skip
+    paper = Directions(
+        "confidence",
+        torch.stack([_unit(1), _unit(2)]),
+        torch.tensor([0.5, 0.4]),
+        torch.tensor([3.0, 5.0]),
+        [1, 2],
+        tiny_llm.fingerprint,
+        {"llm": {"dtype": "float32"}},
+    )
     chosen = Directions.load(paper.with_layers([2], "validation").save(tmp_path / "confidence"))
     assert chosen.layers == [2] and chosen.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
-    assert chosen.with_layers([1, 2], "paper").config["layer_selection"]["paper_layers"] == [1, 2]  # extraction's layers stay known
+    assert chosen.with_layers([1, 2], "paper").config["layer_selection"]["paper_layers"] == [
+        1,
+        2,
+    ]  # extraction's layers stay known
     assert json.loads((tmp_path / "confidence" / "detector.json").read_text())["layers"] == [2]
 
-    metrics = {"honesty": {"ranges": {"paper": {"layers": [1], "val_auroc": 0.6, "test_auroc": 0.55}}}, "confidence_early": {"ranges": {}}}
+    metrics = {
+        "honesty": {"ranges": {"paper": {"layers": [1], "val_auroc": 0.6, "test_auroc": 0.55}}},
+        "confidence_early": {"ranges": {}},
+    }
     assert chosen_range(metrics, "honesty", "paper")["val_auroc"] == 0.6
     assert chosen_range(metrics, "confidence", "paper") == {}  # no metrics: the artifact's own layers, no val AUROC
     with pytest.raises(InputError, match="register_ctrla.honesty_layers = 'validation'.*set it to 'paper'"):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
+
 from pipelines._provenance import PACKAGES, stage_closure, write_code_deps
 
 
@@ -38,7 +38,9 @@ def test_stage_depends_on_exactly_the_code_it_imports(name):
         files = {p.relative_to(ROOT) for p in (ROOT / dep).rglob("*.py")} if (ROOT / dep).is_dir() else {dep}
         assert files, f"stage {name}: dep {dep} does not exist"
         unused = sorted(str(f) for f in files - closure)
-        assert not unused, f"stage {name}: dep {dep} covers files the stage never imports {unused} (they would rerun it)"
+        assert not unused, (
+            f"stage {name}: dep {dep} covers files the stage never imports {unused} (they would rerun it)"
+        )
 
 
 def test_dvc_yaml_holds_the_code_deps_the_command_writes():
@@ -49,7 +51,9 @@ def test_dvc_yaml_holds_the_code_deps_the_command_writes():
 def test_stage_declares_exactly_the_params_it_reads(name):
     stage = stages()[name]
     reads = importlib.import_module(stage_module(stage)).READS
-    assert sorted(stage.get("params", [])) == sorted(reads), f"dvc.yaml params of {name} differ from {stage_module(stage)}.READS"
+    assert sorted(stage.get("params", [])) == sorted(reads), (
+        f"dvc.yaml params of {name} differ from {stage_module(stage)}.READS"
+    )
 
 
 def test_closure_follows_imports_inside_functions_but_not_lazy_package_attributes():
@@ -93,7 +97,10 @@ def import_cycle(root: Path = ROOT, package: str = "detectors") -> list[str] | N
     None."""
     from detectors.imports import imported_modules, module_file
 
-    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p for p in (root / package).rglob("*.py")}
+    modules = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (root / package).rglob("*.py")
+    }
     graph = {}
     for name, path in modules.items():
         deps = set()

@@ -10,23 +10,31 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
 from conftest import ROOT, build_tiny_llama
+
 from detectors.config.schema import ContrastParams, LayerRangeParams, StatementParams
 from detectors.ctrla.directions import Directions, DirectionsError, contrast_differences, extract, fit_pca
 from detectors.ctrla.layer_ranges import resolve_range
 from detectors.ctrla.statements import StatementError, load_statements, statements_from_qa
+from detectors.ctrla.steering import steer
+from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import DtypeMismatchError, LLMMismatchError
 from detectors.llm.loading import LLM
-from detectors.evaluation.metrics import auroc
-from detectors.ctrla.steering import steer
 
 STATEMENTS = [
-    "The capital of France is Paris.", "The capital of Spain is Madrid.", "The river of Paris is the Seine.",
-    "The capital of Peru is Lima.", "The language of Germany is German.", "The capital of Italy is Rome.",
-    "The country of Toronto is Canada.", "The capital of Japan is Tokyo.", "The capital of Egypt is Cairo.",
-    "The capital of Kenya is Nairobi.", "The language of Brazil is Portuguese.", "The capital of Chile is Santiago.",
-]  # fmt: skip
+    "The capital of France is Paris.",
+    "The capital of Spain is Madrid.",
+    "The river of Paris is the Seine.",
+    "The capital of Peru is Lima.",
+    "The language of Germany is German.",
+    "The capital of Italy is Rome.",
+    "The country of Toronto is Canada.",
+    "The capital of Japan is Tokyo.",
+    "The capital of Egypt is Cairo.",
+    "The capital of Kenya is Nairobi.",
+    "The language of Brazil is Portuguese.",
+    "The capital of Chile is Santiago.",
+]
 CONTRAST = ContrastParams(positive="Answer the question briefly.", negative="Complete the sentence: ?")
 
 
@@ -45,7 +53,9 @@ def test_pca_recovers_a_planted_direction_and_orients_it_positive():
     assert float(vectors[1] @ u) < -0.99  # the reversed contrast is oriented the other way
     assert torch.allclose(vectors.norm(dim=-1), torch.ones(2))
     # the planted share of the variance: E[(3(1+U))^2] = 21 along u against 64 * 0.3^2 of noise (measured 0.784-0.793 over seeds)
-    assert float(explained[0]) == pytest.approx(21 / (21 + 64 * 0.09), abs=0.03) and float(explained[1]) == float(explained[0])
+    assert float(explained[0]) == pytest.approx(21 / (21 + 64 * 0.09), abs=0.03) and float(explained[1]) == float(
+        explained[0]
+    )
 
 
 def test_extraction_on_the_tiny_llama_finds_a_direction_planted_in_the_positive_pass(tiny_llm):
@@ -60,12 +70,16 @@ def test_extraction_on_the_tiny_llama_finds_a_direction_planted_in_the_positive_
     for layer in range(2):
         proj = (held.diffs[layer] @ vectors[layer]).numpy()
         assert (proj > 0).mean() > 0.9, layer
-    assert float(explained[0]) > 0.9  # at layer 1 the planted shift carries almost all the variance (measured 0.986; 0.64 unplanted)
+    assert (
+        float(explained[0]) > 0.9
+    )  # at layer 1 the planted shift carries almost all the variance (measured 0.986; 0.64 unplanted)
 
 
 def test_extracted_directions_separate_positive_from_negative_representations(tiny_llm):
     """Without a plant: the real instruction contrast is what the first component captures."""
-    frame = pd.DataFrame({"id": [str(i) for i in range(12)], "statement": STATEMENTS, "label": 1, "split": ["train"] * 8 + ["test"] * 4})
+    frame = pd.DataFrame(
+        {"id": [str(i) for i in range(12)], "statement": STATEMENTS, "label": 1, "split": ["train"] * 8 + ["test"] * 4}
+    )
     params = ContrastParams(CONTRAST.positive, CONTRAST.negative, StatementParams(limit=None))
     directions, _ = extract(tiny_llm, "honesty", params, frame, [1, 2], 4, 0, [2, 4], {"llm": {}})
     held = contrast_differences(tiny_llm, params, STATEMENTS[8:], batch_size=4)
@@ -78,13 +92,20 @@ def test_extracted_directions_separate_positive_from_negative_representations(ti
 
 
 def test_statements_from_qa_pair_each_fact_with_a_wrong_answer_of_its_relation():
-    table = pd.DataFrame({
-        "id": ["a", "b", "c"], "split": ["train", "test", "train"],
-        "question": ["The capital of France is", "The capital of Spain is", "The language of Peru is"],
-        "answers": [["Paris"], ["Madrid"], ["Spanish"]],
-    })  # fmt: skip
+    table = pd.DataFrame(
+        {
+            "id": ["a", "b", "c"],
+            "split": ["train", "test", "train"],
+            "question": ["The capital of France is", "The capital of Spain is", "The language of Peru is"],
+            "answers": [["Paris"], ["Madrid"], ["Spanish"]],
+        }
+    )
     frame = statements_from_qa(table)
-    assert set(frame["statement"]) >= {"The capital of France is Paris.", "The capital of France is Madrid.", "The capital of Spain is Paris."}
+    assert set(frame["statement"]) >= {
+        "The capital of France is Paris.",
+        "The capital of France is Madrid.",
+        "The capital of Spain is Paris.",
+    }
     assert (frame.groupby("label").size() == 3).all()
     wrong = frame[frame["id"] == "c:false"].iloc[0]["statement"]
     assert wrong != "The language of Peru is Spanish." and wrong.startswith("The language of Peru is ")
@@ -130,9 +151,14 @@ def test_layer_ranges_scale_to_the_llms_depth():
 def _directions(llm: LLM) -> Directions:
     fp = llm.fingerprint
     return Directions(
-        "honesty", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fp,
+        "honesty",
+        torch.stack([unit(1), unit(2)]),
+        torch.tensor([0.5, 0.4]),
+        torch.tensor([3.0, 5.0]),
+        [1],
+        fp,
         {"llm": {"dir": "x", "dtype": "float32"}},
-    )  # fmt: skip
+    )
 
 
 def test_artifact_round_trip_and_refusal_of_another_llm(tmp_path, tiny_llm, tokenizer):
@@ -167,7 +193,9 @@ def test_directions_refuse_an_llm_in_another_dtype_unless_allowed(tmp_path, tiny
     assert loaded.dtype == "float32"
     assert json.loads((tmp_path / "honesty" / "detector.json").read_text())["llm"]["dtype"] == "float32"
     bf16 = LLM.wrap(copy.deepcopy(tiny_llm.model).to(torch.bfloat16), tiny_llm.tokenizer, "tiny-llama")
-    with pytest.raises(DtypeMismatchError, match="ctrla-honesty directions: built from float32 features, .* computes bfloat16"):
+    with pytest.raises(
+        DtypeMismatchError, match="ctrla-honesty directions: built from float32 features, .* computes bfloat16"
+    ):
         loaded.require_llm(bf16)
     loaded.require_llm(bf16, allow_dtype_mismatch=True)
     honesty = HonestySteering(loaded)

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
 from test_pipeline import pipeline, run_ctrla_stages  # noqa: F401 - the module-scoped fixture: every stage run once on the fixtures
 
@@ -73,7 +72,16 @@ def blocks(page: Path) -> list[Block]:
             j += 1
         above = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         reason = NO_RUN.match(above)
-        out.append(Block(page, i + 1, info[0].lower() if info else "", info[1:], "\n".join(body) + "\n", reason and reason["reason"]))
+        out.append(
+            Block(
+                page,
+                i + 1,
+                info[0].lower() if info else "",
+                info[1:],
+                "\n".join(body) + "\n",
+                reason and reason["reason"],
+            )
+        )
         i = j + 1
     return out
 
@@ -189,8 +197,12 @@ def check_command(cmd: list[str]) -> None:
     elif name in ("python", "python3"):
         assert len(args) >= 2 and args[0] == "-m", f"{cmd}: run project code as `python -m <module>`"
         module = args[1]
-        assert module.split(".")[0] in ("pipelines", "benchmarks", "detectors"), f"python -m {module}: not a project module"
-        source = module_source(module) + (module_source("pipelines._stage") if module.startswith("pipelines.") else "")  # --params
+        assert module.split(".")[0] in ("pipelines", "benchmarks", "detectors"), (
+            f"python -m {module}: not a project module"
+        )
+        source = module_source(module) + (
+            module_source("pipelines._stage") if module.startswith("pipelines.") else ""
+        )  # --params
         for option in (a.split("=", 1)[0] for a in args[2:] if a.startswith("--")):
             assert option in source, f"python -m {module} {option}: the module has no option {option}"
     elif name == "dynrag":
@@ -207,18 +219,27 @@ def check_command(cmd: list[str]) -> None:
     elif name in ("source", "."):
         assert args == [".venv/bin/activate"], f"{' '.join(cmd)}: only the project's virtualenv is activated"
     elif name == "export":
-        assert args and all(re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", a) for a in args), f"{' '.join(cmd)}: export VAR=value"
+        assert args and all(re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", a) for a in args), (
+            f"{' '.join(cmd)}: export VAR=value"
+        )
     elif name == "curl":
         urls = [a for a in args if "://" in a]
         assert urls and all(re.match(r"https?://(127\.0\.0\.1|localhost)[:/]", u) for u in urls), (
-            f"{' '.join(cmd)}: curl only asks a server the docs start on this machine (127.0.0.1 or localhost)")
+            f"{' '.join(cmd)}: curl only asks a server the docs start on this machine (127.0.0.1 or localhost)"
+        )
     elif name != "pytest":
-        raise AssertionError(f"{' '.join(cmd)}: not one of the project's commands (make, dvc, python -m, dynrag, mlflow, ray, pip, pytest, "
-                             "source .venv/bin/activate, export, curl to a local server)")
+        raise AssertionError(
+            f"{' '.join(cmd)}: not one of the project's commands (make, dvc, python -m, dynrag, mlflow, ray, pip, pytest, "
+            "source .venv/bin/activate, export, curl to a local server)"
+        )
     outputs = stage_outputs()
     for path in repo_paths(cmd):
-        written = path.startswith("data/") and any(path == o or path.startswith(o + "/") or o.startswith(path + "/") for o in outputs)
-        assert (ROOT / path).exists() or written, f"{' '.join(cmd)}: {path} is neither in the repository nor a stage output"
+        written = path.startswith("data/") and any(
+            path == o or path.startswith(o + "/") or o.startswith(path + "/") for o in outputs
+        )
+        assert (ROOT / path).exists() or written, (
+            f"{' '.join(cmd)}: {path} is neither in the repository nor a stage output"
+        )
 
 
 @pytest.mark.parametrize("block", of(SHELL), ids=lambda b: b.where)
@@ -235,7 +256,10 @@ def test_shell_block_names_project_commands_and_existing_paths(block):
 def test_shell_commands_are_parsed_as_a_reader_types_them():
     code = "DETECTORS_TRACEBACK=1 .venv/bin/dvc repro a 2> run.log   # comment\ndvc pull && dvc repro \\\n  b\n"
     assert commands(code) == [["dvc", "repro", "a"], ["dvc", "pull"], ["dvc", "repro", "b"]]
-    assert repo_paths(["dvc", "plots", "show", "data/plots/x.png", "--out=docs/y", "s3://b/c", "../shared/d"]) == ["data/plots/x.png", "docs/y"]
+    assert repo_paths(["dvc", "plots", "show", "data/plots/x.png", "--out=docs/y", "s3://b/c", "../shared/d"]) == [
+        "data/plots/x.png",
+        "docs/y",
+    ]
     with pytest.raises(AssertionError, match="no option --nope"):
         check_command(["python", "-m", "pipelines.prepare", "--nope"])
     with pytest.raises(AssertionError, match="not one of the project's commands"):
@@ -248,7 +272,11 @@ def test_shell_commands_are_parsed_as_a_reader_types_them():
 
 
 def leaves(tree: dict, prefix: str = "") -> list[str]:
-    return [k for key, value in tree.items() for k in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])]
+    return [
+        k
+        for key, value in tree.items()
+        for k in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"])
+    ]
 
 
 @pytest.mark.parametrize("block", of(YAML), ids=lambda b: b.where)
@@ -268,7 +296,9 @@ def runnable(page: Path) -> list[Block]:
 
 @pytest.mark.parametrize("block", [b for b in of(PYTHON) if "no-run" in b.flags], ids=lambda b: b.where)
 def test_a_block_that_does_not_run_says_why_and_compiles(block):
-    assert block.reason, f"{block.where}: put <!-- no-run: <why it cannot run in a test> --> on the line above the fence"
+    assert block.reason, (
+        f"{block.where}: put <!-- no-run: <why it cannot run in a test> --> on the line above the fence"
+    )
     compile(block.code, block.where, "exec")
 
 
@@ -281,10 +311,16 @@ def project(pipeline, tmp_path_factory):  # noqa: F811 - the imported fixture
     previous = Path.cwd()
     os.chdir(pipeline)
     try:
+
         def facts_only(values: dict) -> None:
             values["index_corpus"]["corpora"] = {"facts": values["index_corpus"]["corpora"]["facts"]}
 
-        run_ctrla_stages(pipeline, (index_corpus, extract_directions, evaluate_directions, register_ctrla), "params_docs.yaml", facts_only)
+        run_ctrla_stages(
+            pipeline,
+            (index_corpus, extract_directions, evaluate_directions, register_ctrla),
+            "params_docs.yaml",
+            facts_only,
+        )
     finally:
         os.chdir(previous)
     return pipeline
@@ -361,6 +397,11 @@ def test_results_comments_name_files_a_run_writes(page):
         name
         for comment in RESULTS.finditer(page.read_text(encoding="utf-8"))
         for name in RESULT_FILE.findall(comment["sources"])
-        if not ((ROOT / name).exists() or name in pages or any(name == o or name.startswith(o + "/") for o in outputs) or f'"{name}"' in benchmarks)
+        if not (
+            (ROOT / name).exists()
+            or name in pages
+            or any(name == o or name.startswith(o + "/") for o in outputs)
+            or f'"{name}"' in benchmarks
+        )
     ]
     assert not unknown, f"{page.relative_to(ROOT)}: results comments name files no run writes: {unknown}"

@@ -17,7 +17,11 @@ PARAMS = EarlyFeatureParams(prompt=PromptParams(template="{question}", chat=Fals
 
 def test_features_of_a_question(tiny_llm):
     f = question_features(tiny_llm, "The capital of Egypt is", PARAMS)
-    assert len(f.attribution) == len(f.question_tokens) == int(tiny_llm.encode_prompt("The capital of Egypt is", PARAMS.prompt)[1].sum())
+    assert (
+        len(f.attribution)
+        == len(f.question_tokens)
+        == int(tiny_llm.encode_prompt("The capital of Egypt is", PARAMS.prompt)[1].sum())
+    )
     assert f.attribution.sum() == pytest.approx(1.0, abs=1e-5)
     assert 0 <= f.entropy <= np.log(len(f.attribution)) + 1e-9
     assert f.keywords and set(f.keywords) <= {"The", "capital", "of", "Egypt", "is"}
@@ -25,7 +29,9 @@ def test_features_of_a_question(tiny_llm):
     with torch.no_grad():
         logits = tiny_llm.model(tiny_llm.encode_prompt("The capital of Egypt is", PARAMS.prompt)[0]).logits[0, -1]
     top2 = torch.softmax(logits, -1).topk(2)
-    assert f.first_token_id == int(top2.indices[0]) and "Cairo".startswith(tiny_llm.tokenizer.decode([f.first_token_id]).strip())
+    assert f.first_token_id == int(top2.indices[0]) and "Cairo".startswith(
+        tiny_llm.tokenizer.decode([f.first_token_id]).strip()
+    )
     assert f.first_token_prob == pytest.approx(float(top2.values[0]), abs=1e-5) and f.first_token_prob > 0.9
     assert f.first_token_margin == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-5)
     assert f.hidden.shape == (2 * 64,)
@@ -37,7 +43,11 @@ def test_bad_questions_are_record_errors(tiny_llm):
     with pytest.raises(RecordError, match="empty question"):
         question_features(tiny_llm, "  ", PARAMS)
     with pytest.raises(RecordError, match="max_question_tokens=3"):
-        question_features(tiny_llm, "The capital of the United Kingdom of Great Britain is", dataclasses.replace(PARAMS, max_question_tokens=3))
+        question_features(
+            tiny_llm,
+            "The capital of the United Kingdom of Great Britain is",
+            dataclasses.replace(PARAMS, max_question_tokens=3),
+        )
 
 
 def test_layer_out_of_range_names_the_key(tiny_llm):
@@ -59,8 +69,10 @@ def test_greedy_answer_matches_generate_and_stops_at_the_stop_string(tiny_llm):
     for question in ("The capital of Spain is", "The river of Cairo is", "The sport of Bolt is"):
         f = question_features(tiny_llm, question, PARAMS)
         ids, _ = tiny_llm.encode_prompt(question, PARAMS.prompt)
-        ref = tiny_llm.model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tiny_llm.tokenizer.pad_token_id)
-        expected = tiny_llm.tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+        ref = tiny_llm.model.generate(
+            ids, max_new_tokens=5, do_sample=False, pad_token_id=tiny_llm.tokenizer.pad_token_id
+        )
+        expected = tiny_llm.tokenizer.decode(ref[0, ids.shape[1] :], skip_special_tokens=True)
         assert greedy_answer(tiny_llm, f, 5) == expected.strip()
         cut = greedy_answer(tiny_llm, question_features(tiny_llm, question, PARAMS), 5, stop=["."])
         assert cut == expected.split(".", 1)[0].strip() and "." not in cut
@@ -96,7 +108,9 @@ def test_a_batch_of_questions_equals_each_question_alone(tiny_llm, prompt, rows)
         np.testing.assert_allclose(f.hidden, a.hidden, atol=1e-5)
         assert f.first_token_prob == pytest.approx(a.first_token_prob, abs=1e-5)
         assert answer == greedy_answer(tiny_llm, a, 6, stop=["\n"])  # padded rows decode as the question alone
-    records = early_records(tiny_llm, BATCH, [["Madrid"], [], ["Nile"], ["athletics"], ["London"], ["Cairo"]], params, 6, ["\n"])
+    records = early_records(
+        tiny_llm, BATCH, [["Madrid"], [], ["Nile"], ["athletics"], ["London"], ["Cairo"]], params, 6, ["\n"]
+    )
     assert isinstance(records[1], RecordError) and [r["answer"] for r in records if isinstance(r, dict)] == answers
     assert records[5]["label"] == int("Cairo" not in answers[-1])
 
@@ -125,7 +139,9 @@ def test_an_answer_without_tokens_has_no_hidden_states(tiny_llm):
     assert empty["answer_ids"] == [] and empty["answer_prob"] == [] and "answer_hidden" not in empty
     assert answered["answer_ids"] and answered["answer_hidden"].shape == (len(answered["answer_ids"]), 2 * 64)
     assert answered["answer_hidden"].dtype == np.float16
-    assert all("answer_hidden" not in r for r in early_records(tiny_llm, questions, [["Cairo"], ["Madrid"]], PARAMS, 4, stop))
+    assert all(
+        "answer_hidden" not in r for r in early_records(tiny_llm, questions, [["Cairo"], ["Madrid"]], PARAMS, 4, stop)
+    )
 
 
 def test_decoding_moves_each_steps_tokens_to_the_host_in_one_transfer(tiny_llm, monkeypatch):
@@ -138,6 +154,7 @@ def test_decoding_moves_each_steps_tokens_to_the_host_in_one_transfer(tiny_llm, 
     feats = [f for f in early.batch_question_features(tiny_llm, BATCH, PARAMS) if not isinstance(f, RecordError)]
     reads: list[str] = []
     for name in ("__float__", "__int__", "__index__", "__bool__", "item", "tolist", "cpu", "numpy"):
+
         def spy(self, *args, _real=getattr(torch.Tensor, name), _name=name, **kwargs):
             if sys._getframe(1).f_code is early.decode_answers.__code__:
                 reads.append(_name)
@@ -152,4 +169,6 @@ def test_decoding_moves_each_steps_tokens_to_the_host_in_one_transfer(tiny_llm, 
         hook.remove()
         monkeypatch.undo()
     assert passes and reads == ["tolist"] * len(passes)
-    assert [a.text for a in answers] == [greedy_answer(tiny_llm, question_features(tiny_llm, q, PARAMS), 6, ["\n"]) for q in BATCH if q.strip()]
+    assert [a.text for a in answers] == [
+        greedy_answer(tiny_llm, question_features(tiny_llm, q, PARAMS), 6, ["\n"]) for q in BATCH if q.strip()
+    ]

@@ -70,4 +70,4 @@ def test_default_gguf_converts_to_a_checkpoint_that_answers(tmp_path):
     assert (llm.fingerprint.hidden_size, llm.fingerprint.num_layers) == (576, 30)
     ids, _ = llm.encode_prompt("The capital of France is", PromptParams(template="{question}", chat=False))
     out = llm.model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=llm.tokenizer.pad_token_id)
-    assert "Paris" in llm.tokenizer.decode(out[0, ids.shape[1]:])
+    assert "Paris" in llm.tokenizer.decode(out[0, ids.shape[1] :])

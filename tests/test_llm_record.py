@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
 from conftest import qa_rows
+
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams, TrainingParams
 from detectors.dior.early import early_records
 from detectors.dior.early_detector import EarlyDetector, train_early_detector
@@ -27,9 +27,17 @@ FEATURES = EarlyFeatureParams(
     prompt=PromptParams(template="{question}", chat=False), n_steps=4, ig_batch_size=4, hidden_layers=[1, -1]
 )
 TRAINING = TrainingParams(
-    hidden=8, dropout=0.0, lr=3e-3, weight_decay=1e-2, batch_size=8, max_epochs=8, patience=4, threshold="youden", seed=0,
+    hidden=8,
+    dropout=0.0,
+    lr=3e-3,
+    weight_decay=1e-2,
+    batch_size=8,
+    max_epochs=8,
+    patience=4,
+    threshold="youden",
+    seed=0,
     accelerator="cpu",
-)  # fmt: skip
+)
 
 
 def in_bfloat16(llm: LLM) -> LLM:
@@ -44,8 +52,14 @@ def early(tiny_llm) -> EarlyDetector:
     for i, record in enumerate(records):
         split = ("train", "val", "test")[i % 3]
         rows.append({"id": f"q{i}", "split": split, "status": "ok", "feature_dtype": tiny_llm.dtype_name, **record})
-    return train_early_detector(pd.DataFrame(rows), ["attribution", "entropy", "first_token", "hidden"], TRAINING, FEATURES,
-                                tiny_llm.fingerprint, {"source": "tiny"})  # fmt: skip
+    return train_early_detector(
+        pd.DataFrame(rows),
+        ["attribution", "entropy", "first_token", "hidden"],
+        TRAINING,
+        FEATURES,
+        tiny_llm.fingerprint,
+        {"source": "tiny"},
+    )
 
 
 def test_serving_in_another_dtype_is_refused_unless_allowed(early, tiny_llm, tmp_path):
@@ -54,7 +68,9 @@ def test_serving_in_another_dtype_is_refused_unless_allowed(early, tiny_llm, tmp
     assert json.loads((tmp_path / "early" / "detector.json").read_text())["llm"]["dtype"] == "float32"
     bf16 = in_bfloat16(tiny_llm)
     assert bf16.fingerprint == tiny_llm.fingerprint  # the fingerprint cannot tell: it rounds weights to bf16 on purpose
-    refused = r"'dior-early': built from float32 features, .* computes bfloat16 .* dtype='float32'.*allow_dtype_mismatch=True"
+    refused = (
+        r"'dior-early': built from float32 features, .* computes bfloat16 .* dtype='float32'.*allow_dtype_mismatch=True"
+    )
     with pytest.raises(DtypeMismatchError, match=refused):
         loaded.attach(bf16)
     assert loaded.llm is None
@@ -80,9 +96,18 @@ def test_an_artifact_without_a_recorded_dtype_is_served_with_a_warning(early, ti
 def tiny_realtime(fingerprint, llm_ref) -> RealtimeDetector:
     dim = fingerprint.hidden_size + 3
     return RealtimeDetector(
-        TokenMLP(dim, 4, 0.0).eval(), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1],
-        RealtimePromptParams(template="{text}", chat=False), "en_core_web_sm", fingerprint, llm_ref, {},
-    )  # fmt: skip
+        TokenMLP(dim, 4, 0.0).eval(),
+        np.zeros(dim, np.float32),
+        np.ones(dim, np.float32),
+        0.5,
+        [1],
+        [1],
+        RealtimePromptParams(template="{text}", chat=False),
+        "en_core_web_sm",
+        fingerprint,
+        llm_ref,
+        {},
+    )
 
 
 @pytest.fixture()

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from detectors.evaluation.bootstrap import bootstrap_auroc
-from detectors.evaluation.metrics import OneClassError, auroc, binary_metrics, choose_threshold, f1_at, platt, fit_logistic, require_both_classes
+from detectors.evaluation.metrics import (
+    OneClassError,
+    auroc,
+    binary_metrics,
+    choose_threshold,
+    f1_at,
+    fit_logistic,
+    platt,
+    require_both_classes,
+)
 
 # Scores 0.1..0.6, labels 0 1 0 1 1 1 (4 positives, 2 negatives).
 # Youden J = tpr - fpr at each candidate threshold t (predict 1 when score >= t):

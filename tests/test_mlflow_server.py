@@ -15,19 +15,19 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 import mlflow
 import pytest
 import yaml
-
 from conftest import ROOT
+from test_pipeline import pipeline  # noqa: F401  (the module-scoped fixture: every stage once on the tiny Llama)
+
 from detectors import cli, load_detector
 from detectors.mlflow_ui import free_port, mlflow_server
 from detectors.registry import store
 from detectors.registry.store import CUSTOM_MODEL_DEVELOPMENT, EXPERIMENT_KIND_TAG
 from pipelines import register as register_stage
-from test_pipeline import pipeline  # noqa: F401  (the module-scoped fixture: every stage once on the tiny Llama)
 
 
 def call(base: str, path: str, body: dict | None = None) -> dict:
@@ -41,7 +41,11 @@ def call(base: str, path: str, body: dict | None = None) -> dict:
 @pytest.fixture(scope="module")
 def server(pipeline, tmp_path_factory):  # noqa: F811
     """``mlflow server`` on the pipeline's store (what the UI shows)."""
-    with mlflow_server(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}", tmp_path_factory.mktemp("server") / "server.log", cwd=pipeline) as base:
+    with mlflow_server(
+        f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}",
+        tmp_path_factory.mktemp("server") / "server.log",
+        cwd=pipeline,
+    ) as base:
         yield base
 
 
@@ -57,17 +61,27 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, pipeline):  # n
     for dataset, by_level in metrics.items():
         exp = experiment(server, f"detector-evaluation-{dataset}")
         assert {t["key"]: t["value"] for t in exp["tags"]}[EXPERIMENT_KIND_TAG] == CUSTOM_MODEL_DEVELOPMENT
-        found = call(server, "/api/2.0/mlflow/runs/search", {
-            "experiment_ids": [exp["experiment_id"]], "order_by": ["metrics.test_auroc DESC"], "max_results": 1000,
-        })["runs"]  # fmt: skip
+        found = call(
+            server,
+            "/api/2.0/mlflow/runs/search",
+            {
+                "experiment_ids": [exp["experiment_id"]],
+                "order_by": ["metrics.test_auroc DESC"],
+                "max_results": 1000,
+            },
+        )["runs"]
         rows = {}
         for run in found:
             tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
-            assert "mlflow.parentRunId" not in tags  # flat: the runs table lists every scorer without expanding anything
+            assert (
+                "mlflow.parentRunId" not in tags
+            )  # flat: the runs table lists every scorer without expanding anything
             assert tags["dataset"] == dataset and tags["kind"] in {"detector", "baseline"} and tags["llm"]
             assert tags["mlflow.runName"] == f"{tags['detector']} · {tags['level']}"
             rows[tags["level"], tags["detector"]] = {m["key"]: m["value"] for m in run["data"]["metrics"]}
-        assert set(rows) == {(level, scorer) for level, by in by_level.items() for scorer in by}  # one run per scorer × level
+        assert set(rows) == {
+            (level, scorer) for level, by in by_level.items() for scorer in by
+        }  # one run per scorer × level
         for (level, scorer), logged in rows.items():
             assert logged["test_auroc"] == pytest.approx(by_level[level][scorer]["auroc"])
         order = [m["value"] for run in found for m in run["data"]["metrics"] if m["key"] == "test_auroc"]
@@ -92,7 +106,9 @@ def test_registered_detectors_have_champion_aliases(server, pipeline):  # noqa: 
 def team_server(tmp_path):
     """A team's registry: an empty ``mlflow server`` of its own (sqlite here, PostgreSQL in a team), artifacts proxied to its
     own directory; yields its URL and that directory."""
-    with mlflow_server(f"sqlite:///{tmp_path / 'team.db'}", tmp_path / "team.log", cwd=tmp_path, artifacts=tmp_path / "team-artifacts") as base:
+    with mlflow_server(
+        f"sqlite:///{tmp_path / 'team.db'}", tmp_path / "team.log", cwd=tmp_path, artifacts=tmp_path / "team-artifacts"
+    ) as base:
         yield base, tmp_path / "team-artifacts"
 
 
@@ -101,14 +117,18 @@ def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline
     os.chdir(pipeline)
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     params["mlflow"] = {"tracking_uri": url, "artifact_root": None}  # the server chooses where artifacts go
-    params["paths"].update(registry_early=str(tmp_path / "early.json"), registry_realtime=str(tmp_path / "realtime.json"))
+    params["paths"].update(
+        registry_early=str(tmp_path / "early.json"), registry_realtime=str(tmp_path / "realtime.json")
+    )
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     local_uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     try:
         register_stage.main(["--params", str(tmp_path / "params.yaml")])
         first = json.loads((tmp_path / "early.json").read_text())["dior-early"]
         assert first["version"] == 1 and first["alias_moved"]
-        assert any(artifacts.rglob("*.safetensors"))  # the weights went to the server's artifact store, not the project's
+        assert any(
+            artifacts.rglob("*.safetensors")
+        )  # the weights went to the server's artifact store, not the project's
         served = load_detector("dior-early", alias="champion", tracking_uri=url, llm=tiny_llm)
         local = load_detector("dior-early", alias="champion", tracking_uri=local_uri, llm=tiny_llm)
         for question in ("The capital of Spain is", "The river of Paris is"):
@@ -168,8 +188,13 @@ def test_a_tracking_uri_without_an_mlflow_server_fails_fast_in_one_line(tmp_path
             params["mlflow"] = {"tracking_uri": uri, "artifact_root": None}
             (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
             started = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "pipelines.register", "--params", "params.yaml"], cwd=tmp_path, capture_output=True,
-                                  text=True, timeout=120)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "pipelines.register", "--params", "params.yaml"],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 1 and time.monotonic() - started < 60, done.stderr
             last = done.stderr.strip().splitlines()[-1]
             assert "Traceback" not in done.stderr and last.startswith("TrackingServerError: ") and uri in last

@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
 from safetensors.numpy import load_file
 
-from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
 from detectors import load_detector
 from detectors.config import ParamsError
 from detectors.errors import InputError
@@ -24,9 +24,18 @@ from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
 from detectors.llm.loading import LLM
 from detectors.registry.store import register, validation_digest
-from pipelines import build_early, build_realtime, build_utility, evaluate, prepare, prepare_articles, train_early, train_realtime, train_utility
+from pipelines import (
+    build_early,
+    build_realtime,
+    build_utility,
+    evaluate,
+    prepare,
+    prepare_articles,
+    train_early,
+    train_realtime,
+    train_utility,
+)
 from pipelines import register as register_stage
-
 
 ARTICLES_FIXTURE = ROOT / "data" / "fixtures" / "articles_small.json"
 
@@ -36,16 +45,27 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     params["llm"].update(source=str(checkpoint), dtype="float32", device="cpu")
     params["qa"].update(source=str(QA_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
     params["build_early"]["features"].update(n_steps=4, ig_batch_size=4, hidden_layers=[1, -1])
-    params["build_early"]["features"]["prompt"].update(template="{question}", chat=False)  # as the tiny Llama learnt them
+    params["build_early"]["features"]["prompt"].update(
+        template="{question}", chat=False
+    )  # as the tiny Llama learnt them
     params["build_early"].update(max_new_tokens=4, shard_size=8, answer_hidden_layers=[1, -1])
     params["train_early"].update(ablation=[["attribution"]])
     params["train_early"]["training"].update(max_epochs=15, patience=5, batch_size=8, accelerator="cpu")
-    params["articles"].update(source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
+    params["articles"].update(
+        source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25}
+    )
     params["build_realtime"].update(
-        hidden_layers=[1, -1], max_new_tokens=6, batch_size=4, shard_size=8, max_article_chars=400, prompt={"template": "{text}", "chat": False}
+        hidden_layers=[1, -1],
+        max_new_tokens=6,
+        batch_size=4,
+        shard_size=8,
+        max_article_chars=400,
+        prompt={"template": "{text}", "chat": False},
     )
     params["train_realtime"]["training"].update(hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator="cpu")
-    params["build_utility"]["corpora"] = []  # the tiny Llama never learnt to read passages (tests/test_utility.py trains one that did)
+    params["build_utility"][
+        "corpora"
+    ] = []  # the tiny Llama never learnt to read passages (tests/test_utility.py trains one that did)
     path = workdir / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
@@ -59,8 +79,18 @@ def pipeline(tmp_path_factory, tiny_checkpoint):
     os.chdir(workdir)
     try:
         write_params(workdir, tiny_checkpoint)
-        for stage in (prepare, prepare_articles, build_early, build_realtime, train_early, train_realtime, evaluate, build_utility, train_utility,
-                      register_stage):  # fmt: skip
+        for stage in (
+            prepare,
+            prepare_articles,
+            build_early,
+            build_realtime,
+            train_early,
+            train_realtime,
+            evaluate,
+            build_utility,
+            train_utility,
+            register_stage,
+        ):
             stage.main(["--params", "params.yaml"])
         yield workdir
     finally:
@@ -93,7 +123,9 @@ def test_early_set_has_both_labels_and_valid_features(pipeline):
         assert np.isclose(np.sum(row.attribution), 1.0, atol=1e-5)
         assert 0 <= row.entropy <= np.log(len(row.attribution)) + 1e-6
         assert len(row.hidden) == 2 * 64
-        assert len(row.answer_ids) == len(row.answer_prob) == len(row.answer_entropy) and (row.answer_hidden_offset >= 0) == (len(row.answer_ids) > 0)
+        assert len(row.answer_ids) == len(row.answer_prob) == len(row.answer_entropy) and (
+            row.answer_hidden_offset >= 0
+        ) == (len(row.answer_ids) > 0)
     # every answer token's hidden states at build_early.answer_hidden_layers (2 layers of 64), rows in answer order
     hidden = load_file(str(pipeline / "data/early/answer_hidden.safetensors"))["hidden"]
     assert hidden.shape == (sum(map(len, frame["answer_ids"])), 2 * 64)
@@ -114,7 +146,9 @@ def test_build_early_resumes_without_redoing_finished_shards(pipeline):
     build_early.main(["--params", "params.yaml"])
     assert {p.name: p.stat().st_mtime_ns for p in shards[:-1]} == stamps
     after = pd.read_parquet(pipeline / "data/early/early.parquet")
-    pd.testing.assert_frame_equal(before.drop(columns=["attribution", "hidden"]), after.drop(columns=["attribution", "hidden"]))
+    pd.testing.assert_frame_equal(
+        before.drop(columns=["attribution", "hidden"]), after.drop(columns=["attribution", "hidden"])
+    )
     np.testing.assert_allclose(np.concatenate(before["attribution"]), np.concatenate(after["attribution"]), atol=1e-6)
 
 
@@ -127,15 +161,35 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     metrics = json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())
     assert set(metrics) == {"question"}  # {level: {scorer: metrics}}, the shape of the real-time file too
     metrics = metrics["question"]
-    assert {"dior-early", "dior-early-extended", "gru[attribution]", "logreg[attribution+first_token]", "attribution_entropy",
-            "first_token_prob", "first_token_entropy"} <= set(metrics)
-    keys = {"auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1", "ece", "threshold", "trigger_rate", "n"}
+    assert {
+        "dior-early",
+        "dior-early-extended",
+        "gru[attribution]",
+        "logreg[attribution+first_token]",
+        "attribution_entropy",
+        "first_token_prob",
+        "first_token_entropy",
+    } <= set(metrics)
+    keys = {
+        "auroc",
+        "auroc_ci_low",
+        "auroc_ci_high",
+        "auprc",
+        "accuracy",
+        "f1",
+        "ece",
+        "threshold",
+        "trigger_rate",
+        "n",
+    }
     scores = pd.read_parquet(pipeline / "data/eval/early_scores.parquet")
     test = scores[scores["split"] == "test"]
     for name, m in metrics.items():
         assert keys <= set(m), name
         assert m["auroc_ci_low"] <= m["auroc"] <= m["auroc_ci_high"], name
-        assert m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), name  # of the stored test-split scores
+        assert m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), (
+            name
+        )  # of the stored test-split scores
         assert m["trigger_rate"] == pytest.approx(float((test[name] >= m["threshold"]).mean())), name
     # what the tiny Llama planted (memorised facts answered right, and confidently) shows in the training-free first-token
     # probability. The trained scorers are not asserted here: fitted on 24 questions with 12 to choose their epoch or C,
@@ -143,7 +197,11 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     # still depended on the checkout's path); test_training checks that they learn.
     assert metrics["first_token_prob"]["auroc"] > 0.7
     best = max((n for n, m in metrics.items() if m["kind"] == "baseline"), key=lambda n: metrics[n]["auroc"])
-    for name in ("dior-early", "dior-early-extended", "gru[attribution]"):  # each trained detector against the best baseline, on the same questions
+    for name in (
+        "dior-early",
+        "dior-early-extended",
+        "gru[attribution]",
+    ):  # each trained detector against the best baseline, on the same questions
         assert metrics[name]["delta_vs"] == best
         assert metrics[name]["delta_auroc"] == pytest.approx(metrics[name]["auroc"] - metrics[best]["auroc"])
         assert metrics[name]["delta_ci_low"] <= metrics[name]["delta_auroc"] <= metrics[name]["delta_ci_high"]
@@ -151,19 +209,27 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
         assert {p.stem for p in (pipeline / f"data/plots/{kind}/early_question").glob("*.csv")} == set(metrics), kind
     assert (pipeline / "data/plots/figures/early_question_curves.png").stat().st_size > 0
     assert (pipeline / "data/plots/figures/early_question_ecdf.png").stat().st_size > 0
-    assert {p.name for p in (pipeline / "data/plots/early_entropy_ecdf").glob("*.csv")} == {"correct.csv", "hallucinated.csv"}
+    assert {p.name for p in (pipeline / "data/plots/early_entropy_ecdf").glob("*.csv")} == {
+        "correct.csv",
+        "hallucinated.csv",
+    }
     runs = evaluation_runs(pipeline, "early")  # one flat run per scorer
     assert sorted(runs["tags.detector"]) == sorted(metrics) and (runs["tags.level"] == "question").all()
     by_name = runs.set_index("tags.detector")
     for name, m in metrics.items():
-        assert by_name.loc[name, "metrics.test_auroc"] == pytest.approx(m["auroc"]) and by_name.loc[name, "tags.kind"] == m["kind"]
+        assert (
+            by_name.loc[name, "metrics.test_auroc"] == pytest.approx(m["auroc"])
+            and by_name.loc[name, "tags.kind"] == m["kind"]
+        )
 
 
 def test_comparison_table_holds_every_scorer_dataset_and_level(pipeline):
     table = pd.read_parquet(pipeline / "data/eval/comparison.parquet")
     early = json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())
     realtime = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())
-    expected = {("early", lv, n) for lv, by in early.items() for n in by} | {("realtime", lv, n) for lv, by in realtime.items() for n in by}
+    expected = {("early", lv, n) for lv, by in early.items() for n in by} | {
+        ("realtime", lv, n) for lv, by in realtime.items() for n in by
+    }
     assert set(zip(table["dataset"], table["level"], table["scorer"])) == expected and len(table) == len(expected)
     detectors = table[table["kind"] == "detector"]
     assert detectors["delta_vs"].notna().all() and table.loc[table["kind"] == "baseline", "delta_vs"].isna().all()
@@ -186,28 +252,50 @@ def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pi
     alt.mkdir()
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     ok = early[early["status"] == "ok"]
-    pd.DataFrame({"id": ok["id"], "ctrla_confidence": -ok["first_token_prob"], "ctrla_confidence[val]": ok["entropy"]}).to_parquet(alt / "ce.parquet")
+    pd.DataFrame(
+        {"id": ok["id"], "ctrla_confidence": -ok["first_token_prob"], "ctrla_confidence[val]": ok["entropy"]}
+    ).to_parquet(alt / "ce.parquet")
     frame = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
     ok = frame[frame["status"] == "ok"]
-    pd.DataFrame({"id": ok["id"], "ctrla_confidence": [list(1 - np.asarray(p)) for p in ok["prob"]]}).to_parquet(alt / "cr.parquet")
+    pd.DataFrame({"id": ok["id"], "ctrla_confidence": [list(1 - np.asarray(p)) for p in ok["prob"]]}).to_parquet(
+        alt / "cr.parquet"
+    )
     params["paths"].update(
-        ctrla_early=str(alt / "ce.parquet"), ctrla_realtime=str(alt / "cr.parquet"),
-        **{k: str(alt / Path(params["paths"][k]).name) for k in ("early_scores", "realtime_scores", "evaluate_early_metrics",
-                                                                   "evaluate_realtime_metrics", "comparison", "comparison_table")},
+        ctrla_early=str(alt / "ce.parquet"),
+        ctrla_realtime=str(alt / "cr.parquet"),
+        **{
+            k: str(alt / Path(params["paths"][k]).name)
+            for k in (
+                "early_scores",
+                "realtime_scores",
+                "evaluate_early_metrics",
+                "evaluate_realtime_metrics",
+                "comparison",
+                "comparison_table",
+            )
+        },
         plots=str(alt / "plots"),
-    )  # fmt: skip
+    )
     params["evaluate"].update(experiment="alt-evaluation", bootstrap=200)
     (pipeline / "params_alt.yaml").write_text(yaml.safe_dump(params))
     evaluate.main(["--params", "params_alt.yaml"])
     table = pd.read_parquet(alt / "comparison.parquet")
     question = table[table["level"] == "question"].set_index("scorer")
-    assert {"dior-early", "dior-early-extended", "gru[attribution]", "ctrla_confidence", "ctrla_confidence[val]"} <= set(question.index)
+    assert {
+        "dior-early",
+        "dior-early-extended",
+        "gru[attribution]",
+        "ctrla_confidence",
+        "ctrla_confidence[val]",
+    } <= set(question.index)
     # a joined column scores as itself: -first_token_prob is first_token_prob's baseline
     assert question.loc["ctrla_confidence", "auroc"] == pytest.approx(question.loc["first_token_prob", "auroc"])
     realtime = table[table["dataset"] == "realtime"]
     assert set(realtime.loc[realtime["scorer"] == "ctrla_confidence", "level"]) == {"token", "entity", "continuation"}
     token = realtime[realtime["level"] == "token"].set_index("scorer")
-    assert token.loc["ctrla_confidence", "auroc"] == pytest.approx(token.loc["flare", "auroc"])  # the list became a per-token stat
+    assert token.loc["ctrla_confidence", "auroc"] == pytest.approx(
+        token.loc["flare", "auroc"]
+    )  # the list became a per-token stat
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     assert set(mlflow.search_runs(experiment_names=["alt-evaluation-early"])["tags.detector"]) == set(question.index)
 
@@ -251,7 +339,10 @@ def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tin
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     val_ids = early.loc[(early["status"] == "ok") & (early["split"] == "val"), "id"]
     assert registry_out["val_digest"] == validation_digest(val_ids)
-    for model in ("early/dior-early", "realtime"):  # the artifact records where its LLM is relative to the project, and its dtype
+    for model in (
+        "early/dior-early",
+        "realtime",
+    ):  # the artifact records where its LLM is relative to the project, and its dtype
         llm_section = json.loads((pipeline / f"data/models/{model}/detector.json").read_text())["llm"]
         assert llm_section["dir"] == "data/llm" and llm_section["dtype"] == "float32"
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
@@ -273,15 +364,25 @@ def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny
     assert out["name"] == "dior-early-extended" and out["alias_moved"] and out["version"] == 1
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     detector = load_detector("dior-early-extended", tracking_uri=uri, llm=tiny_llm)
-    assert detector.name == "dior-early-extended" and detector.groups == ["attribution", "entropy", "first_token", "hidden"]
+    assert detector.name == "dior-early-extended" and detector.groups == [
+        "attribution",
+        "entropy",
+        "first_token",
+        "hidden",
+    ]
     # the registered model is the evaluated one: same probabilities as the evaluation stored
     scores = pd.read_parquet(pipeline / "data/eval/early_scores.parquet", columns=["id", "dior-early-extended"])
     rows = pd.read_parquet(pipeline / "data/early/early.parquet").merge(scores, on="id")
     np.testing.assert_allclose(detector.predict_proba(rows), rows["dior-early-extended"].to_numpy(), atol=1e-6)
     run = mlflow.get_run(out["run_id"])
-    assert run.data.params["detector"] == "dior-early-extended" and run.data.params["features"] == "attribution,entropy,first_token,hidden"
+    assert (
+        run.data.params["detector"] == "dior-early-extended"
+        and run.data.params["features"] == "attribution,entropy,first_token,hidden"
+    )
     version = mlflow.MlflowClient().get_model_version("dior-early-extended", str(out["version"]))
-    assert version.tags["features"] == "attribution,entropy,first_token,hidden"  # only the same feature set competes for champion
+    assert (
+        version.tags["features"] == "attribution,entropy,first_token,hidden"
+    )  # only the same feature set competes for champion
 
 
 def test_register_refuses_an_early_detector_that_was_not_trained(pipeline, tmp_path):
@@ -290,7 +391,10 @@ def test_register_refuses_an_early_detector_that_was_not_trained(pipeline, tmp_p
     params["register_early"]["names"] = {"dior-early": "dior-early", "dior-early-paper": "dior-early-paper"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     before = (pipeline / "data/registry/early.json").read_text()
-    with pytest.raises(ParamsError, match=r"register_early.names = 'dior-early-paper': no trained early detector at .*trained: \['dior-early',"):
+    with pytest.raises(
+        ParamsError,
+        match=r"register_early.names = 'dior-early-paper': no trained early detector at .*trained: \['dior-early',",
+    ):
         register_stage.main(["--params", str(tmp_path / "params.yaml")])
     assert (pipeline / "data/registry/early.json").read_text() == before  # nothing was registered
 
@@ -320,7 +424,14 @@ def test_champion_alias_moves_only_when_not_worse(pipeline):
     register_stage.main(["--params", "params.yaml"])  # same detector again: equal AUROC → alias moves
     second = json.loads((pipeline / "data/registry/early.json").read_text())["dior-early"]
     assert second["version"] == 2 and second["alias_moved"] and second["champion_version"] == 2
-    worse = register(second["model_uri"], "dior-early", "champion", second["val_auroc"] - 0.1, second["val_digest"], second["llm_digest"])
+    worse = register(
+        second["model_uri"],
+        "dior-early",
+        "champion",
+        second["val_auroc"] - 0.1,
+        second["val_digest"],
+        second["llm_digest"],
+    )
     assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 2
     client = mlflow.MlflowClient()
     assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 2
@@ -336,13 +447,18 @@ def test_register_compares_the_realtime_detector_on_the_validation_records_train
     answers = answer_records(pd.read_parquet(pipeline / "data/early/early.parquet"))
     assert trained["chosen_on"] == "answers" and out["val_digest"] == trained["val_digest"]
     assert out["val_digest"] == validation_digest(answers.loc[answers["split"] == "val", "id"])
-    version = mlflow.MlflowClient(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}").get_model_version("dior-realtime", str(out["version"]))
+    version = mlflow.MlflowClient(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}").get_model_version(
+        "dior-realtime", str(out["version"])
+    )
     assert version.tags["val_digest"] == out["val_digest"]
 
 
 def test_register_refuses_a_realtime_detector_without_its_validation_digest():
     for info in ({"chosen_on": "answers"}, {"chosen_on": "continuations", "val_digest": None}):
-        with pytest.raises(InputError, match=r"records no digest of its validation records \(info.val_digest\).*dvc repro train_realtime"):
+        with pytest.raises(
+            InputError,
+            match=r"records no digest of its validation records \(info.val_digest\).*dvc repro train_realtime",
+        ):
             register_stage.realtime_val_digest(info, "data/models/realtime")
     assert register_stage.realtime_val_digest({"val_digest": "0123abcd"}, "data/models/realtime") == "0123abcd"
 
@@ -353,13 +469,19 @@ def test_comparison_notebook_runs_on_the_store(pipeline):
     nb = nbformat.read(ROOT / "notebooks" / "compare_detectors.ipynb", as_version=4)
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     try:
-        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(pipeline)}}).execute()
+        nbclient.NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(pipeline)}}
+        ).execute()
     finally:
         del os.environ["MLFLOW_TRACKING_URI"]
-    outputs = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for c in nb.cells for o in c.get("outputs", []))
+    outputs = "".join(
+        o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for c in nb.cells for o in c.get("outputs", [])
+    )
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["detector-evaluation-early", "detector-evaluation-realtime"])
-    for dataset, level in set(zip(runs["tags.dataset"], runs["tags.level"])):  # a table per set × level, every scorer in it
+    for dataset, level in set(
+        zip(runs["tags.dataset"], runs["tags.level"])
+    ):  # a table per set × level, every scorer in it
         assert f"{dataset} set, {level} level" in outputs
     assert set(runs["tags.detector"]) <= set(outputs.split()) and "(not described here)" not in outputs
     assert "ΔAUROC" in outputs or "no paired differences" in outputs
@@ -400,8 +522,12 @@ def test_build_realtime_resumes_without_redoing_finished_shards(pipeline):
     after = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
     pd.testing.assert_frame_equal(before.drop(columns=["prob", "entropy"]), after.drop(columns=["prob", "entropy"]))
     ok = before["status"] == "ok"
-    np.testing.assert_allclose(np.concatenate(before.loc[ok, "prob"].tolist()), np.concatenate(after.loc[ok, "prob"].tolist()), atol=1e-5)
-    np.testing.assert_allclose(load_file(str(pipeline / "data/realtime/hidden.safetensors"))["hidden"], hidden, atol=1e-2)
+    np.testing.assert_allclose(
+        np.concatenate(before.loc[ok, "prob"].tolist()), np.concatenate(after.loc[ok, "prob"].tolist()), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        load_file(str(pipeline / "data/realtime/hidden.safetensors"))["hidden"], hidden, atol=1e-2
+    )
 
 
 def test_realtime_evaluation_at_three_levels(pipeline):
@@ -414,10 +540,15 @@ def test_realtime_evaluation_at_three_levels(pipeline):
     for level, by_scorer in metrics.items():
         test = scores[(scores["level"] == level) & (scores["split"] == "test")]
         for name, m in by_scorer.items():  # the metrics are those of the stored test-split scores at that level
-            assert m["n"] == len(test) and m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), (level, name)
+            assert m["n"] == len(test) and m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), (
+                level,
+                name,
+            )
     assert {p.stem for p in (pipeline / "data/plots/roc/realtime_entity").glob("*.csv")} == set(metrics["entity"])
     runs = evaluation_runs(pipeline, "realtime")  # one flat run per scorer and level
-    assert sorted(zip(runs["tags.level"], runs["tags.detector"])) == sorted((lv, n) for lv, by in metrics.items() for n in by)
+    assert sorted(zip(runs["tags.level"], runs["tags.detector"])) == sorted(
+        (lv, n) for lv, by in metrics.items() for n in by
+    )
     mlp = runs[(runs["tags.detector"] == "mlp") & (runs["tags.level"] == "continuation")].iloc[0]
     assert mlp["metrics.test_auroc"] == pytest.approx(metrics["continuation"]["mlp"]["auroc"])
 
@@ -429,7 +560,12 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
     trained = json.loads((pipeline / "data/metrics/train_realtime.json").read_text())["mlp"]
     served = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())["continuation"]["mlp[served]"]
     # four candidate training sets, chosen on the QA validation answers, each reported on both sets
-    assert trained["chosen_on"] == "answers" and set(trained["candidates"]) == {"entity", "all", "answers", "all+answers"}
+    assert trained["chosen_on"] == "answers" and set(trained["candidates"]) == {
+        "entity",
+        "all",
+        "answers",
+        "all+answers",
+    }
     assert all(set(c["served_auroc"]) == {"continuations", "answers"} for c in trained["candidates"].values())
     assert out["val_auroc"] == pytest.approx(trained["val_served_auroc"])  # (equal to the token AUROC on this tiny set)
     assert out["test_auroc"] == pytest.approx(served["auroc"])
@@ -439,7 +575,9 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
     row = frame[frame["status"] == "ok"].iloc[0]
     text = tiny_llm.tokenizer.decode(row["prompt_ids"])
     with detector.monitor() as mon:
-        tiny_llm.model.generate(torch.tensor([list(row["prompt_ids"])]), logits_processor=[mon], max_new_tokens=7, do_sample=False)
+        tiny_llm.model.generate(
+            torch.tensor([list(row["prompt_ids"])]), logits_processor=[mon], max_new_tokens=7, do_sample=False
+        )
     result = detector.result(mon)
     assert result.text.startswith(row["continuation"]) and text
     # the tokens the pipeline labelled get the same probability online as in the evaluation
@@ -466,8 +604,13 @@ def run_ctrla_stages(pipeline: Path, stages, name: str, edit=None) -> None:
     (pipeline / name).write_text(yaml.safe_dump(values))
     task = pipeline / "data/raw/bigbench/truthful_qa/task_mc.json"  # offline stand-in for the bigbench file
     task.parent.mkdir(parents=True, exist_ok=True)
-    examples = [{"input": f"What is the capital of {c}?", "target_scores": {a: int(a == r) for a in ("Paris", "Lima", "Madrid")}}
-                for c, r in (("France", "Paris"), ("Peru", "Lima"), ("Spain", "Madrid"))]  # fmt: skip
+    examples = [
+        {
+            "input": f"What is the capital of {c}?",
+            "target_scores": {a: int(a == r) for a in ("Paris", "Lima", "Madrid")},
+        }
+        for c, r in (("France", "Paris"), ("Peru", "Lima"), ("Spain", "Madrid"))
+    ]
     task.write_text(json.dumps({"task_prefix": "Q: What is 2+2?\nA: 4\n", "examples": examples}))
     for stage in stages:
         stage.main(["--params", name])
@@ -493,23 +636,34 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     assert honesty["ranges"]["validation"]["test_auroc"] == honesty["auroc_per_layer"][chosen[0] - 1]
     confidence = metrics["confidence_early"]["ranges"]
     assert confidence["paper"]["layers"] == [1, 2] and len(confidence["validation"]["layers"]) == 1
-    assert confidence["validation"]["val_auroc"] >= confidence["paper"]["val_auroc"] or confidence["validation"]["layers"] == [1]
+    assert confidence["validation"]["val_auroc"] >= confidence["paper"]["val_auroc"] or confidence["validation"][
+        "layers"
+    ] == [1]
     for rates in (confidence["paper"], confidence["validation"], *metrics["confidence_realtime"]["ranges"].values()):
         assert all(0 <= v <= 1 for k, v in rates.items() if "trigger_rate" in k and v is not None)
     assert set(metrics["truthfulqa"]["accuracy"]) == {"0.0", "0.05"} and metrics["truthfulqa"]["n"] == 3
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     scores = pd.read_parquet(pipeline / "data/eval/ctrla_early.parquet")
     assert list(scores["id"]) == list(early.loc[early["status"] == "ok", "id"])
-    assert list(scores.columns) == ["id", "ctrla_confidence", "ctrla_confidence[val-layers]"] and np.isfinite(scores.iloc[:, 1:]).all().all()
+    assert (
+        list(scores.columns) == ["id", "ctrla_confidence", "ctrla_confidence[val-layers]"]
+        and np.isfinite(scores.iloc[:, 1:]).all().all()
+    )
     realtime = pd.read_parquet(pipeline / "data/eval/ctrla_realtime.parquet")
     assert list(realtime.columns) == ["id", "ctrla_confidence", "ctrla_confidence[val-layers]"]
     frame = pd.read_parquet(pipeline / "data/realtime/realtime.parquet").set_index("id")
-    assert all(len(s) == len(frame.loc[i, "gen_ids"]) for i, s in zip(realtime["id"], realtime["ctrla_confidence[val-layers]"]))
-    assert (pipeline / "data/plots/ctrla_honesty_layers.csv").exists() and (pipeline / "data/plots/ctrla_truthfulqa.png").exists()
+    assert all(
+        len(s) == len(frame.loc[i, "gen_ids"]) for i, s in zip(realtime["id"], realtime["ctrla_confidence[val-layers]"])
+    )
+    assert (pipeline / "data/plots/ctrla_honesty_layers.csv").exists() and (
+        pipeline / "data/plots/ctrla_truthfulqa.png"
+    ).exists()
 
     registered = json.loads((pipeline / "data/registry/ctrla.json").read_text())
     assert registered["honesty"]["name"] == "ctrla-honesty" and registered["confidence"]["alias_moved"]
-    assert registered["confidence"]["layers"] == confidence["validation"]["layers"]  # params: confidence_layers: validation
+    assert (
+        registered["confidence"]["layers"] == confidence["validation"]["layers"]
+    )  # params: confidence_layers: validation
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     honesty = load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm)
     confidence = load_detector("ctrla-confidence", tracking_uri=uri, llm=tiny_llm)
@@ -523,9 +677,10 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
         tiny_llm.model.generate(ids, max_new_tokens=3, do_sample=False)
     assert monitor.scores().shape[1] >= ids.shape[1]
     mlflow.set_tracking_uri(uri)
-    out = mlflow.pyfunc.load_model("models:/ctrla-confidence@champion").predict(pd.DataFrame({"question": ["The capital of Peru is"]}))
+    out = mlflow.pyfunc.load_model("models:/ctrla-confidence@champion").predict(
+        pd.DataFrame({"question": ["The capital of Peru is"]})
+    )
     assert {"text", "scores", "retrieve", "refusal", "query"} <= set(out.columns)
     other = LLM.wrap(build_tiny_llama(tokenizer, seed=1, train_steps=0), tokenizer, "another-tiny-llama")
     with pytest.raises(LLMMismatchError, match="weights_digest"):
         load_detector("ctrla-honesty", tracking_uri=uri, llm=other)
-

@@ -12,12 +12,12 @@ import re
 import pandas as pd
 import pytest
 import yaml
-
 from conftest import ROOT
+from test_qa import HOTPOTQA, hotpotqa_dir, offline_hf  # noqa: F401 - the fixture
+
 from detectors.config import ParamsError, StageParams, load_all, read_params
 from detectors.config.presets import NEW, apply, changes, leaves, main, read_preset
 from detectors.sources.qa import parse_hf_source
-from test_qa import HOTPOTQA, hotpotqa_dir, offline_hf  # noqa: F401 - the fixture
 
 PAPER = ROOT / "presets" / "paper.yaml"
 PARAMS = ROOT / "params.yaml"
@@ -45,12 +45,17 @@ def test_every_value_of_the_preset_differs_from_params_yaml():
     found = changes(read_preset(PAPER), read_params(PARAMS))
     assert found
     assert [key for key, old, new in found if old == new] == []
-    assert {key for key, old, _ in found if old is NEW} == {f"index_corpus.corpora.psgs_w100.{k}" for k in
-                                                            ("source", "id_field", "title_field", "text_field")}
+    assert {key for key, old, _ in found if old is NEW} == {
+        f"index_corpus.corpora.psgs_w100.{k}" for k in ("source", "id_field", "title_field", "text_field")
+    }
 
 
 def test_applied_preset_is_params_yaml_with_the_preset_values_and_its_comments(applied):
-    written, shipped, preset = yaml.safe_load(applied.read_text(encoding="utf-8")), read_params(PARAMS), read_preset(PAPER)
+    written, shipped, preset = (
+        yaml.safe_load(applied.read_text(encoding="utf-8")),
+        read_params(PARAMS),
+        read_preset(PAPER),
+    )
     for key, value in leaves(preset):
         assert leaves_of(written)[key] == value, key
     set_keys = {key for key, _ in leaves(preset)}
@@ -78,7 +83,9 @@ def test_applied_preset_validates_as_every_stage_reads_it(applied):
     assert sections["build_early"].answer_hidden_layers == sections["build_realtime"].hidden_layers
     data = read_params(applied)
     for name, stage in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
-        StageParams(data, importlib.import_module(stage["cmd"].split()[2]).READS, name)  # what each stage validates first
+        StageParams(
+            data, importlib.import_module(stage["cmd"].split()[2]).READS, name
+        )  # what each stage validates first
 
 
 def test_preset_question_source_reads_hotpotqa_as_the_hub_lays_it_out(applied, tmp_path, offline_hf):  # noqa: F811
@@ -88,8 +95,12 @@ def test_preset_question_source_reads_hotpotqa_as_the_hub_lays_it_out(applied, t
     qa = load_all(applied)["qa"]
     name, config, split = parse_hf_source(qa.source)
     local = hotpotqa_dir(tmp_path / name.rsplit("/", 1)[-1])
-    report = prepare_qa(dataclasses.replace(qa, source=f"hf:{local}:{config}:{split}"), str(tmp_path / "raw"),
-                        str(tmp_path / "qa.parquet"), str(tmp_path / "qa_report.json"))  # fmt: skip
+    report = prepare_qa(
+        dataclasses.replace(qa, source=f"hf:{local}:{config}:{split}"),
+        str(tmp_path / "raw"),
+        str(tmp_path / "qa.parquet"),
+        str(tmp_path / "qa_report.json"),
+    )
     table = pd.read_parquet(tmp_path / "qa.parquet")
     usable = [r for r in HOTPOTQA[config] if r["answer"]]
     assert (report["raw_records"], report["accepted"], report["rejected"]) == (len(HOTPOTQA[config]), len(usable), 1)
@@ -101,9 +112,8 @@ def test_preset_question_source_reads_hotpotqa_as_the_hub_lays_it_out(applied, t
 def test_preset_corpus_reads_psgs_w100_converted_as_the_docs_convert_it(applied, tmp_path, monkeypatch):
     """DPR's TSV through the conversion block of docs/paper-setting.md, then the preset's corpus entry through
     index_corpus's reading and a BM25 index."""
-    from pipelines.index_corpus import corpus_passages, recall_at_k
-
     from detectors.rag.retriever import BM25Retriever
+    from pipelines.index_corpus import corpus_passages, recall_at_k
 
     sections = load_all(applied)
     corpus = sections["index_corpus"].corpora["psgs_w100"]
@@ -115,11 +125,16 @@ def test_preset_corpus_reads_psgs_w100_converted_as_the_docs_convert_it(applied,
         f.write(DPR_TSV)
     exec(compile(conversion, "docs/paper-setting.md", "exec"), {})  # noqa: S102 - the documentation's own code
     passages = corpus_passages("psgs_w100", corpus, pd.DataFrame(columns=["id", "question", "answers"]))
-    assert [(p.id, p.title) for p in passages] == [("1", "Aaron"), ("2", "Kiss and Tell (1945 film)"),
-                                                    ("3", "Shirley Temple")]
+    assert [(p.id, p.title) for p in passages] == [
+        ("1", "Aaron"),
+        ("2", "Kiss and Tell (1945 film)"),
+        ("3", "Shirley Temple"),
+    ]
     assert passages[0].text == 'Aaron Aaron ( or ; "Ahärôn") is a prophet, high priest, and the brother of Moses.'
     retriever = BM25Retriever.build(passages, sections["index_corpus"].bm25)
-    question = HOTPOTQA["distractor"][1]["question"]  # ... the woman who portrayed Corliss Archer in the film Kiss and Tell?
+    question = HOTPOTQA["distractor"][1][
+        "question"
+    ]  # ... the woman who portrayed Corliss Archer in the film Kiss and Tell?
     assert retriever.search(question, 1)[0].passage.id == "2"
     assert recall_at_k(retriever, [question], [["Shirley Temple"]], [1]) == {"answer_recall@1": 1.0}
 
@@ -157,5 +172,7 @@ def test_a_preset_the_sections_refuse_is_an_error_naming_it(tmp_path, capsys, pr
 
 
 def test_a_missing_preset_is_an_error_naming_it(tmp_path):
-    with pytest.raises(ParamsError, match="preset .*absent.yaml' not found: give a preset file, e.g. presets/paper.yaml"):
+    with pytest.raises(
+        ParamsError, match="preset .*absent.yaml' not found: give a preset file, e.g. presets/paper.yaml"
+    ):
         read_preset(tmp_path / "absent.yaml")

@@ -57,9 +57,15 @@ def test_normalize_text_of_punctuation_only_is_empty():
 
 
 def test_sentences_end_at_punctuation_before_what_can_open_a_sentence():
-    text = " Toulouse is in France. It has 500,000 people! Why? 1990 was a year. \"Quoted.\" (Aside.) e.g. the end "
-    assert split_sentences(text) == ["Toulouse is in France.", "It has 500,000 people!", "Why?", "1990 was a year.",
-                                     '"Quoted."', "(Aside.) e.g. the end"]  # fmt: skip
+    text = ' Toulouse is in France. It has 500,000 people! Why? 1990 was a year. "Quoted." (Aside.) e.g. the end '
+    assert split_sentences(text) == [
+        "Toulouse is in France.",
+        "It has 500,000 people!",
+        "Why?",
+        "1990 was a year.",
+        '"Quoted."',
+        "(Aside.) e.g. the end",
+    ]
     assert split_sentences("approx. two km, i.e. short.") == ["approx. two km, i.e. short."]
     assert split_sentences("  ") == []
 
@@ -128,7 +134,10 @@ def test_stable_id_is_stable_and_distinguishes_source_and_question():
 def test_ids_of_a_file_do_not_depend_on_where_the_project_sits(tmp_path):
     """The same file under two checkouts gives the same ids, so the same splits (CI's checkout sits elsewhere)."""
     record = [{"question": "Who wrote Hamlet?", "answers": ["Shakespeare"]}]
-    here, there = normalize_records(record, "/work/main/data/qa.jsonl")[0], normalize_records(record, str(tmp_path / "qa.jsonl"))[0]
+    here, there = (
+        normalize_records(record, "/work/main/data/qa.jsonl")[0],
+        normalize_records(record, str(tmp_path / "qa.jsonl"))[0],
+    )
     assert here["id"].tolist() == there["id"].tolist() == [stable_id("Who wrote Hamlet?", "qa.jsonl")]
     assert stable_id("Who wrote Hamlet?", "bigbench:qa_wikidata") != stable_id("Who wrote Hamlet?", "bigbench:other")
 
@@ -294,13 +303,28 @@ def test_explicit_field_absent_from_a_record_rejects_it():
 # --- files through load_raw -----------------------------------------------------------------------
 
 POPQA = [
-    {"id": 4222362, "question": "What is George Rankin's occupation?", "possible_answers": '["politician", "political leader"]'},
-    {"id": 453047, "question": "In what country is Zürich?", "possible_answers": '["Switzerland", "Swiss Confederation"]'},
-    {"id": 1339195, "question": "Who was the director of Lolita?", "possible_answers": '["Stanley Kubrick", "Kubrick"]'},
+    {
+        "id": 4222362,
+        "question": "What is George Rankin's occupation?",
+        "possible_answers": '["politician", "political leader"]',
+    },
+    {
+        "id": 453047,
+        "question": "In what country is Zürich?",
+        "possible_answers": '["Switzerland", "Swiss Confederation"]',
+    },
+    {
+        "id": 1339195,
+        "question": "Who was the director of Lolita?",
+        "possible_answers": '["Stanley Kubrick", "Kubrick"]',
+    },
 ]
 BIGBENCH = [
     {"input": "The capital of France is", "target": ["Paris"]},
-    {"input": "Douglas Adams is the author of", "target": ["The Hitchhiker's Guide to the Galaxy", "Hitchhiker's Guide"]},
+    {
+        "input": "Douglas Adams is the author of",
+        "target": ["The Hitchhiker's Guide to the Galaxy", "Hitchhiker's Guide"],
+    },
 ]
 
 
@@ -312,7 +336,11 @@ def check_popqa(ok: pd.DataFrame, rejected: pd.DataFrame):
     assert rejected.empty
     assert ok["id"].tolist() == ["4222362", "453047", "1339195"]
     assert ok["question"].tolist() == [r["question"] for r in POPQA]
-    assert ok["answers"].tolist() == [["politician", "political leader"], ["Switzerland", "Swiss Confederation"], ["Stanley Kubrick", "Kubrick"]]
+    assert ok["answers"].tolist() == [
+        ["politician", "political leader"],
+        ["Switzerland", "Swiss Confederation"],
+        ["Stanley Kubrick", "Kubrick"],
+    ]
 
 
 def check_bigbench(ok: pd.DataFrame, rejected: pd.DataFrame, source: str):
@@ -385,7 +413,9 @@ def test_parquet_with_list_and_struct_answers(tmp_path):
     check_popqa(*load(popqa, tmp_path, question_field="question", answers_field="possible_answers"))
 
     trivia = tmp_path / "trivia.parquet"
-    pd.DataFrame({"query": ["Capital of Japan?"], "answer": [{"aliases": ["Tokyo", "Tōkyō"], "value": "Tokyo"}]}).to_parquet(trivia)
+    pd.DataFrame(
+        {"query": ["Capital of Japan?"], "answer": [{"aliases": ["Tokyo", "Tōkyō"], "value": "Tokyo"}]}
+    ).to_parquet(trivia)
     ok, rejected = load(trivia, tmp_path)
     assert rejected.empty
     assert ok.loc[0, "question"] == "Capital of Japan?"
@@ -400,7 +430,9 @@ def test_parquet_bigbench_like(tmp_path):
 
 def test_bad_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
-    path.write_text(json.dumps(POPQA[0]) + "\n" + '{"question": "Who?", "answers": ["x"]\n' + json.dumps(POPQA[1]) + "\n")
+    path.write_text(
+        json.dumps(POPQA[0]) + "\n" + '{"question": "Who?", "answers": ["x"]\n' + json.dumps(POPQA[1]) + "\n"
+    )
     with pytest.raises(SourceError) as err:
         load_raw(str(path), tmp_path)
     assert f"{path}:2:" in str(err.value)
@@ -432,28 +464,59 @@ def test_upper_case_suffix_is_read(tmp_path):
 # HotpotQA's fields as hotpotqa/hotpot_qa serves them (less its context and supporting facts); its two configs
 HOTPOTQA = {
     "distractor": [
-        {"id": "5a8b57f25542995d1e6f1371", "question": "Were Scott Derrickson and Ed Wood of the same nationality?",
-         "answer": "yes", "type": "comparison", "level": "hard"},
-        {"id": "5a8c7595554299585d9e36b6",
-         "question": "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?",
-         "answer": "Chief of Protocol", "type": "bridge", "level": "hard"},
-        {"id": "5a85ea095542994775f606a8", "question": "Which country is the film Amélie set in?", "answer": "",
-         "type": "bridge", "level": "easy"},  # no usable answer: rejected
+        {
+            "id": "5a8b57f25542995d1e6f1371",
+            "question": "Were Scott Derrickson and Ed Wood of the same nationality?",
+            "answer": "yes",
+            "type": "comparison",
+            "level": "hard",
+        },
+        {
+            "id": "5a8c7595554299585d9e36b6",
+            "question": "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?",
+            "answer": "Chief of Protocol",
+            "type": "bridge",
+            "level": "hard",
+        },
+        {
+            "id": "5a85ea095542994775f606a8",
+            "question": "Which country is the film Amélie set in?",
+            "answer": "",
+            "type": "bridge",
+            "level": "easy",
+        },  # no usable answer: rejected
     ],
     "fullwiki": [
-        {"id": "5adbf0a255429947ff17385a", "question": "Who directed the film that Kiss and Tell (1945) was based on?",
-         "answer": "Richard Wallace", "type": "bridge", "level": "medium"},
+        {
+            "id": "5adbf0a255429947ff17385a",
+            "question": "Who directed the film that Kiss and Tell (1945) was based on?",
+            "answer": "Richard Wallace",
+            "type": "bridge",
+            "level": "medium",
+        },
     ],
-}  # fmt: skip
+}
 # 2WikiMultihopQA's dev.json: a JSON list whose records are identified by _id
 TWOWIKI = [
-    {"_id": "8813f87c0bdd11eba7f7acde48001122", "type": "compositional",
-     "question": "Who is the mother of the director of film Polish-Russian War (Film)?", "answer": "Małgorzata Braunek"},
-    {"_id": "28941e2c0bdc11eba7f7acde48001122", "type": "comparison",
-     "question": "Which film came out first, Blind Shaft or The Mask Of Fu Manchu?", "answer": "The Mask Of Fu Manchu"},
-    {"_id": "28941e2c0bdc11eba7f7acde48001122", "type": "comparison",
-     "question": "Which film came out first, Blind Shaft or The Mask Of Fu Manchu?", "answer": "The Mask of Fu Manchu"},
-]  # fmt: skip
+    {
+        "_id": "8813f87c0bdd11eba7f7acde48001122",
+        "type": "compositional",
+        "question": "Who is the mother of the director of film Polish-Russian War (Film)?",
+        "answer": "Małgorzata Braunek",
+    },
+    {
+        "_id": "28941e2c0bdc11eba7f7acde48001122",
+        "type": "comparison",
+        "question": "Which film came out first, Blind Shaft or The Mask Of Fu Manchu?",
+        "answer": "The Mask Of Fu Manchu",
+    },
+    {
+        "_id": "28941e2c0bdc11eba7f7acde48001122",
+        "type": "comparison",
+        "question": "Which film came out first, Blind Shaft or The Mask Of Fu Manchu?",
+        "answer": "The Mask of Fu Manchu",
+    },
+]
 
 
 def hotpotqa_dir(root: Path) -> Path:
@@ -462,8 +525,10 @@ def hotpotqa_dir(root: Path) -> Path:
     for config, rows in HOTPOTQA.items():
         (root / config).mkdir(parents=True)
         pd.DataFrame(rows).to_parquet(root / config / "validation-00000-of-00001.parquet")
-    configs = "".join(f"- config_name: {c}\n  data_files:\n  - split: validation\n    path: {c}/validation-*.parquet\n"
-                      for c in HOTPOTQA)
+    configs = "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: validation\n    path: {c}/validation-*.parquet\n"
+        for c in HOTPOTQA
+    )
     (root / "README.md").write_text(f"---\nconfigs:\n{configs}---\n", encoding="utf-8")
     return root
 
@@ -500,7 +565,9 @@ def test_hf_source_names_dataset_config_and_split(source, parsed):
     assert parse_hf_source(source) == parsed
 
 
-@pytest.mark.parametrize("source", ["hf:", "hf::validation", "hf:a/b:", "hf:a/b::validation", "hf:a/b:distractor:validation:x"])
+@pytest.mark.parametrize(
+    "source", ["hf:", "hf::validation", "hf:a/b:", "hf:a/b::validation", "hf:a/b:distractor:validation:x"]
+)
 def test_malformed_hf_source_is_a_source_error_that_shows_the_syntax(source, tmp_path):
     with pytest.raises(SourceError) as err:
         load_raw(source, tmp_path)  # refused before the datasets library is asked
@@ -532,8 +599,9 @@ def test_twowiki_ids_come_from_its_id_field_and_a_repeated_record_merges(tmp_pat
     assert rejected["reason"].tolist() == ["duplicate question: answers merged into the first"]
 
 
-@pytest.mark.parametrize("config, split, said", [("nope", "validation", "'nope' not found"),
-                                                 ("distractor", "test", 'Unknown split "test"')])
+@pytest.mark.parametrize(
+    "config, split, said", [("nope", "validation", "'nope' not found"), ("distractor", "test", 'Unknown split "test"')]
+)
 def test_an_unknown_config_or_split_is_a_source_error_naming_the_source(tmp_path, offline_hf, config, split, said):
     source = f"hf:{hotpotqa_dir(tmp_path / 'hotpot_qa')}:{config}:{split}"
     with pytest.raises(SourceError) as err:

@@ -28,7 +28,10 @@ def test_flare_drops_exactly_the_words_with_a_low_probability_token(tiny_llm):
     assert query == "is the capital", (query, words)  # DRAGIN's Table 1: the last generated sentence, no question
     assert flare_query(tiny_llm.tokenizer, "Q", gen, np.full(len(gen), 0.9), 0.5) == "Paris is the capital"
     # nothing left after masking (a one-word answer FLARE doubts): the input itself, FLARE's first query
-    assert flare_query(tiny_llm.tokenizer, "The capital of France is", gen[:1], probs[:1], 0.5) == "The capital of France is"
+    assert (
+        flare_query(tiny_llm.tokenizer, "The capital of France is", gen[:1], probs[:1], 0.5)
+        == "The capital of France is"
+    )
 
 
 def test_words_decode_whole_even_when_a_character_spans_two_byte_tokens(tiny_llm):
@@ -92,18 +95,26 @@ def test_stepwise_selection_finds_a_passage_that_only_a_found_concept_reaches():
 
 
 def test_chunks_never_cross_sentences_and_cover_the_text_once():
-    text = "Toulouse, the pink city, is the capital of Occitania. Its river, the Garonne, flows to Bordeaux; it is long."
+    text = (
+        "Toulouse, the pink city, is the capital of Occitania. Its river, the Garonne, flows to Bordeaux; it is long."
+    )
     blocks = chunk_passage(text, "capital of Occitania")
     assert " ".join(blocks).split() == text.split()
     first_sentence_end = text.index(".") + 1
-    assert all(not (b in text[:first_sentence_end]) or b.endswith(".") or b in text[:first_sentence_end] for b in blocks)
-    sentences = ["Toulouse, the pink city, is the capital of Occitania.", "Its river, the Garonne, flows to Bordeaux; it is long."]
+    assert all(b not in text[:first_sentence_end] or b.endswith(".") or b in text[:first_sentence_end] for b in blocks)
+    sentences = [
+        "Toulouse, the pink city, is the capital of Occitania.",
+        "Its river, the Garonne, flows to Bordeaux; it is long.",
+    ]
     assert all(any(b in s for s in sentences) for b in blocks)  # every block inside one sentence
     assert chunk_passage("Occitania, capital Toulouse, pink city.", "capital of Occitania Toulouse pink city") == [
         "Occitania, capital Toulouse, pink city."
     ]  # every clause brings query terms: one block
-    assert chunk_passage("Occitania has Toulouse, which hosts many old buildings and several large museums.", "Occitania Toulouse") == [
-        "Occitania has Toulouse,", "which hosts many old buildings and several large museums."
+    assert chunk_passage(
+        "Occitania has Toulouse, which hosts many old buildings and several large museums.", "Occitania Toulouse"
+    ) == [
+        "Occitania has Toulouse,",
+        "which hosts many old buildings and several large museums.",
     ]  # a clause without query terms starts a new block
 
 
@@ -114,4 +125,7 @@ def test_passages_render_as_numbered_blocks():
     plain = render_passages(hits, False, "q")
     assert plain == f"[1] Lumière: {CHAIN[0].text}\n[2] No title here."
     chunked = render_passages(hits, True, "Lumière brothers")
-    assert chunked.startswith("External Knowledge After Chunk:\n[1] Lumière: (1). ") and "\n[2] (1). No title here." in chunked
+    assert (
+        chunked.startswith("External Knowledge After Chunk:\n[1] Lumière: (1). ")
+        and "\n[2] (1). No title here." in chunked
+    )

@@ -16,31 +16,31 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
+
 from detectors.baselines.retrorag import word_token_ids, yes_probability
 from detectors.config.core import from_dict
 from detectors.config.rag import CtrlARefusalParams, SitParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
-from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.directions import Directions
+from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.steering import steer
 from detectors.dior.early import SEQUENCE_DIM
 from detectors.dior.early_detector import EarlyDetector
+from detectors.dior.entities import token_offsets
 from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.interfaces import Level
-from detectors.dior.entities import token_offsets
 from detectors.llm.generate import generate
 from detectors.llm.kv import PrefixStore, prefix_states
 from detectors.llm.loading import LLM
 from detectors.rag.corpus import Passage, qa_fact_passages
-from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.kinds import make_trigger
 from detectors.rag.kinds.sit import concept_spans
+from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import CtrlAQuery, make_query
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.kinds import make_trigger
 from detectors.rag.triggers import Policy, Trigger, TriggerSettings
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
@@ -79,20 +79,43 @@ def registry(tmp_path_factory, tiny_llm) -> str:
     features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
     features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
     early = EarlyDetector(
-        EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4), ["attribution", "entropy"], np.zeros(3, np.float32), np.ones(3, np.float32), 0.0,
-        features, fp, {"dtype": "float32"}, {},
-    )  # fmt: skip
+        EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4),
+        ["attribution", "entropy"],
+        np.zeros(3, np.float32),
+        np.ones(3, np.float32),
+        0.0,
+        features,
+        fp,
+        {"dtype": "float32"},
+        {},
+    )
     dim = fp.hidden_size + 3
     realtime = RealtimeDetector(
-        TokenMLP(dim, 8, 0.0).eval(), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.0, [1], [1],
-        RealtimePromptParams(template="{text}"), SPACY, fp, {"dtype": "float32"}, {},
-    )  # fmt: skip
+        TokenMLP(dim, 8, 0.0).eval(),
+        np.zeros(dim, np.float32),
+        np.ones(dim, np.float32),
+        0.0,
+        [1],
+        [1],
+        RealtimePromptParams(template="{text}"),
+        SPACY,
+        fp,
+        {"dtype": "float32"},
+        {},
+    )
     monitor = dict(PARAMS["extract_directions"]["monitor"], tau=100.0)  # every new content word is unconfident
     vectors = torch.nn.functional.normalize(torch.randn(2, fp.hidden_size), dim=-1)
     confidence = ConfidenceDetector(
-        Directions("confidence", vectors, torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1, 2], fp,
-                   {"llm": {"dtype": "float32"}, "n_statements": 4, "monitor": monitor})
-    )  # fmt: skip
+        Directions(
+            "confidence",
+            vectors,
+            torch.tensor([0.5, 0.4]),
+            torch.tensor([3.0, 5.0]),
+            [1, 2],
+            fp,
+            {"llm": {"dtype": "float32"}, "n_statements": 4, "monitor": monitor},
+        )
+    )
     uri = f"sqlite:///{root}/mlflow.db"
     store.configure(uri)
     exp = store.experiment("rag-tests", str(root / "artifacts"), root)
@@ -105,20 +128,31 @@ def registry(tmp_path_factory, tiny_llm) -> str:
 
 
 # Stitch-in-Time's validation with the words the tiny Llama has as single tokens (its P(yes) is what the test reads)
-SIT = from_dict(SitParams, {**PARAMS["rag_eval"]["sit"], "concepts": "entities", "yes_words": ["Y"], "no_words": ["N"]}, "sit")  # the tiny
+SIT = from_dict(
+    SitParams, {**PARAMS["rag_eval"]["sit"], "concepts": "entities", "yes_words": ["Y"], "no_words": ["N"]}, "sit"
+)  # the tiny
 # Llama names no concepts when instructed: the validation tests read spaCy's (the LLM's: test_sit_validates_the_concepts_the_llm_names)
 
 
 def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT, ctrla=None):
     thresholds = thresholds or {"flare": -1.0, "rind": -1.0, "sit_min": -1.0, "sit": -1.0}
-    return make_trigger(spec, tiny_llm, thresholds, SPACY, tracking_uri=registry, settings=TriggerSettings(sit=sit, ctrla=ctrla))
+    return make_trigger(
+        spec, tiny_llm, thresholds, SPACY, tracking_uri=registry, settings=TriggerSettings(sit=sit, ctrla=ctrla)
+    )
 
 
 def loop_for(spec, tiny_llm, retriever, registry, **config):
-    return RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6, **config), [trigger(spec, tiny_llm, registry)])
+    return RagLoop(
+        tiny_llm,
+        retriever,
+        RagConfig("t", PROMPT, k=1, max_new_tokens=6, **config),
+        [trigger(spec, tiny_llm, registry)],
+    )
 
 
-@pytest.mark.parametrize("spec", ["always", "t-early@champion", "t-realtime@champion", "t-confidence@champion", "flare", "rind", "sit_min"])
+@pytest.mark.parametrize(
+    "spec", ["always", "t-early@champion", "t-realtime@champion", "t-confidence@champion", "flare", "rind", "sit_min"]
+)
 def test_a_trigger_leads_to_a_retrieval_whose_passage_is_in_the_next_prompt(spec, tiny_llm, retriever, registry):
     # the tiny Llama answers "Paris." here: an entity, so Stitch-in-Time's concept-level score has something to score
     question, passage = ("The capital of Kenya is", PASSAGES[2]) if spec == "sit_min" else (QUESTION, PASSAGES[0])
@@ -142,7 +176,9 @@ def test_no_retrieval_gives_the_early_sets_greedy_answer(tiny_llm):
     features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
     expected = [r["answer"] for r in early_records(tiny_llm, QUESTIONS, [["x"]] * len(QUESTIONS), features, 8, ["\n"])]
     for batch_size in (1, 5):
-        results = RagLoop(tiny_llm, None, RagConfig("none", PROMPT, max_new_tokens=8, batch_size=batch_size)).answer_all(QUESTIONS)
+        results = RagLoop(
+            tiny_llm, None, RagConfig("none", PROMPT, max_new_tokens=8, batch_size=batch_size)
+        ).answer_all(QUESTIONS)
         assert [r.answer for r in results] == expected and not any(r.retrievals for r in results)
 
 
@@ -156,15 +192,33 @@ def test_the_early_sets_answer_tokens_are_what_the_loop_serves_the_realtime_dete
     features = dataclasses.replace(features, prompt=PROMPT, n_steps=2, ig_batch_size=2, hidden_layers=[1, -1])
     served = trigger("t-realtime@champion", tiny_llm, registry)
     detector = served.calculators[0].detector  # the registered detector the trigger serves
-    records = early_records(tiny_llm, QUESTIONS, [["Paris"]] * len(QUESTIONS), features, 8, ["\n"], detector.state_indices)
+    records = early_records(
+        tiny_llm, QUESTIONS, [["Paris"]] * len(QUESTIONS), features, 8, ["\n"], detector.state_indices
+    )
     offsets = np.cumsum([0] + [len(r["answer_ids"]) for r in records])[:-1]
-    early = pd.DataFrame([{**{k: v for k, v in r.items() if k != "answer_hidden"}, "id": f"q{i}", "split": "test", "status": "ok",
-                           "feature_dtype": "float32", "answer_hidden_offset": o} for i, (r, o) in enumerate(zip(records, offsets))])  # fmt: skip
+    early = pd.DataFrame(
+        [
+            {
+                **{k: v for k, v in r.items() if k != "answer_hidden"},
+                "id": f"q{i}",
+                "split": "test",
+                "status": "ok",
+                "feature_dtype": "float32",
+                "answer_hidden_offset": o,
+            }
+            for i, (r, o) in enumerate(zip(records, offsets))
+        ]
+    )
     hidden = np.concatenate([r["answer_hidden"] for r in records])
-    assert hidden.shape == (sum(len(r["answer_ids"]) for r in records), tiny_llm.fingerprint.hidden_size) and hidden.dtype == np.float16
+    assert (
+        hidden.shape == (sum(len(r["answer_ids"]) for r in records), tiny_llm.fingerprint.hidden_size)
+        and hidden.dtype == np.float16
+    )
     answers = answer_records(early)
     offline = detector.record_scores(answers, hidden)
-    traces = RagLoop(tiny_llm, retriever, RagConfig("none", PROMPT, max_new_tokens=8, batch_size=5), [served]).trace(QUESTIONS)
+    traces = RagLoop(tiny_llm, retriever, RagConfig("none", PROMPT, max_new_tokens=8, batch_size=5), [served]).trace(
+        QUESTIONS
+    )
     assert len(answers) == sum(len(t.gen_ids) > 0 for t in traces) > 10
     for i, (record, t) in enumerate(zip(records, traces)):
         assert record["answer_ids"] == t.gen_ids and record["answer"] == t.answer
@@ -172,22 +226,32 @@ def test_the_early_sets_answer_tokens_are_what_the_loop_serves_the_realtime_dete
         np.testing.assert_allclose(record["answer_entropy"], t.stats["entropy"], atol=1e-4)
         if t.gen_ids:
             np.testing.assert_allclose(offline[f"q{i}"], t.token_scores[served.name], atol=1e-3)
-            assert answers.set_index("id").loc[f"q{i}", "token_label"] == [int("Paris" not in record["answer"])] * len(t.gen_ids)
+            assert answers.set_index("id").loc[f"q{i}", "token_label"] == [int("Paris" not in record["answer"])] * len(
+                t.gen_ids
+            )
 
 
 def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriever, registry):
     """CtrlA's Alg. 1 (lines 6-10): a flagged segment is retrieved for, re-predicted with the passages and appended,
     never judged again; a new-content word is one outside the question and the answer so far (Eq. 3's q ∪ y<t), so a
     word that the prompt's few-shot primer shows ("Paris") still counts as new."""
-    confidence = trigger("t-confidence@champion", tiny_llm, registry)  # tau = 100: every new content word is unconfident
+    confidence = trigger(
+        "t-confidence@champion", tiny_llm, registry
+    )  # tau = 100: every new content word is unconfident
     config = RagConfig("ctrla", PROMPT, k=1, max_new_tokens=6, max_retrievals=3)
     (trace,) = RagLoop(tiny_llm, retriever, config, [confidence]).trace(["The capital of Kenya is"])
     assert trace.answer.startswith("Paris") and "Paris" in PROMPT.template
-    paris = [i for i in range(len(trace.gen_ids)) if "Paris".startswith(tiny_llm.tokenizer.decode(trace.gen_ids[: i + 1]).strip())]
+    paris = [
+        i
+        for i in range(len(trace.gen_ids))
+        if "Paris".startswith(tiny_llm.tokenizer.decode(trace.gen_ids[: i + 1]).strip())
+    ]
     assert len(paris) >= 1 and trace.stats["new_content"][paris].all()  # new, though the primer shows it
     for question in QUESTIONS[:6] + ["The capital of Kenya is"]:
         result = RagLoop(tiny_llm, retriever, config, [confidence]).answer(question)
-        segments = 1 + sum(1 for _ in re.finditer(r"[.!?]\s", result.answer))  # the answer's sentences: at most one retrieval each
+        segments = 1 + sum(
+            1 for _ in re.finditer(r"[.!?]\s", result.answer)
+        )  # the answer's sentences: at most one retrieval each
         assert len(result.retrievals) <= segments, (question, result.answer, len(result.retrievals))
     assert len(result.retrievals) == 1  # Kenya: "Paris" fired it once
 
@@ -201,18 +265,27 @@ def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm
     within max_retrievals); then it is kept. Here every re-predicted segment "refuses" (a pattern that matches any
     text)."""
     question = "The capital of Kenya is"
-    config = RagConfig("ctrla", PROMPT, context="{passages} ", k=1, max_new_tokens=6, max_retrievals=5)  # a context the tiny Llama continues
+    config = RagConfig(
+        "ctrla", PROMPT, context="{passages} ", k=1, max_new_tokens=6, max_retrievals=5
+    )  # a context the tiny Llama continues
     confidence = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)  # K = 2
     refusing = dataclasses.replace(confidence, refusal=dataclasses.replace(confidence.refusal, patterns=[r"\S"]))
     result = RagLoop(tiny_llm, retriever, config, [refusing], make_query("ctrla")).answer(question)
     assert [r.trigger for r in result.retrievals] == ["t-confidence", "t-confidence:refusal", "t-confidence:refusal"]
     first = result.retrievals[0].queries[0]
     rewritten = refusing.refusal.rewrite([question], [first])[0]
-    assert [r.queries for r in result.retrievals[1:]] == [[rewritten], [refusing.refusal.rewrite([question], [rewritten])[0]]]
+    assert [r.queries for r in result.retrievals[1:]] == [
+        [rewritten],
+        [refusing.refusal.rewrite([question], [rewritten])[0]],
+    ]
     assert rewritten != first and all(r.score == np.inf for r in result.retrievals[1:])
-    capped = RagLoop(tiny_llm, retriever, dataclasses.replace(config, max_retrievals=2), [refusing], make_query("ctrla")).answer(question)
+    capped = RagLoop(
+        tiny_llm, retriever, dataclasses.replace(config, max_retrievals=2), [refusing], make_query("ctrla")
+    ).answer(question)
     assert [r.trigger for r in capped.retrievals] == ["t-confidence", "t-confidence:refusal"]
-    kept = RagLoop(tiny_llm, retriever, config, [confidence], make_query("ctrla")).answer(question)  # no refusal: one retrieval
+    kept = RagLoop(tiny_llm, retriever, config, [confidence], make_query("ctrla")).answer(
+        question
+    )  # no refusal: one retrieval
     assert [r.trigger for r in kept.retrievals] == ["t-confidence"]
 
 
@@ -228,15 +301,30 @@ def talker(tokenizer) -> LLM:
 def test_ctrla_predicts_the_segment_after_a_retrieval_without_its_passages(talker, retriever):
     """CtrlA's Alg. 1: the passages serve the re-prediction of the flagged segment (line 8) and the next segment is
     predicted from (x, y<t) (line 4), the prompt without them; a policy that keeps the passages leaves them there."""
-    fires = Trigger("every-segment", make_trigger("flare", talker, {"flare": -1.0}, SPACY).scorer, -1.0,
-                    Policy("token", cut="segment", after_retrieval="accept", passages="segment"))  # fmt: skip
+    fires = Trigger(
+        "every-segment",
+        make_trigger("flare", talker, {"flare": -1.0}, SPACY).scorer,
+        -1.0,
+        Policy("token", cut="segment", after_retrieval="accept", passages="segment"),
+    )
     question, prompt = "The capital of France is", PromptParams(template="{question}", chat=False, system=None)
     config = RagConfig("ctrla", prompt, k=1, max_new_tokens=12, max_retrievals=3)
     plain = talker.render(question, prompt)[0]
     result = RagLoop(talker, retriever, config, [fires]).answer(question, record_prompts=True)
     assert result.answer.count(".") == 2 and len(result.retrievals) == 2  # two sentences, each retrieved for once
-    assert [p == plain for p in result.prompts] == [True, False, True, False, True]  # the last finds the end of the answer
-    keeping = RagLoop(talker, retriever, config, [dataclasses.replace(fires, policy=dataclasses.replace(fires.policy, passages="keep"))])
+    assert [p == plain for p in result.prompts] == [
+        True,
+        False,
+        True,
+        False,
+        True,
+    ]  # the last finds the end of the answer
+    keeping = RagLoop(
+        talker,
+        retriever,
+        config,
+        [dataclasses.replace(fires, policy=dataclasses.replace(fires.policy, passages="keep"))],
+    )
     assert [p == plain for p in keeping.answer(question, record_prompts=True).prompts] == [True, False, False]
 
 
@@ -245,9 +333,14 @@ def test_flare_accepts_the_regenerated_sentence_and_uses_its_passages_for_that_s
     passages and accepted, not judged again; the next sentence is predicted without those passages."""
     question, prompt = "The capital of France is", PromptParams(template="{question}", chat=False, system=None)
     config = RagConfig("flare", prompt, k=1, max_new_tokens=12, max_retrievals=3)
-    result = RagLoop(talker, retriever, config, [make_trigger("flare", talker, {"flare": -1.0}, SPACY)]).answer(question, record_prompts=True)
+    result = RagLoop(talker, retriever, config, [make_trigger("flare", talker, {"flare": -1.0}, SPACY)]).answer(
+        question, record_prompts=True
+    )
     plain = talker.render(question, prompt)[0]
-    assert result.answer.count(".") == 2 and [r.trigger for r in result.retrievals] == ["flare", "flare"]  # once a sentence
+    assert result.answer.count(".") == 2 and [r.trigger for r in result.retrievals] == [
+        "flare",
+        "flare",
+    ]  # once a sentence
     assert [p == plain for p in result.prompts] == [True, False, True, False, True]
 
 
@@ -265,23 +358,36 @@ def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_
     validation = SIT.validation_question.format(question=question, sentence="", concept="Paris")
     passes, fails = runs["passes"], runs["fails"]
     assert passes.answer == plain.answer and [r.used for r in passes.retrievals] == [False]
-    assert passes.retrievals[0].queries == [validation] and passes.retrievals[0].passage_ids == ["p3"]  # Kenya's passage
+    assert passes.retrievals[0].queries == [validation] and passes.retrievals[0].passage_ids == [
+        "p3"
+    ]  # Kenya's passage
     assert not any(PASSAGES[2].text in p for p in passes.prompts)
-    expected = yes_probability(tiny_llm, [SIT.prompt.format(passages=f"[1] Kenya: {PASSAGES[2].text}", validation_question=validation)],
-                               word_token_ids(tiny_llm.tokenizer, ["Y"]), word_token_ids(tiny_llm.tokenizer, ["N"]))  # fmt: skip
+    expected = yes_probability(
+        tiny_llm,
+        [SIT.prompt.format(passages=f"[1] Kenya: {PASSAGES[2].text}", validation_question=validation)],
+        word_token_ids(tiny_llm.tokenizer, ["Y"]),
+        word_token_ids(tiny_llm.tokenizer, ["N"]),
+    )
     assert passes.retrievals[0].gate_score == pytest.approx(float(expected[0]), abs=1e-6)
-    assert [r.used for r in fails.retrievals] == [True]  # repaired once; the repair is kept, though the trigger fires anywhere
+    assert [r.used for r in fails.retrievals] == [
+        True
+    ]  # repaired once; the repair is kept, though the trigger fires anywhere
     assert PASSAGES[2].text in fails.prompts[-1] and fails.prompts[-1].endswith(question)
     assert fails.forward_passes > passes.forward_passes
-
 
 
 def test_llm_named_concepts_cover_the_segment_tokens_of_each_phrase():
     offsets = [0, 4, 8, 9]  # segment " English." as " Eng" "lish" "."
     question = "The language of Owen Meany is"
-    assert concept_spans(question, " English.", offsets, "English, language") == [[0, 1]]  # "language" is in the question only
-    assert concept_spans(question, " English.", offsets, "1. The language of Owen Meany is English.\n2. english") == [[0, 1]]  # numbered lines
-    assert concept_spans(question, " English.", offsets, "Meany is Eng") == [[0]]  # a phrase across question and segment: its segment part
+    assert concept_spans(question, " English.", offsets, "English, language") == [
+        [0, 1]
+    ]  # "language" is in the question only
+    assert concept_spans(question, " English.", offsets, "1. The language of Owen Meany is English.\n2. english") == [
+        [0, 1]
+    ]  # numbered lines
+    assert concept_spans(question, " English.", offsets, "Meany is Eng") == [
+        [0]
+    ]  # a phrase across question and segment: its segment part
     assert concept_spans(question, " English.", offsets, "French") == []
 
 
@@ -290,7 +396,9 @@ def test_sit_validates_the_concepts_the_llm_names(tiny_llm, retriever, registry)
     the trigger scores and validates are those phrases' tokens in the segment, not spaCy's entities. (The tiny Llama
     follows no instruction: its "instruction" here opens a fact it completes with the city of its own answer.)"""
     question, config = "The capital of Kenya is", RagConfig("sit", PROMPT, k=1, max_new_tokens=6, max_retrievals=3)
-    asks_again = dataclasses.replace(SIT, concepts="llm", concepts_prompt="{sentence}\nThe capital of France is", chat=False, concept_tokens=4)
+    asks_again = dataclasses.replace(
+        SIT, concepts="llm", concepts_prompt="{sentence}\nThe capital of France is", chat=False, concept_tokens=4
+    )
     sit = trigger("sit", tiny_llm, registry, sit=dataclasses.replace(asks_again, threshold=1e-9))
     (trace,) = RagLoop(tiny_llm, retriever, config, [sit]).trace([question])
     text = tiny_llm.tokenizer.decode(trace.gen_ids, skip_special_tokens=True)
@@ -299,7 +407,10 @@ def test_sit_validates_the_concepts_the_llm_names(tiny_llm, retriever, registry)
     assert concepts and concepts == concept_spans(question, text, token_offsets(tiny_llm, trace.gen_ids), named)
     first = tiny_llm.tokenizer.decode([trace.gen_ids[i] for i in concepts[0]], skip_special_tokens=True).strip()
     result = RagLoop(tiny_llm, retriever, config, [sit]).answer(question)
-    assert result.retrievals and result.retrievals[0].queries == [SIT.validation_question.format(question=question, sentence="", concept=first)]
+    assert result.retrievals and result.retrievals[0].queries == [
+        SIT.validation_question.format(question=question, sentence="", concept=first)
+    ]
+
 
 def test_every_configuration_answers_with_dior_post_retrieval_template(tiny_llm, retriever, registry):
     """DioR §3.3.2: after a retrieval the passages come first and the question follows "Using the external knowledge
@@ -309,26 +420,36 @@ def test_every_configuration_answers_with_dior_post_retrieval_template(tiny_llm,
     assert context == "{passages}\nUsing the external knowledge provided above, please answer the following question:\n"
     assert all(c["context"] is None for c in PARAMS["rag_eval"]["configurations"].values())
     config = RagConfig("dior", PROMPT, k=1, max_new_tokens=6, context=context)
-    result = RagLoop(tiny_llm, retriever, config, [trigger("always", tiny_llm, registry)]).answer(QUESTION, record_prompts=True)
+    result = RagLoop(tiny_llm, retriever, config, [trigger("always", tiny_llm, registry)]).answer(
+        QUESTION, record_prompts=True
+    )
     instruction = "\nUsing the external knowledge provided above, please answer the following question:\n" + QUESTION
     assert PASSAGES[0].text in result.prompts[0] and result.prompts[0].endswith(instruction)
     assert result.prompts[0].index(PASSAGES[0].text) < result.prompts[0].index(instruction)
 
 
 @pytest.mark.parametrize("name, reduce", [("entropy_mean", np.mean), ("entropy_max", np.max)])
-def test_a_cheap_entropy_trigger_judges_the_answer_and_answers_again_with_the_questions_passages(name, reduce, tiny_llm, retriever):
+def test_a_cheap_entropy_trigger_judges_the_answer_and_answers_again_with_the_questions_passages(
+    name, reduce, tiny_llm, retriever
+):
     """The adaptive-retrieval study's cheap scores (arXiv 2501.12835): the answer's mean (or max) token entropy; at or
     above the threshold the loop retrieves with the question and generates the answer again with the passages, as
     always retrieving would have answered; below it, the no-retrieval answer stands."""
-    (trace,) = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [make_trigger(name, tiny_llm, None, SPACY)]).trace([QUESTION])
+    (trace,) = RagLoop(
+        tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [make_trigger(name, tiny_llm, None, SPACY)]
+    ).trace([QUESTION])
     score = float(reduce(trace.stats["entropy"]))
     assert np.nanmax(trace.token_scores[name]) == pytest.approx(score)
     config = RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1)
-    fired = RagLoop(tiny_llm, retriever, config, [make_trigger(name, tiny_llm, {name: score}, SPACY)]).answer(QUESTION, record_prompts=True)
+    fired = RagLoop(tiny_llm, retriever, config, [make_trigger(name, tiny_llm, {name: score}, SPACY)]).answer(
+        QUESTION, record_prompts=True
+    )
     assert [(r.trigger, r.queries) for r in fired.retrievals] == [(name, [QUESTION])]
     always = RagLoop(tiny_llm, retriever, config, [make_trigger("always", tiny_llm, {}, SPACY)]).answer(QUESTION)
     assert fired.answer == always.answer
-    quiet = RagLoop(tiny_llm, retriever, config, [make_trigger(name, tiny_llm, {name: score + 1e-6}, SPACY)]).answer(QUESTION)
+    quiet = RagLoop(tiny_llm, retriever, config, [make_trigger(name, tiny_llm, {name: score + 1e-6}, SPACY)]).answer(
+        QUESTION
+    )
     assert not quiet.retrievals and quiet.answer == trace.answer
 
 
@@ -343,14 +464,21 @@ def test_dior_keywords_come_from_the_whole_generated_text(tiny_llm, registry):
     detector.threshold = 0.5  # tokens below it are unflagged (the fixture's 0 flags every token)
     tok = tiny_llm.tokenizer
     prompt = tok.encode("Question: where is it?\nAnswer:", add_special_tokens=False)
-    kept, segment = tok.encode(" Paris is in France.", add_special_tokens=False), tok.encode(" It lies on the Seine in Europe", add_special_tokens=False)
+    kept, segment = (
+        tok.encode(" Paris is in France.", add_special_tokens=False),
+        tok.encode(" It lies on the Seine in Europe", add_special_tokens=False),
+    )
     stats = {"mlp": np.zeros(len(segment))}
-    view = SegmentView("where is it?", prompt + kept, segment, tok.decode(segment), stats, {}, {}, answer_start=len(prompt))
+    view = SegmentView(
+        "where is it?", prompt + kept, segment, tok.decode(segment), stats, {}, {}, answer_start=len(prompt)
+    )
     words = MlpCalculator(detector).lazy_stat("keywords", view)
     own, answer = detector.keywords(segment, stats["mlp"]), detector.keywords(kept, np.zeros(len(kept)))
     assert own and set(answer) - set(own)  # "Paris" and "France" (as the tokenizer splits them) are the kept answer's
     assert set(answer) | set(own) == set(words)
-    flagged = MlpCalculator(detector).lazy_stat("keywords", dataclasses.replace(view, stats={"mlp": np.ones(len(segment))}))
+    flagged = MlpCalculator(detector).lazy_stat(
+        "keywords", dataclasses.replace(view, stats={"mlp": np.ones(len(segment))})
+    )
     assert set(flagged) == set(answer)  # the segment's flagged tokens are no candidates; the kept answer's still are
 
 
@@ -363,8 +491,16 @@ def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_ll
     from pipelines.rag_eval import champion_versions
 
     data = copy.deepcopy(PARAMS)
-    data["rag_eval"]["configurations"] = {"rt": {"triggers": ["t-realtime@champion"], "query": "question", "stepwise": False, "chunk": False,
-                                                 "steering": None, "context": None}}  # fmt: skip
+    data["rag_eval"]["configurations"] = {
+        "rt": {
+            "triggers": ["t-realtime@champion"],
+            "query": "question",
+            "stepwise": False,
+            "chunk": False,
+            "steering": None,
+            "context": None,
+        }
+    }
     p = {"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)}
     assert champion_versions(p)["t-realtime@champion"].startswith("1:")  # the version and its run id
     detector = trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector
@@ -379,7 +515,9 @@ def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_ll
     store.promote("t-realtime", 1)
     data["rag_eval"]["configurations"]["rt"]["triggers"] = ["t-gone@champion"]
     with pytest.raises(InputError, match="rag_eval uses t-gone@champion, but t-gone is not registered"):
-        champion_versions({"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)})
+        champion_versions(
+            {"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)}
+        )
 
 
 def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm):
@@ -391,7 +529,10 @@ def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm)
     shared = store_.get(rows)
     assert store_.ids == rows[0][:shared] and store_.passes == 1
     expected = prefix_states(tiny_llm.model, torch.tensor([rows[0]]), shared)
-    assert all(torch.allclose(k, ek, atol=1e-5) and torch.allclose(v, ev, atol=1e-5) for (k, v), (ek, ev) in zip(store_.kv, expected))
+    assert all(
+        torch.allclose(k, ek, atol=1e-5) and torch.allclose(v, ev, atol=1e-5)
+        for (k, v), (ek, ev) in zip(store_.kv, expected)
+    )
     longer = [rows[1], rows[1] + ids(" a")]  # they share rows[1] but its last token (each row keeps one of its own)
     assert store_.get(longer) == len(rows[1]) - 1 and store_.passes == 2  # extends the kept prefix by one pass
     assert store_.get(rows) == shared and store_.passes == 2  # crops: nothing runs
@@ -418,6 +559,7 @@ def test_detectors_that_are_not_registered_or_not_triggers_are_refused(tiny_llm,
 
 def test_a_detector_registered_for_another_llm_is_refused(registry, tokenizer):
     from conftest import build_tiny_llama
+
     from detectors.llm.loading import LLM
 
     other = LLM.wrap(build_tiny_llama(tokenizer, seed=1, train_steps=0), tokenizer, "other")
@@ -428,7 +570,10 @@ def test_a_detector_registered_for_another_llm_is_refused(registry, tokenizer):
 def test_a_query_whose_statistics_no_trigger_measures_is_refused(tiny_llm, retriever, registry):
     with pytest.raises(ValueError, match="query 'ctrla' needs the statistic 'ctrla_eq2'"):
         RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT), [trigger("flare", tiny_llm, registry)], CtrlAQuery())
-    two = [trigger("t-realtime@champion", tiny_llm, registry), dataclasses.replace(trigger("t-realtime@champion", tiny_llm, registry), name="again")]
+    two = [
+        trigger("t-realtime@champion", tiny_llm, registry),
+        dataclasses.replace(trigger("t-realtime@champion", tiny_llm, registry), name="again"),
+    ]
     RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT), two)  # one detector's calculator serves both
 
 
@@ -440,14 +585,18 @@ def test_a_comparison_scorer_becomes_a_trigger_without_touching_the_loop(tiny_ll
     entropy = Trigger("token_entropy", TokenEntropy(Level.TOKEN), 0.0, Policy("token"))
     loop = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1), [entropy])
     (trace,) = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [entropy]).trace([QUESTION])
-    entropy.threshold = float(np.sort(trace.token_scores["token_entropy"])[-2])  # fires at the second most uncertain token or before
+    entropy.threshold = float(
+        np.sort(trace.token_scores["token_entropy"])[-2]
+    )  # fires at the second most uncertain token or before
     result = loop.answer(QUESTION)
     expected = int(np.flatnonzero(trace.stats["entropy"] >= entropy.threshold)[0])
     assert [(r.trigger, r.position) for r in result.retrievals] == [("token_entropy", expected)]
 
 
 def test_sweep_trace_and_retrieval_at_a_position(tiny_llm, retriever, registry):
-    triggers = [trigger(s, tiny_llm, registry, {"flare": 0.5, "rind": 1.0}) for s in ["t-early@champion", "flare", "rind"]]
+    triggers = [
+        trigger(s, tiny_llm, registry, {"flare": 0.5, "rind": 1.0}) for s in ["t-early@champion", "flare", "rind"]
+    ]
     loop = RagLoop(tiny_llm, retriever, RagConfig("sweep", PROMPT, k=1, max_new_tokens=6), triggers)
     (trace,) = loop.trace([QUESTION])
     assert set(trace.question_scores) == {"t-early"} and set(trace.token_scores) == {"flare", "rind"}
@@ -468,7 +617,12 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
     scores), so that rows leave and rejoin the batch at different rounds."""
     base = {"flare": 0.5, "rind": 1.0, "sit_min": 0.5, "sit": 0.5}
     specs = ["t-early@champion", *TOKEN_TRIGGERS]
-    probe = RagLoop(tiny_llm, facts, RagConfig("probe", PROMPT, max_new_tokens=8), [trigger(s, tiny_llm, registry, base) for s in specs])
+    probe = RagLoop(
+        tiny_llm,
+        facts,
+        RagConfig("probe", PROMPT, max_new_tokens=8),
+        [trigger(s, tiny_llm, registry, base) for s in specs],
+    )
     traces = probe.trace(QUESTIONS)
     triggers = {}
     for t in probe.triggers:
@@ -483,15 +637,42 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
     steering = {1: 3.0 * confidence.calculators[0].detector.directions.vectors[0]}
     config = lambda name, **kw: RagConfig(name, PROMPT, k=2, max_new_tokens=8, **kw)  # noqa: E731
     return {
-        "dior": RagLoop(tiny_llm, facts, config("dior", stepwise=True, chunk=True), [triggers["t-early"], triggers["t-realtime"]],
-                        make_query("dior", idf=facts.idf)),
-        "training-free": RagLoop(tiny_llm, facts, config("training-free"), [triggers[t] for t in ("flare", "rind", "sit_min")], make_query("qfs")),
-        "sit": RagLoop(tiny_llm, facts, config("sit"), [dataclasses.replace(triggers["sit"], validator=dataclasses.replace(
-            triggers["sit"].validator, params=dataclasses.replace(SIT, threshold=0.5)))]),
+        "dior": RagLoop(
+            tiny_llm,
+            facts,
+            config("dior", stepwise=True, chunk=True),
+            [triggers["t-early"], triggers["t-realtime"]],
+            make_query("dior", idf=facts.idf),
+        ),
+        "training-free": RagLoop(
+            tiny_llm,
+            facts,
+            config("training-free"),
+            [triggers[t] for t in ("flare", "rind", "sit_min")],
+            make_query("qfs"),
+        ),
+        "sit": RagLoop(
+            tiny_llm,
+            facts,
+            config("sit"),
+            [
+                dataclasses.replace(
+                    triggers["sit"],
+                    validator=dataclasses.replace(
+                        triggers["sit"].validator, params=dataclasses.replace(SIT, threshold=0.5)
+                    ),
+                )
+            ],
+        ),
         "ctrla": RagLoop(tiny_llm, facts, config("ctrla"), [confidence], make_query("ctrla"), steering),
-        "ctrla-refusal": RagLoop(tiny_llm, facts, config("ctrla-refusal", context="{passages} "), [dataclasses.replace(
-            handling, refusal=dataclasses.replace(handling.refusal, patterns=[r"\bis\b"]))], make_query("ctrla")),  # some re-predictions "refuse"
-    }  # fmt: skip
+        "ctrla-refusal": RagLoop(
+            tiny_llm,
+            facts,
+            config("ctrla-refusal", context="{passages} "),
+            [dataclasses.replace(handling, refusal=dataclasses.replace(handling.refusal, patterns=[r"\bis\b"]))],
+            make_query("ctrla"),
+        ),  # some re-predictions "refuse"
+    }
 
 
 def comparable(result) -> dict:
@@ -515,7 +696,9 @@ def test_answers_and_retrievals_do_not_depend_on_how_many_questions_advance_toge
         if not name.startswith("ctrla"):  # CtrlA's tau=100 fires on every new content word
             assert not all(fired), f"{name}: every question retrieved"
         if name == "ctrla-refusal":
-            assert any(x["trigger"].endswith(":refusal") for r in runs[1] for x in r["retrievals"]), "no refusal was handled"
+            assert any(x["trigger"].endswith(":refusal") for r in runs[1] for x in r["retrievals"]), (
+                "no refusal was handled"
+            )
         rounds = {len(r["retrievals"]) for r in runs[1]}
         assert len(rounds) > 1, f"{name}: every question retrieved {rounds} times (rows never left the batch apart)"
 
@@ -533,11 +716,21 @@ def offline_frame(tiny_llm, prompts: list[str], traces) -> tuple[pd.DataFrame, n
         prompt_ids, (recorded,) = generate_traced(tiny_llm, [prompt], [1], len(trace.gen_ids), chat=False)
         assert recorded.gen_ids == trace.gen_ids
         spans = trace.stats["entities"]
-        rows.append({
-            "id": f"r{i}", "split": "test", "status": "ok", "label": 0, "prompt_ids": prompt_ids[0], "gen_ids": recorded.gen_ids,
-            "prob": recorded.prob.tolist(), "entropy": recorded.entropy.tolist(), "token_label": [0] * len(trace.gen_ids),
-            "entities": json.dumps([{"tokens": s.tolist(), "hallucinated": 0} for s in spans]), "hidden_offset": sum(len(h) for h in hidden),
-        })  # fmt: skip
+        rows.append(
+            {
+                "id": f"r{i}",
+                "split": "test",
+                "status": "ok",
+                "label": 0,
+                "prompt_ids": prompt_ids[0],
+                "gen_ids": recorded.gen_ids,
+                "prob": recorded.prob.tolist(),
+                "entropy": recorded.entropy.tolist(),
+                "token_label": [0] * len(trace.gen_ids),
+                "entities": json.dumps([{"tokens": s.tolist(), "hallucinated": 0} for s in spans]),
+                "hidden_offset": sum(len(h) for h in hidden),
+            }
+        )
         hidden.append(recorded.hidden)
     return pd.DataFrame(rows), np.concatenate(hidden)
 
@@ -552,7 +745,9 @@ def test_every_online_score_equals_the_offline_score_of_the_same_tokens(tiny_llm
     from detectors.evaluation.units import realtime_token_stats, realtime_units
 
     specs = ["t-early@champion", *TOKEN_TRIGGERS]
-    loop = RagLoop(tiny_llm, facts, RagConfig("online", PROMPT, max_new_tokens=8), [trigger(s, tiny_llm, registry) for s in specs])
+    loop = RagLoop(
+        tiny_llm, facts, RagConfig("online", PROMPT, max_new_tokens=8), [trigger(s, tiny_llm, registry) for s in specs]
+    )
     traces = [t for t in loop.trace(QUESTIONS) if t.gen_ids]
     questions = [t.question for t in traces]
     prompts = [tiny_llm.render(q, PROMPT)[0] for q in questions]
@@ -574,17 +769,35 @@ def test_every_online_score_equals_the_offline_score_of_the_same_tokens(tiny_llm
     early = by["t-early"]
     features = early.calculators[0].detector.features
     records = pd.DataFrame(early_records(tiny_llm, questions, [["x"]] * len(questions), features, 8, ["\n"]))
-    np.testing.assert_allclose([t.question_scores["t-early"] for t in traces], early.scorer.score(records), atol=1e-5, err_msg="t-early")
+    np.testing.assert_allclose(
+        [t.question_scores["t-early"] for t in traces], early.scorer.score(records), atol=1e-5, err_msg="t-early"
+    )
 
     confidence = trigger("t-confidence@champion", tiny_llm, registry)
     directions = confidence.calculators[0].detector.directions
     steering = {1: 3.0 * directions.vectors[0]}
-    steered = RagLoop(tiny_llm, facts, RagConfig("steered", PROMPT, max_new_tokens=8), [confidence], steering=steering).trace(questions)
-    frame = pd.DataFrame({"id": [f"r{i}" for i in range(len(steered))], "split": "test", "prompt_ids": list(frame["prompt_ids"]),
-                          "gen_ids": [t.gen_ids for t in steered]})  # fmt: skip
+    steered = RagLoop(
+        tiny_llm, facts, RagConfig("steered", PROMPT, max_new_tokens=8), [confidence], steering=steering
+    ).trace(questions)
+    frame = pd.DataFrame(
+        {
+            "id": [f"r{i}" for i in range(len(steered))],
+            "split": "test",
+            "prompt_ids": list(frame["prompt_ids"]),
+            "gen_ids": [t.gen_ids for t in steered],
+        }
+    )
     params = confidence.calculators[0].params
     with steer(tiny_llm.model, steering):
-        offline = realtime_set(tiny_llm, directions, frame, batch_size=4).token_scores(directions.layers, params.tau, params.clip)
-    np.testing.assert_allclose(np.concatenate([t.stats["ctrla_confidence"] for t in steered]), np.concatenate(offline), atol=1e-5)
-    unsteered = realtime_set(tiny_llm, directions, frame, batch_size=4).token_scores(directions.layers, params.tau, params.clip)
-    assert not np.allclose(np.concatenate(unsteered), np.concatenate(offline), atol=1e-3)  # the monitor sees the steered stream
+        offline = realtime_set(tiny_llm, directions, frame, batch_size=4).token_scores(
+            directions.layers, params.tau, params.clip
+        )
+    np.testing.assert_allclose(
+        np.concatenate([t.stats["ctrla_confidence"] for t in steered]), np.concatenate(offline), atol=1e-5
+    )
+    unsteered = realtime_set(tiny_llm, directions, frame, batch_size=4).token_scores(
+        directions.layers, params.tau, params.clip
+    )
+    assert not np.allclose(
+        np.concatenate(unsteered), np.concatenate(offline), atol=1e-3
+    )  # the monitor sees the steered stream

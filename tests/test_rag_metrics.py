@@ -12,26 +12,67 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import ROOT
 from mlflow.entities import ViewType
 
-from conftest import ROOT
 from detectors.config import ParamsError, load_section
 from detectors.errors import InputError
 from detectors.rag.answer_metrics import FAILED, METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
-from detectors.rag.sweep import Outcome, candidate_thresholds, curve, curves, question_outcomes, records, sweep_line, trace_events
 from detectors.rag.kinds import check_specs
+from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
+from detectors.rag.sweep import (
+    Outcome,
+    candidate_thresholds,
+    curve,
+    curves,
+    question_outcomes,
+    records,
+    sweep_line,
+    trace_events,
+)
 from detectors.registry import store
 from pipelines._rag_runtime import Run, run_questions
-from pipelines.rag_eval import choose_candidates, other_template, references, split_questions, tuning_candidates, write_curves, write_prompts
+from pipelines.rag_eval import (
+    choose_candidates,
+    other_template,
+    references,
+    split_questions,
+    tuning_candidates,
+    write_curves,
+    write_prompts,
+)
 
 
-def result(answer: str, retrievals: list[list[str]] = (), error: str | None = None, passes: int = 10, tokens: int = 4, wall: float = 0.5) -> dict:
+def result(
+    answer: str,
+    retrievals: list[list[str]] = (),
+    error: str | None = None,
+    passes: int = 10,
+    tokens: int = 4,
+    wall: float = 0.5,
+) -> dict:
     """A stored RagResult (``dataclasses.asdict`` shape) with one retrieval per passage list."""
-    rets = [{"trigger": "flare", "position": 0, "score": 0.9, "queries": ["q"], "passage_ids": [str(i) for i in range(len(p))], "passages": p}
-            for p in retrievals]  # fmt: skip
-    return {"question": "q", "answer": answer, "retrievals": rets, "forward_passes": passes, "generated_tokens": tokens,
-            "wall_s": wall, "prompts": [], "error": error}  # fmt: skip
+    rets = [
+        {
+            "trigger": "flare",
+            "position": 0,
+            "score": 0.9,
+            "queries": ["q"],
+            "passage_ids": [str(i) for i in range(len(p))],
+            "passages": p,
+        }
+        for p in retrievals
+    ]
+    return {
+        "question": "q",
+        "answer": answer,
+        "retrievals": rets,
+        "forward_passes": passes,
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "prompts": [],
+        "error": error,
+    }
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
@@ -57,7 +98,9 @@ def test_accuracy_and_answer_recall_are_whole_word_containment():
 
 def test_summarise_gives_every_metric_of_one_configuration():
     results = [
-        result("Paris", [["Lyon"], ["Paris is in France"]], passes=12, tokens=6, wall=1.0),  # right, 2 retrievals, 1 recalled
+        result(
+            "Paris", [["Lyon"], ["Paris is in France"]], passes=12, tokens=6, wall=1.0
+        ),  # right, 2 retrievals, 1 recalled
         result("Rome", [["nothing here"]], error="no passage retrieved", passes=8, tokens=2, wall=0.5),
         result("Berlin, Germany", passes=4, tokens=4, wall=0.0),
     ]
@@ -67,7 +110,11 @@ def test_summarise_gives_every_metric_of_one_configuration():
     assert m["f1"] == pytest.approx((1 + 0 + 2 * 0.5 / 1.5) / 3)
     assert m["retrievals_per_question"] == 1.0 and m["trigger_rate"] == pytest.approx(2 / 3)
     assert m["answer_recall_at_k"] == pytest.approx(1 / 3)  # 3 retrievals, one holds a reference
-    assert (m["forward_passes_per_question"], m["generated_tokens_per_question"], m["wall_s_per_question"]) == (8.0, 4.0, 0.5)
+    assert (m["forward_passes_per_question"], m["generated_tokens_per_question"], m["wall_s_per_question"]) == (
+        8.0,
+        4.0,
+        0.5,
+    )
     assert (m["n"], m["failed"], m["no_passage"]) == (3, 0, 1)  # nothing retrieved is an outcome, not a failure
     assert summarise([result("x")], [["y"]])["answer_recall_at_k"] is None  # nothing retrieved: no recall, not 0
 
@@ -116,7 +163,10 @@ def test_tied_scores_change_together_whatever_the_order_of_the_questions():
     assert c.accuracy.tolist() == pytest.approx([0.5, 0.75, 1.0, 1.0])
     for order in ([3, 2, 1, 0], [1, 3, 0, 2]):
         other = curve("tie", [outcomes[i] for i in order])
-        assert other.retrieval_rate.tolist() == c.retrieval_rate.tolist() and other.accuracy.tolist() == c.accuracy.tolist()
+        assert (
+            other.retrieval_rate.tolist() == c.retrieval_rate.tolist()
+            and other.accuracy.tolist() == c.accuracy.tolist()
+        )
         assert other.area == c.area
 
 
@@ -167,19 +217,35 @@ def test_stored_sweep_lines_give_each_triggers_curve():
 
 def test_paired_intervals_compare_each_configuration_with_the_references_on_the_same_questions():
     refs = [["Rome"]] * 20
-    answers = {"no-retrieval": ["Rome"] * 10 + ["x"] * 10, "single-round": ["Rome"] * 16 + ["x"] * 4,
-               "one-more": ["Rome"] * 11 + ["x"] * 9, "reversed": ["x"] * 10 + ["Rome"] * 10}  # fmt: skip
+    answers = {
+        "no-retrieval": ["Rome"] * 10 + ["x"] * 10,
+        "single-round": ["Rome"] * 16 + ["x"] * 4,
+        "one-more": ["Rome"] * 11 + ["x"] * 9,
+        "reversed": ["x"] * 10 + ["Rome"] * 10,
+    }
     results = {name: [result(a) for a in values] for name, values in answers.items()}
     deltas = reference_deltas(results, refs, {"never": "no-retrieval", "always": "single-round"}, n=500, seed=1)
     assert deltas["no-retrieval"]["accuracy_vs_never"] == 0 and deltas["no-retrieval"]["accuracy_vs_never_ci_low"] == 0
-    assert deltas["single-round"]["accuracy_vs_never"] == pytest.approx(0.3) and deltas["no-retrieval"]["accuracy_vs_always"] == pytest.approx(-0.3)
+    assert deltas["single-round"]["accuracy_vs_never"] == pytest.approx(0.3) and deltas["no-retrieval"][
+        "accuracy_vs_always"
+    ] == pytest.approx(-0.3)
     # paired: one question better and none worse never resamples below 0 (an unpaired interval would)
     one = deltas["one-more"]
-    assert one["accuracy_vs_never"] == pytest.approx(0.05) and one["accuracy_vs_never_ci_low"] == 0 and 0 < one["accuracy_vs_never_ci_high"] <= 0.15
+    assert (
+        one["accuracy_vs_never"] == pytest.approx(0.05)
+        and one["accuracy_vs_never_ci_low"] == 0
+        and 0 < one["accuracy_vs_never_ci_high"] <= 0.15
+    )
     # the same accuracy on other questions: a zero difference with a wide interval
     rev = deltas["reversed"]
-    assert rev["accuracy_vs_never"] == 0 and rev["accuracy_vs_never_ci_low"] < -0.2 and rev["accuracy_vs_never_ci_high"] > 0.2
-    assert reference_deltas(results, refs, {"never": "absent"})["one-more"] == {}  # a reference that did not run: no difference
+    assert (
+        rev["accuracy_vs_never"] == 0
+        and rev["accuracy_vs_never_ci_low"] < -0.2
+        and rev["accuracy_vs_never_ci_high"] > 0.2
+    )
+    assert (
+        reference_deltas(results, refs, {"never": "absent"})["one-more"] == {}
+    )  # a reference that did not run: no difference
 
 
 def test_the_references_are_the_configurations_that_never_and_always_retrieve():
@@ -214,32 +280,60 @@ def test_a_configurations_candidates_are_its_curves_best_point_and_the_points_ne
 
 def test_each_configuration_is_tried_at_its_triggers_candidates_together_and_fixed_thresholds_stay():
     section = load_section("rag_eval", data=rag_params())
-    curves_ = {"a": val_curve([0.9, 0.7, 0.5, 0.2], [False, False, True, True], [True, True, False, True]),
-               "b": val_curve([0.8, 0.6, 0.4, 0.1], [True, True, True, True], [False, False, False, False])}  # fmt: skip
-    configs = {name: section.configurations["flare"].__class__(**{**section.configurations["flare"].__dict__, "triggers": t})
-               for name, t in {"none": [], "always": ["always"], "one": ["a"], "two": ["a", "b@champion"]}.items()}  # fmt: skip
+    curves_ = {
+        "a": val_curve([0.9, 0.7, 0.5, 0.2], [False, False, True, True], [True, True, False, True]),
+        "b": val_curve([0.8, 0.6, 0.4, 0.1], [True, True, True, True], [False, False, False, False]),
+    }
+    configs = {
+        name: section.configurations["flare"].__class__(**{**section.configurations["flare"].__dict__, "triggers": t})
+        for name, t in {"none": [], "always": ["always"], "one": ["a"], "two": ["a", "b@champion"]}.items()
+    }
     got = tuning_candidates(configs, "wiki", curves_, {}, [0.3, 0.7])
     assert got["none"] == [{}] and got["always"] == [{}]  # nothing to choose: one run
     assert got["one"] == [{"a": 0.7}, {"a": 0.9}, {"a": 0.5}]
-    assert got["two"] == [{"a": 0.7, "b": float("inf")}, {"a": 0.9, "b": 0.8}, {"a": 0.5, "b": 0.4}]  # b never helps: its best point never retrieves
-    assert tuning_candidates(configs, "wiki", curves_, {"a": 0.1}, [0.3, 0.7])["one"] == [{"a": 0.1}]  # fixed in params: tried once
+    assert got["two"] == [
+        {"a": 0.7, "b": float("inf")},
+        {"a": 0.9, "b": 0.8},
+        {"a": 0.5, "b": 0.4},
+    ]  # b never helps: its best point never retrieves
+    assert tuning_candidates(configs, "wiki", curves_, {"a": 0.1}, [0.3, 0.7])["one"] == [
+        {"a": 0.1}
+    ]  # fixed in params: tried once
 
 
 def test_the_chosen_point_is_the_most_accurate_then_the_one_retrieving_least():
     answers = [["x"], ["y"]]
-    line = lambda answer, n: {"answer": answer, "retrievals": [{"passages": []}] * n, "forward_passes": 1, "generated_tokens": 1, "wall_s": 0.1,
-                              "error": None}  # noqa: E731, fmt: skip
+
+    def line(answer, n):
+        return {
+            "answer": answer,
+            "retrievals": [{"passages": []}] * n,
+            "forward_passes": 1,
+            "generated_tokens": 1,
+            "wall_s": 0.1,
+            "error": None,
+        }
+
     candidates = {"c": [{"t": 0.7}, {"t": 0.9}, {"t": 0.5}]}
-    lines = {"c/0": [line("x", 1), line("no", 1)], "c/1": [line("x", 1), line("y", 2)], "c/2": [line("x", 1), line("y", 1)]}
+    lines = {
+        "c/0": [line("x", 1), line("no", 1)],
+        "c/1": [line("x", 1), line("y", 2)],
+        "c/2": [line("x", 1), line("y", 1)],
+    }
     got = choose_candidates(candidates, lines, answers)["c"]
-    assert got["chosen"] == 2 and got["thresholds"] == {"t": 0.5}  # c/1 and c/2 answer both; c/2 retrieves less (1 vs 1.5)
+    assert got["chosen"] == 2 and got["thresholds"] == {
+        "t": 0.5
+    }  # c/1 and c/2 answer both; c/2 retrieves less (1 vs 1.5)
     assert [c["accuracy"] for c in got["candidates"]] == [0.5, 1.0, 1.0]
     lines["c/2"] = [line("x", 2), line("y", 1)]
     assert choose_candidates(candidates, lines, answers)["c"]["chosen"] == 1  # a tie in both: the earlier candidate
 
 
 def test_a_curves_area_over_random_has_a_bootstrap_interval():
-    lines = [sweep_line({"t": [(0.9, 0)] if needed else [(0.1, 0)]}, "x", {0: "Rome" if needed else "x"}, ["Rome"]) for needed in [True, False] * 10]
+    lines = [
+        sweep_line({"t": [(0.9, 0)] if needed else [(0.1, 0)]}, "x", {0: "Rome" if needed else "x"}, ["Rome"])
+        for needed in [True, False] * 10
+    ]
     (c,) = curves(lines, ["t"], bootstrap=300, seed=0).values()
     assert c.area - c.random_area == pytest.approx(0.125)  # a perfect trigger: 0.375 against 0.25
     low, high = c.interval
@@ -251,22 +345,44 @@ def test_a_trained_triggers_area_is_compared_with_the_best_training_free_ones_on
     # "perfect" ranks the questions that need retrieval first; "half" only half of them; "blind" none
     lines = []
     for i, needed in enumerate([True, False] * 10):
-        events = {"perfect": [(0.9 if needed else 0.1, 0)], "half": [(0.9 if needed and i % 4 == 0 else 0.5, 0)], "blind": [(0.5, 0)]}
+        events = {
+            "perfect": [(0.9 if needed else 0.1, 0)],
+            "half": [(0.9 if needed and i % 4 == 0 else 0.5, 0)],
+            "blind": [(0.5, 0)],
+        }
         lines.append(sweep_line(events, "x", {0: "Rome" if needed else "x"}, ["Rome"]))
-    out = curves(lines, ["perfect", "half", "blind"], bootstrap=300, seed=0, kinds={"perfect": "detector", "half": "baseline", "blind": "baseline"})
-    assert out["perfect"].best_free == out["blind"].best_free == out["half"].best_free == "half" and out["half"].over_best_free == 0
-    assert out["perfect"].over_best_free == pytest.approx(out["perfect"].area - out["half"].area) and out["perfect"].over_best_free > 0
+    out = curves(
+        lines,
+        ["perfect", "half", "blind"],
+        bootstrap=300,
+        seed=0,
+        kinds={"perfect": "detector", "half": "baseline", "blind": "baseline"},
+    )
+    assert (
+        out["perfect"].best_free == out["blind"].best_free == out["half"].best_free == "half"
+        and out["half"].over_best_free == 0
+    )
+    assert (
+        out["perfect"].over_best_free == pytest.approx(out["perfect"].area - out["half"].area)
+        and out["perfect"].over_best_free > 0
+    )
     low, high = out["perfect"].over_best_free_interval
     assert 0 <= low <= out["perfect"].over_best_free <= high  # paired: never worse on a resample
     assert out["perfect"].summary()["best_training_free"] == "half"
 
 
 def test_against_always_a_configuration_saves_retrievals_at_its_accuracy_or_loses_accuracy():
-    configs = {"single-round": {"accuracy": 0.80, "retrievals_per_question": 1.0}, "thrifty": {"accuracy": 0.81, "retrievals_per_question": 0.7},
-               "eager": {"accuracy": 0.92, "retrievals_per_question": 3.0}, "lossy": {"accuracy": 0.78, "retrievals_per_question": 0.5}}  # fmt: skip
+    configs = {
+        "single-round": {"accuracy": 0.80, "retrievals_per_question": 1.0},
+        "thrifty": {"accuracy": 0.81, "retrievals_per_question": 0.7},
+        "eager": {"accuracy": 0.92, "retrievals_per_question": 3.0},
+        "lossy": {"accuracy": 0.78, "retrievals_per_question": 0.5},
+    }
     trade = versus_always(configs, "single-round")
     assert trade["single-round"] == {"retrievals_saved_vs_always": 0.0}
-    assert trade["thrifty"]["retrievals_saved_vs_always"] == pytest.approx(0.3) and trade["eager"]["retrievals_saved_vs_always"] == pytest.approx(-2.0)
+    assert trade["thrifty"]["retrievals_saved_vs_always"] == pytest.approx(0.3) and trade["eager"][
+        "retrievals_saved_vs_always"
+    ] == pytest.approx(-2.0)
     assert trade["lossy"] == {"accuracy_lost_vs_always": pytest.approx(0.02)}
     assert versus_always(configs, "absent") == {name: {} for name in configs}
     md = markdown_table({"facts": {name: {**metrics_of(0.5), **configs[name], **trade[name]} for name in configs}})
@@ -277,23 +393,50 @@ def test_against_always_a_configuration_saves_retrievals_at_its_accuracy_or_lose
 
 
 def metrics_of(em: float, recall: float | None = 0.5) -> dict:
-    return {"em": em, "f1": em + 0.1, "accuracy": em + 0.2, "retrievals_per_question": 1.0, "trigger_rate": 0.5,
-            "forward_passes_per_question": 12.0, "generated_tokens_per_question": 6.0, "wall_s_per_question": 0.25,
-            "answer_recall_at_k": recall, "n": 10, "failed": 0, "no_passage": 0}  # fmt: skip
+    return {
+        "em": em,
+        "f1": em + 0.1,
+        "accuracy": em + 0.2,
+        "retrievals_per_question": 1.0,
+        "trigger_rate": 0.5,
+        "forward_passes_per_question": 12.0,
+        "generated_tokens_per_question": 6.0,
+        "wall_s_per_question": 0.25,
+        "answer_recall_at_k": recall,
+        "n": 10,
+        "failed": 0,
+        "no_passage": 0,
+    }
 
 
 METRICS_BY_CORPUS = {
     "wiki": {"no-retrieval": metrics_of(0.2, None), "flare": metrics_of(0.3)},
     "facts": {"no-retrieval": metrics_of(0.2, None), "flare": metrics_of(0.2)},
 }
-SWEEP = {"corpus": "facts", "query": "question", "curves": {"flare": curve("flare", [needs(0.9, True), needs(0.1, False)]).summary()}}
+SWEEP = {
+    "corpus": "facts",
+    "query": "question",
+    "curves": {"flare": curve("flare", [needs(0.9, True), needs(0.1, False)]).summary()},
+}
 
 
 def test_markdown_table_has_a_block_per_corpus_and_the_best_in_bold():
     assert "Acc − no retrieval" not in markdown_table(METRICS_BY_CORPUS)  # no row without differences
-    with_deltas = {corpus: {name: {**m, "accuracy_vs_never": 0.1 if name == "flare" else 0.0, "accuracy_vs_never_ci_low": -0.02,
-                                   "accuracy_vs_never_ci_high": 0.21} for name, m in configs.items()} for corpus, configs in METRICS_BY_CORPUS.items()}  # fmt: skip
-    assert "| Acc − no retrieval [95% CI] | +0.000 [-0.020, +0.210] | +0.100 [-0.020, +0.210] |" in markdown_table(with_deltas)
+    with_deltas = {
+        corpus: {
+            name: {
+                **m,
+                "accuracy_vs_never": 0.1 if name == "flare" else 0.0,
+                "accuracy_vs_never_ci_low": -0.02,
+                "accuracy_vs_never_ci_high": 0.21,
+            }
+            for name, m in configs.items()
+        }
+        for corpus, configs in METRICS_BY_CORPUS.items()
+    }
+    assert "| Acc − no retrieval [95% CI] | +0.000 [-0.020, +0.210] | +0.100 [-0.020, +0.210] |" in markdown_table(
+        with_deltas
+    )
     md = markdown_table(METRICS_BY_CORPUS)
     wiki, facts = md.split("### corpus `facts`")
     assert "| metric | no-retrieval | flare |" in wiki
@@ -312,30 +455,73 @@ def tracking(tmp_path):
 
 
 def test_log_rag_runs_logs_one_run_per_corpus_and_configuration_and_replaces_earlier_ones(tracking):
-    params = {"no-retrieval": {"triggers": [], "query": "question", "stepwise": False, "chunk": False, "steering": None, "context": None},
-              "flare": {"triggers": ["flare"], "query": "flare", "stepwise": False, "chunk": False, "steering": None, "context": None}}  # fmt: skip
+    params = {
+        "no-retrieval": {
+            "triggers": [],
+            "query": "question",
+            "stepwise": False,
+            "chunk": False,
+            "steering": None,
+            "context": None,
+        },
+        "flare": {
+            "triggers": ["flare"],
+            "query": "flare",
+            "stepwise": False,
+            "chunk": False,
+            "steering": None,
+            "context": None,
+        },
+    }
     digests = {"wiki": "w1", "facts": "f1"}
-    first = log_rag_runs(METRICS_BY_CORPUS, SWEEP, params, "rag-test", {"llm": "tiny", "llm_digest": "abc"}, tracking, digests)
+    first = log_rag_runs(
+        METRICS_BY_CORPUS, SWEEP, params, "rag-test", {"llm": "tiny", "llm_digest": "abc"}, tracking, digests
+    )
     runs = mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)
     assert sorted(runs["run_id"]) == sorted(first) and len(first) == 5  # 2 corpora x 2 configurations + 1 swept trigger
     config_runs = runs[runs["tags.configuration"] != "sweep"]
-    names = {frozenset(c[len("metrics."):] for c in runs.columns if c.startswith("metrics.") and not pd.isna(row[c])) for _, row in config_runs.iterrows()}
-    assert names == {frozenset(METRICS) - {"answer_recall_at_k"}, frozenset(METRICS)}  # the same names; a None recall left out
-    flare_wiki = config_runs[(config_runs["tags.corpus"] == "wiki") & (config_runs["tags.configuration"] == "flare")].iloc[0]
-    assert (flare_wiki["tags.triggers"], flare_wiki["tags.query"], flare_wiki["tags.corpus_digest"], flare_wiki["tags.llm_digest"]) == ("flare", "flare", "w1", "abc")
+    names = {
+        frozenset(c[len("metrics.") :] for c in runs.columns if c.startswith("metrics.") and not pd.isna(row[c]))
+        for _, row in config_runs.iterrows()
+    }
+    assert names == {
+        frozenset(METRICS) - {"answer_recall_at_k"},
+        frozenset(METRICS),
+    }  # the same names; a None recall left out
+    flare_wiki = config_runs[
+        (config_runs["tags.corpus"] == "wiki") & (config_runs["tags.configuration"] == "flare")
+    ].iloc[0]
+    assert (
+        flare_wiki["tags.triggers"],
+        flare_wiki["tags.query"],
+        flare_wiki["tags.corpus_digest"],
+        flare_wiki["tags.llm_digest"],
+    ) == ("flare", "flare", "w1", "abc")
     assert flare_wiki["metrics.em"] == 0.3 and flare_wiki["params.stepwise"] == "False"
     assert set(config_runs[config_runs["tags.configuration"] == "no-retrieval"]["tags.triggers"]) == {"none"}
     sweep = runs[runs["tags.configuration"] == "sweep"].iloc[0]
     assert (sweep["tags.trigger"], sweep["metrics.area"], sweep["metrics.rate_to_always"]) == ("flare", 0.875, 0.5)
 
-    second = log_rag_runs(METRICS_BY_CORPUS, None, params, "rag-test", {"llm": "tiny", "llm_digest": "abc"}, tracking, digests)
+    second = log_rag_runs(
+        METRICS_BY_CORPUS, None, params, "rag-test", {"llm": "tiny", "llm_digest": "abc"}, tracking, digests
+    )
     active = mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)
     assert sorted(active["run_id"]) == sorted(second) and len(second) == 4
     with pytest.raises(ValueError, match=r"configurations \['flare'\] have metrics but no params"):
-        log_rag_runs(METRICS_BY_CORPUS, None, {"no-retrieval": params["no-retrieval"]}, "rag-test", {"llm_digest": "abc"}, tracking, digests)
+        log_rag_runs(
+            METRICS_BY_CORPUS,
+            None,
+            {"no-retrieval": params["no-retrieval"]},
+            "rag-test",
+            {"llm_digest": "abc"},
+            tracking,
+            digests,
+        )
     with pytest.raises(ValueError, match=r"corpora \['facts'\] have no digest"):
         log_rag_runs(METRICS_BY_CORPUS, None, params, "rag-test", {"llm_digest": "abc"}, tracking, {"wiki": "w1"})
-    assert len(mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)) == 4  # refused before logging
+    assert (
+        len(mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)) == 4
+    )  # refused before logging
 
 
 # ---- the rag_eval params section -----------------------------------------------------------------------------------
@@ -345,20 +531,27 @@ def rag_params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
-@pytest.mark.parametrize("path, value, message", [
-    (("configurations", "flare", "triggers"), ["flare", "dior early"], r"triggers\[1\] = 'dior early'.*<name>@<alias>"),
-    (("configurations", "flare", "query"), "hyde", r"configurations.flare.query = 'hyde': must be one of"),
-    (("configurations", "flare", "steering"), "ctrla-honesty", r"steering = 'ctrla-honesty'.*<name>@<alias>"),
-    (("sweep", "corpus"), "web", r"sweep.corpus = 'web': must be one of rag_eval.corpora"),
-    (("sweep", "query"), "dior", r"sweep.query = 'dior': must be one of \['question'\]"),
-    (("thresholds", "rind"), "validation", r"thresholds.rind = 'validation': expected a number"),
-    (("thresholds", "entropy"), 0.5, r"thresholds.entropy = 0.5: not a trigger of the configurations"),
-    (("configurations", "utility", "triggers"), ["utility-{corpus}"], r"utility-\{corpus\}.*<name>@<alias>"),
-    (("context",), "{question}", r"context = '\{question\}': must contain \{passages\}"),
-    (("corpora",), [], r"corpora = \[\]: name at least one corpus"),
-    (("corpora",), ["wiki", "sweep"], r"corpora\[1\] = 'sweep': .* keys of the metrics file"),
-    (("questions",), 0, r"questions = 0: must be positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        (
+            ("configurations", "flare", "triggers"),
+            ["flare", "dior early"],
+            r"triggers\[1\] = 'dior early'.*<name>@<alias>",
+        ),
+        (("configurations", "flare", "query"), "hyde", r"configurations.flare.query = 'hyde': must be one of"),
+        (("configurations", "flare", "steering"), "ctrla-honesty", r"steering = 'ctrla-honesty'.*<name>@<alias>"),
+        (("sweep", "corpus"), "web", r"sweep.corpus = 'web': must be one of rag_eval.corpora"),
+        (("sweep", "query"), "dior", r"sweep.query = 'dior': must be one of \['question'\]"),
+        (("thresholds", "rind"), "validation", r"thresholds.rind = 'validation': expected a number"),
+        (("thresholds", "entropy"), 0.5, r"thresholds.entropy = 0.5: not a trigger of the configurations"),
+        (("configurations", "utility", "triggers"), ["utility-{corpus}"], r"utility-\{corpus\}.*<name>@<alias>"),
+        (("context",), "{question}", r"context = '\{question\}': must contain \{passages\}"),
+        (("corpora",), [], r"corpora = \[\]: name at least one corpus"),
+        (("corpora",), ["wiki", "sweep"], r"corpora\[1\] = 'sweep': .* keys of the metrics file"),
+        (("questions",), 0, r"questions = 0: must be positive"),
+    ],
+)
 def test_bad_rag_eval_params_are_refused_naming_the_key(path, value, message):
     data = rag_params()
     node = data["rag_eval"]
@@ -373,7 +566,10 @@ def test_an_unknown_trigger_is_refused_before_any_work_naming_the_known_ones():
     """A training-free trigger's name is checked against the trigger registry when rag_eval starts (the params section
     checks the spelling only; it does not import the triggers)."""
     check_specs(["flare", "sit", "dior-early@champion", "utility-facts@champion"])
-    with pytest.raises(InputError, match=r"trigger 'dior-early': name one of always, flare, rind, sit_min, sit, entropy_mean, entropy_max or a registered detector as <name>@<alias>"):
+    with pytest.raises(
+        InputError,
+        match=r"trigger 'dior-early': name one of always, flare, rind, sit_min, sit, entropy_mean, entropy_max or a registered detector as <name>@<alias>",
+    ):
         check_specs(["flare", "dior-early"])
 
 
@@ -389,8 +585,14 @@ def test_rag_eval_params_fix_thresholds_by_trigger_name():
 
 
 def qa_table() -> pd.DataFrame:
-    return pd.DataFrame({"id": [f"q{i}" for i in range(8)], "question": [f"question {i}" for i in range(8)],
-                         "answers": [[f"a{i}"] for i in range(8)], "split": ["test", "train"] * 4})  # fmt: skip
+    return pd.DataFrame(
+        {
+            "id": [f"q{i}" for i in range(8)],
+            "question": [f"question {i}" for i in range(8)],
+            "answers": [[f"a{i}"] for i in range(8)],
+            "split": ["test", "train"] * 4,
+        }
+    )
 
 
 def test_test_questions_are_a_deterministic_sample_of_the_test_split():
@@ -417,7 +619,13 @@ class Answerer:
                 raise KeyboardInterrupt
             self.calls.append((question, record))
             answer = "a0" if question.endswith("0") else "wrong"
-            error = "no passage retrieved" if question.endswith("4") else f"{FAILED} RuntimeError: boom" if question in self.failing else None
+            error = (
+                "no passage retrieved"
+                if question.endswith("4")
+                else f"{FAILED} RuntimeError: boom"
+                if question in self.failing
+                else None
+            )
             out.append(result(answer, error=error) | {"prompts": [f"prompt of {question}"] if record else []})
         return out
 
@@ -434,17 +642,33 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     assert again.calls == [("question 2", False), ("question 3", False), ("question 4", False)]  # only the missing ones
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
     assert lines[0]["prompts"] == ["prompt of question 0"] and lines[2]["prompts"] == []  # prompts of the first 2 only
-    assert sorted(p.name for p in run.glob("shard-*")) == ["shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
+    assert sorted(p.name for p in run.glob("shard-*")) == [
+        "shard-00000.parquet",
+        "shard-00001.parquet",
+        "shard-00002.parquet",
+    ]
     m = summarise(lines, [[f"a{i}"] for i in range(5)])
-    assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (0.2, 1, 0, 5)  # a recorded outcome is counted, not a crash
+    assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (
+        0.2,
+        1,
+        0,
+        5,
+    )  # a recorded outcome is counted, not a crash
 
     nothing = Answerer()
-    assert run_questions([Run("r", run, {"code": "1"}, nothing, 2)], rows, "wiki · flare", shard_size=2)["r"] == lines and nothing.calls == []
+    assert (
+        run_questions([Run("r", run, {"code": "1"}, nothing, 2)], rows, "wiki · flare", shard_size=2)["r"] == lines
+        and nothing.calls == []
+    )
     other = Answerer()
-    run_questions([Run("r", run, {"code": "2"}, other, 2)], rows, "wiki · flare", shard_size=2)["r"]  # other code: every question again
+    run_questions([Run("r", run, {"code": "2"}, other, 2)], rows, "wiki · flare", shard_size=2)[
+        "r"
+    ]  # other code: every question again
     assert len(other.calls) == 5
     fewer = Answerer()
-    run_questions([Run("r", run, {"code": "2"}, fewer, 2)], rows.iloc[1:], "wiki · flare", shard_size=2)["r"]  # other questions: their shards differ
+    run_questions([Run("r", run, {"code": "2"}, fewer, 2)], rows.iloc[1:], "wiki · flare", shard_size=2)[
+        "r"
+    ]  # other questions: their shards differ
     assert len(fewer.calls) == 4
 
 
@@ -465,22 +689,40 @@ def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
 
     shards = []
     runs = [Run("a", tmp_path / "a", {"code": "1"}, Logged("a")), Run("b", tmp_path / "b", {"code": "1"}, Logged("b"))]
-    lines = run_questions(runs, rows, "wiki · 2 configurations", shard_size=2, on_shard=lambda: shards.append(len(order)))
-    assert order == [("a", ("question 0", "question 1")), ("b", ("question 0", "question 1")), ("a", ("question 2", "question 3")),
-                     ("b", ("question 2", "question 3"))]  # fmt: skip
+    lines = run_questions(
+        runs, rows, "wiki · 2 configurations", shard_size=2, on_shard=lambda: shards.append(len(order))
+    )
+    assert order == [
+        ("a", ("question 0", "question 1")),
+        ("b", ("question 0", "question 1")),
+        ("a", ("question 2", "question 3")),
+        ("b", ("question 2", "question 3")),
+    ]
     assert shards == [0, 2] and set(lines) == {"a", "b"} and [x["id"] for x in lines["b"]] == ["q0", "q1", "q2", "q3"]
     order.clear()
-    runs = [Run("a", tmp_path / "a", {"code": "1"}, Logged("a")), Run("b", tmp_path / "b", {"code": "2"}, Logged("b"))]  # b's code changed
+    runs = [
+        Run("a", tmp_path / "a", {"code": "1"}, Logged("a")),
+        Run("b", tmp_path / "b", {"code": "2"}, Logged("b")),
+    ]  # b's code changed
     again = run_questions(runs, rows, "wiki · 2 configurations", shard_size=2)
-    assert order == [("b", ("question 0", "question 1")), ("b", ("question 2", "question 3"))] and again["a"] == lines["a"]
+    assert (
+        order == [("b", ("question 0", "question 1")), ("b", ("question 2", "question 3"))] and again["a"] == lines["a"]
+    )
 
 
 def test_a_question_whose_loop_raised_is_answered_again_by_the_next_run(tmp_path):
     rows = pd.DataFrame({"id": [f"q{i}" for i in range(4)], "question": [f"question {i}" for i in range(4)]})
-    first = run_questions([Run("r", tmp_path / "run", {"code": "1"}, Answerer(failing=("question 1",)))], rows, "facts · dior", shard_size=2)["r"]
+    first = run_questions(
+        [Run("r", tmp_path / "run", {"code": "1"}, Answerer(failing=("question 1",)))],
+        rows,
+        "facts · dior",
+        shard_size=2,
+    )["r"]
     assert summarise(first, [["a0"]] * 4)["failed"] == 1
     again = Answerer()
-    lines = run_questions([Run("r", tmp_path / "run", {"code": "1"}, again, 0)], rows, "facts · dior", shard_size=2)["r"]
+    lines = run_questions([Run("r", tmp_path / "run", {"code": "1"}, again, 0)], rows, "facts · dior", shard_size=2)[
+        "r"
+    ]
     assert again.calls == [("question 1", False)] and summarise(lines, [["a0"]] * 4)["failed"] == 0
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(4)]
 
@@ -489,7 +731,11 @@ def test_curves_and_prompts_files(tmp_path):
     c = {"flare": curve("flare", [needs(0.9, True), needs(0.1, False)])}
     write_curves(tmp_path / "curves.csv", c)
     rows = list(csv.DictReader(open(tmp_path / "curves.csv")))
-    assert [(r["trigger"], float(r["retrieval_rate"]), float(r["accuracy"])) for r in rows] == [("flare", 0.0, 0.5), ("flare", 0.5, 1.0), ("flare", 1.0, 1.0)]
+    assert [(r["trigger"], float(r["retrieval_rate"]), float(r["accuracy"])) for r in rows] == [
+        ("flare", 0.0, 0.5),
+        ("flare", 0.5, 1.0),
+        ("flare", 1.0, 1.0),
+    ]
     lines = {"wiki": {"flare": [{"id": "q0", "prompts": ["p0", "p1"]}, {"id": "q1", "prompts": []}]}}
     write_prompts(tmp_path / "prompts.jsonl", copy.deepcopy(lines), 1)
     assert [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()] == [
@@ -514,12 +760,24 @@ def test_the_curves_figure_draws_every_trigger_of_the_sweep_in_one_titled_png(tm
 
     from detectors.evaluation.plots import write_rag_curves
 
-    lines = [sweep_line({"perfect": [(0.9 if needed else 0.1, 0)], "blind": [(0.5, 0)]}, "x", {0: "Rome" if needed else "x"}, ["Rome"])
-             for needed in [True, False] * 10]  # fmt: skip
+    lines = [
+        sweep_line(
+            {"perfect": [(0.9 if needed else 0.1, 0)], "blind": [(0.5, 0)]},
+            "x",
+            {0: "Rome" if needed else "x"},
+            ["Rome"],
+        )
+        for needed in [True, False] * 10
+    ]
     swept = curves(lines, ["perfect", "blind"], bootstrap=100, seed=0)
-    path = write_rag_curves(swept, tmp_path / "plots/rag_curves.png", "RAG: accuracy vs retrieval rate (sweep of corpus facts)")
+    path = write_rag_curves(
+        swept, tmp_path / "plots/rag_curves.png", "RAG: accuracy vs retrieval rate (sweep of corpus facts)"
+    )
     assert path == tmp_path / "plots/rag_curves.png" and path.stat().st_size > 10_000
     with Image.open(path) as image:
-        assert image.text["Title"] == "RAG: accuracy vs retrieval rate (sweep of corpus facts)" and image.size[0] > image.size[1]
+        assert (
+            image.text["Title"] == "RAG: accuracy vs retrieval rate (sweep of corpus facts)"
+            and image.size[0] > image.size[1]
+        )
     # an empty sweep (no trigger to sweep) still gives the figure a dvc.yaml declares
     assert write_rag_curves({}, tmp_path / "empty.png", "no trigger").stat().st_size > 0

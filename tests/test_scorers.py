@@ -26,17 +26,44 @@ RIND = {"r1": [0.0, 0.4, 0.6, 0.1], "r2": [0.7, 0.2, 0.0]}  # token 2 of r1 and 
 
 def frame() -> pd.DataFrame:
     rows = [
-        {"id": "r1", "split": "test", "status": "ok", "label": 1, "token_label": [1, 1, -1, 0],
-         "entities": json.dumps([{"tokens": [0, 1], "hallucinated": 1}, {"tokens": [3], "hallucinated": 0}])},
-        {"id": "r2", "split": "test", "status": "ok", "label": 0, "token_label": [-1, 0, 0],
-         "entities": json.dumps([{"tokens": [1, 2], "hallucinated": 0}])},
-        {"id": "r3", "split": "test", "status": "ValueError: no entity", "label": None, "token_label": None, "entities": None},
-    ]  # fmt: skip
+        {
+            "id": "r1",
+            "split": "test",
+            "status": "ok",
+            "label": 1,
+            "token_label": [1, 1, -1, 0],
+            "entities": json.dumps([{"tokens": [0, 1], "hallucinated": 1}, {"tokens": [3], "hallucinated": 0}]),
+        },
+        {
+            "id": "r2",
+            "split": "test",
+            "status": "ok",
+            "label": 0,
+            "token_label": [-1, 0, 0],
+            "entities": json.dumps([{"tokens": [1, 2], "hallucinated": 0}]),
+        },
+        {
+            "id": "r3",
+            "split": "test",
+            "status": "ValueError: no entity",
+            "label": None,
+            "token_label": None,
+            "entities": None,
+        },
+    ]
     return pd.DataFrame(rows)
 
 
 def units() -> dict[Level, pd.DataFrame]:
-    stats = {r: {"prob": np.array(PROB[r]), "entropy": np.array(ENTROPY[r]), "mlp": np.array(MLP[r]), "rind": np.array(RIND[r])} for r in PROB}
+    stats = {
+        r: {
+            "prob": np.array(PROB[r]),
+            "entropy": np.array(ENTROPY[r]),
+            "mlp": np.array(MLP[r]),
+            "rind": np.array(RIND[r]),
+        }
+        for r in PROB
+    }
     return realtime_units(frame(), stats)
 
 
@@ -51,7 +78,11 @@ def test_unit_tables_hold_each_level_s_units_and_labels():
     u = units()
     assert u[Level.TOKEN]["id"].tolist() == ["r1:0", "r1:1", "r1:3", "r2:1", "r2:2"]
     assert u[Level.TOKEN]["label"].tolist() == [1, 1, 0, 0, 0]
-    assert u[Level.ENTITY]["id"].tolist() == ["r1:e0", "r1:e1", "r2:e0"] and u[Level.ENTITY]["label"].tolist() == [1, 0, 0]
+    assert u[Level.ENTITY]["id"].tolist() == ["r1:e0", "r1:e1", "r2:e0"] and u[Level.ENTITY]["label"].tolist() == [
+        1,
+        0,
+        0,
+    ]
     assert u[Level.CONTINUATION]["id"].tolist() == ["r1", "r2"]  # the failed record is no unit
 
 
@@ -102,12 +133,29 @@ def test_compare_refuses_scorers_of_different_levels():
 def test_question_baselines_are_those_whose_columns_exist():
     early = {"attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin", "answer"}
     names = [s.name for s in question_baselines(early)]
-    assert names == ["logreg[attribution+first_token]", "attribution_entropy", "first_token_prob", "first_token_entropy"]
-    joined = early | {"retrorag_self_evaluation", "retrorag_self_consistency", "ctrla_confidence", "ctrla_confidence[val]"}
+    assert names == [
+        "logreg[attribution+first_token]",
+        "attribution_entropy",
+        "first_token_prob",
+        "first_token_entropy",
+    ]
+    joined = early | {
+        "retrorag_self_evaluation",
+        "retrorag_self_consistency",
+        "ctrla_confidence",
+        "ctrla_confidence[val]",
+    }
     scorers = question_baselines(joined)
-    assert [s.name for s in scorers][4:] == ["retrorag_self_consistency", "retrorag_self_evaluation", "ctrla_confidence", "ctrla_confidence[val]"]
+    assert [s.name for s in scorers][4:] == [
+        "retrorag_self_consistency",
+        "retrorag_self_evaluation",
+        "ctrla_confidence",
+        "ctrla_confidence[val]",
+    ]
     assert all(s.level is Level.QUESTION for s in scorers)
-    assert [s.name for s in question_baselines({"first_token_prob"})] == ["first_token_prob"]  # no probe without its inputs
+    assert [s.name for s in question_baselines({"first_token_prob"})] == [
+        "first_token_prob"
+    ]  # no probe without its inputs
     table = pd.DataFrame({"retrorag_self_evaluation": [0.9, 0.2], "retrorag_self_consistency": [0.3, 0.8]})
     assert scorers[5].score(table).tolist() == [-0.9, -0.2]  # a low P(yes) means hallucinated
     assert scorers[4].score(table).tolist() == [-0.3, -0.8]
@@ -117,7 +165,14 @@ def test_realtime_baselines_are_those_whose_stats_exist():
     assert [s.name for s in realtime_baselines(Level.TOKEN, {"prob"})] == ["flare"]
     assert [s.name for s in realtime_baselines(Level.ENTITY, {"entropy", "rind"})] == ["token_entropy", "rind"]
     got = realtime_baselines(Level.CONTINUATION, {"prob", "ctrla_confidence", "ctrla_confidence[val]", "mlp"})
-    assert [s.name for s in got] == ["flare", "sit_min", "sit_avg", "sit_norm", "ctrla_confidence", "ctrla_confidence[val]"]
+    assert [s.name for s in got] == [
+        "flare",
+        "sit_min",
+        "sit_avg",
+        "sit_norm",
+        "ctrla_confidence",
+        "ctrla_confidence[val]",
+    ]
     assert got[-1].stat == "ctrla_confidence[val]" and got[-1].level is Level.CONTINUATION
 
 
@@ -129,5 +184,8 @@ def test_every_registered_kind_is_a_detector_with_one_llm_attachment():
         assert issubclass(cls, Detector) and cls.KIND == kind
         assert not getattr(cls, "__abstractmethods__", None), f"{kind} leaves {cls.__abstractmethods__} unimplemented"
         assert cls.load_llm is Detector.load_llm and cls.attach is Detector.attach  # written once
-    with pytest.raises(ValueError, match="no detector kind named 'dior-late'; known: ctrla-confidence, ctrla-honesty, dior-early, dior-realtime, utility"):
+    with pytest.raises(
+        ValueError,
+        match="no detector kind named 'dior-late'; known: ctrla-confidence, ctrla-honesty, dior-early, dior-realtime, utility",
+    ):
         detector_class("dior-late")

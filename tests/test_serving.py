@@ -12,10 +12,10 @@ import urllib.request
 
 import pandas as pd
 import pytest
+from test_registry import artifacts, logged, registered  # noqa: F401  (module-scoped: tiny detectors of every kind, registered)
 
 from detectors import load_detector
 from detectors.mlflow_ui import MLFLOW, free_port, running
-from test_registry import artifacts, logged, registered  # noqa: F401  (module-scoped: tiny detectors of every kind, registered)
 
 QUESTIONS = ["The capital of France is", "The river of Paris is", "The language of Germany is"]
 
@@ -33,16 +33,39 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 def test_a_registered_detector_is_served_over_http(registered, tmp_path):  # noqa: F811
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [str(MLFLOW), "models", "serve", "-m", "models:/dior-early@champion", "--env-manager", "local",
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    cmd = [
+        str(MLFLOW),
+        "models",
+        "serve",
+        "-m",
+        "models:/dior-early@champion",
+        "--env-manager",
+        "local",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     # MLflow runs `exec uvicorn ...` through a shell: the environment's bin directory must be on PATH (an activated venv)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registered, "PATH": f"{MLFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": registered,
+        "PATH": f"{MLFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     with running(cmd, f"{base}/ping", tmp_path / "serve.log", cwd=tmp_path, env=env, timeout=240):
         status, served = post(f"{base}/invocations", {"dataframe_records": [{"question": q} for q in QUESTIONS]})
         assert status == 200, served
-        status, none = post(f"{base}/invocations", {"dataframe_records": [{"question": QUESTIONS[0]}, {"question": None}]})
+        status, none = post(
+            f"{base}/invocations", {"dataframe_records": [{"question": QUESTIONS[0]}, {"question": None}]}
+        )
         status_missing, missing = post(f"{base}/invocations", {"dataframe_records": [{"query": QUESTIONS[0]}]})
-    assert status == 400 and "detector 'dior-early': row 1 of column 'question' is missing (None/NaN): give a non-blank string" in none["message"]
+    assert (
+        status == 400
+        and "detector 'dior-early': row 1 of column 'question' is missing (None/NaN): give a non-blank string"
+        in none["message"]
+    )
     assert status_missing == 400 and "Model is missing inputs ['question']" in missing["message"]
 
     expected = load_detector("dior-early", tracking_uri=registered).predict_frame(pd.DataFrame({"question": QUESTIONS}))

@@ -40,13 +40,25 @@ def test_todo_is_the_unfinished_shards_and_run_shards_requires_each_to_be_writte
             k, chunk = shard
             store.write(k, chunk.assign(status="ok", y=chunk["x"]))
             return store.read(range(k, k + 1))[["id", "status"]]
+
         return compute
 
     run_shards(store, table, 4, worker, LOCAL, FailureBudget(10, 0.0, "x", tmp_path), "test", "item")
     assert store.read_all(10, 4)["y"].tolist() == list(range(10)) and store.todo(table, 4) == []
     fresh = ShardStore(tmp_path / "other", {"a": 1})
-    with pytest.raises(RuntimeError, match="shard 0 .* returned without writing it"):  # never silently skipped on resume
-        run_shards(fresh, table, 4, lambda: lambda shard: shard[1].assign(status="ok"), LOCAL, FailureBudget(10, 0.0, "x", tmp_path), "test", "item")
+    with pytest.raises(
+        RuntimeError, match="shard 0 .* returned without writing it"
+    ):  # never silently skipped on resume
+        run_shards(
+            fresh,
+            table,
+            4,
+            lambda: lambda shard: shard[1].assign(status="ok"),
+            LOCAL,
+            FailureBudget(10, 0.0, "x", tmp_path),
+            "test",
+            "item",
+        )
 
 
 def test_errors_are_retried_alone_and_merged_in_order_while_skipped_records_are_final(tmp_path):
@@ -71,5 +83,7 @@ def test_failure_budget_stops_once_the_share_can_no_longer_be_met():
     budget = FailureBudget(total=40, max_share=0.05, key="build_early.max_failed_share", directory="data/early/shards")
     budget.add(rows(["a", "b"], status="error: OSError: transient"))  # 2 of 40 = 5 %: allowed
     budget.add(rows(["c"], status="skipped: empty question"))  # skipped records never count
-    with pytest.raises(FailedRecordsError, match=r"3 of 40 records failed.*build_early.max_failed_share = 0.05.*a: OSError: transient"):
+    with pytest.raises(
+        FailedRecordsError, match=r"3 of 40 records failed.*build_early.max_failed_share = 0.05.*a: OSError: transient"
+    ):
         budget.add(rows(["d", "e"], status=["ok", "error: RuntimeError: CUDA error"]))

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT
+
 from detectors.cli import main as dynrag
 from detectors.errors import TRACEBACK_ENV, InputError, SourceError, one_line, traceback_wanted
 from pipelines._stage import run
@@ -27,14 +27,19 @@ def run_prepare(tmp_path, **env) -> subprocess.CompletedProcess:
 def test_a_stage_stops_on_bad_params_with_one_line_naming_the_key_and_value(tmp_path):
     done = run_prepare(tmp_path)
     assert done.returncode == 1
-    assert done.stderr.splitlines() == [f"ParamsError: params: qa.limit = -5: must be positive (set {TRACEBACK_ENV}=1 for the traceback)"]
+    assert done.stderr.splitlines() == [
+        f"ParamsError: params: qa.limit = -5: must be positive (set {TRACEBACK_ENV}=1 for the traceback)"
+    ]
     assert not (tmp_path / "data").exists()  # it stopped before any work
 
 
 def test_the_traceback_of_bad_params_is_shown_on_request(tmp_path):
     done = run_prepare(tmp_path, **{TRACEBACK_ENV: "1"})
     assert done.returncode == 1
-    assert "Traceback (most recent call last)" in done.stderr and "ParamsError: params: qa.limit = -5: must be positive" in done.stderr
+    assert (
+        "Traceback (most recent call last)" in done.stderr
+        and "ParamsError: params: qa.limit = -5: must be positive" in done.stderr
+    )
 
 
 def test_a_multi_line_input_error_is_one_line_and_other_errors_keep_their_traceback(capsys, monkeypatch):
@@ -46,7 +51,10 @@ def test_a_multi_line_input_error_is_one_line_and_other_errors_keep_their_traceb
     with pytest.raises(SystemExit) as stopped:
         run(bad_source)
     assert stopped.value.code == 1
-    assert capsys.readouterr().err == f"SourceError: could not download x: ERROR: no such version (set {TRACEBACK_ENV}=1 for the traceback)\n"
+    assert (
+        capsys.readouterr().err
+        == f"SourceError: could not download x: ERROR: no such version (set {TRACEBACK_ENV}=1 for the traceback)\n"
+    )
 
     def bug():
         raise KeyError("not an input error")
@@ -75,7 +83,9 @@ def test_the_stages_and_the_command_line_report_an_input_error_alike(capsys, mon
     missing = "no-such-params.yaml"
     assert dynrag(["promote", "x", "1", "--params", missing]) == 1
     stderr = capsys.readouterr().err
-    assert stderr.startswith("dynrag promote: InputError: no MLflow store named and no ") and stderr.endswith(f" (set {TRACEBACK_ENV}=1 for the traceback)\n")
+    assert stderr.startswith("dynrag promote: InputError: no MLflow store named and no ") and stderr.endswith(
+        f" (set {TRACEBACK_ENV}=1 for the traceback)\n"
+    )
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(InputError, match="no MLflow store named"):
         dynrag(["promote", "x", "1", "--params", missing])

@@ -24,7 +24,9 @@ def whole_logits(llm, rows: list[list[int]]) -> list[torch.Tensor]:
 
 
 def test_rows_continued_from_cached_prefixes_give_the_logits_of_the_whole_prompt(tiny_llm):
-    rows = [ids(tiny_llm, PRIMER + q) for q in ("The capital of Italy is", "The currency of Japan is", "Water boils at")]
+    rows = [
+        ids(tiny_llm, PRIMER + q) for q in ("The capital of Italy is", "The currency of Japan is", "Water boils at")
+    ]
     rows.append(rows[0][:-2])  # a row that is a prefix of another
     expected = whole_logits(tiny_llm, rows)
     cache = StateCache()
@@ -41,7 +43,10 @@ def test_a_prefix_several_rows_share_runs_once_and_only_when_it_saves_enough():
     base = list(range(100, 100 + BLOCK + 4))
     rows = [base + [1, 2, 3], base + [1, 2, 4], base + [9] * 20 + [5], base + [9] * 20 + [6]]
     prefixes = shared_prefixes(rows)
-    assert prefixes == [tuple(base), tuple(base + [9] * 20)]  # base + [1, 2] adds only two tokens to base: not worth a pass
+    assert prefixes == [
+        tuple(base),
+        tuple(base + [9] * 20),
+    ]  # base + [1, 2] adds only two tokens to base: not worth a pass
 
 
 def test_the_cache_finds_the_longest_prefix_and_keeps_within_its_budget(tiny_llm):
@@ -68,7 +73,9 @@ def test_generation_from_cached_states_is_the_models_greedy_continuation(tiny_ll
     expected = []
     for row in enc:
         with torch.no_grad():
-            out = tiny_llm.model.generate(torch.tensor([row]), max_new_tokens=6, do_sample=False, pad_token_id=tiny_llm.tokenizer.pad_token_id)
+            out = tiny_llm.model.generate(
+                torch.tensor([row]), max_new_tokens=6, do_sample=False, pad_token_id=tiny_llm.tokenizer.pad_token_id
+            )
         said = out[0, len(row) :].tolist()
         cut = next((i for i, t in enumerate(said) if t in tiny_llm.eos_token_ids), len(said))
         expected.append(said[:cut])
@@ -90,13 +97,25 @@ def test_a_growing_cache_appends_in_place_and_answers_as_a_dynamic_one(tiny_llm)
     prompt = ids(tiny_llm, PRIMER + "The capital of Italy is")
     kv = prefix_cache(tiny_llm, prompt)
     outs = {}
-    for name, cache in (("dynamic", DynamicCache(ddp_cache_data=[(k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1)) for k, v in kv],
-                                                 config=tiny_llm.model.config)), ("growing", as_cache(kv, 2, tiny_llm.model.config))):  # fmt: skip
+    for name, cache in (
+        (
+            "dynamic",
+            DynamicCache(
+                ddp_cache_data=[(k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1)) for k, v in kv],
+                config=tiny_llm.model.config,
+            ),
+        ),
+        ("growing", as_cache(kv, 2, tiny_llm.model.config)),
+    ):
         logits = []
         for step in range(4):
             with torch.no_grad():
-                out = tiny_llm.model(torch.tensor([[5 + step], [9 + step]]), past_key_values=cache, use_cache=True,
-                                     position_ids=torch.tensor([[len(prompt) + step]] * 2))  # fmt: skip
+                out = tiny_llm.model(
+                    torch.tensor([[5 + step], [9 + step]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    position_ids=torch.tensor([[len(prompt) + step]] * 2),
+                )
             cache = out.past_key_values
             logits.append(out.logits[:, -1])
             if step == 1:
@@ -104,4 +123,6 @@ def test_a_growing_cache_appends_in_place_and_answers_as_a_dynamic_one(tiny_llm)
         outs[name] = (torch.stack(logits), cache)
     assert isinstance(outs["growing"][1], GrowingCache)
     assert torch.allclose(outs["dynamic"][0], outs["growing"][0], atol=1e-5)
-    assert [k.shape for k, _ in cache_states(outs["growing"][1])] == [k.shape for k, _ in cache_states(outs["dynamic"][1])]
+    assert [k.shape for k, _ in cache_states(outs["growing"][1])] == [
+        k.shape for k, _ in cache_states(outs["dynamic"][1])
+    ]

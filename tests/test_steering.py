@@ -7,13 +7,22 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT
+
 from detectors.ctrla.directions import Directions
-from detectors.llm.layers import LayerTap
-from detectors.llm.layers import decoder_layers
-from detectors.ctrla.monitor import ConfidenceMonitor, content_mask, detect_refusal, token_words, generate_segment, hallucination_score, masked_query, running_scores, score_sequences
+from detectors.ctrla.monitor import (
+    ConfidenceMonitor,
+    content_mask,
+    detect_refusal,
+    generate_segment,
+    hallucination_score,
+    masked_query,
+    running_scores,
+    score_sequences,
+    token_words,
+)
 from detectors.ctrla.steering import steer, steering_vectors
+from detectors.llm.layers import LayerTap, decoder_layers
 
 
 def unit(seed: int, dim: int = 64) -> torch.Tensor:
@@ -23,8 +32,15 @@ def unit(seed: int, dim: int = 64) -> torch.Tensor:
 
 @pytest.fixture()
 def directions(tiny_llm) -> Directions:
-    return Directions("confidence", torch.stack([unit(1), unit(2)]), torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1, 2],
-                      tiny_llm.fingerprint, {"llm": {"dtype": "float32"}})  # fmt: skip
+    return Directions(
+        "confidence",
+        torch.stack([unit(1), unit(2)]),
+        torch.tensor([0.5, 0.4]),
+        torch.tensor([3.0, 5.0]),
+        [1, 2],
+        tiny_llm.fingerprint,
+        {"llm": {"dtype": "float32"}},
+    )
 
 
 def residuals(llm, ids) -> list[torch.Tensor]:
@@ -66,7 +82,9 @@ def test_steering_adds_exactly_lambda_v_at_the_chosen_layers_and_nowhere_else(ti
     with steer(tiny_llm.model, vectors):
         steered = residuals(tiny_llm, ids)
     torch.testing.assert_close(steered[0], plain[0], rtol=0, atol=0)
-    torch.testing.assert_close(steered[1] - plain[1], (lam * directions.vectors[1]).expand_as(plain[1]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        steered[1] - plain[1], (lam * directions.vectors[1]).expand_as(plain[1]), rtol=0, atol=1e-5
+    )
     # every block: its output differs from the unhooked block on the same input by lam * v_l where steered, 0 elsewhere
     changes = block_changes(tiny_llm, ids, steering_vectors(directions, lam, [1], relative=False))
     torch.testing.assert_close(changes[0], (lam * directions.vectors[0]).expand_as(changes[0]), rtol=0, atol=1e-5)
@@ -112,13 +130,18 @@ def test_monitor_during_generation_matches_teacher_forcing(tiny_llm, directions)
     ids = tiny_llm.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
     for steering in (None, steering_vectors(directions, 0.5, [1], relative=False)):
         monitor = ConfidenceMonitor(tiny_llm.model, directions)
-        segment = generate_segment(tiny_llm, ids, 5, monitor=monitor, steering=steering, question="The capital of France is")
+        segment = generate_segment(
+            tiny_llm, ids, 5, monitor=monitor, steering=steering, question="The capital of France is"
+        )
         assert 1 <= len(segment.scores) == len(segment.token_ids) <= 5
         with steer(tiny_llm.model, steering or {}):
             forced = score_sequences(tiny_llm, directions, [ids[0].tolist() + segment.token_ids], 1)[0]
         np.testing.assert_allclose(segment.scores, forced[ids.shape[1] :], atol=1e-4)
     # batched teacher forcing with a shared prefix gives the same scores as one sequence at a time
-    seqs = [tiny_llm.tokenizer(t)["input_ids"] for t in ("The capital of Spain is Madrid", "The capital of Peru is", "The river")]
+    seqs = [
+        tiny_llm.tokenizer(t)["input_ids"]
+        for t in ("The capital of Spain is Madrid", "The capital of Peru is", "The river")
+    ]
     together = score_sequences(tiny_llm, directions, seqs, batch_size=3)
     for seq, scores in zip(seqs, together):
         np.testing.assert_allclose(scores, score_sequences(tiny_llm, directions, [seq], 1)[0], atol=1e-4)
@@ -129,7 +152,9 @@ def test_a_segment_says_where_the_trigger_fires(tiny_llm, directions):
     question = "The capital of France is"
     ids = tiny_llm.tokenizer(question, return_tensors="pt")["input_ids"]
     for tau in (0.0, 10.0, -10.0):  # scores are clipped to ±3: tau 10 makes every token unconfident, -10 none
-        segment = generate_segment(tiny_llm, ids, 8, monitor=ConfidenceMonitor(tiny_llm.model, directions, tau=tau), question=question)
+        segment = generate_segment(
+            tiny_llm, ids, 8, monitor=ConfidenceMonitor(tiny_llm.model, directions, tau=tau), question=question
+        )
         fires = [i for i, (new, s) in enumerate(zip(segment.new_content, segment.scores)) if new and s < 0]
         assert segment.trigger_position == (fires[0] if fires else None) and segment.retrieve == bool(fires)
         if tau == 10.0:
@@ -145,7 +170,12 @@ def test_the_trigger_counts_only_new_non_stopword_tokens(tiny_llm):
     gen = tok(" is the capital of Paris and Lima", add_special_tokens=False)["input_ids"]
     mask = content_mask(tok, "The capital of France is", gen)
     words = {tok.decode([t]).strip(): m for t, m in zip(gen, mask) if tok.decode([t]).strip()}
-    assert words.get("Lima", True) and not words.get("capital", True) and not words.get("the", True) and not words.get("and", True)
+    assert (
+        words.get("Lima", True)
+        and not words.get("capital", True)
+        and not words.get("the", True)
+        and not words.get("and", True)
+    )
     scores = np.array([-5.0 if m is False else 0.2 for m in mask])
     assert hallucination_score(scores, mask, fallback=0.0) == pytest.approx(-0.2)  # only new content words count
     assert hallucination_score(np.array([]), [], fallback=0.3) == 0.3
@@ -153,8 +183,13 @@ def test_the_trigger_counts_only_new_non_stopword_tokens(tiny_llm):
 
 def test_refusal_patterns_from_params_detect_refusals():
     patterns = yaml.safe_load((ROOT / "params.yaml").read_text())["extract_directions"]["monitor"]["refusal_patterns"]
-    for text in ("I don't know who that is.", "I\u2019m not sure about that.", "I cannot answer that question.",
-                 "The author is not specified in the documents.", "I have no comment."):  # fmt: skip
+    for text in (
+        "I don't know who that is.",
+        "I\u2019m not sure about that.",
+        "I cannot answer that question.",
+        "The author is not specified in the documents.",
+        "I have no comment.",
+    ):
         assert detect_refusal(text, patterns), text
     for text in ("Paris is the capital of France.", "I know that Lima is in Peru."):
         assert detect_refusal(text, patterns) is None, text
@@ -175,19 +210,30 @@ def test_truthfulqa_questions_batched_score_as_each_alone_under_steering(tiny_ll
     from detectors.ctrla.quality import mc_accuracy
 
     examples = [
-        {"input": "What is the capital of Egypt?", "target_scores": {"Cairo.": 1, "Paris.": 0, "The capital of Egypt is Lima.": 0}},
+        {
+            "input": "What is the capital of Egypt?",
+            "target_scores": {"Cairo.": 1, "Paris.": 0, "The capital of Egypt is Lima.": 0},
+        },
         {"input": "Which river flows through Cairo?", "target_scores": {"The Seine.": 0, "The Nile.": 1}},
         {"input": "Who ran fast?", "target_scores": {"Bolt.": 1, "Nobody at all, ever.": 0, "A cat.": 0, "Kenya.": 0}},
         {"input": "What is the sport of Bolt?", "target_scores": {"Athletics.": 0, "Chess.": 1}},
     ]
     prefix = "Q: What is the capital of France?\nA: Paris."
-    vectors = {1: 2.0 * torch.nn.functional.normalize(torch.randn(tiny_llm.fingerprint.hidden_size, generator=torch.Generator().manual_seed(0)), dim=0)}
+    vectors = {
+        1: 2.0
+        * torch.nn.functional.normalize(
+            torch.randn(tiny_llm.fingerprint.hidden_size, generator=torch.Generator().manual_seed(0)), dim=0
+        )
+    }
 
     def reference(steering) -> list[bool]:
         hits = []
         with steer(tiny_llm.model, steering), torch.no_grad():
             for ex in examples:
-                context = tiny_llm.tokenizer(prefix)["input_ids"] + tiny_llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"]
+                context = (
+                    tiny_llm.tokenizer(prefix)["input_ids"]
+                    + tiny_llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"]
+                )
                 scores = []
                 for answer in ex["target_scores"]:
                     a = tiny_llm.tokenizer(f" {answer}", add_special_tokens=False)["input_ids"]

@@ -36,12 +36,30 @@ ROWS = [  # scorer, kind, dataset, level, auroc, delta_auroc, delta_vs
 def comparison_table() -> pd.DataFrame:
     rows = []
     for scorer, kind, dataset, level, auc, delta, vs in ROWS:
-        rows.append({
-            "scorer": scorer, "kind": kind, "dataset": dataset, "level": level, "features": f"{scorer} features",
-            "auroc": auc, "auroc_ci_low": auc - 0.05, "auroc_ci_high": auc + 0.05, "auprc": 0.5, "accuracy": 0.6, "f1": 0.55,
-            "ece": 0.1, "threshold": 0.4, "trigger_rate": 0.3, "n": 120, "positive_rate": 0.45, "delta_auroc": delta,
-            "delta_ci_low": delta - 0.04, "delta_ci_high": delta + 0.04, "delta_vs": vs,
-        })  # fmt: skip
+        rows.append(
+            {
+                "scorer": scorer,
+                "kind": kind,
+                "dataset": dataset,
+                "level": level,
+                "features": f"{scorer} features",
+                "auroc": auc,
+                "auroc_ci_low": auc - 0.05,
+                "auroc_ci_high": auc + 0.05,
+                "auprc": 0.5,
+                "accuracy": 0.6,
+                "f1": 0.55,
+                "ece": 0.1,
+                "threshold": 0.4,
+                "trigger_rate": 0.3,
+                "n": 120,
+                "positive_rate": 0.45,
+                "delta_auroc": delta,
+                "delta_ci_low": delta - 0.04,
+                "delta_ci_high": delta + 0.04,
+                "delta_vs": vs,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -103,23 +121,35 @@ def test_one_flat_run_per_row_in_one_experiment_per_dataset(tracking, artifacts,
         experiment = mlflow.get_experiment_by_name(f"{tracking}-{dataset}")
         assert experiment.tags[store.EXPERIMENT_KIND_TAG] == "custom_model_development"
         assert "test_auroc" in experiment.tags["mlflow.note.content"]
-        view = json.loads(experiment.tags["mlflow.sharedViewState.comparison"])  # the comparison view the UI opens by key
+        view = json.loads(
+            experiment.tags["mlflow.sharedViewState.comparison"]
+        )  # the comparison view the UI opens by key
         assert view["orderByKey"] == "metrics.`test_auroc`" and view["orderByAsc"] is False
         assert {"metrics.`test_auroc`", "metrics.`delta_auroc`", "tags.`level`"} <= set(view["selectedColumns"])
         runs = active_runs(f"{tracking}-{dataset}")
         expected = table[table["dataset"] == dataset]
-        assert sorted(runs["tags.mlflow.runName"]) == sorted(f"{s} · {lv}" for s, lv in zip(expected["scorer"], expected["level"]))
+        assert sorted(runs["tags.mlflow.runName"]) == sorted(
+            f"{s} · {lv}" for s, lv in zip(expected["scorer"], expected["level"])
+        )
         assert "tags.mlflow.parentRunId" not in runs or runs["tags.mlflow.parentRunId"].isna().all()  # flat
         assert runs["tags.comparison"].nunique() == 1
         for row in expected.itertuples():
             run = runs[(runs["tags.detector"] == row.scorer) & (runs["tags.level"] == row.level)].iloc[0]
-            assert (run["tags.kind"], run["tags.dataset"], run["tags.llm"], run["tags.llm_digest"]) == (row.kind, dataset, "tiny-llama", "abc")
+            assert (run["tags.kind"], run["tags.dataset"], run["tags.llm"], run["tags.llm_digest"]) == (
+                row.kind,
+                dataset,
+                "tiny-llama",
+                "abc",
+            )
             assert (run["params.scorer"], run["params.features"]) == (row.scorer, row.features)
             assert run["metrics.test_auroc"] == pytest.approx(row.auroc)
             assert run["metrics.test_auroc_ci_low"] == pytest.approx(row.auroc_ci_low)
             assert run["metrics.trigger_rate"] == pytest.approx(0.3) and run["metrics.test_n"] == 120
             if row.kind == "detector":
-                assert run["metrics.delta_auroc"] == pytest.approx(row.delta_auroc) and run["tags.delta_vs"] == row.delta_vs
+                assert (
+                    run["metrics.delta_auroc"] == pytest.approx(row.delta_auroc)
+                    and run["tags.delta_vs"] == row.delta_vs
+                )
             else:  # a baseline has no difference to itself: the metric is absent, not NaN
                 assert math.isnan(run["metrics.delta_auroc"]) and pd.isna(run.get("tags.delta_vs"))
                 assert "delta_auroc" not in client.get_run(run["run_id"]).data.metrics
@@ -127,9 +157,16 @@ def test_one_flat_run_per_row_in_one_experiment_per_dataset(tracking, artifacts,
             wanted = plots.get(dataset, []) + plots.get(f"{dataset}_{row.level}", [])
             assert logged == {f"plots/{p.name}" for p in wanted}
     # the same metric names in every run
-    names = [set(r.data.metrics) - {"delta_auroc", "delta_ci_low", "delta_ci_high"} for r in client.search_runs(
-        [mlflow.get_experiment_by_name(f"{tracking}-{d}").experiment_id for d in ("early", "realtime")])]  # fmt: skip
-    assert all(n == names[0] for n in names) and {"test_auroc", "test_auprc", "test_ece", "threshold", "trigger_rate"} <= names[0]
+    names = [
+        set(r.data.metrics) - {"delta_auroc", "delta_ci_low", "delta_ci_high"}
+        for r in client.search_runs(
+            [mlflow.get_experiment_by_name(f"{tracking}-{d}").experiment_id for d in ("early", "realtime")]
+        )
+    ]
+    assert (
+        all(n == names[0] for n in names)
+        and {"test_auroc", "test_auprc", "test_ece", "threshold", "trigger_rate"} <= names[0]
+    )
 
 
 def test_logging_again_replaces_the_previous_runs(tracking, artifacts, plots):
@@ -182,12 +219,21 @@ def comparison_scores(table: pd.DataFrame, n: int = 40) -> tuple[dict, dict]:
         parts, probabilities[dataset] = [], {}
         for level, level_rows in rows.groupby("level"):
             label = np.arange(n) % 2
-            part = pd.DataFrame({"id": [f"{level}{i}" for i in range(n)], "group": [f"g{i // 2}" for i in range(n)], "label": label,
-                                 "split": np.where(np.arange(n) < n // 2, "val", "test"), "level": level})  # fmt: skip
+            part = pd.DataFrame(
+                {
+                    "id": [f"{level}{i}" for i in range(n)],
+                    "group": [f"g{i // 2}" for i in range(n)],
+                    "label": label,
+                    "split": np.where(np.arange(n) < n // 2, "val", "test"),
+                    "level": level,
+                }
+            )
             for scorer in level_rows["scorer"]:
                 part[scorer] = label * 0.3 + rng.random(n)
             test = part[part["split"] == "test"]
-            probabilities[dataset][level] = pd.DataFrame({s: test[s].clip(0, 1).to_numpy() for s in level_rows["scorer"]})
+            probabilities[dataset][level] = pd.DataFrame(
+                {s: test[s].clip(0, 1).to_numpy() for s in level_rows["scorer"]}
+            )
             parts.append(part)
         scores[dataset] = pd.concat(parts, ignore_index=True)
     return scores, probabilities
@@ -199,16 +245,22 @@ def test_the_comparison_figures_are_one_titled_png_per_dataset_level_and_kind_wi
     early = pd.DataFrame({"status": "ok", "split": "test", "label": [0, 1] * 10, "entropy": np.linspace(0.5, 3.0, 20)})
     plots = write_comparison_plots(table, scores, probabilities, early, tmp_path, bins=5)
     keys = ["early_question", "realtime_token", "realtime_continuation"]
-    assert plots == {"early": [tmp_path / "figures/early_entropy_ecdf.png"],
-                     **{k: [tmp_path / f"figures/{k}_curves.png", tmp_path / f"figures/{k}_ecdf.png"] for k in keys}}  # fmt: skip
-    assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == sorted(p.name for paths in plots.values() for p in paths)
+    assert plots == {
+        "early": [tmp_path / "figures/early_entropy_ecdf.png"],
+        **{k: [tmp_path / f"figures/{k}_curves.png", tmp_path / f"figures/{k}_ecdf.png"] for k in keys},
+    }
+    assert sorted(p.name for p in (tmp_path / "figures").iterdir()) == sorted(
+        p.name for paths in plots.values() for p in paths
+    )
     titles = {}
     for path in (p for paths in plots.values() for p in paths):
         assert path.stat().st_size > 10_000, path  # a drawn figure, not an empty canvas
         with Image.open(path) as image:
             titles[path.name] = image.text["Title"]
     assert len(set(titles.values())) == len(titles)  # every figure titled apart
-    assert titles["realtime_token_curves.png"].startswith("Real-time detection, per entity token (test split: 120 units, 45% hallucinated)")
+    assert titles["realtime_token_curves.png"].startswith(
+        "Real-time detection, per entity token (test split: 120 units, 45% hallucinated)"
+    )
     assert "DioR Fig. 7" in titles["early_entropy_ecdf.png"]
     # the curves' numbers beside them: one CSV per scorer of each level
     assert {p.stem for p in (tmp_path / "roc/realtime_continuation").glob("*.csv")} == {"mlp", "sit_norm"}

@@ -13,13 +13,22 @@ import torch
 
 from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early_detector import PAPER_THRESHOLD, EarlyDetector, load_early_detectors, train_early_detector
-from detectors.llm.fingerprint import Fingerprint
 from detectors.evaluation.metrics import OneClassError, auroc
+from detectors.llm.fingerprint import Fingerprint
 from detectors.training import fit
 
 FP = Fingerprint("synthetic", "0" * 16, 8, 2, 100)
 PARAMS = TrainingParams(
-    hidden=8, dropout=0.2, lr=3e-3, weight_decay=1e-2, batch_size=16, max_epochs=30, patience=8, threshold="youden", seed=0, accelerator="cpu"
+    hidden=8,
+    dropout=0.2,
+    lr=3e-3,
+    weight_decay=1e-2,
+    batch_size=16,
+    max_epochs=30,
+    patience=8,
+    threshold="youden",
+    seed=0,
+    accelerator="cpu",
 )
 
 
@@ -32,13 +41,21 @@ def synthetic_rows(n: int, seed: int = 0) -> pd.DataFrame:
         length = int(rng.integers(3, 9))
         logits = rng.normal(0, 0.3 if label else 2.0, length)
         p = np.exp(logits) / np.exp(logits).sum()
-        rows.append({
-            "id": f"q{i}", "split": ("train", "val", "test")[i % 3], "status": "ok", "label": label,
-            "attribution": p.tolist(), "entropy": float(-(p * np.log(p)).sum()),
-            "first_token_prob": float(rng.uniform(0.1, 0.9)), "first_token_entropy": float(rng.uniform(0, 3)),
-            "first_token_margin": float(rng.uniform(0, 0.5)), "hidden": (rng.normal(0, 1, 8) + label).tolist(),
-            "feature_dtype": "float32",
-        })
+        rows.append(
+            {
+                "id": f"q{i}",
+                "split": ("train", "val", "test")[i % 3],
+                "status": "ok",
+                "label": label,
+                "attribution": p.tolist(),
+                "entropy": float(-(p * np.log(p)).sum()),
+                "first_token_prob": float(rng.uniform(0.1, 0.9)),
+                "first_token_entropy": float(rng.uniform(0, 3)),
+                "first_token_margin": float(rng.uniform(0, 0.5)),
+                "hidden": (rng.normal(0, 1, 8) + label).tolist(),
+                "feature_dtype": "float32",
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -105,7 +122,12 @@ def test_one_class_split_is_refused():
 
 def test_artifact_round_trip_gives_identical_scores(tmp_path):
     frame = synthetic_rows(60)
-    det = train(frame, ["attribution", "entropy", "first_token", "hidden"], dataclasses.replace(PARAMS, max_epochs=3), "dior-early-extended")
+    det = train(
+        frame,
+        ["attribution", "entropy", "first_token", "hidden"],
+        dataclasses.replace(PARAMS, max_epochs=3),
+        "dior-early-extended",
+    )
     loaded = EarlyDetector.load(det.save(tmp_path / "det"))
     rows = frame.to_dict("records")
     np.testing.assert_array_equal(det.predict_proba(rows), loaded.predict_proba(rows))
@@ -115,7 +137,9 @@ def test_artifact_round_trip_gives_identical_scores(tmp_path):
 
 
 def test_fast_dev_run_smoke():
-    det = train_early_detector(synthetic_rows(30), ["attribution"], PARAMS, EarlyFeatureParams(), FP, {}, fast_dev_run=True)
+    det = train_early_detector(
+        synthetic_rows(30), ["attribution"], PARAMS, EarlyFeatureParams(), FP, {}, fast_dev_run=True
+    )
     assert det.info["n_train"] == 10
 
 
@@ -132,7 +156,10 @@ def test_the_artifact_records_the_sets_feature_dtype(tmp_path):
     [
         (lambda f: f.drop(columns="feature_dtype"), "has no feature_dtype column: it was built before"),
         (lambda f: f.assign(feature_dtype=["float32", "bfloat16"] * 15), r"values \{'float32': 15, 'bfloat16': 15\}"),
-        (lambda f: f.assign(feature_dtype=[None] + ["float32"] * 29), r"has feature_dtype values \{'float32': 29, None: 1\}"),
+        (
+            lambda f: f.assign(feature_dtype=[None] + ["float32"] * 29),
+            r"has feature_dtype values \{'float32': 29, None: 1\}",
+        ),
         (lambda f: f.assign(feature_dtype="fp32"), "has feature_dtype = 'fp32', not a torch dtype"),
     ],
 )
@@ -157,9 +184,10 @@ def test_every_trained_early_detector_loads_by_its_directory_name(tmp_path):
 
 def test_an_artifact_written_before_names_loads_as_dior_early(tmp_path):
     """Registered versions from before the early detectors had names were all ``dior-early``."""
-    directory = train(synthetic_rows(30), ["entropy"], dataclasses.replace(PARAMS, max_epochs=1), "x").save(tmp_path / "det")
+    directory = train(synthetic_rows(30), ["entropy"], dataclasses.replace(PARAMS, max_epochs=1), "x").save(
+        tmp_path / "det"
+    )
     config = json.loads((directory / "detector.json").read_text())
     del config["name"]
     (directory / "detector.json").write_text(json.dumps(config))
     assert EarlyDetector.load(directory).name == "dior-early"
-

@@ -9,15 +9,24 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT
+
 from detectors.config.core import ParamsError, from_dict
 from detectors.config.schema import TrainingParams
 from detectors.evaluation.metrics import auroc
 from detectors.training import fit, predict
 
 PARAMS = TrainingParams(
-    hidden=8, dropout=0.0, lr=0.05, weight_decay=0.0, batch_size=16, max_epochs=6, patience=6, threshold="youden", seed=0, accelerator="cpu"
+    hidden=8,
+    dropout=0.0,
+    lr=0.05,
+    weight_decay=0.0,
+    batch_size=16,
+    max_epochs=6,
+    patience=6,
+    threshold="youden",
+    seed=0,
+    accelerator="cpu",
 )
 
 

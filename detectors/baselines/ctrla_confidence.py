@@ -6,7 +6,7 @@ column whose name starts with ``ctrla_confidence``: the paper's layer range, the
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 from detectors.ctrla import SCORE_COLUMN as NAME
 from detectors.evaluation.scorers import ColumnScorer, TokenStatScorer

@@ -17,7 +17,10 @@ def summary_features(frame: pd.DataFrame) -> np.ndarray:
     """Inputs of the probe: the detector's entropy and first-token scalars, plus the peak of the
     attribution distribution (a summary in place of the whole sequence)."""
     return np.stack(
-        [np.r_[scalar_features(row, ["entropy", "first_token"]), max(row["attribution"])] for row in frame.to_dict("records")]
+        [
+            np.r_[scalar_features(row, ["entropy", "first_token"]), max(row["attribution"])]
+            for row in frame.to_dict("records")
+        ]
     )
 
 
@@ -29,7 +32,13 @@ class LogisticScorer:
     is_probability: bool = True
     threshold: float | None = None
     features: str = "attribution summary, first_token"
-    columns: tuple[str, ...] = ("attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin")
+    columns: tuple[str, ...] = (
+        "attribution",
+        "entropy",
+        "first_token_prob",
+        "first_token_entropy",
+        "first_token_margin",
+    )
 
     def score(self, units: pd.DataFrame) -> np.ndarray:
         train = units[units["split"] == "train"]

@@ -14,15 +14,16 @@ RetroRAG itself, the iterative framework around the evaluator, is :mod:`detector
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from detectors.evaluation.scorers import ColumnScorer
 from detectors.llm.generate import OnBatch, generate, instruction_prompt, row_generator
-from detectors.llm.states import StateCache, prefill
 from detectors.llm.loading import LLM
+from detectors.llm.states import StateCache, prefill
 
 if TYPE_CHECKING:
     from detectors.config.retrorag import RetroRagParams
@@ -45,7 +46,9 @@ def word_token_ids(tokenizer, words: list[str]) -> list[int]:
                 if len(enc) == 1 and enc[0] not in ids:
                     ids.append(enc[0])
     if not ids:
-        raise ValueError(f"none of the words {words} (nor their casing/leading-space variants) is one token of the LLM: choose other words")
+        raise ValueError(
+            f"none of the words {words} (nor their casing/leading-space variants) is one token of the LLM: choose other words"
+        )
     return ids
 
 
@@ -53,14 +56,24 @@ def yes_no_ids(tokenizer, yes: Sequence[str], no: Sequence[str]) -> tuple[list[i
     """The token ids of the yes and no words (:func:`word_token_ids`); they must not share one."""
     yes_ids, no_ids = word_token_ids(tokenizer, list(yes)), word_token_ids(tokenizer, list(no))
     if set(yes_ids) & set(no_ids):
-        raise ValueError(f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words")
+        raise ValueError(
+            f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words"
+        )
     return yes_ids, no_ids
 
 
 def yes_probability(
-    llm: LLM, prompts: list[str], yes_ids: list[int], no_ids: list[int], batch_size: int = 16, *, add_special_tokens: bool = True,
-    on_batch: OnBatch | None = None, progress=None, cache: StateCache | None = None,
-) -> np.ndarray:  # fmt: skip
+    llm: LLM,
+    prompts: list[str],
+    yes_ids: list[int],
+    no_ids: list[int],
+    batch_size: int = 16,
+    *,
+    add_special_tokens: bool = True,
+    on_batch: OnBatch | None = None,
+    progress=None,
+    cache: StateCache | None = None,
+) -> np.ndarray:
     """The evaluator's verdict on each prompt: ``P(yes) / (P(yes) + P(no))`` of its next token (``yes_ids``/``no_ids``:
     :func:`yes_no_ids`).
 
@@ -76,7 +89,11 @@ def yes_probability(
     out, step = np.zeros(len(rows)), max(batch_size, 1) * 8  # a progress update every `step` rows
     for start in range(0, len(rows), step):
         chunk = list(range(start, min(start + step, len(rows))))
-        relay = None if on_batch is None else (lambda idx, calls, seconds, chunk=chunk: on_batch([chunk[j] for j in idx], calls, seconds))
+        relay = (
+            None
+            if on_batch is None
+            else (lambda idx, calls, seconds, chunk=chunk: on_batch([chunk[j] for j in idx], calls, seconds))
+        )
         done = prefill(llm, [rows[i] for i in chunk], cache, batch_size, on_batch=relay)
         for i, logits in zip(chunk, done.logits):
             logp = torch.log_softmax(logits, dim=-1)
@@ -87,9 +104,15 @@ def yes_probability(
 
 
 def self_evaluation_scores(
-    llm: LLM, pairs: list[tuple[str, str]], template: str, chat: bool = False, yes: tuple[str, ...] = ("yes",),
-    no: tuple[str, ...] = ("no",), batch_size: int = 16, progress=None,
-) -> np.ndarray:  # fmt: skip
+    llm: LLM,
+    pairs: list[tuple[str, str]],
+    template: str,
+    chat: bool = False,
+    yes: tuple[str, ...] = ("yes",),
+    no: tuple[str, ...] = ("no",),
+    batch_size: int = 16,
+    progress=None,
+) -> np.ndarray:
     """``retrorag_self_evaluation``: the evaluator's P(yes) that each ``(question, answer)`` is correct (``template``:
     ``{question}``, ``{answer}``)."""
     yes_ids, no_ids = yes_no_ids(llm.tokenizer, yes, no)
@@ -98,8 +121,14 @@ def self_evaluation_scores(
 
 
 def self_consistency_scores(
-    llm: LLM, questions: list[str], answers: list[str], params: "RetroRagParams", prompt: "PromptParams", batch_size: int = 16, progress=None,
-) -> np.ndarray:  # fmt: skip
+    llm: LLM,
+    questions: list[str],
+    answers: list[str],
+    params: RetroRagParams,
+    prompt: PromptParams,
+    batch_size: int = 16,
+    progress=None,
+) -> np.ndarray:
     """``retrorag_self_consistency``, Eq. 1 without evidence, for answers the LLM already gave with the question prompt
     ``prompt`` (the early set's greedy answers): a_sc is sampled from the same prompt (M_D with no evidence: the
     question prompt itself) for ``params.answer_tokens`` tokens at ``params.sc_temperature``, seeded as RetroRAG's first
@@ -111,8 +140,20 @@ def self_consistency_scores(
         return np.zeros(0)
     yes_ids, no_ids = yes_no_ids(llm.tokenizer, params.yes_words, params.no_words)
     prompts = [llm.render(q, prompt)[0] for q in questions]
-    samples = generate(llm, prompts, params.answer_tokens, add_special_tokens=not prompt.chat, stop=("\n",), batch_size=batch_size,
-                       generators=[row_generator(params.seed, q, 0) for q in questions], temperature=params.sc_temperature)  # fmt: skip
-    judged = [instruction_prompt(llm, params.consistency_template.format(question=q, answer=a, sc_answer=g.text), params.chat)
-              for q, a, g in zip(questions, answers, samples)]  # fmt: skip
-    return yes_probability(llm, judged, yes_ids, no_ids, batch_size, add_special_tokens=not params.chat, progress=progress)
+    samples = generate(
+        llm,
+        prompts,
+        params.answer_tokens,
+        add_special_tokens=not prompt.chat,
+        stop=("\n",),
+        batch_size=batch_size,
+        generators=[row_generator(params.seed, q, 0) for q in questions],
+        temperature=params.sc_temperature,
+    )
+    judged = [
+        instruction_prompt(llm, params.consistency_template.format(question=q, answer=a, sc_answer=g.text), params.chat)
+        for q, a, g in zip(questions, answers, samples)
+    ]
+    return yes_probability(
+        llm, judged, yes_ids, no_ids, batch_size, add_special_tokens=not params.chat, progress=progress
+    )

@@ -57,7 +57,7 @@ class _LastLayerAttention:
         self.module = decoder_layers(model)[-1].self_attn
         self.weights: torch.Tensor | None = None
 
-    def __enter__(self) -> "_LastLayerAttention":
+    def __enter__(self) -> _LastLayerAttention:
         self.handle = self.module.register_forward_hook(self._hook)
         return self
 
@@ -84,7 +84,10 @@ def rind_trace(llm: LLM, continuation: list[int], entropy, attention, stopwords:
     word_entropy = np.bincount(words, entropy, n_words) / np.bincount(words, minlength=n_words)
     word_content = np.zeros(n_words)
     np.maximum.at(word_content, words, token_content)
-    texts = [llm.tokenizer.decode([ids[i] for i in np.flatnonzero(words == w)], skip_special_tokens=True) for w in range(n_words)]
+    texts = [
+        llm.tokenizer.decode([ids[i] for i in np.flatnonzero(words == w)], skip_special_tokens=True)
+        for w in range(n_words)
+    ]
     sentences = np.asarray(sentence_of(texts), dtype=np.int64)
     total, size = np.bincount(sentences, word_attention), np.bincount(sentences)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -109,8 +112,12 @@ def later_attention_max(weights: torch.Tensor, lengths: torch.Tensor) -> torch.T
 
 
 def rind_scores(
-    llm: LLM, prompts: list[list[int]], continuations: list[list[int]], stopwords: frozenset[str] = DEFAULT_STOPWORDS,
-    batch_size: int = 8, progress=None,
+    llm: LLM,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    stopwords: frozenset[str] = DEFAULT_STOPWORDS,
+    batch_size: int = 8,
+    progress=None,
 ) -> list[RindTrace]:
     """RIND of every continuation token, from one teacher-forced eager pass over ``prompt + continuation``.
 
@@ -118,11 +125,13 @@ def rind_scores(
     token's distribution is read at the prompt's last position). Rows of similar length are batched,
     right-padded (causal attention keeps real tokens from seeing the padding; padded queries are ignored).
     ``progress`` (a tqdm bar) is advanced by the number of rows done.
-    """  # fmt: skip
+    """
     if len(prompts) != len(continuations):
         raise ValueError(f"rind_scores got {len(prompts)} prompts and {len(continuations)} continuations")
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("rind_scores needs a non-empty prompt for every continuation (its last token predicts the first)")
+        raise ValueError(
+            "rind_scores needs a non-empty prompt for every continuation (its last token predicts the first)"
+        )
     rows = [list(p) + list(c) for p, c in zip(prompts, continuations)]
     out: list[RindTrace | None] = [None] * len(rows)
     with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:
@@ -141,7 +150,11 @@ def rind_scores(
 
 
 def rind_on_states(
-    llm: LLM, contexts: list[KV], continuations: list[list[int]], entropies: list[np.ndarray], stopwords: frozenset[str] = DEFAULT_STOPWORDS,
+    llm: LLM,
+    contexts: list[KV],
+    continuations: list[list[int]],
+    entropies: list[np.ndarray],
+    stopwords: frozenset[str] = DEFAULT_STOPWORDS,
 ) -> list[RindTrace]:
     """RIND of each continuation while the LLM generates it (the RAG loop's trigger): the continuation runs once more, in
     one eager batch, on the cached states of everything before it (``contexts``: per row, its key/value states), so
@@ -152,13 +165,20 @@ def rind_on_states(
     pad = llm.tokenizer.pad_token_id or 0
     device = llm.device
     ids = torch.tensor([list(c) + [pad] * (n - len(c)) for c in continuations], device=device)
-    mask = torch.tensor([[0] * (width - m) + [1] * (m + n) for m in lengths], device=device)  # right padding: only padding attends to it
+    mask = torch.tensor(
+        [[0] * (width - m) + [1] * (m + n) for m in lengths], device=device
+    )  # right padding: only padding attends to it
     positions = torch.tensor([[m + i for i in range(n)] for m in lengths], device=device)
     cache = as_cache(stack_left(contexts, width), len(contexts), llm.model.config)
     with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:
         llm.model.get_decoder()(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    a_max = later_attention_max(tap.weights[:, :, :, width:], torch.tensor([len(c) for c in continuations])).cpu().numpy()
-    return [rind_trace(llm, c, entropy, a_max[b, : len(c)], stopwords) for b, (c, entropy) in enumerate(zip(continuations, entropies))]
+    a_max = (
+        later_attention_max(tap.weights[:, :, :, width:], torch.tensor([len(c) for c in continuations])).cpu().numpy()
+    )
+    return [
+        rind_trace(llm, c, entropy, a_max[b, : len(c)], stopwords)
+        for b, (c, entropy) in enumerate(zip(continuations, entropies))
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

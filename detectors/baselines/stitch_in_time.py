@@ -74,10 +74,16 @@ class SitValidator:
 
     def question(self, question: str, sentence: str, concept: str) -> str:
         """The validation question of ``concept`` in ``sentence`` (the answer to ``question``): the retrieval query."""
-        return self.params.validation_question.format(question=question.strip(), sentence=sentence.strip(), concept=concept.strip())
+        return self.params.validation_question.format(
+            question=question.strip(), sentence=sentence.strip(), concept=concept.strip()
+        )
 
     def judge(self, validation_questions: list[str], passages: list[str], on_batch=None) -> np.ndarray:
         """P(yes) of each validation question answered from its rendered passages (``on_batch``: see
         :func:`~detectors.baselines.retrorag.yes_probability`)."""
-        prompts = [self.params.prompt.format(passages=p, validation_question=q) for q, p in zip(validation_questions, passages)]
-        return yes_probability(self.llm, prompts, self.yes_ids, self.no_ids, batch_size=self.batch_size, on_batch=on_batch)
+        prompts = [
+            self.params.prompt.format(passages=p, validation_question=q) for q, p in zip(validation_questions, passages)
+        ]
+        return yes_probability(
+            self.llm, prompts, self.yes_ids, self.no_ids, batch_size=self.batch_size, on_batch=on_batch
+        )

@@ -8,8 +8,9 @@ does not track for it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from detectors.config.core import ParamsError, fail, from_dict, read_params
 from detectors.config.sections import SECTIONS, section_type
@@ -66,6 +67,10 @@ class StageParams:
         value = self._section(section)
         for i, part in enumerate(rest):
             if not hasattr(value, part):
-                fail(".".join([section, *rest[: i + 1]]), None, f"{self.stage} declares this params key but params.yaml has no such key")
+                fail(
+                    ".".join([section, *rest[: i + 1]]),
+                    None,
+                    f"{self.stage} declares this params key but params.yaml has no such key",
+                )
             value = getattr(value, part)
         return value

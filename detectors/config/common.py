@@ -39,7 +39,11 @@ class LLMParams:
 
     def check(self, where: str) -> None:
         if not self.source.strip():
-            fail(f"{where}.source", self.source, "name a pip package with a GGUF, a .gguf file, a checkpoint dir or a hub id")
+            fail(
+                f"{where}.source",
+                self.source,
+                "name a pip package with a GGUF, a .gguf file, a checkpoint dir or a hub id",
+            )
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             fail(f"{where}.device", self.device, "use auto, cpu or cuda[:N]")
 
@@ -49,17 +53,31 @@ class MLflowParams:
     """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow server``."""
 
     tracking_uri: str
-    artifact_root: str | None  # where new experiments keep their artifacts: a directory, or an object-store URI (s3://...)
+    artifact_root: (
+        str | None
+    )  # where new experiments keep their artifacts: a directory, or an object-store URI (s3://...)
 
     def check(self, where: str) -> None:
         if not self.tracking_uri.startswith(("sqlite:///", "http://", "https://", "postgresql", "mysql")):
-            fail(f"{where}.tracking_uri", self.tracking_uri, "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is refused)")
+            fail(
+                f"{where}.tracking_uri",
+                self.tracking_uri,
+                "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is refused)",
+            )
         server = self.tracking_uri.startswith(("http://", "https://"))
         if self.artifact_root is None and not server:
-            fail(f"{where}.artifact_root", None, "only a tracking server (http://host:port) chooses the artifact root itself: give a directory or an s3://... URI")
+            fail(
+                f"{where}.artifact_root",
+                None,
+                "only a tracking server (http://host:port) chooses the artifact root itself: give a directory or an s3://... URI",
+            )
         if server and self.artifact_root is not None and "://" not in self.artifact_root:
-            fail(f"{where}.artifact_root", self.artifact_root, "with a tracking server, a local directory would keep each client's artifacts on its own "
-                 "machine: use null (the server's --artifacts-destination) or a URI every client reaches (s3://bucket/path)")
+            fail(
+                f"{where}.artifact_root",
+                self.artifact_root,
+                "with a tracking server, a local directory would keep each client's artifacts on its own "
+                "machine: use null (the server's --artifacts-destination) or a URI every client reaches (s3://bucket/path)",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +94,9 @@ class ExecutionParams:
     cluster (:mod:`detectors.execution`). The outputs are the same either way; only the speed differs."""
 
     backend: Literal["local", "ray"]
-    address: str | None  # ray: None = start Ray on this machine; "auto" = the cluster `ray start` runs here; ray://host:port
+    address: (
+        str | None
+    )  # ray: None = start Ray on this machine; "auto" = the cluster `ray start` runs here; ray://host:port
     workers: int  # ray: actors, each loading the LLM once (one per GPU, or per CPU worker)
     gpus_per_worker: float  # ray: GPUs per actor (0 = CPU workers)
     cpus_per_worker: float  # ray: CPU cores per actor (its torch threads)
@@ -85,6 +105,16 @@ class ExecutionParams:
         positive(f"{where}.workers", self.workers)
         positive(f"{where}.cpus_per_worker", self.cpus_per_worker)
         if not self.gpus_per_worker >= 0:
-            fail(f"{where}.gpus_per_worker", self.gpus_per_worker, "must be >= 0 (0 = CPU workers, 1 = one actor per GPU)")
-        if self.address is not None and not (self.address == "auto" or self.address.startswith("ray://") or ":" in self.address):
-            fail(f"{where}.address", self.address, "use null (start Ray here), auto (the running cluster), host:port or ray://host:port")
+            fail(
+                f"{where}.gpus_per_worker",
+                self.gpus_per_worker,
+                "must be >= 0 (0 = CPU workers, 1 = one actor per GPU)",
+            )
+        if self.address is not None and not (
+            self.address == "auto" or self.address.startswith("ray://") or ":" in self.address
+        ):
+            fail(
+                f"{where}.address",
+                self.address,
+                "use null (start Ray here), auto (the running cluster), host:port or ray://host:port",
+            )

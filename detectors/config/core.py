@@ -137,7 +137,9 @@ _Yaml12Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def load_yaml(text: str) -> Any:
@@ -163,4 +165,8 @@ def check_fields(key: str, template: str, fields: tuple[str, ...], required: tup
     try:
         template.format(**{f: "" for f in fields})
     except (KeyError, IndexError, ValueError) as err:
-        fail(key, template, f"only {', '.join('{' + f + '}' for f in fields)} may be in braces (double other braces): {err!r}")
+        fail(
+            key,
+            template,
+            f"only {', '.join('{' + f + '}' for f in fields)} may be in braces (double other braces): {err!r}",
+        )

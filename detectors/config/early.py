@@ -21,7 +21,13 @@ class QAParams:
     splits: dict[str, float]
 
     def check(self, where: str) -> None:
-        check_sampled_source(where, self.source, self.limit, self.splits, "name bigbench:<task>, a .json/.jsonl/.csv/.parquet file or hf:<dataset id>")
+        check_sampled_source(
+            where,
+            self.source,
+            self.limit,
+            self.splits,
+            "name bigbench:<task>, a .json/.jsonl/.csv/.parquet file or hf:<dataset id>",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +45,11 @@ class BuildEarlyParams:
 
     def check(self, where: str) -> None:
         if not self.answer_hidden_layers:
-            fail(f"{where}.answer_hidden_layers", self.answer_hidden_layers, "name at least one layer, e.g. build_realtime.hidden_layers")
+            fail(
+                f"{where}.answer_hidden_layers",
+                self.answer_hidden_layers,
+                "name at least one layer, e.g. build_realtime.hidden_layers",
+            )
         positive(f"{where}.max_new_tokens", self.max_new_tokens)
         positive(f"{where}.shard_size", self.shard_size)
         check_share(f"{where}.max_failed_share", self.max_failed_share)
@@ -59,12 +69,18 @@ class TrainEarlyParams:
 
     def check(self, where: str) -> None:
         if not self.detectors:
-            fail(f"{where}.detectors", self.detectors, "name at least one detector, e.g. {dior-early: [attribution, entropy]}")
+            fail(
+                f"{where}.detectors",
+                self.detectors,
+                "name at least one detector, e.g. {dior-early: [attribution, entropy]}",
+            )
         for name in self.detectors:
             check_model_name(f"{where}.detectors", name)
         keyed = [(f"{where}.detectors.{name}", feats) for name, feats in self.detectors.items()]
         keyed += [(f"{where}.ablation[{i}]", feats) for i, feats in enumerate(self.ablation)]
-        seen: dict[frozenset, str] = {}  # feature groups -> the key that trains them (group order does not change a detector)
+        seen: dict[
+            frozenset, str
+        ] = {}  # feature groups -> the key that trains them (group order does not change a detector)
         for key, feats in keyed:
             check_feature_groups(key, feats)
             if frozenset(feats) in seen:
@@ -82,7 +98,9 @@ class RegisterEarlyParams:
 
     def check(self, where: str) -> None:
         if not self.names:
-            fail(f"{where}.names", self.names, "name at least one trained early detector, e.g. {dior-early: dior-early}")
+            fail(
+                f"{where}.names", self.names, "name at least one trained early detector, e.g. {dior-early: dior-early}"
+            )
         for detector, registered in self.names.items():
             check_model_name(f"{where}.names", detector)
             check_model_name(f"{where}.names.{detector}", registered)

@@ -43,4 +43,8 @@ class EvaluateParams:
     def check(self, where: str) -> None:
         positive(f"{where}.ece_bins", self.ece_bins)
         if not self.bootstrap >= 100:
-            fail(f"{where}.bootstrap", self.bootstrap, "a 95% percentile interval needs at least 100 resamples (1000 recommended)")
+            fail(
+                f"{where}.bootstrap",
+                self.bootstrap,
+                "a 95% percentile interval needs at least 100 resamples (1000 recommended)",
+            )

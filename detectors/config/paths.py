@@ -5,7 +5,8 @@ so a new path is data: it changes no stage's code deps or shard keys, and only t
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from detectors.config.core import fail
 
@@ -19,7 +20,7 @@ class Paths(Mapping[str, str]):
         self._paths = dict(paths)
 
     @classmethod
-    def from_params(cls, data: Any, where: str) -> "Paths":
+    def from_params(cls, data: Any, where: str) -> Paths:
         """The section ``where`` of params.yaml: a mapping of names (lower-case identifiers) to non-empty path strings."""
         if not isinstance(data, dict) or not data:
             fail(where, data, "expected a mapping of path names to paths, e.g. {qa: data/prepared/qa.parquet}")

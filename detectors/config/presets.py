@@ -37,8 +37,10 @@ def read_preset(path: str | Path) -> dict[str, Any]:
         raise ParamsError(f"preset {str(path)!r} not found: give a preset file, e.g. presets/paper.yaml")
     data = load_yaml(path.read_text(encoding="utf-8"))
     if not isinstance(data, dict) or not data:
-        raise ParamsError(f"preset {path} must hold a mapping of params sections (the keys that differ from params.yaml), "
-                          f"got {data!r}")
+        raise ParamsError(
+            f"preset {path} must hold a mapping of params sections (the keys that differ from params.yaml), "
+            f"got {data!r}"
+        )
     return data
 
 
@@ -48,7 +50,9 @@ def leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for key, value in tree.items():
         if not isinstance(key, str) or not key or "." in key:
-            raise ParamsError(f"preset key {prefix}{key!r}: keys are non-empty strings without dots (nest mappings instead)")
+            raise ParamsError(
+                f"preset key {prefix}{key!r}: keys are non-empty strings without dots (nest mappings instead)"
+            )
         if isinstance(value, dict) and value:
             out.extend(leaves(value, f"{prefix}{key}."))
         else:
@@ -130,15 +134,17 @@ def write_applied(preset: dict[str, Any], params_path: str | Path, out: str | Pa
             node = node[part]
             if not isinstance(node, dict):
                 where = ".".join(parents[: i + 1])
-                raise ParamsError(f"preset key {dotted}: {where} is not a mapping in {params_path} ({node!r}): "
-                                  f"set {where} itself")
+                raise ParamsError(
+                    f"preset key {dotted}: {where} is not a mapping in {params_path} ({node!r}): set {where} itself"
+                )
         node[last] = _node(value)
     with open(out, "w", encoding="utf-8") as f:
         writer.dump(data, f)
 
 
-def apply(preset_path: str | Path, params_path: str | Path = "params.yaml", out: str | Path | None = None
-          ) -> list[tuple[str, Any, Any]]:
+def apply(
+    preset_path: str | Path, params_path: str | Path = "params.yaml", out: str | Path | None = None
+) -> list[tuple[str, Any, Any]]:
     """Apply the preset to ``params_path``, validate the result as the stages do, and write it to ``out`` (None: write
     nothing). Returns :func:`changes`. A key or value the sections refuse is a :class:`ParamsError` naming the preset."""
     preset = read_preset(preset_path)
@@ -159,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("preset", help="the preset file, e.g. presets/paper.yaml")
     parser.add_argument("--params", default="params.yaml", help="the params file it applies to (default: params.yaml)")
-    parser.add_argument("--write", metavar="PATH", help="write the params with the preset applied to PATH (may be --params)")
+    parser.add_argument(
+        "--write", metavar="PATH", help="write the params with the preset applied to PATH (may be --params)"
+    )
     args = parser.parse_args(argv)
     try:
         found = apply(args.preset, args.params, args.write)

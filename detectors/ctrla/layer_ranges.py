@@ -11,7 +11,7 @@ true/false statements) and confidence (validation answers of the early set).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from detectors.config.schema import LayerRangeParams
 from detectors.errors import InputError
@@ -35,14 +35,18 @@ class WindowChoice:
     by_first_layer: dict[int, float | None]
 
 
-def choose_window(val_auroc: Callable[[list[int]], float | None], num_layers: int, width: int, key: str = "width") -> WindowChoice:
+def choose_window(
+    val_auroc: Callable[[list[int]], float | None], num_layers: int, width: int, key: str = "width"
+) -> WindowChoice:
     """The contiguous window of ``width`` layers with the highest ``val_auroc(window)`` (the earliest on ties).
 
     ``val_auroc`` returns None where it is undefined (one class only); then no window can be chosen and
     the result has ``val_auroc`` None and the first window. ``key`` names the width's setting in errors.
     """
     if not 1 <= width <= num_layers:
-        raise InputError(f"{key} = {width}, but the LLM has {num_layers} layers: choose a width in 1..{num_layers} (null = the paper range's)")
+        raise InputError(
+            f"{key} = {width}, but the LLM has {num_layers} layers: choose a width in 1..{num_layers} (null = the paper range's)"
+        )
     by_first = {first: val_auroc(list(range(first, first + width))) for first in range(1, num_layers - width + 2)}
     scored = {first: a for first, a in by_first.items() if a is not None}
     best = max(scored, key=lambda first: (scored[first], -first)) if scored else 1

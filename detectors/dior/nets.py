@@ -22,9 +22,17 @@ class EarlyGRU(nn.Module):
         super().__init__()
         if seq_dim == 0 and scalar_dim == 0 and vector_dim == 0:
             raise ValueError("EarlyGRU needs sequence, scalar or vector features")
-        self.config = {"seq_dim": seq_dim, "scalar_dim": scalar_dim, "vector_dim": vector_dim, "hidden": hidden, "dropout": dropout}
+        self.config = {
+            "seq_dim": seq_dim,
+            "scalar_dim": scalar_dim,
+            "vector_dim": vector_dim,
+            "hidden": hidden,
+            "dropout": dropout,
+        }
         self.gru = nn.GRU(seq_dim, hidden, batch_first=True, bidirectional=True) if seq_dim else None
-        self.vector = nn.Sequential(nn.Dropout(dropout), nn.Linear(vector_dim, hidden), nn.GELU()) if vector_dim else None
+        self.vector = (
+            nn.Sequential(nn.Dropout(dropout), nn.Linear(vector_dim, hidden), nn.GELU()) if vector_dim else None
+        )
         self.dropout = nn.Dropout(dropout)
         head_in = (2 * hidden if seq_dim else 0) + (hidden if vector_dim else 0) + scalar_dim
         self.head = nn.Sequential(nn.Linear(head_in, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, 1))

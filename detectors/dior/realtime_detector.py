@@ -23,7 +23,15 @@ from detectors.config.core import from_dict
 from detectors.config.schema import RealtimePromptParams
 from detectors.dior.entities import entity_tokens, token_offsets
 from detectors.dior.nets import TokenMLP
-from detectors.dior.recorder import GenerationRecorder, TokenTrace, eos_ids, feature_rows, generate_traced, render_prompt, token_features
+from detectors.dior.recorder import (
+    GenerationRecorder,
+    TokenTrace,
+    eos_ids,
+    feature_rows,
+    generate_traced,
+    render_prompt,
+    token_features,
+)
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
@@ -38,7 +46,9 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
 TOKENS = ("entity", "all")  # what a detector trains on: entity tokens, or every generated token
 
 
-def token_table(frame: pd.DataFrame, hidden: np.ndarray, tokens: str = "entity") -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
+def token_table(
+    frame: pd.DataFrame, hidden: np.ndarray, tokens: str = "entity"
+) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
     """Features and labels of the ok records' ``tokens`` and where each came from: ``entity``, the entity tokens
     (labelled by their entity); ``all``, every generated token (a token outside any entity labelled 0, supported)."""
     if tokens not in TOKENS:
@@ -55,7 +65,11 @@ def token_table(frame: pd.DataFrame, hidden: np.ndarray, tokens: str = "entity")
         where.append(pd.DataFrame({"record": row.id, "split": row.split, "token": idx}))
     width = hidden.shape[1] + 3
     if not feats:
-        return np.zeros((0, width), np.float32), np.zeros(0, np.int64), pd.DataFrame(columns=["record", "split", "token"])
+        return (
+            np.zeros((0, width), np.float32),
+            np.zeros(0, np.int64),
+            pd.DataFrame(columns=["record", "split", "token"]),
+        )
     return np.concatenate(feats), np.concatenate(labels).astype(np.int64), pd.concat(where, ignore_index=True)
 
 
@@ -64,12 +78,20 @@ def answer_records(early: pd.DataFrame) -> pd.DataFrame:
     and :mod:`detectors.dior.served` read): every ok question whose answer has a token, its tokens (``gen_ids``,
     ``prob``, ``entropy``, hidden-state rows from ``answer_hidden_offset``) all labelled with the answer's label."""
     ok = early[(early["status"] == "ok") & (early["answer_ids"].map(len) > 0)]
-    return pd.DataFrame({
-        "id": ok["id"], "split": ok["split"], "status": "ok", "label": ok["label"].astype(int), "feature_dtype": ok["feature_dtype"],
-        "gen_ids": ok["answer_ids"], "prob": ok["answer_prob"], "entropy": ok["answer_entropy"],
-        "token_label": [[int(label)] * len(ids) for label, ids in zip(ok["label"], ok["answer_ids"])],
-        "hidden_offset": ok["answer_hidden_offset"],
-    }).reset_index(drop=True)  # fmt: skip
+    return pd.DataFrame(
+        {
+            "id": ok["id"],
+            "split": ok["split"],
+            "status": "ok",
+            "label": ok["label"].astype(int),
+            "feature_dtype": ok["feature_dtype"],
+            "gen_ids": ok["answer_ids"],
+            "prob": ok["answer_prob"],
+            "entropy": ok["answer_entropy"],
+            "token_label": [[int(label)] * len(ids) for label, ids in zip(ok["label"], ok["answer_ids"])],
+            "hidden_offset": ok["answer_hidden_offset"],
+        }
+    ).reset_index(drop=True)
 
 
 class TriggerStop(StoppingCriteria):
@@ -118,7 +140,9 @@ class RealtimeDetector(Detector):
     prompt: RealtimePromptParams
     spacy_model: str
     fingerprint: Fingerprint
-    llm_ref: dict[str, Any]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    llm_ref: dict[
+        str, Any
+    ]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
     info: dict[str, Any]
     llm: LLM | None = None
     _nlp: Any = None
@@ -141,7 +165,7 @@ class RealtimeDetector(Detector):
         return write_artifact(directory, self.KIND, self.net, config)
 
     @classmethod
-    def load(cls, directory: str | Path) -> "RealtimeDetector":
+    def load(cls, directory: str | Path) -> RealtimeDetector:
         config, net, fingerprint, llm_ref = read_net(directory, cls.KIND, TokenMLP)
         return cls(
             net=net,
@@ -191,9 +215,9 @@ class RealtimeDetector(Detector):
     def monitor(self, llm: LLM | None = None) -> GenerationRecorder:
         """A recorder that scores every generated token of ``model.generate``::
 
-            with det.monitor() as mon:
-                model.generate(**enc, logits_processor=[mon], stopping_criteria=[det.stop_on_trigger(mon)])
-            result = det.result(mon)
+        with det.monitor() as mon:
+            model.generate(**enc, logits_processor=[mon], stopping_criteria=[det.stop_on_trigger(mon)])
+        result = det.result(mon)
         """
         if llm is not None and llm is not self.llm:
             self.attach(llm)
@@ -230,7 +254,9 @@ class RealtimeDetector(Detector):
         """Continue ``text`` with the training prompt and score every token (a convenience for the
         common case; RAG loops with their own prompts use ``monitor``)."""
         prompt = render_prompt(self.require_llm(), title, text, self.prompt)
-        _, traces = generate_traced(self.llm, [prompt], self.state_indices, max_new_tokens, self.prompt.chat, self.score_tokens)
+        _, traces = generate_traced(
+            self.llm, [prompt], self.state_indices, max_new_tokens, self.prompt.chat, self.score_tokens
+        )
         return self._result(traces[0])
 
     def _result(self, trace: TokenTrace) -> RealtimeResult:

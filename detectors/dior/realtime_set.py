@@ -18,7 +18,9 @@ def _failure(base: dict, err: Exception) -> dict:
     return {**base, "status": failure_status(err)}
 
 
-def build_records(llm, tools, chunk: pd.DataFrame, state_indices: list[int], params) -> tuple[list[dict], dict[str, np.ndarray]]:
+def build_records(
+    llm, tools, chunk: pd.DataFrame, state_indices: list[int], params
+) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Records of one shard and the hidden states of their generated tokens (by record id). A record that
     raises becomes a skipped or error row (see :mod:`detectors.shards`); a batch whose generation raises
     makes an error row of each of its records. Prompts are batched by token length (left padding wastes less)."""
@@ -27,10 +29,17 @@ def build_records(llm, tools, chunk: pd.DataFrame, state_indices: list[int], par
         base = {"id": art.id, "split": art.split, "title": art.title, "feature_dtype": llm.dtype_name}
         try:
             text, prompt, cut, warnings = prepare_article(
-                tools, llm, art.id, art.title, art.text, params.prompt, max_new_tokens=params.max_new_tokens,
-                max_article_chars=params.max_article_chars, prefix_sentences=params.prefix_sentences,
+                tools,
+                llm,
+                art.id,
+                art.title,
+                art.text,
+                params.prompt,
+                max_new_tokens=params.max_new_tokens,
+                max_article_chars=params.max_article_chars,
+                prefix_sentences=params.prefix_sentences,
                 min_prefix_chars=params.min_prefix_chars,
-            )  # fmt: skip
+            )
             ready.append((base, text, prompt, cut, warnings))
         except Exception as err:
             rows.append(_failure(base, err))
@@ -41,7 +50,9 @@ def build_records(llm, tools, chunk: pd.DataFrame, state_indices: list[int], par
     for k in range(0, len(ready), params.batch_size):
         batch = [ready[i] for i in by_length[k : k + params.batch_size]]
         try:
-            prompt_ids, traces = generate_traced(llm, [b[2] for b in batch], state_indices, params.max_new_tokens, params.prompt.chat)
+            prompt_ids, traces = generate_traced(
+                llm, [b[2] for b in batch], state_indices, params.max_new_tokens, params.prompt.chat
+            )
         except Exception as err:
             done.update((b[0]["id"], _failure(b[0], err)) for b in batch)
             continue
@@ -49,20 +60,39 @@ def build_records(llm, tools, chunk: pd.DataFrame, state_indices: list[int], par
             record = {**base, "cut": cut, "prompt_ids": ids, "gen_ids": trace.gen_ids, "warnings": warnings}
             try:
                 labels = label_continuation(
-                    llm, tools, base["title"], text, cut, trace.gen_ids, params.similarity_threshold, params.sentence_window
+                    llm,
+                    tools,
+                    base["title"],
+                    text,
+                    cut,
+                    trace.gen_ids,
+                    params.similarity_threshold,
+                    params.sentence_window,
                 )
             except Exception as err:
                 done[base["id"]] = _failure(record, err)
                 continue
             labels["entities"] = json.dumps(labels["entities"])
-            done[base["id"]] = {**record, **labels, "status": OK, "prob": trace.prob.tolist(), "entropy": trace.entropy.tolist()}
+            done[base["id"]] = {
+                **record,
+                **labels,
+                "status": OK,
+                "prob": trace.prob.tolist(),
+                "entropy": trace.entropy.tolist(),
+            }
             hidden[base["id"]] = trace.hidden
-    return rows + [done[r[0]["id"]] for r in ready], hidden  # failed preparations first, then the articles in shard order
+    return rows + [
+        done[r[0]["id"]] for r in ready
+    ], hidden  # failed preparations first, then the articles in shard order
 
 
 def balance(labels) -> dict:
     labels = [int(x) for x in labels]
-    return {"n": len(labels), "hallucinated": sum(labels), "rate": round(sum(labels) / len(labels), 4) if labels else None}
+    return {
+        "n": len(labels),
+        "hallucinated": sum(labels),
+        "rate": round(sum(labels) / len(labels), 4) if labels else None,
+    }
 
 
 def report(frame: pd.DataFrame) -> dict:
@@ -76,7 +106,8 @@ def report(frame: pd.DataFrame) -> dict:
     return {
         **status_counts(frame),
         "continuations": {
-            "all": balance(ok["label"] if len(ok) else []), **{split: balance(g["label"]) for split, g in ok.groupby("split")}
+            "all": balance(ok["label"] if len(ok) else []),
+            **{split: balance(g["label"]) for split, g in ok.groupby("split")},
         },
         "entities": {
             **balance(e["hallucinated"] for e in entities),

@@ -49,7 +49,9 @@ class TokenSets:
                 "same layers (build_early.answer_hidden_layers = build_realtime.hidden_layers) and rerun build_early"
             )
         if frame_dtype(cont, "the real-time set") != frame_dtype(ans, "the early set's answers"):
-            raise InputError("the real-time set and the early set were computed in different dtypes: rebuild one of them (llm.dtype)")
+            raise InputError(
+                "the real-time set and the early set were computed in different dtypes: rebuild one of them (llm.dtype)"
+            )
 
     def records(self, source: str) -> tuple[pd.DataFrame, np.ndarray]:
         if source == CONTINUATIONS:
@@ -57,7 +59,9 @@ class TokenSets:
         if source != ANSWERS:
             raise ValueError(f"source = {source!r}: use {CONTINUATIONS!r} or {ANSWERS!r}")
         if self.answers is None:
-            raise InputError("no QA answer tokens were given: the 'answers' candidate and choose_on: answers need build_early's answer tokens")
+            raise InputError(
+                "no QA answer tokens were given: the 'answers' candidate and choose_on: answers need build_early's answer tokens"
+            )
         return self.answers
 
     @property
@@ -73,7 +77,11 @@ class TokenSets:
             parts.append(token_table(frame, hidden, "all" if part == ANSWERS else part))
         if len(parts) == 1:
             return parts[0]
-        return np.concatenate([x for x, _, _ in parts]), np.concatenate([y for _, y, _ in parts]), pd.concat([w for _, _, w in parts], ignore_index=True)
+        return (
+            np.concatenate([x for x, _, _ in parts]),
+            np.concatenate([y for _, y, _ in parts]),
+            pd.concat([w for _, _, w in parts], ignore_index=True),
+        )
 
 
 def train_realtime_detector(
@@ -112,15 +120,27 @@ def train_realtime_detector(
         fast_dev_run=fast_dev_run,
     )
     detector = RealtimeDetector(
-        net, mean, std, 0.5, list(hidden_layers),
+        net,
+        mean,
+        std,
+        0.5,
+        list(hidden_layers),
         hidden_state_indices(hidden_layers, fingerprint.num_layers, "build_realtime.hidden_layers"),
-        prompt, spacy_model, fingerprint, llm_ref, {},
-    )  # fmt: skip
+        prompt,
+        spacy_model,
+        fingerprint,
+        llm_ref,
+        {},
+    )
     detector.threshold = choose_threshold(y[val], detector.predict_proba(x[val]), params.threshold)
     detector.info = training_info(
-        summary, params, tokens=tokens, n_train_tokens=int(train.sum()), n_val_tokens=int(val.sum()),
+        summary,
+        params,
+        tokens=tokens,
+        n_train_tokens=int(train.sum()),
+        n_val_tokens=int(val.sum()),
         train_hallucination_rate=float(y[train].mean()),
-    )  # fmt: skip
+    )
     return detector
 
 
@@ -157,25 +177,44 @@ def train_and_choose(
     best, best_auroc, best_scores, summary = None, float("-inf"), {}, {}
     for tokens in candidates:
         detector = train_realtime_detector(sets, params, tokens=tokens, **kwargs)
-        served = {source: {split: _served(detector, sets, source, split) for split in ("val", "test")} for source in sets.sources}
+        served = {
+            source: {split: _served(detector, sets, source, split) for split in ("val", "test")}
+            for source in sets.sources
+        }
         value, val_scores = served[choose_on]["val"]
         if value is None and len(candidates) > 1:
-            raise OneClassError(f"train_realtime.tokens = {candidates}: cannot choose a candidate by validation (the {choose_on}' validation "
-                                "records are all of one class)")  # fmt: skip
+            raise OneClassError(
+                f"train_realtime.tokens = {candidates}: cannot choose a candidate by validation (the {choose_on}' validation "
+                "records are all of one class)"
+            )
         summary[tokens] = {
-            "val_served_auroc": value, "best_val_auroc": detector.info["best_val_auroc"], "threshold": detector.threshold,
-            "served_auroc": {source: {split: auroc for split, (auroc, _) in by_split.items()} for source, by_split in served.items()},
-        }  # fmt: skip
+            "val_served_auroc": value,
+            "best_val_auroc": detector.info["best_val_auroc"],
+            "threshold": detector.threshold,
+            "served_auroc": {
+                source: {split: auroc for split, (auroc, _) in by_split.items()} for source, by_split in served.items()
+            },
+        }
         log.info("trained on %s tokens: validation served AUROC on the %s %s", tokens, choose_on, value)
         if best is None or (value is not None and value > best_auroc):
             best, best_auroc, best_scores = detector, value, val_scores
     records = sets.records(choose_on)[0]
-    val_ids = records.loc[(records["status"] == "ok") & (records["split"] == "val"), "id"]  # the records served_auroc scores
-    best.info = {**best.info, "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"], "chosen_on": choose_on,
-                 "val_digest": validation_digest(val_ids) if len(val_ids) else None, "candidates": summary}  # fmt: skip
+    val_ids = records.loc[
+        (records["status"] == "ok") & (records["split"] == "val"), "id"
+    ]  # the records served_auroc scores
+    best.info = {
+        **best.info,
+        "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"],
+        "chosen_on": choose_on,
+        "val_digest": validation_digest(val_ids) if len(val_ids) else None,
+        "candidates": summary,
+    }
     if best_auroc is not None:  # serving fires when the max so far reaches the threshold
         token_threshold = best.threshold
         best.threshold = served_threshold(records, best_scores, params.threshold)
-        best.info |= {"token_threshold": token_threshold, "threshold_chosen_on": f"validation {choose_on} (max over tokens)"}
+        best.info |= {
+            "token_threshold": token_threshold,
+            "threshold_chosen_on": f"validation {choose_on} (max over tokens)",
+        }
         log.info("served threshold %.4f (token-level %.4f)", best.threshold, token_threshold)
     return best

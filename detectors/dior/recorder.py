@@ -8,7 +8,7 @@ states at the chosen layers and its probability and entropy — never a second p
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class GenerationRecorder(LogitsProcessor):
         self.entropy: list[torch.Tensor] = []
         self.scores: list[torch.Tensor] = []
 
-    def __enter__(self) -> "GenerationRecorder":
+    def __enter__(self) -> GenerationRecorder:
         self.reset()
         self.tap.__enter__()
         return self
@@ -96,10 +96,16 @@ class GenerationRecorder(LogitsProcessor):
         hidden = torch.stack(self.hidden, 1).cpu().numpy()
         prob = torch.stack(self.prob, 1).float().cpu().numpy()
         entropy = torch.stack(self.entropy, 1).float().cpu().numpy()
-        scores = torch.stack([torch.as_tensor(s).reshape(-1) for s in self.scores], 1).float().cpu().numpy() if self.scores else None
+        scores = (
+            torch.stack([torch.as_tensor(s).reshape(-1) for s in self.scores], 1).float().cpu().numpy()
+            if self.scores
+            else None
+        )
         out = []
         for b, ids in enumerate(tokens):
-            n = min(next((i for i, t in enumerate(ids) if t in eos_ids), len(ids)), limit if limit is not None else len(ids))
+            n = min(
+                next((i for i, t in enumerate(ids) if t in eos_ids), len(ids)), limit if limit is not None else len(ids)
+            )
             out.append(
                 TokenTrace(
                     gen_ids=ids[:n],
@@ -131,7 +137,12 @@ def render_prompt(llm: LLM, title: str, text: str, prompt: RealtimePromptParams)
 
 
 def generate_traced(
-    llm: LLM, prompts: list[str], state_indices: list[int], max_new_tokens: int, chat: bool, scorer: Callable | None = None
+    llm: LLM,
+    prompts: list[str],
+    state_indices: list[int],
+    max_new_tokens: int,
+    chat: bool,
+    scorer: Callable | None = None,
 ) -> tuple[list[list[int]], list[TokenTrace]]:
     """Greedy continuations of ``prompts`` (one left-padded batch) with every token's trace.
 

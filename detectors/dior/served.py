@@ -47,7 +47,9 @@ def served_scorer(threshold: float) -> ServedMax:
     return ServedMax(threshold=threshold)
 
 
-def record_tokens(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: str | None) -> list[tuple[Any, np.ndarray, np.ndarray]]:
+def record_tokens(
+    frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: str | None
+) -> list[tuple[Any, np.ndarray, np.ndarray]]:
     """``(row, scores, token labels)`` of the ok records of ``split`` (None: all), every token scored."""
     ok = frame[frame["status"] == "ok"]
     if split is not None:
@@ -57,7 +59,9 @@ def record_tokens(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split:
     out = []
     for row in ok.itertuples():
         if row.id not in mlp_scores:
-            raise InputError(f"record {row.id!r} has no detector scores: score the same frame with RealtimeDetector.record_scores")
+            raise InputError(
+                f"record {row.id!r} has no detector scores: score the same frame with RealtimeDetector.record_scores"
+            )
         scores, labels = np.asarray(mlp_scores[row.id], dtype=np.float64), np.asarray(row.token_label)
         if len(scores) != len(labels) or np.isnan(scores).any():
             raise InputError(
@@ -68,7 +72,9 @@ def record_tokens(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split:
     return out
 
 
-def continuation_maxima(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: str) -> tuple[np.ndarray, np.ndarray]:
+def continuation_maxima(
+    frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: str
+) -> tuple[np.ndarray, np.ndarray]:
     """The continuation labels of ``split`` and each continuation's served score, the max over its generated tokens."""
     records = record_tokens(frame, mlp_scores, split)
     return np.array([int(row.label) for row, _, _ in records]), np.array([scores.max() for _, scores, _ in records])
@@ -91,7 +97,9 @@ def _share(count: int, n: int) -> float | None:
     return count / n if n else None
 
 
-def served_behaviour(frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], threshold: float, split: str | None = "test") -> dict:
+def served_behaviour(
+    frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], threshold: float, split: str | None = "test"
+) -> dict:
     """Where the served detector fires on the ok records of ``split``, at ``threshold``.
 
     - ``trigger_rate``: share of continuations where some generated token reaches the threshold (also per class);

@@ -70,7 +70,9 @@ def bootstrap_auroc(labels, scores, groups=None, n: int = 1000, seed: int = 0) -
     return _interval(clustered_auroc(labels, scores, *_cluster_counts(groups, n, seed)))
 
 
-def paired_bootstrap_delta(labels, scores, reference, groups=None, n: int = 1000, seed: int = 0, reference_labels=None) -> tuple[float, float, float]:
+def paired_bootstrap_delta(
+    labels, scores, reference, groups=None, n: int = 1000, seed: int = 0, reference_labels=None
+) -> tuple[float, float, float]:
     """AUROC(``scores``) - AUROC(``reference``) on the same units and its paired 95% bootstrap interval: both
     scorers are measured on the same resampled clusters, so what they share cancels out of the difference.
     ``reference_labels`` (default ``labels``): the reference's own labels of the same units (another run that labelled

@@ -19,9 +19,27 @@ from detectors.interfaces import Level, Scorer
 
 # The long comparison table: one row per scorer x dataset x level (the shared interface of issue 10).
 COLUMNS = (
-    "scorer", "kind", "dataset", "level", "features", "auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1",
-    "ece", "threshold", "trigger_rate", "n", "positive_rate", "delta_auroc", "delta_ci_low", "delta_ci_high", "delta_vs",
-)  # fmt: skip
+    "scorer",
+    "kind",
+    "dataset",
+    "level",
+    "features",
+    "auroc",
+    "auroc_ci_low",
+    "auroc_ci_high",
+    "auprc",
+    "accuracy",
+    "f1",
+    "ece",
+    "threshold",
+    "trigger_rate",
+    "n",
+    "positive_rate",
+    "delta_auroc",
+    "delta_ci_low",
+    "delta_ci_high",
+    "delta_vs",
+)
 DELTA = ("delta_auroc", "delta_ci_low", "delta_ci_high", "delta_vs")
 DATASETS = ("early", "realtime")  # the test sets compared (the table's ``dataset`` values)
 
@@ -64,12 +82,19 @@ def compare(
         scores[scorer.name] = scorer.score(ok)
         _require_scores(scorer.name, scores.loc[evaluated, scorer.name], ok.loc[evaluated, "id"])
         s_val, s_test = scores.loc[val.index, scorer.name], scores.loc[test.index, scorer.name]
-        threshold = scorer.threshold if scorer.threshold is not None else choose_threshold(val["label"], s_val, strategy)
+        threshold = (
+            scorer.threshold if scorer.threshold is not None else choose_threshold(val["label"], s_val, strategy)
+        )
         prob = s_test.to_numpy() if scorer.is_probability else platt(val["label"], s_val)(s_test)
         probabilities[scorer.name] = prob
         metrics = binary_metrics(test["label"], s_test, threshold, prob, ece_bins)
         low, high = bootstrap_auroc(test["label"], s_test, test["group"], n_bootstrap, seed)
-        results[scorer.name] = {"kind": scorer.kind, "auroc": metrics.pop("auroc"), "auroc_ci_low": low, "auroc_ci_high": high}
+        results[scorer.name] = {
+            "kind": scorer.kind,
+            "auroc": metrics.pop("auroc"),
+            "auroc_ci_low": low,
+            "auroc_ci_high": high,
+        }
         results[scorer.name] |= metrics
     baselines = {s.name: results[s.name]["auroc"] for s in scorers if s.kind == "baseline"}
     if baselines:
@@ -99,12 +124,19 @@ def long_table(results: dict, scorers: list[Scorer], dataset: str) -> pd.DataFra
 
 
 def compare_levels(
-    units: dict[Level, pd.DataFrame], scorers: dict[Level, list[Scorer]], strategy: str, ece_bins: int, n_bootstrap: int, seed: int
+    units: dict[Level, pd.DataFrame],
+    scorers: dict[Level, list[Scorer]],
+    strategy: str,
+    ece_bins: int,
+    n_bootstrap: int,
+    seed: int,
 ) -> tuple[dict, pd.DataFrame, dict[str, pd.DataFrame]]:
     """:func:`compare` at every level of one dataset: ``{level: {scorer: metrics}}``, the units' scores of all
     levels (column ``level`` added) and the test probabilities per level."""
     results, all_scores, probabilities = {}, [], {}
     for level, table in units.items():
-        results[level.value], scores, probabilities[level.value] = compare(table, scorers[level], strategy, ece_bins, n_bootstrap, seed)
+        results[level.value], scores, probabilities[level.value] = compare(
+            table, scorers[level], strategy, ece_bins, n_bootstrap, seed
+        )
         all_scores.append(scores.assign(level=level.value))
     return results, pd.concat(all_scores, ignore_index=True), probabilities

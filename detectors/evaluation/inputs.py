@@ -26,11 +26,15 @@ def join_score_tables(frame: pd.DataFrame, tables: dict[str, str | Path]) -> tup
         table = pd.read_parquet(path)
         if "id" not in table:
             columns = list(table.columns)
-            raise ValueError(f"{what} scores at {path} have no 'id' column (columns: {columns}); rerun the stage that writes it")
+            raise ValueError(
+                f"{what} scores at {path} have no 'id' column (columns: {columns}); rerun the stage that writes it"
+            )
         columns = [c for c in table.columns if c != "id"]
         clash = sorted(set(columns) & (set(frame.columns) | set(joined)))
         if clash:
-            raise ValueError(f"{what} scores at {path} repeat columns {clash} that the data set or another score table has; rename them")
+            raise ValueError(
+                f"{what} scores at {path} repeat columns {clash} that the data set or another score table has; rename them"
+            )
         frame = frame.merge(table, on="id", how="left")
         joined += columns
     return frame, joined

@@ -29,7 +29,7 @@ UNITS = {  # (dataset, level) -> what a figure of that level shows
     ("realtime", "token"): "Real-time detection, per entity token",
     ("realtime", "entity"): "Real-time detection, per entity",
     ("realtime", "continuation"): "Real-time detection, per continuation",
-}  # fmt: skip
+}
 
 
 def scorer_colours(names: Iterable[str]) -> dict[str, tuple]:
@@ -78,7 +78,14 @@ def _fresh(directory: Path) -> Path:
 
 
 def write_level_plots(
-    scores: pd.DataFrame, probabilities: pd.DataFrame, results: dict, colours: dict, plots_dir: Path, key: str, title: str, bins: int
+    scores: pd.DataFrame,
+    probabilities: pd.DataFrame,
+    results: dict,
+    colours: dict,
+    plots_dir: Path,
+    key: str,
+    title: str,
+    bins: int,
 ) -> list[Path]:
     """The figures of one dataset x level (``key``, e.g. ``realtime_entity``, titled ``title``) from the test rows of
     ``scores`` and the calibrated ``probabilities`` (one column per scorer in ``results``); returns the PNGs.
@@ -98,7 +105,12 @@ def write_level_plots(
         pd.DataFrame({"fpr": fpr, "tpr": tpr}).to_csv(dirs["roc"] / f"{name}.csv", index=False)
         pd.DataFrame({"recall": recall, "precision": precision}).to_csv(dirs["pr"] / f"{name}.csv", index=False)
         rel.to_csv(dirs["reliability"] / f"{name}.csv", index=False)
-        ax_roc.plot(fpr, tpr, color=colour, label=f"{name} ({m['auroc']:.3f} [{m['auroc_ci_low']:.2f}, {m['auroc_ci_high']:.2f}])")
+        ax_roc.plot(
+            fpr,
+            tpr,
+            color=colour,
+            label=f"{name} ({m['auroc']:.3f} [{m['auroc_ci_low']:.2f}, {m['auroc_ci_high']:.2f}])",
+        )
         ax_pr.step(recall, precision, where="post", color=colour, label=f"{name} ({m['auprc']:.3f})")
         ax_rel.plot(rel["confidence"], rel["frequency"], "o-", color=colour, label=f"{name} (ECE {m['ece']:.3f})")
     ax_roc.plot([0, 1], [0, 1], "k:", lw=0.8)
@@ -110,7 +122,9 @@ def write_level_plots(
     ax_rel.set(xlim=(0, 1), ylim=(0, 1))
     for ax in (ax_roc, ax_pr, ax_rel):
         ax.legend(fontsize=6)
-    curves = save_figure(fig, figures / f"{key}_curves.png", f"{title}: ROC, precision-recall and reliability of every scorer")
+    curves = save_figure(
+        fig, figures / f"{key}_curves.png", f"{title}: ROC, precision-recall and reliability of every scorer"
+    )
     return [curves, ecdf_grid(test, names, colours, figures / f"{key}_ecdf.png", title)]
 
 
@@ -183,17 +197,30 @@ def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
         if "val_auroc" in per_layer:
             ax.plot(per_layer["layer"], per_layer["val_auroc"], "s--", alpha=0.6, label="val statements")
         for (name, r), colour in zip(h["ranges"].items(), ("tab:grey", "tab:green")):
-            ax.axvspan(r["layers"][0] - 0.5, r["layers"][-1] + 0.5, color=colour, alpha=0.12, label=f"{name} range (test {r['test_auroc']})")
+            ax.axvspan(
+                r["layers"][0] - 0.5,
+                r["layers"][-1] + 0.5,
+                color=colour,
+                alpha=0.12,
+                label=f"{name} range (test {r['test_auroc']})",
+            )
         ax.axhline(0.5, color="k", ls=":", lw=0.8)
         ax.legend(fontsize=7)
         ax.set(xlabel="layer", ylabel="held-out AUROC (true vs false)", title="Honesty direction per layer")
         ax2.plot(sizes["n_statements"], sizes["auroc"], "o-")
-        ax2.set(xscale="log", xlabel="statements used for PCA", ylabel="AUROC at the paper's steering layers", title="Dependence on |S|")
+        ax2.set(
+            xscale="log",
+            xlabel="statements used for PCA",
+            ylabel="AUROC at the paper's steering layers",
+            title="Dependence on |S|",
+        )
         title = f"CtrlA honesty direction: held-out true-vs-false AUROC per layer and vs statements used ({h['n_heldout']} test statements)"
         pngs.append(save_figure(fig, plots_dir / "ctrla_honesty.png", title, dpi=120))
     t = metrics.get("truthfulqa", {})
     if t:
-        grid = pd.DataFrame([{"lambda": float(k), "accuracy": v} for k, v in t["accuracy"].items()]).sort_values("lambda")
+        grid = pd.DataFrame([{"lambda": float(k), "accuracy": v} for k, v in t["accuracy"].items()]).sort_values(
+            "lambda"
+        )
         grid.to_csv(plots_dir / "ctrla_truthfulqa.csv", index=False)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ax.plot(grid["lambda"], grid["accuracy"], "o-")

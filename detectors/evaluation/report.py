@@ -27,19 +27,26 @@ def _interval(value: float, low: float, high: float, signed: bool = False) -> st
 def markdown_table(table: pd.DataFrame) -> str:
     """Markdown of the long comparison table (:data:`~detectors.evaluation.compare.COLUMNS`)."""
     table = table.reindex(columns=list(COLUMNS))
-    out = ["# Comparison of every scorer on the test splits", "",
-           "AUROC with its 95% bootstrap interval (clusters = questions, or continuations at token and entity level); "
-           "accuracy, F1 and trigger rate at the threshold chosen on validation; ECE after a Platt map fitted on validation "
-           "for scores that are not probabilities. Δ AUROC: paired bootstrap interval of a trained detector's AUROC minus "
-           "that of the best training-free baseline at the same dataset and level, on the same resampled examples.", ""]  # fmt: skip
+    out = [
+        "# Comparison of every scorer on the test splits",
+        "",
+        "AUROC with its 95% bootstrap interval (clusters = questions, or continuations at token and entity level); "
+        "accuracy, F1 and trigger rate at the threshold chosen on validation; ECE after a Platt map fitted on validation "
+        "for scores that are not probabilities. Δ AUROC: paired bootstrap interval of a trained detector's AUROC minus "
+        "that of the best training-free baseline at the same dataset and level, on the same resampled examples.",
+        "",
+    ]
     keys = table[["dataset", "level"]].drop_duplicates()
     keys = keys.assign(order=keys["level"].map(LEVEL_ORDER)).sort_values(["dataset", "order"])
     for dataset, level in keys[["dataset", "level"]].itertuples(index=False):
         part = table[(table["dataset"] == dataset) & (table["level"] == level)].sort_values("auroc", ascending=False)
         first = part.iloc[0]
-        out += [f"## {dataset} · {level} (test: {int(first['n'])} units, {first['positive_rate']:.0%} hallucinated)", "",
-                "| scorer | kind | AUROC [95% CI] | AUPRC | accuracy | F1 | ECE | trigger rate |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        out += [
+            f"## {dataset} · {level} (test: {int(first['n'])} units, {first['positive_rate']:.0%} hallucinated)",
+            "",
+            "| scorer | kind | AUROC [95% CI] | AUPRC | accuracy | F1 | ECE | trigger rate |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for r in part.itertuples(index=False):
             auroc = _interval(r.auroc, r.auroc_ci_low, r.auroc_ci_high)
             rest = f"{r.auprc:.3f} | {r.accuracy:.3f} | {r.f1:.3f} | {r.ece:.3f} | {r.trigger_rate:.2f}"
@@ -48,7 +55,9 @@ def markdown_table(table: pd.DataFrame) -> str:
         if len(deltas):
             out += ["", "| detector | vs best baseline | Δ AUROC [95% CI] |", "| --- | --- | --- |"]
             for r in deltas.itertuples(index=False):
-                out.append(f"| {r.scorer} | {r.delta_vs} | {_interval(r.delta_auroc, r.delta_ci_low, r.delta_ci_high, signed=True)} |")
+                out.append(
+                    f"| {r.scorer} | {r.delta_vs} | {_interval(r.delta_auroc, r.delta_ci_low, r.delta_ci_high, signed=True)} |"
+                )
         out.append("")
     return "\n".join(out)
 
@@ -59,7 +68,9 @@ def nested_metrics(table: pd.DataFrame, dataset: str) -> dict[str, dict[str, dic
     metrics = [c for c in COLUMNS if c not in ("scorer", "dataset", "level", "features")]
     out: dict[str, dict[str, dict]] = {}
     for row in part.to_dict("records"):
-        values = {k: row[k] for k in metrics if not (isinstance(row[k], float) and math.isnan(row[k])) and row[k] is not None}
+        values = {
+            k: row[k] for k in metrics if not (isinstance(row[k], float) and math.isnan(row[k])) and row[k] is not None
+        }
         out.setdefault(row["level"], {})[row["scorer"]] = values
     return out
 
@@ -86,7 +97,9 @@ def headline(table: pd.DataFrame) -> dict[str, float | str]:
                 out[f"{prefix}.test_auroc.{r.scorer}"] = auroc
         best = detectors["delta_vs"].dropna()
         if len(best):
-            out[f"{prefix}.test_auroc.best_baseline"] = headline_value(part.loc[part["scorer"] == best.iloc[0], "auroc"].iloc[0])
+            out[f"{prefix}.test_auroc.best_baseline"] = headline_value(
+                part.loc[part["scorer"] == best.iloc[0], "auroc"].iloc[0]
+            )
             out[f"{prefix}.best_baseline"] = str(best.iloc[0])
     return out
 

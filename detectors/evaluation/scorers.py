@@ -4,7 +4,8 @@ detector, and scores computed from per-token statistics at the token, entity or 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -75,7 +76,9 @@ class TokenStatScorer:
 
     def __post_init__(self) -> None:
         if self.level not in self.levels:
-            raise ValueError(f"scorer {self.name!r} is not defined at the {self.level.value} level; levels: {[x.value for x in self.levels]}")
+            raise ValueError(
+                f"scorer {self.name!r} is not defined at the {self.level.value} level; levels: {[x.value for x in self.levels]}"
+            )
 
     @property
     def features(self) -> str:

@@ -41,18 +41,42 @@ KINDS = ("detector", "baseline")
 # table column → metric name; test-split metrics carry ``test_``, the validation threshold, the trigger rate at it and
 # the paired difference to the best baseline keep their names. Other numeric columns are logged under their own name.
 METRICS = {
-    **{c: f"test_{c}" for c in ("auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1", "ece", "n", "positive_rate")},
+    **{
+        c: f"test_{c}"
+        for c in ("auroc", "auroc_ci_low", "auroc_ci_high", "auprc", "accuracy", "f1", "ece", "n", "positive_rate")
+    },
     **{c: c for c in ("threshold", "trigger_rate", "delta_auroc", "delta_ci_low", "delta_ci_high")},
 }
 # The UI shows no metric column by default (3.17: Source, Models, Dataset) and keeps a user's column choice in the
 # browser. A shared view (experiment tag ``mlflow.sharedViewState.<key>``, opened with ``?viewStateShareKey=<key>``, see
 # :func:`view_url`) gives everyone the comparison: sorted by test_auroc, with the level, kind and metric columns.
 VIEW_KEY = "comparison"
-VIEW_COLUMNS = ("tags.`level`", "tags.`kind`") + tuple(
-    f"metrics.`{m}`" for m in ("test_auroc", "test_auroc_ci_low", "test_auroc_ci_high", "delta_auroc", "delta_ci_low",
-                               "delta_ci_high", "test_auprc", "test_f1", "test_ece", "trigger_rate", "test_n")
-) + ("tags.`delta_vs`",)  # fmt: skip
-VIEW = {"orderByKey": "metrics.`test_auroc`", "orderByAsc": False, "selectedColumns": list(VIEW_COLUMNS), "columnOrder": list(VIEW_COLUMNS)}
+VIEW_COLUMNS = (
+    ("tags.`level`", "tags.`kind`")
+    + tuple(
+        f"metrics.`{m}`"
+        for m in (
+            "test_auroc",
+            "test_auroc_ci_low",
+            "test_auroc_ci_high",
+            "delta_auroc",
+            "delta_ci_low",
+            "delta_ci_high",
+            "test_auprc",
+            "test_f1",
+            "test_ece",
+            "trigger_rate",
+            "test_n",
+        )
+    )
+    + ("tags.`delta_vs`",)
+)
+VIEW = {
+    "orderByKey": "metrics.`test_auroc`",
+    "orderByAsc": False,
+    "selectedColumns": list(VIEW_COLUMNS),
+    "columnOrder": list(VIEW_COLUMNS),
+}
 DESCRIPTION = (
     "One run per scorer × level on the {dataset} test set, logged by the `evaluate` stage. Sort the runs table by "
     "`test_auroc`; `test_auroc_ci_low`/`_high` are its 95 % bootstrap interval, `delta_auroc` (with `delta_ci_low`/`_high`) "
@@ -65,7 +89,9 @@ DESCRIPTION = (
 def _check(table: pd.DataFrame, plots: dict[str, list[Path]], base_tags: dict[str, str]) -> None:
     missing = [c for c in REQUIRED if c not in table.columns]
     if missing:
-        raise ValueError(f"comparison table lacks columns {missing}: log_comparison expects the long table (a row per scorer × level)")
+        raise ValueError(
+            f"comparison table lacks columns {missing}: log_comparison expects the long table (a row per scorer × level)"
+        )
     if table.empty:
         raise ValueError("comparison table has no rows: nothing to log (did the evaluation score any unit?)")
     for column, allowed in (("dataset", DATASETS), ("level", LEVELS), ("kind", KINDS)):
@@ -75,13 +101,19 @@ def _check(table: pd.DataFrame, plots: dict[str, list[Path]], base_tags: dict[st
     duplicated = table[table.duplicated(["scorer", "dataset", "level"], keep=False)]
     if not duplicated.empty:
         rows = sorted(set(duplicated[["scorer", "dataset", "level"]].itertuples(index=False, name=None)))
-        raise ValueError(f"comparison table has several rows for (scorer, dataset, level) {rows}: one run each is logged")
+        raise ValueError(
+            f"comparison table has several rows for (scorer, dataset, level) {rows}: one run each is logged"
+        )
     if not str(base_tags.get("llm", "")).strip():
-        raise ValueError("base_tags lacks 'llm' (the LLM's name): every comparison run is tagged with the LLM it scored")
+        raise ValueError(
+            "base_tags lacks 'llm' (the LLM's name): every comparison run is tagged with the LLM it scored"
+        )
     keys = {d for d in table["dataset"]} | {f"{d}_{lv}" for d, lv in zip(table["dataset"], table["level"])}
     unknown = sorted(set(plots) - keys)
     if unknown:
-        raise ValueError(f"plots keys {unknown} name no dataset or <dataset>_<level> of the table; use one of {sorted(keys)}")
+        raise ValueError(
+            f"plots keys {unknown} name no dataset or <dataset>_<level> of the table; use one of {sorted(keys)}"
+        )
     absent = [str(p) for paths in plots.values() for p in paths if not Path(p).is_file()]
     if absent:
         raise FileNotFoundError(f"plots to log do not exist: {absent}")
@@ -113,7 +145,11 @@ def _text(value) -> str:
 
 
 def log_comparison(
-    table: pd.DataFrame, plots: dict[str, list[Path]], base_tags: dict[str, str], experiment_prefix: str, artifact_root: str | None
+    table: pd.DataFrame,
+    plots: dict[str, list[Path]],
+    base_tags: dict[str, str],
+    experiment_prefix: str,
+    artifact_root: str | None,
 ) -> None:
     """Log ``table`` (the long comparison table) as one flat run per row in experiment
     ``f"{experiment_prefix}-{dataset}"`` (created under ``artifact_root``, see :func:`~detectors.registry.store.experiment`),
@@ -131,9 +167,13 @@ def log_comparison(
         new = set()
         for row in rows.sort_values(["level", "scorer"]).to_dict("records"):
             tags = {
-                **base_tags, "detector": str(row["scorer"]), "kind": str(row["kind"]), "level": str(row["level"]),
-                "dataset": str(dataset), "comparison": comparison,
-            }  # fmt: skip
+                **base_tags,
+                "detector": str(row["scorer"]),
+                "kind": str(row["kind"]),
+                "level": str(row["level"]),
+                "dataset": str(dataset),
+                "comparison": comparison,
+            }
             if _text(row.get("delta_vs")):
                 tags["delta_vs"] = _text(row["delta_vs"])
             with mlflow.start_run(experiment_id=exp, run_name=f"{row['scorer']} · {row['level']}", tags=tags) as run:
@@ -153,15 +193,27 @@ def view_url(server: str, experiment_id: str) -> str:
     return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
 
 
-def log_directions(metrics: dict, pngs: list[Path], tags: dict[str, str], params: dict[str, object], experiment: str, artifact_root: str | None) -> str:
+def log_directions(
+    metrics: dict,
+    pngs: list[Path],
+    tags: dict[str, str],
+    params: dict[str, object],
+    experiment: str,
+    artifact_root: str | None,
+) -> str:
     """One MLflow run for the CtrlA directions (evaluate_directions): ``params`` and the chosen layer ranges as params,
     every range's metrics (:func:`flat_metrics`), the honesty AUROC per layer and the TruthfulQA accuracy per λ as
     steps, the plots as artifacts. Returns the run's id."""
     exp = store.experiment(experiment, artifact_root)
     with mlflow.start_run(experiment_id=exp, run_name="ctrla directions", tags=tags) as run:
         mlflow.log_params(params)
-        mlflow.log_params({f"{concept}_{name}_layers": str(r["layers"]) for concept, section in (("honesty", metrics["honesty"]),
-                           ("confidence", metrics["confidence_early"])) for name, r in section.get("ranges", {}).items()})  # fmt: skip
+        mlflow.log_params(
+            {
+                f"{concept}_{name}_layers": str(r["layers"])
+                for concept, section in (("honesty", metrics["honesty"]), ("confidence", metrics["confidence_early"]))
+                for name, r in section.get("ranges", {}).items()
+            }
+        )
         mlflow.log_metrics(flat_metrics(metrics))
         for i, a in enumerate(metrics["honesty"].get("auroc_per_layer", []), 1):
             if a is not None:
@@ -175,7 +227,15 @@ def log_directions(metrics: dict, pngs: list[Path], tags: dict[str, str], params
 
 def flat_metrics(metrics: dict) -> dict[str, float]:
     """MLflow's flat view of the ranges: ``<concept>_<range>_<metric>`` (e.g. ``confidence_validation_test_auroc``)."""
-    sections = {"honesty": metrics.get("honesty", {}), "confidence": metrics["confidence_early"],
-                "confidence_realtime": metrics.get("confidence_realtime", {})}  # fmt: skip
-    return {f"{concept}_{name}_{key}": value for concept, section in sections.items() for name, r in section.get("ranges", {}).items()
-            for key, value in r.items() if key != "layers" and value is not None}  # fmt: skip
+    sections = {
+        "honesty": metrics.get("honesty", {}),
+        "confidence": metrics["confidence_early"],
+        "confidence_realtime": metrics.get("confidence_realtime", {}),
+    }
+    return {
+        f"{concept}_{name}_{key}": value
+        for concept, section in sections.items()
+        for name, r in section.get("ranges", {}).items()
+        for key, value in r.items()
+        if key != "layers" and value is not None
+    }

@@ -27,7 +27,10 @@ def realtime_token_stats(
     :meth:`~detectors.dior.realtime_detector.RealtimeDetector.record_scores`) when given."""
     out = {}
     for row in frame[frame["status"] == "ok"].to_dict("records"):
-        stats = {"prob": np.asarray(row["prob"], dtype=np.float64), "entropy": np.asarray(row["entropy"], dtype=np.float64)}
+        stats = {
+            "prob": np.asarray(row["prob"], dtype=np.float64),
+            "entropy": np.asarray(row["entropy"], dtype=np.float64),
+        }
         for column in columns:
             if isinstance(row.get(column), (list, np.ndarray)):
                 values = np.asarray(row[column], dtype=np.float64)
@@ -53,11 +56,29 @@ def realtime_units(frame: pd.DataFrame, token_stats: dict[str, dict[str, np.ndar
         base = {"group": row.id, "split": row.split, "status": "ok"}
         labels = np.asarray(row.token_label)
         for i in np.flatnonzero(labels >= 0):
-            tokens.append({"id": f"{row.id}:{i}", **base, "label": int(labels[i]), "stats": {k: v[i : i + 1] for k, v in stats.items()}})
+            tokens.append(
+                {
+                    "id": f"{row.id}:{i}",
+                    **base,
+                    "label": int(labels[i]),
+                    "stats": {k: v[i : i + 1] for k, v in stats.items()},
+                }
+            )
         spans = []
         for j, ent in enumerate(json.loads(row.entities)):
             idx = np.asarray(ent["tokens"])
             spans.append(idx)
-            entities.append({"id": f"{row.id}:e{j}", **base, "label": int(ent["hallucinated"]), "stats": {k: v[idx] for k, v in stats.items()}})
+            entities.append(
+                {
+                    "id": f"{row.id}:e{j}",
+                    **base,
+                    "label": int(ent["hallucinated"]),
+                    "stats": {k: v[idx] for k, v in stats.items()},
+                }
+            )
         continuations.append({"id": row.id, **base, "label": int(row.label), "stats": stats, "entities": spans})
-    return {Level.TOKEN: pd.DataFrame(tokens), Level.ENTITY: pd.DataFrame(entities), Level.CONTINUATION: pd.DataFrame(continuations)}
+    return {
+        Level.TOKEN: pd.DataFrame(tokens),
+        Level.ENTITY: pd.DataFrame(entities),
+        Level.CONTINUATION: pd.DataFrame(continuations),
+    }

@@ -60,7 +60,7 @@ class Fingerprint:
     vocab_size: int
 
     @classmethod
-    def of(cls, model: PreTrainedModel, name: str) -> "Fingerprint":
+    def of(cls, model: PreTrainedModel, name: str) -> Fingerprint:
         cfg = model.config.get_text_config()
         return cls(
             name=name,
@@ -74,10 +74,10 @@ class Fingerprint:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Fingerprint":
+    def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
-    def require_same(self, other: "Fingerprint", what: str) -> None:
+    def require_same(self, other: Fingerprint, what: str) -> None:
         """Raise if ``other`` (the LLM in hand) is not the LLM that ``what`` was built with."""
         keys = ("weights_digest", "hidden_size", "num_layers", "vocab_size")
         diff = {k: (getattr(self, k), getattr(other, k)) for k in keys if getattr(self, k) != getattr(other, k)}

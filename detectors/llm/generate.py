@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +22,13 @@ if TYPE_CHECKING:
 OnBatch = Callable[[list[int], int, float], None]  # (row indices, forward calls, seconds) of one batched call
 
 
-def instruction_prompt(llm: "LLM", content: str, chat: bool) -> str:
+def instruction_prompt(llm: LLM, content: str, chat: bool) -> str:
     """An instruction as the LLM reads it: with ``chat`` a user turn followed by the assistant's header."""
     if not chat:
         return content
-    return llm.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    return llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
 
 
 @dataclasses.dataclass
@@ -45,10 +48,18 @@ def row_generator(seed: int, text: str, step: int = 0) -> torch.Generator:
 
 
 def generate(
-    llm: "LLM", prompts: list[str], max_new_tokens: int, *, add_special_tokens: bool = True, stop: Sequence[str] = ("\n",),
-    batch_size: int = 16, generators: list[torch.Generator] | None = None, temperature: float = 1.0, on_batch: OnBatch | None = None,
+    llm: LLM,
+    prompts: list[str],
+    max_new_tokens: int,
+    *,
+    add_special_tokens: bool = True,
+    stop: Sequence[str] = ("\n",),
+    batch_size: int = 16,
+    generators: list[torch.Generator] | None = None,
+    temperature: float = 1.0,
+    on_batch: OnBatch | None = None,
     cache: StateCache | None = None,
-) -> list[Generation]:  # fmt: skip
+) -> list[Generation]:
     """Each prompt's continuation, ``batch_size`` prompts of similar length at a time: each prompt runs on its longest
     prefix in ``cache`` (and its states are kept there; without a cache, only the prefixes the batch's prompts share
     run once), then the rows decode in lockstep (:func:`~detectors.llm.states.decode`): greedy, or sampled at
@@ -68,8 +79,15 @@ def generate(
             calls[0] += n
 
         done = prefill(llm, [rows[i] for i in idx], cache, batch_size=len(idx), keep_states=True, on_batch=count)
-        said, passes = decode(llm, done.states, done.logits, max_new_tokens, stop, [generators[i] for i in idx] if generators is not None else None,
-                              temperature)  # fmt: skip
+        said, passes = decode(
+            llm,
+            done.states,
+            done.logits,
+            max_new_tokens,
+            stop,
+            [generators[i] for i in idx] if generators is not None else None,
+            temperature,
+        )
         for b, i in enumerate(idx):
             text = tok.decode(said[b], skip_special_tokens=True)
             for s in stop:

@@ -6,7 +6,8 @@ on the cached instruction, TruthfulQA runs every candidate answer on the cached 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -32,12 +33,19 @@ class _GrowingLayer(DynamicLayer):
     copy was a third of a decoding step). ``keys``/``values`` are views of the filled part; a method of the base class
     that replaces them (``batch_select_indices``, ``crop``) is followed by a fresh buffer at the next update."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, new = self.get_seq_length(), key_states.shape[-2]
         buffer = getattr(self, "_buffer", None)
-        fits = buffer is not None and self.keys is self._view and n + new <= buffer[0].shape[-2] and buffer[0].shape[0] == key_states.shape[0]
+        fits = (
+            buffer is not None
+            and self.keys is self._view
+            and n + new <= buffer[0].shape[-2]
+            and buffer[0].shape[0] == key_states.shape[0]
+        )
         if not fits:
             room = n + new + max(32, (n + new) // 2)
             b, h, _, d = key_states.shape
@@ -77,7 +85,7 @@ def cache_states(cache) -> KV:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def prefix_cache(llm: "LLM", prefix: list[int]) -> KV | None:
+def prefix_cache(llm: LLM, prefix: list[int]) -> KV | None:
     """Key/value states of a token prefix shared by many rows (computed once, under whatever hooks are active)."""
     return prefix_states(llm.model, torch.tensor([prefix], device=llm.device), len(prefix)) if prefix else None
 
@@ -97,7 +105,7 @@ def batches(rows: list[list[int]], batch_size: int) -> Iterator[list[int]]:
         yield order[k : k + batch_size]
 
 
-def forward_rows(llm: "LLM", kv: KV | None, rows: list[list[int]], logits: bool = False):
+def forward_rows(llm: LLM, kv: KV | None, rows: list[list[int]], logits: bool = False):
     """One forward pass of ``prefix + row`` for every row, the prefix given as its cached states ``kv``.
 
     Rows are right-padded; causal attention keeps real tokens from seeing the padding, so no mask is
@@ -117,7 +125,7 @@ class ForwardCounter:
     def __init__(self, model: torch.nn.Module):
         self.model, self.calls, self._handle = model, 0, None
 
-    def __enter__(self) -> "ForwardCounter":
+    def __enter__(self) -> ForwardCounter:
         self._handle = self.model.register_forward_pre_hook(self._count)
         return self
 
@@ -161,7 +169,10 @@ def stack_left(rows: list[KV], width: int) -> KV:
 def row_states(cache, row: int, start: int) -> KV:
     """A copy of row ``row``'s states from position ``start`` on (its real positions in a left-padded batch cache);
     a copy, so that the batch's tensors can be freed."""
-    return [(layer.keys[row : row + 1, :, start:].clone(), layer.values[row : row + 1, :, start:].clone()) for layer in cache.layers]
+    return [
+        (layer.keys[row : row + 1, :, start:].clone(), layer.values[row : row + 1, :, start:].clone())
+        for layer in cache.layers
+    ]
 
 
 def join_states(prefix: KV | None, rest: KV) -> KV:
@@ -178,7 +189,7 @@ class PrefixStore:
     ``probes`` (objects with ``take() -> [B, T, d]``, attached by ``hooks``) record values of every position the
     LLM runs; the store keeps theirs for the prefix too (``values``), cropped and extended with it."""
 
-    def __init__(self, llm: "LLM", hooks=None, probes: dict | None = None):
+    def __init__(self, llm: LLM, hooks=None, probes: dict | None = None):
         self.llm, self.hooks, self.probes = llm, hooks, dict(probes or {})
         self.ids: list[int] = []
         self.kv: KV | None = None
@@ -198,8 +209,13 @@ class PrefixStore:
             ids = torch.tensor([rows[0][kept:shared]], device=self.llm.device)
             positions = torch.arange(kept, shared, device=self.llm.device)[None]
             with torch.no_grad(), self.hooks() if self.hooks else _null():
-                out = self.llm.model(ids, position_ids=positions, past_key_values=as_cache(kv, 1, self.llm.model.config),
-                                     use_cache=True, logits_to_keep=1)  # fmt: skip
+                out = self.llm.model(
+                    ids,
+                    position_ids=positions,
+                    past_key_values=as_cache(kv, 1, self.llm.model.config),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 new = {key: probe.take()[0] for key, probe in self.probes.items()}
             self.passes += 1
             kv = cache_states(out.past_key_values)

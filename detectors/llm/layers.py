@@ -13,7 +13,8 @@ Params name layers as block numbers 1..L or negative counts from the last (-1 = 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -23,7 +24,9 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a decoder-only LLM")
+        raise ValueError(
+            f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a decoder-only LLM"
+        )
     return layers
 
 
@@ -38,8 +41,7 @@ def hidden_state_indices(layers: list[int], num_layers: int, key: str) -> list[i
     for layer in layers:
         if not (-num_layers <= layer <= num_layers) or layer == 0:
             raise ValueError(
-                f"{key} has {layer}, but the LLM has {num_layers} layers: "
-                f"use 1..{num_layers} or -1..-{num_layers}"
+                f"{key} has {layer}, but the LLM has {num_layers} layers: use 1..{num_layers} or -1..-{num_layers}"
             )
         out.append(layer if layer > 0 else num_layers + 1 + layer)
     return out
@@ -61,10 +63,14 @@ class LayerTap:
     def __init__(self, model: torch.nn.Module, blocks: list[int], fn: Callable[[int, torch.Tensor], Any]):
         self.model, self.blocks, self.fn, self.handles = model, list(blocks), fn, []
 
-    def __enter__(self) -> "LayerTap":
+    def __enter__(self) -> LayerTap:
         modules = decoder_layers(self.model)
         for block in self.blocks:
-            self.handles.append(modules[block - 1].register_forward_hook(lambda m, a, out, block=block: self.fn(block, layer_output(out))))
+            self.handles.append(
+                modules[block - 1].register_forward_hook(
+                    lambda m, a, out, block=block: self.fn(block, layer_output(out))
+                )
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -84,9 +90,13 @@ class StateTap:
         self.handles: list = []
         self._caught: dict[int, torch.Tensor] = {}
 
-    def __enter__(self) -> "StateTap":
+    def __enter__(self) -> StateTap:
         for i, module in enumerate(state_modules(self.model, self.indices)):
-            self.handles.append(module.register_forward_hook(lambda m, a, out, i=i: self._caught.__setitem__(i, layer_output(out).detach())))
+            self.handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out, i=i: self._caught.__setitem__(i, layer_output(out).detach())
+                )
+            )
         return self
 
     def __exit__(self, *exc) -> None:

@@ -45,7 +45,9 @@ def resolve_source(source: str, gguf_file: str | None = None) -> Source:
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise LLMSourceError(f"llm.source = {source!r} is a file but not a .gguf; name a .gguf file or a checkpoint directory")
+            raise LLMSourceError(
+                f"llm.source = {source!r} is a file but not a .gguf; name a .gguf file or a checkpoint directory"
+            )
         return Source("gguf", str(path.parent), path.name)
     if path.is_dir():
         if (path / MANIFEST).exists():
@@ -155,7 +157,9 @@ def prepare_llm(source: str, directory: str | Path, gguf_file: str | None = None
         model = _clean_copy(model)
         converted = Fingerprint.of(model, name)
         if converted != fingerprint:
-            raise RuntimeError(f"GGUF conversion changed the weights: digest {fingerprint.weights_digest} -> {converted.weights_digest}")
+            raise RuntimeError(
+                f"GGUF conversion changed the weights: digest {fingerprint.weights_digest} -> {converted.weights_digest}"
+            )
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
         weights = "."
@@ -196,7 +200,7 @@ class LLM:
         return str(self.model.dtype).removeprefix("torch.")
 
     @classmethod
-    def wrap(cls, model: PreTrainedModel, tokenizer: Any, name: str | None = None) -> "LLM":
+    def wrap(cls, model: PreTrainedModel, tokenizer: Any, name: str | None = None) -> LLM:
         """Wrap a model the caller loaded itself (its fingerprint is computed from its weights)."""
         model.eval()
         if tokenizer.pad_token_id is None:
@@ -301,6 +305,7 @@ def load_recorded(
         except (OSError, ValueError) as err:
             errors.append(f"{location}: {err}")
     raise RuntimeError(
-        f"could not load the LLM of {what}: " + ("; ".join(errors) or "the artifact records no location")
+        f"could not load the LLM of {what}: "
+        + ("; ".join(errors) or "the artifact records no location")
         + f". Relative locations are resolved against {base}: run from the project root or pass root=<project dir>."
     )

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,7 +61,9 @@ class StateCache:
         limit = len(ids) - 1 if limit is None else min(limit, len(ids))
         best, entry = 0, None
         candidates: set[int] = set()
-        for key in self._blocks(ids):  # entries sharing the longest run of whole blocks (shorter prefixes are not worth it)
+        for key in self._blocks(
+            ids
+        ):  # entries sharing the longest run of whole blocks (shorter prefixes are not worth it)
             found = self.index.get(key)
             if not found:
                 break
@@ -87,7 +90,9 @@ class StateCache:
             return
         blocks = self._blocks(ids)
         for key in list(self.index.get(blocks[-1], ())):  # an entry this one extends (or repeats) is dropped
-            if len(self.entries[key].ids) <= n and common_prefix(self.entries[key].ids, ids) == len(self.entries[key].ids):
+            if len(self.entries[key].ids) <= n and common_prefix(self.entries[key].ids, ids) == len(
+                self.entries[key].ids
+            ):
                 self._drop(key)
         for key in list(self.index.get(blocks[-1], ())):
             if common_prefix(self.entries[key].ids, ids) >= n:  # already covered by a longer entry
@@ -119,7 +124,12 @@ def similar_lengths(lengths: Sequence[int], batch_size: int, tokens: int = 16384
     out: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         n, last = lengths[i], out[-1] if out else None
-        if last is None or len(last) >= batch_size or (len(last) + 1) * n > tokens or n - lengths[last[0]] > max(8, n // 8):
+        if (
+            last is None
+            or len(last) >= batch_size
+            or (len(last) + 1) * n > tokens
+            or n - lengths[last[0]] > max(8, n // 8)
+        ):
             out.append([i])
         else:
             last.append(i)
@@ -164,7 +174,9 @@ class Prefilled:
     states: list[KV | None]
 
 
-def run_rows(llm: "LLM", rows: list[list[int]], prefixes: list[tuple[int, KV | None]], keep_states: bool) -> tuple[torch.Tensor, list[KV | None]]:
+def run_rows(
+    llm: LLM, rows: list[list[int]], prefixes: list[tuple[int, KV | None]], keep_states: bool
+) -> tuple[torch.Tensor, list[KV | None]]:
     """One forward pass of each row's tokens after its cached prefix (``(length, states)``; the prefixes stacked
     left-padded to the longest, the new tokens right-padded, the padding masked out): the float32 logits at each row's
     last token and, with ``keep_states``, each row's states (prefix and new). Hooks attached by the caller see the new
@@ -176,8 +188,12 @@ def run_rows(llm: "LLM", rows: list[list[int]], prefixes: list[tuple[int, KV | N
     n = max(len(r) for r in rests)
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([r + [pad] * (n - len(r)) for r in rests], device=device)
-    mask = torch.tensor([[0] * (width - p) + [1] * (p + len(r)) + [0] * (n - len(r)) for p, r in zip(lengths, rests)], device=device)
-    positions = torch.tensor([[p + min(i, len(r) - 1) for i in range(n)] for p, r in zip(lengths, rests)], device=device)
+    mask = torch.tensor(
+        [[0] * (width - p) + [1] * (p + len(r)) + [0] * (n - len(r)) for p, r in zip(lengths, rests)], device=device
+    )
+    positions = torch.tensor(
+        [[p + min(i, len(r) - 1) for i in range(n)] for p, r in zip(lengths, rests)], device=device
+    )
     cache = None
     if width:
         dims = next(kv for _, kv in prefixes if kv is not None)
@@ -186,21 +202,36 @@ def run_rows(llm: "LLM", rows: list[list[int]], prefixes: list[tuple[int, KV | N
     last = torch.tensor([len(r) - 1 for r in rests], device=device)
     decoder = llm.model.get_decoder()
     with torch.no_grad():
-        out = decoder(ids, attention_mask=mask if width or len(set(map(len, rests))) > 1 else None, position_ids=positions,
-                      past_key_values=cache, use_cache=keep_states or cache is not None)  # fmt: skip
+        out = decoder(
+            ids,
+            attention_mask=mask if width or len(set(map(len, rests))) > 1 else None,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=keep_states or cache is not None,
+        )
         logits = head_logits(llm.model, out.last_hidden_state[torch.arange(len(rows), device=device), last]).float()
     states: list[KV | None] = [None] * len(rows)
     if keep_states:
-        for b, (p, r) in enumerate(zip(lengths, rests)):
+        for b, (_p, r) in enumerate(zip(lengths, rests)):
             own = row_states(out.past_key_values, b, width)  # this row's new positions (and its right padding)
             own = [(k[:, :, : len(r)], v[:, :, : len(r)]) for k, v in own]
             prefix = prefixes[b][1]
-            states[b] = own if prefix is None else [(torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)) for (pk, pv), (k, v) in zip(prefix, own)]
+            states[b] = (
+                own
+                if prefix is None
+                else [(torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)) for (pk, pv), (k, v) in zip(prefix, own)]
+            )
     return logits, states
 
 
-def prefill(llm: "LLM", rows: list[list[int]], cache: StateCache | None = None, batch_size: int = 16, keep_states: bool = False,
-            on_batch: OnBatch | None = None) -> Prefilled:  # fmt: skip
+def prefill(
+    llm: LLM,
+    rows: list[list[int]],
+    cache: StateCache | None = None,
+    batch_size: int = 16,
+    keep_states: bool = False,
+    on_batch: OnBatch | None = None,
+) -> Prefilled:
     """Run every row (token ids, each at least one token) on its longest cached prefix: first, once each, the prefixes
     several rows share that ``cache`` lacks (a call-local cache when None), then the rows, ``batch_size`` at a time in
     batches of similar length. Every row's states are stored in ``cache`` when one is given (so a later call reuses
@@ -217,7 +248,9 @@ def prefill(llm: "LLM", rows: list[list[int]], cache: StateCache | None = None, 
         _, (states,) = run_rows(llm, [list(prefix)], [(p, kv)], keep_states=True)
         store.store(prefix, states)
         if on_batch is not None:
-            on_batch([i for i, r in enumerate(rows) if tuple(r[: len(prefix)]) == prefix], 1, time.perf_counter() - start)
+            on_batch(
+                [i for i, r in enumerate(rows) if tuple(r[: len(prefix)]) == prefix], 1, time.perf_counter() - start
+            )
     found = [store.lookup(r) for r in rows]
     logits: list[torch.Tensor | None] = [None] * len(rows)
     states: list[KV | None] = [None] * len(rows)
@@ -237,10 +270,15 @@ class Lockstep:
     """Rows decoding together: one left-padded cache of their own states, its attention mask and each row's padding;
     a row leaves the batch when its continuation ends."""
 
-    def __init__(self, llm: "LLM", states: list[KV]):
+    def __init__(self, llm: LLM, states: list[KV]):
         lengths = [kv[0][0].shape[2] for kv in states]
         width = max(lengths)
-        self.llm, self.rows, self.pads, self.lengths = llm, list(range(len(states))), [width - n for n in lengths], list(lengths)
+        self.llm, self.rows, self.pads, self.lengths = (
+            llm,
+            list(range(len(states))),
+            [width - n for n in lengths],
+            list(lengths),
+        )
         self.cache = as_cache(stack_left(states, width), len(states), llm.model.config)
         self.mask = torch.tensor([[0] * p + [1] * n for p, n in zip(self.pads, lengths)], device=llm.device)
 
@@ -250,8 +288,13 @@ class Lockstep:
         device = self.llm.device
         positions = [self.lengths[r] for r in self.rows] if positions is None else positions
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=self.mask.dtype, device=device)], dim=1)
-        out = self.llm.model(torch.tensor(tokens, device=device)[:, None], attention_mask=self.mask, position_ids=torch.tensor(positions, device=device)[:, None],
-                             past_key_values=self.cache, use_cache=True)  # fmt: skip
+        out = self.llm.model(
+            torch.tensor(tokens, device=device)[:, None],
+            attention_mask=self.mask,
+            position_ids=torch.tensor(positions, device=device)[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         self.cache = out.past_key_values
         for r in self.rows:
             self.lengths[r] += 1
@@ -282,8 +325,15 @@ def choose(logits: torch.Tensor, generator: torch.Generator | None = None, tempe
     return int(torch.searchsorted(cdf, (u * cdf[-1])[None]).clamp_max(len(probs) - 1)[0])
 
 
-def decode(llm: "LLM", states: list[KV], logits: list[torch.Tensor], max_new_tokens: int, stop: Sequence[str] = (),
-           generators: list[torch.Generator] | None = None, temperature: float = 1.0) -> tuple[list[list[int]], int]:  # fmt: skip
+def decode(
+    llm: LLM,
+    states: list[KV],
+    logits: list[torch.Tensor],
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    generators: list[torch.Generator] | None = None,
+    temperature: float = 1.0,
+) -> tuple[list[list[int]], int]:
     """Each row's continuation from its states and next-token ``logits``, all rows in lockstep (one batched pass per
     token, a row leaving at its end): up to the end of sequence (excluded), the token that completes a stop string
     (included) or ``max_new_tokens`` tokens. Greedy, or sampled from each row's generator. Returns the tokens and the
@@ -300,7 +350,9 @@ def decode(llm: "LLM", states: list[KV], logits: list[torch.Tensor], max_new_tok
             if token in eos:
                 continue
             out[i].append(token)
-            if len(out[i]) >= max_new_tokens or (stop and any(s in tok.decode(out[i], skip_special_tokens=True) for s in stop)):
+            if len(out[i]) >= max_new_tokens or (
+                stop and any(s in tok.decode(out[i], skip_special_tokens=True) for s in stop)
+            ):
                 continue
             going.append(i)
             tokens.append(token)

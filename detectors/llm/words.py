@@ -22,7 +22,9 @@ def spacy_stopwords(model: str, key: str) -> frozenset[str]:
     try:
         return frozenset(spacy.load(model).Defaults.stop_words)
     except OSError as err:
-        raise InputError(f"{key} = {model!r} cannot be loaded: install that spaCy pipeline or name an installed one ({err})") from err
+        raise InputError(
+            f"{key} = {model!r} cannot be loaded: install that spaCy pipeline or name an installed one ({err})"
+        ) from err
 
 
 def token_words(tokenizer, ids: list[int]) -> list[int]:
@@ -95,7 +97,9 @@ def word_mask(tokenizer, ids: list[int], stopwords: frozenset[str] = DEFAULT_STO
     return [flags[w] for w in words]
 
 
-def content_mask(tokenizer, context_text: str, ids: list[int], stopwords: frozenset[str] = DEFAULT_STOPWORDS) -> list[bool]:
+def content_mask(
+    tokenizer, context_text: str, ids: list[int], stopwords: frozenset[str] = DEFAULT_STOPWORDS
+) -> list[bool]:
     """Which tokens carry new information (CtrlA §3.2.3, App. B.2): their word is not a stopword or
     punctuation, and does not occur in the context (the input and the preceding generation)."""
     seen = set(normalize_text(context_text).split())

@@ -9,14 +9,25 @@ Results are the JSON-able dicts the ``rag_eval`` stage stores, one per question:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from detectors.sources.text import contains_reference, normalize_text
 
 METRICS = (
-    "em", "f1", "accuracy", "retrievals_per_question", "trigger_rate", "forward_passes_per_question",
-    "generated_tokens_per_question", "wall_s_per_question", "answer_recall_at_k", "n", "failed", "no_passage",
-)  # fmt: skip
+    "em",
+    "f1",
+    "accuracy",
+    "retrievals_per_question",
+    "trigger_rate",
+    "forward_passes_per_question",
+    "generated_tokens_per_question",
+    "wall_s_per_question",
+    "answer_recall_at_k",
+    "n",
+    "failed",
+    "no_passage",
+)
 FAILED = "failed:"  # how the error of a question whose loop raised starts (other errors are outcomes: "no passage retrieved")
 RESULT_KEYS = ("answer", "retrievals", "forward_passes", "generated_tokens", "wall_s", "error")
 
@@ -56,11 +67,15 @@ def answer_recall(passages: Iterable[str], references: Iterable[str]) -> bool:
 
 def _check(results: Sequence[dict], answers: Sequence[Sequence[str]]) -> None:
     if len(results) != len(answers):
-        raise ValueError(f"summarise: {len(results)} results but {len(answers)} reference lists; give one list per result")
+        raise ValueError(
+            f"summarise: {len(results)} results but {len(answers)} reference lists; give one list per result"
+        )
     for i, result in enumerate(results):
         missing = [k for k in RESULT_KEYS if k not in result]
         if missing:
-            raise ValueError(f"result {i} (id {result.get('id')!r}) lacks keys {missing}: store dataclasses.asdict(RagResult) plus its id")
+            raise ValueError(
+                f"result {i} (id {result.get('id')!r}) lacks keys {missing}: store dataclasses.asdict(RagResult) plus its id"
+            )
 
 
 def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]]) -> dict[str, float | int | None]:
@@ -89,4 +104,3 @@ def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]
         "failed": sum(1 for r in results if str(r["error"] or "").startswith(FAILED)),
         "no_passage": sum(1 for r in results if r["error"] and not str(r["error"]).startswith(FAILED)),
     }
-

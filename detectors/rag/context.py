@@ -3,11 +3,12 @@ block the prompt shows the LLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
-import dataclasses
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from detectors.llm.words import DEFAULT_STOPWORDS
 from detectors.sources.text import split_sentences
@@ -82,13 +83,17 @@ def render_passages(hits, chunked: bool, query: str) -> str:
     lines = []
     for i, h in enumerate(hits, start=1):
         title = f"{h.passage.title}: " if h.passage.title else ""
-        body = " ".join(f"({j}). {b}" for j, b in enumerate(chunk_passage(h.passage.text, query), start=1)) if chunked else h.passage.text
+        body = (
+            " ".join(f"({j}). {b}" for j, b in enumerate(chunk_passage(h.passage.text, query), start=1))
+            if chunked
+            else h.passage.text
+        )
         lines.append(f"[{i}] {title}{body}")
     head = "External Knowledge After Chunk:\n" if chunked else ""
     return head + "\n".join(lines)
 
 
-def with_context(prompt: "PromptParams", block: str) -> "PromptParams":
+def with_context(prompt: PromptParams, block: str) -> PromptParams:
     """The question prompt with ``block`` (passages, evidence) right before its ``{question}``: where every RAG prompt of
     the project puts what was retrieved."""
     return dataclasses.replace(prompt, template=prompt.template.replace("{question}", block + "{question}", 1))

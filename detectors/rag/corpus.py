@@ -42,7 +42,11 @@ def ovos_passages() -> list[Passage]:
     and at most 100 words (ids ``<title>#<n>``): three whole summaries would make prompts of ~2000 tokens."""
     from detectors.sources.articles import ovos_records
 
-    return [Passage(f"{r['title']}#{i}", r["title"], piece) for r in ovos_records() for i, piece in enumerate(split_words(r["text"]))]
+    return [
+        Passage(f"{r['title']}#{i}", r["title"], piece)
+        for r in ovos_records()
+        for i, piece in enumerate(split_words(r["text"]))
+    ]
 
 
 def qa_fact_passages(qa: pd.DataFrame) -> list[Passage]:
@@ -78,7 +82,9 @@ def jsonl_passages(path: str | Path, id_field: str | None, title_field: str | No
             raise SourceError(f"{path} line {number} is not a JSON object: each line must be one passage")
         for field in (f for f in (text_field, id_field, title_field) if f is not None):
             if field not in record:
-                raise SourceError(f"{path} line {number} has no field {field!r} (fields: {sorted(record)}): set the corpus's *_field params")
+                raise SourceError(
+                    f"{path} line {number} has no field {field!r} (fields: {sorted(record)}): set the corpus's *_field params"
+                )
         text = str(record[text_field]).strip()
         if not text:
             raise SourceError(f"{path} line {number}: field {text_field!r} is empty: remove the passage or fill it")
@@ -94,7 +100,9 @@ def check_passages(passages: list[Passage], where: str) -> list[Passage]:
     seen: set[str] = set()
     for p in passages:
         if p.id in seen:
-            raise SourceError(f"{where}: passage id {p.id!r} occurs twice: ids must be unique (set id_field, or null for line numbers)")
+            raise SourceError(
+                f"{where}: passage id {p.id!r} occurs twice: ids must be unique (set id_field, or null for line numbers)"
+            )
         seen.add(p.id)
     return passages
 

@@ -31,7 +31,8 @@ import contextlib
 import dataclasses
 import re
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,8 +42,8 @@ from detectors.llm.distribution import entropy
 from detectors.llm.kv import PrefixStore, as_cache, common_prefix, crop_states, join_states, row_states
 from detectors.llm.loading import LLM
 from detectors.llm.states import Lockstep, StateCache, run_rows, similar_lengths
-from detectors.rag.context import render_passages, stepwise_retrieve, with_context
 from detectors.rag.answer_metrics import FAILED
+from detectors.rag.context import render_passages, stepwise_retrieve, with_context
 from detectors.rag.queries import QueryInput, QuestionQuery
 from detectors.rag.retriever import Hit, Retriever
 from detectors.rag.stats import SegmentView, calculators_of, providers
@@ -141,7 +142,9 @@ class _Row:
     ran: list[int] = dataclasses.field(default_factory=list)
     kv: Any = None
     logits: torch.Tensor | None = None
-    values: dict[str, list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # probe values per position of ``ran``, in chunks
+    values: dict[str, list[torch.Tensor]] = dataclasses.field(
+        default_factory=dict
+    )  # probe values per position of ``ran``, in chunks
     # the segment being generated
     gen: list[int] = dataclasses.field(default_factory=list)
     prob: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -167,8 +170,16 @@ class RagLoop:
     another configuration ran is not run again).
     """
 
-    def __init__(self, llm: LLM, retriever: Retriever | None, config: RagConfig, triggers: Sequence[Trigger] = (), query=None,
-                 steering: dict[int, torch.Tensor] | None = None, shared: StateCache | None = None):  # fmt: skip
+    def __init__(
+        self,
+        llm: LLM,
+        retriever: Retriever | None,
+        config: RagConfig,
+        triggers: Sequence[Trigger] = (),
+        query=None,
+        steering: dict[int, torch.Tensor] | None = None,
+        shared: StateCache | None = None,
+    ):
         if "{question}" not in config.prompt.template:
             raise ValueError(f"the RAG prompt template {config.prompt.template!r} has no {{question}}")
         if triggers and retriever is None:
@@ -180,12 +191,18 @@ class RagLoop:
         self.steering = steering or {}
         self.calculators = calculators_of(self.triggers)
         provided = providers(self.calculators)
-        for need, what in [(n, f"trigger {t.name!r}") for t in self.triggers for n in t.needs] + [(n, f"query {self.query.name!r}") for n in self.query.needs]:
+        for need, what in [(n, f"trigger {t.name!r}") for t in self.triggers for n in t.needs] + [
+            (n, f"query {self.query.name!r}") for n in self.query.needs
+        ]:
             if need not in provided:
-                raise ValueError(f"configuration {config.name!r}: {what} needs the statistic {need!r}, which none of its triggers measures")
+                raise ValueError(
+                    f"configuration {config.name!r}: {what} needs the statistic {need!r}, which none of its triggers measures"
+                )
         self.lazy = {name: c for c in self.calculators for name in c.lazy}
         self.probes = {c.key: c.probe for c in self.calculators if c.probe is not None}
-        self.probes.update({t.gate.key: t.gate.probe for t in self.triggers if t.gate is not None and t.gate.probe is not None})
+        self.probes.update(
+            {t.gate.key: t.gate.probe for t in self.triggers if t.gate is not None and t.gate.probe is not None}
+        )
         self.prefix = PrefixStore(llm, self._hooks, self.probes)
         # states other loops ran (under the same steering): reused unless a probe reads the values of every position
         self.shared = shared if not any(getattr(p, "reads_context", False) for p in self.probes.values()) else None
@@ -212,10 +229,24 @@ class RagLoop:
         for row, result in zip(rows, results):
             stats = row.segments[0].stats if row.segments else {}  # none when the question could not be answered
             scored = len(row.kept) > 0  # an empty answer has no token to score
-            token = {t.name: t.token_scores(stats) if scored else np.zeros(0) for t in self.triggers if t.stage == "token"}
-            question = {t.name: row.question_scores.get(t.name, float("nan")) for t in self.triggers if t.stage == "question"}
-            out.append(QuestionTrace(row.question, list(row.kept), result.answer, question, token,
-                                     {t.name: t.policy.cut for t in self.triggers if t.stage == "token"}, result.forward_passes, stats))  # fmt: skip
+            token = {
+                t.name: t.token_scores(stats) if scored else np.zeros(0) for t in self.triggers if t.stage == "token"
+            }
+            question = {
+                t.name: row.question_scores.get(t.name, float("nan")) for t in self.triggers if t.stage == "question"
+            }
+            out.append(
+                QuestionTrace(
+                    row.question,
+                    list(row.kept),
+                    result.answer,
+                    question,
+                    token,
+                    {t.name: t.policy.cut for t in self.triggers if t.stage == "token"},
+                    result.forward_passes,
+                    stats,
+                )
+            )
         return out
 
     def answer_after(self, jobs: Sequence[tuple[str, list[int], int, str]]) -> list[RagResult]:
@@ -267,9 +298,15 @@ class RagLoop:
                 scores = trigger.question_scores([r.question_stats for r in open_])
                 for row, score in zip(open_, scores):
                     row.question_scores[trigger.name] = float(score)
-                fire = [(r, float(s)) for r, s in zip(open_, scores) if not observe and s >= trigger.threshold and len(r.retrievals) < self.config.max_retrievals]
+                fire = [
+                    (r, float(s))
+                    for r, s in zip(open_, scores)
+                    if not observe and s >= trigger.threshold and len(r.retrievals) < self.config.max_retrievals
+                ]
                 if fire:
-                    queries = self.query.formulate_all(self.llm, [QueryInput(r.question, r.kept, question_stats=r.question_stats) for r, _ in fire])
+                    queries = self.query.formulate_all(
+                        self.llm, [QueryInput(r.question, r.kept, question_stats=r.question_stats) for r, _ in fire]
+                    )
                     self._retrieve([r for r, _ in fire], queries, trigger.name, [s for _, s in fire])
                     for row, _ in fire:
                         row.gate = trigger.gate
@@ -305,9 +342,19 @@ class RagLoop:
             own = min(common_prefix(row.ran, seq), len(seq) - 1) if row.kv is not None else 0
             cached, kv = self.shared.lookup(seq) if self.shared is not None else (0, None)
             if own > primer and own >= cached:
-                on_states.append((row, seq, own, crop_states(row.kv, own), {key: torch.cat(v)[:own] for key, v in row.values.items()}))
+                on_states.append(
+                    (
+                        row,
+                        seq,
+                        own,
+                        crop_states(row.kv, own),
+                        {key: torch.cat(v)[:own] for key, v in row.values.items()},
+                    )
+                )
             elif cached > primer:
-                on_states.append((row, seq, cached, kv, None))  # the probes' values of a reused prefix are never read (no probe reads_context)
+                on_states.append(
+                    (row, seq, cached, kv, None)
+                )  # the probes' values of a reused prefix are never read (no probe reads_context)
             else:
                 by_prompt.setdefault(tuple(row.prompt), []).append((row, seq))
         # rows with the same prompt (the sweep's retrievals at several positions of one answer) run it once, as their
@@ -329,12 +376,16 @@ class RagLoop:
         """One pass over each row's sequence after a prefix whose states it has (its own, or the shared cache's):
         the prefixes stacked left-padded, the rest right-padded (:func:`~detectors.llm.states.run_rows`)."""
         with self._hooks():
-            logits, states = run_rows(self.llm, [seq for _, seq, _, _, _ in items], [(p, kv) for _, _, p, kv, _ in items], keep_states=True)
+            logits, states = run_rows(
+                self.llm, [seq for _, seq, _, _, _ in items], [(p, kv) for _, _, p, kv, _ in items], keep_states=True
+            )
             values = {key: probe.take() for key, probe in self.probes.items()}
         for b, (row, seq, p, _, before) in enumerate(items):
             row.kv, row.logits, row.ran = states[b], logits[b], list(seq)
             new = {key: v[b, : len(seq) - p].clone() for key, v in values.items()}
-            row.values = {key: [before[key] if before is not None else v.new_zeros(p, v.shape[-1]), v] for key, v in new.items()}
+            row.values = {
+                key: [before[key] if before is not None else v.new_zeros(p, v.shape[-1]), v] for key, v in new.items()
+            }
             row.passes += 1
 
     def _prefill_chunk(self, chunk: list[tuple[_Row, list[int]]]) -> None:
@@ -346,16 +397,27 @@ class RagLoop:
         width = max(len(r) for r in rests)
         pads = [width - len(r) for r in rests]
         ids = torch.tensor([[self.pad] * p + r for p, r in zip(pads, rests)], device=self.llm.device)
-        mask = torch.tensor([[1] * shared + [0] * p + [1] * len(r) for p, r in zip(pads, rests)], device=self.llm.device)
+        mask = torch.tensor(
+            [[1] * shared + [0] * p + [1] * len(r) for p, r in zip(pads, rests)], device=self.llm.device
+        )
         positions = torch.tensor([[shared + max(i - p, 0) for i in range(width)] for p in pads], device=self.llm.device)
         with self._hooks():
-            out = self.llm.model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                                 past_key_values=as_cache(self.prefix.kv, len(chunk), self.llm.model.config) if shared else None)  # fmt: skip
+            out = self.llm.model(
+                ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                past_key_values=as_cache(self.prefix.kv, len(chunk), self.llm.model.config) if shared else None,
+            )
             values = {key: probe.take() for key, probe in self.probes.items()}
         for b, ((row, seq), pad) in enumerate(zip(chunk, pads)):
             row.kv = join_states(self.prefix.kv if shared else None, row_states(out.past_key_values, b, shared + pad))
             row.logits, row.ran = out.logits[b, -1], list(seq)
-            row.values = {key: [self.prefix.values[key], v[b, pad:].clone()] if shared else [v[b, pad:].clone()] for key, v in values.items()}
+            row.values = {
+                key: [self.prefix.values[key], v[b, pad:].clone()] if shared else [v[b, pad:].clone()]
+                for key, v in values.items()
+            }
             row.passes += 1 + (self.prefix.passes - passes)
 
     def _decode(self, rows: list[_Row]) -> None:
@@ -378,7 +440,9 @@ class RagLoop:
             for row in live:
                 row.ran.append(row.gen[-1])
             with self._hooks():
-                logits = batch.step([r.gen[-1] for r in live], [len(r.ran) - 1 for r in live])  # each fed token at its own position
+                logits = batch.step(
+                    [r.gen[-1] for r in live], [len(r.ran) - 1 for r in live]
+                )  # each fed token at its own position
                 values = {key: probe.take() for key, probe in self.probes.items()}
             for i, row in enumerate(live):
                 row.logits = logits[i]
@@ -404,7 +468,11 @@ class RagLoop:
         """After a token was run: whether the row's segment ends there (and the answer with it: ``row.done``)."""
         tok = self.llm.tokenizer
         if any(s in tok.decode(row.kept + row.gen, skip_special_tokens=True) for s in self.config.stop):
-            row.gen, row.prob, row.entropy = row.gen[:-1], row.prob[:-1], row.entropy[:-1]  # the token completing a stop string is not judged
+            row.gen, row.prob, row.entropy = (
+                row.gen[:-1],
+                row.prob[:-1],
+                row.entropy[:-1],
+            )  # the token completing a stop string is not judged
             row.done = True
             return True
         if len(row.kept) + len(row.gen) >= self.config.max_new_tokens:
@@ -426,9 +494,22 @@ class RagLoop:
             for row in group:
                 logp = torch.log_softmax(row.logits.float(), dim=-1)
                 top2 = torch.topk(logp.exp(), 2)
-                hidden = torch.cat(row.values[gate.key])[len(row.ran) - 1].float().cpu().numpy() if gate.probe is not None else None
-                items.append(PostRetrieval(row.question, row.question_stats, float(top2.values[0]), float(entropy(logp)),
-                                           float(top2.values[0] - top2.values[1]), hidden, row.retrievals[-1].scores))  # fmt: skip
+                hidden = (
+                    torch.cat(row.values[gate.key])[len(row.ran) - 1].float().cpu().numpy()
+                    if gate.probe is not None
+                    else None
+                )
+                items.append(
+                    PostRetrieval(
+                        row.question,
+                        row.question_stats,
+                        float(top2.values[0]),
+                        float(entropy(logp)),
+                        float(top2.values[0] - top2.values[1]),
+                        hidden,
+                        row.retrievals[-1].scores,
+                    )
+                )
             for row, score in zip(group, gate.judge(items)):
                 retrieval, row.gate = row.retrievals[-1], None
                 retrieval.gate_score = float(score)
@@ -446,13 +527,31 @@ class RagLoop:
             context = row.prompt + row.kept
             n = len(context) + len(row.gen)
             probes = {key: torch.cat(chunks)[:n] for key, chunks in row.values.items()}
-            stats = {"prob": torch.stack(row.prob).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0),
-                     "entropy": torch.stack(row.entropy).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0)}  # fmt: skip
-            views.append(SegmentView(row.question, context, list(row.gen), tok.decode(row.gen, skip_special_tokens=True), stats, probes,
-                                     row.question_stats, self.lazy, row.kv, len(row.prompt)))  # fmt: skip
+            stats = {
+                "prob": torch.stack(row.prob).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0),
+                "entropy": torch.stack(row.entropy).cpu().numpy().astype(np.float64) if row.gen else np.zeros(0),
+            }
+            views.append(
+                SegmentView(
+                    row.question,
+                    context,
+                    list(row.gen),
+                    tok.decode(row.gen, skip_special_tokens=True),
+                    stats,
+                    probes,
+                    row.question_stats,
+                    self.lazy,
+                    row.kv,
+                    len(row.prompt),
+                )
+            )
         token_triggers = [t for t in self.triggers if t.stage == "token"] if triggers else []
-        scored = [bool(token_triggers and view.gen_ids) and row.accepting is None and (observe or len(row.retrievals) < self.config.max_retrievals)
-                  for row, view in zip(rows, views)]  # fmt: skip
+        scored = [
+            bool(token_triggers and view.gen_ids)
+            and row.accepting is None
+            and (observe or len(row.retrievals) < self.config.max_retrievals)
+            for row, view in zip(rows, views)
+        ]
         if any(scored):
             for calc in self.calculators:
                 calc.segments([v for v, s in zip(views, scored) if s])
@@ -482,8 +581,10 @@ class RagLoop:
         validated = [f for f in fires if f[2].validator is not None]
         fires = [f for f in fires if f[2].validator is None]
         if fires:
-            queries = self.query.formulate_all(self.llm, [QueryInput(r.question, r.kept, v, p, r.question_stats) for r, v, _, p, _ in fires])
-            for row, view, trigger, p, _ in fires:
+            queries = self.query.formulate_all(
+                self.llm, [QueryInput(r.question, r.kept, v, p, r.question_stats) for r, v, _, p, _ in fires]
+            )
+            for row, _, trigger, p, _ in fires:
                 row.kept += row.gen[: trigger.cut_at(p)]
                 row.gen = []
             self._retrieve([f[0] for f in fires], queries, [f[2].name for f in fires], [f[4] for f in fires])
@@ -509,10 +610,17 @@ class RagLoop:
         queue = []
         for row, view, trigger, _, _ in fires:
             scores = trigger.token_scores(view.stats)
-            spans = {int(idx[0]): idx for idx in view.stats[trigger.scorer.spans] if len(idx)}  # an entity-level scorer's concepts
-            order = [i for i in np.argsort(-scores, kind="stable") if scores[i] >= trigger.threshold and int(i) in spans]
+            spans = {
+                int(idx[0]): idx for idx in view.stats[trigger.scorer.spans] if len(idx)
+            }  # an entity-level scorer's concepts
+            order = [
+                i for i in np.argsort(-scores, kind="stable") if scores[i] >= trigger.threshold and int(i) in spans
+            ]
             room = self.config.max_retrievals - len(row.retrievals)
-            concepts = [(float(scores[i]), tok.decode([view.gen_ids[j] for j in spans[int(i)]], skip_special_tokens=True)) for i in order][:room]
+            concepts = [
+                (float(scores[i]), tok.decode([view.gen_ids[j] for j in spans[int(i)]], skip_special_tokens=True))
+                for i in order
+            ][:room]
             if concepts:
                 queue.append((row, view, trigger, concepts))
         while queue:
@@ -525,18 +633,31 @@ class RagLoop:
             verdict = np.zeros(len(jobs))
             for idx in by_validator.values():
                 validator = jobs[idx[0]][2].validator
-                verdict[idx] = validator.judge([questions[j] for j in idx], [render_passages(found[j], False, questions[j]) for j in idx],
-                                               on_batch=self._charge([jobs[j][0] for j in idx]))  # fmt: skip
-            for (row, view, trigger, (score, _)), question, hits, p_yes in zip(jobs, questions, found, verdict):
-                row.retrievals.append(Retrieval(trigger.name, len(row.kept), score, [question], [h.passage.id for h in hits],
-                                                [h.passage.text for h in hits], [float(h.score) for h in hits], used=False,
-                                                gate_score=float(p_yes)))  # fmt: skip
+                verdict[idx] = validator.judge(
+                    [questions[j] for j in idx],
+                    [render_passages(found[j], False, questions[j]) for j in idx],
+                    on_batch=self._charge([jobs[j][0] for j in idx]),
+                )
+            for (row, _, trigger, (score, _)), question, hits, p_yes in zip(jobs, questions, found, verdict):
+                row.retrievals.append(
+                    Retrieval(
+                        trigger.name,
+                        len(row.kept),
+                        score,
+                        [question],
+                        [h.passage.id for h in hits],
+                        [h.passage.text for h in hits],
+                        [float(h.score) for h in hits],
+                        used=False,
+                        gate_score=float(p_yes),
+                    )
+                )
                 if p_yes < trigger.validator.threshold:  # a hallucinated concept: repair the sentence with the evidence
                     row.retrievals[-1].used = True
                     row.gen = []
                     self._set_prompt(row, hits, question)
             queue = [(r, v, t, c) for r, v, t, c in queue if r.gen and c]
-        for row, view, *_ in fires:
+        for row, _view, *_ in fires:
             if row.gen:  # every concept passed: the segment stays
                 row.accepting = None
                 self._keep_segment(row, view)
@@ -545,7 +666,12 @@ class RagLoop:
         """Whether a segment re-predicted after ``trigger``'s retrieval goes to its refusal handling (CtrlA's Alg. 3,
         lines 9-11): it refuses (f_d), and attempts and retrievals are left."""
         handler = trigger.refusal
-        return handler is not None and handler.refuses(view.text) and row.attempts < handler.max_attempts and len(row.retrievals) < self.config.max_retrievals
+        return (
+            handler is not None
+            and handler.refuses(view.text)
+            and row.attempts < handler.max_attempts
+            and len(row.retrievals) < self.config.max_retrievals
+        )
 
     def _handle_refusals(self, refused: list[tuple[_Row, Trigger]]) -> None:
         """CtrlA's refusal handling H_R (Alg. 2) for segments that still refuse after their trigger's retrieval: the
@@ -559,7 +685,9 @@ class RagLoop:
             rows = [row for row, _ in group]
             handler = group[0][1].refusal
 
-            queries = handler.rewrite([r.question for r in rows], [r.retrievals[-1].queries[-1] for r in rows], on_batch=self._charge(rows))
+            queries = handler.rewrite(
+                [r.question for r in rows], [r.retrievals[-1].queries[-1] for r in rows], on_batch=self._charge(rows)
+            )
             for row, trigger in group:
                 row.gen, row.attempts, row.accepting = [], row.attempts + 1, trigger
             self._retrieve(rows, queries, [f"{t.name}:refusal" for _, t in group], [float("inf")] * len(rows))
@@ -596,8 +724,17 @@ class RagLoop:
         else:
             found = [(hits, [q]) for hits, q in zip(self.retriever.batch_search(list(queries), c.k), queries)]
         for row, name, score, query, (hits, issued) in zip(rows, names, scores, queries, found):
-            row.retrievals.append(Retrieval(name, len(row.kept), score, issued, [h.passage.id for h in hits], [h.passage.text for h in hits],
-                                            [float(h.score) for h in hits]))  # fmt: skip
+            row.retrievals.append(
+                Retrieval(
+                    name,
+                    len(row.kept),
+                    score,
+                    issued,
+                    [h.passage.id for h in hits],
+                    [h.passage.text for h in hits],
+                    [float(h.score) for h in hits],
+                )
+            )
             self._set_prompt(row, hits, query)
 
     def _set_prompt(self, row: _Row, hits: list[Hit] | None, query: str) -> None:
@@ -605,7 +742,9 @@ class RagLoop:
         must run again."""
         p = self.config.prompt
         if hits:
-            p = with_context(p, self.config.context.replace("{passages}", render_passages(hits, self.config.chunk, query)))
+            p = with_context(
+                p, self.config.context.replace("{passages}", render_passages(hits, self.config.chunk, query))
+            )
         text, _ = self.llm.render(row.question, p)
         if row.record:
             row.prompts.append(text)
@@ -615,9 +754,27 @@ class RagLoop:
     # ---- results -------------------------------------------------------------------------------------------
     def _result(self, row: _Row, share: float) -> RagResult:
         if row.error is not None:
-            return RagResult(row.question, "", row.retrievals, row.passes, row.generated, share + row.seconds, row.prompts, f"{FAILED} {row.error}")
+            return RagResult(
+                row.question,
+                "",
+                row.retrievals,
+                row.passes,
+                row.generated,
+                share + row.seconds,
+                row.prompts,
+                f"{FAILED} {row.error}",
+            )
         error = "no passage retrieved" if row.retrievals and not any(r.passage_ids for r in row.retrievals) else None
-        return RagResult(row.question, self.final_text(row.kept), row.retrievals, row.passes, row.generated, share + row.seconds, row.prompts, error)
+        return RagResult(
+            row.question,
+            self.final_text(row.kept),
+            row.retrievals,
+            row.passes,
+            row.generated,
+            share + row.seconds,
+            row.prompts,
+            error,
+        )
 
     def final_text(self, ids: list[int]) -> str:
         """The answer: the kept tokens decoded, up to the first stop string."""
@@ -630,5 +787,12 @@ class RagLoop:
 def loop_info(loop: RagLoop) -> dict[str, Any]:
     """What a configuration is, for logs and MLflow tags."""
     c = loop.config
-    return {"configuration": c.name, "triggers": ",".join(t.name for t in loop.triggers) or "none", "query": loop.query.name,
-            "stepwise": c.stepwise, "chunk": c.chunk, "k": c.k, "max_retrievals": c.max_retrievals}  # fmt: skip
+    return {
+        "configuration": c.name,
+        "triggers": ",".join(t.name for t in loop.triggers) or "none",
+        "query": loop.query.name,
+        "stepwise": c.stepwise,
+        "chunk": c.chunk,
+        "k": c.k,
+        "max_retrievals": c.max_retrievals,
+    }

@@ -17,7 +17,8 @@ statistics it cannot do without (the loop refuses a configuration whose triggers
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +54,9 @@ class DiorWeights:
 def flare_query(tokenizer, question: str, gen_ids: list[int], probs: np.ndarray, theta: float) -> str:
     """The segment without the words that hold a token of probability below ``theta``; the question when no word is
     left (FLARE's first query is the input itself)."""
-    kept = "".join(text for idx, text in word_spans(tokenizer, gen_ids) if min(float(probs[i]) for i in idx) >= theta).strip()
+    kept = "".join(
+        text for idx, text in word_spans(tokenizer, gen_ids) if min(float(probs[i]) for i in idx) >= theta
+    ).strip()
     return kept or question.strip()
 
 
@@ -72,8 +75,14 @@ def last_layer_attention(llm: LLM, rows: list[list[int]]) -> list[np.ndarray]:
     return [weights[b, : len(r), : len(r)] for b, r in enumerate(rows)]
 
 
-def qfs_query(llm: LLM, context_ids: list[int], position: int, top_n: int, stopwords: frozenset[str] = DEFAULT_STOPWORDS,
-              attention: np.ndarray | None = None) -> str:  # fmt: skip
+def qfs_query(
+    llm: LLM,
+    context_ids: list[int],
+    position: int,
+    top_n: int,
+    stopwords: frozenset[str] = DEFAULT_STOPWORDS,
+    attention: np.ndarray | None = None,
+) -> str:
     """DRAGIN QFS: the ``top_n`` content tokens before ``position`` that the token at ``position`` attends to most,
     their words in text order (the whole context when nothing precedes it). ``attention``: the last-layer attention of
     ``context_ids[: position + 1]`` when the caller computed it (:func:`last_layer_attention`)."""
@@ -96,8 +105,15 @@ def _minmax(x: np.ndarray) -> np.ndarray:
     return (x - x.min()) / span if span > 0 else np.zeros_like(x)
 
 
-def importance_scores(llm: LLM, question: str, context_ids: list[int], candidates: list[str], weights: DiorWeights,
-                      idf: Callable[[str], float], attention: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+def importance_scores(
+    llm: LLM,
+    question: str,
+    context_ids: list[int],
+    candidates: list[str],
+    weights: DiorWeights,
+    idf: Callable[[str], float],
+    attention: np.ndarray | None = None,
+) -> np.ndarray:
     """DioR's I_i for each candidate: ``w_a·A + w_t·TFIDF + w_p·P + w_s·S``, each term min-max normalised over the
     candidates. A: attention the candidate's tokens receive from later tokens (last layer, mean over heads and
     positions); TFIDF: its count among the context's words × ``idf``; P: Pos/N of its last occurrence; S: cosine
@@ -129,8 +145,16 @@ def importance_scores(llm: LLM, question: str, context_ids: list[int], candidate
     return w @ np.stack([_minmax(t) for t in terms])
 
 
-def dior_query(llm: LLM, question: str, context_ids: list[int], candidates: list[str], weights: DiorWeights,
-               idf: Callable[[str], float], top: int, attention: np.ndarray | None = None) -> str:  # fmt: skip
+def dior_query(
+    llm: LLM,
+    question: str,
+    context_ids: list[int],
+    candidates: list[str],
+    weights: DiorWeights,
+    idf: Callable[[str], float],
+    top: int,
+    attention: np.ndarray | None = None,
+) -> str:
     """The question followed by the ``top`` candidates by DioR's importance score (ties: the candidates' order)."""
     candidates = list(dict.fromkeys(c.strip() for c in candidates if c.strip()))
     if not candidates:
@@ -235,7 +259,16 @@ class DiorQuery(_Attending):
         return list(dict.fromkeys(w for w in out if w.strip()))
 
     def _with_attention(self, llm: LLM, q: QueryInput, context: list[int], attention: np.ndarray | None) -> str:
-        return dior_query(llm, q.question, context, self.candidates(llm, q), self.weights, self.idf or (lambda w: 1.0), self.top, attention)
+        return dior_query(
+            llm,
+            q.question,
+            context,
+            self.candidates(llm, q),
+            self.weights,
+            self.idf or (lambda w: 1.0),
+            self.top,
+            attention,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,15 +283,23 @@ class CtrlAQuery(_Formulation):
 
         if q.segment is None:
             return q.question
-        preceding = llm.tokenizer.decode(q.segment.kept_ids, skip_special_tokens=True)  # y<t: the prompt's primer and passages are not
+        preceding = llm.tokenizer.decode(
+            q.segment.kept_ids, skip_special_tokens=True
+        )  # y<t: the prompt's primer and passages are not
         return masked_query(llm.tokenizer, q.question, preceding, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
 
 
 QUERIES = ("question", "flare", "qfs", "dior", "ctrla")
 
 
-def make_query(name: str, flare_theta: float = 0.5, qfs_top_n: int = 8, dior_weights: DiorWeights | None = None, dior_top: int = 5,
-               idf: Callable[[str], float] | None = None):  # fmt: skip
+def make_query(
+    name: str,
+    flare_theta: float = 0.5,
+    qfs_top_n: int = 8,
+    dior_weights: DiorWeights | None = None,
+    dior_top: int = 5,
+    idf: Callable[[str], float] | None = None,
+):
     """The formulation ``name`` (one of :data:`QUERIES`) with its settings."""
     if name == "question":
         return QuestionQuery()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import uuid
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import mlflow
 from mlflow.entities import ViewType
@@ -21,20 +22,44 @@ from detectors.registry import store
 
 DELTA = "delta"  # a paired difference with its interval: ``key``, ``key_ci_low``, ``key_ci_high``
 ROWS = (  # metric key, row label, format
-    ("em", "EM", "{:.3f}"), ("f1", "F1", "{:.3f}"), ("accuracy", "Acc (containment)", "{:.3f}"),
-    ("answer_recall_at_k", "answer recall@k", "{:.3f}"), ("retrievals_per_question", "retrievals / question", "{:.2f}"),
-    ("trigger_rate", "trigger rate", "{:.2f}"), ("forward_passes_per_question", "forward passes / question", "{:.1f}"),
-    ("generated_tokens_per_question", "generated tokens / question", "{:.1f}"), ("wall_s_per_question", "wall s / question", "{:.2f}"),
-    ("n", "questions", "{:d}"), ("failed", "failed", "{:d}"), ("no_passage", "nothing retrieved", "{:d}"),
-    ("val_accuracy", "Acc on validation at its chosen point", "{:.3f}"), ("val_retrievals_per_question", "retrievals / question on validation", "{:.2f}"),
-    ("accuracy_vs_never", "Acc − no retrieval [95% CI]", DELTA), ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
-)  # fmt: skip
-TRADE = ("retrievals_saved_vs_always", "accuracy_lost_vs_always")  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
+    ("em", "EM", "{:.3f}"),
+    ("f1", "F1", "{:.3f}"),
+    ("accuracy", "Acc (containment)", "{:.3f}"),
+    ("answer_recall_at_k", "answer recall@k", "{:.3f}"),
+    ("retrievals_per_question", "retrievals / question", "{:.2f}"),
+    ("trigger_rate", "trigger rate", "{:.2f}"),
+    ("forward_passes_per_question", "forward passes / question", "{:.1f}"),
+    ("generated_tokens_per_question", "generated tokens / question", "{:.1f}"),
+    ("wall_s_per_question", "wall s / question", "{:.2f}"),
+    ("n", "questions", "{:d}"),
+    ("failed", "failed", "{:d}"),
+    ("no_passage", "nothing retrieved", "{:d}"),
+    ("val_accuracy", "Acc on validation at its chosen point", "{:.3f}"),
+    ("val_retrievals_per_question", "retrievals / question on validation", "{:.2f}"),
+    ("accuracy_vs_never", "Acc − no retrieval [95% CI]", DELTA),
+    ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
+)
+TRADE = (
+    "retrievals_saved_vs_always",
+    "accuracy_lost_vs_always",
+)  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
 TRADE_ROW = "vs always retrieve: retrievals saved at its accuracy or more, else accuracy lost"
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
-HEADLINE = ("accuracy", "retrievals_per_question", "accuracy_vs_always")  # per corpus x configuration in :func:`headline`
-SWEEP_METRICS = ("area", "random_area", "area_over_random", "area_over_random_ci_low", "area_over_random_ci_high", "never_accuracy",
-                 "always_accuracy", "rate_to_always")  # fmt: skip
+HEADLINE = (
+    "accuracy",
+    "retrievals_per_question",
+    "accuracy_vs_always",
+)  # per corpus x configuration in :func:`headline`
+SWEEP_METRICS = (
+    "area",
+    "random_area",
+    "area_over_random",
+    "area_over_random_ci_low",
+    "area_over_random_ci_high",
+    "never_accuracy",
+    "always_accuracy",
+    "rate_to_always",
+)
 
 
 def _missing(value: Any) -> bool:
@@ -62,7 +87,12 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
     out = []
     for corpus, configs in metrics.items():
         names = list(configs)
-        out += [f"### corpus `{corpus}`", "", "| metric | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+        out += [
+            f"### corpus `{corpus}`",
+            "",
+            "| metric | " + " | ".join(names) + " |",
+            "| --- |" + " ---: |" * len(names),
+        ]
         for key, label, fmt in ROWS:
             if fmt == DELTA:
                 if any(key in configs[c] for c in names):
@@ -73,7 +103,10 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
             if key in BOLD:
                 present = [float(v) for v in values if v is not None and not math.isnan(float(v))]
                 best = max(present, default=None)
-                cells = [f"**{c}**" if v is not None and best is not None and float(v) == best else c for v, c in zip(values, cells)]
+                cells = [
+                    f"**{c}**" if v is not None and best is not None and float(v) == best else c
+                    for v, c in zip(values, cells)
+                ]
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         if any(k in configs[c] for c in names for k in TRADE):
             out.append(f"| {TRADE_ROW} | " + " | ".join(_trade(configs[c]) for c in names) + " |")
@@ -88,14 +121,23 @@ def _trade(values: Mapping[str, Any]) -> str:
     return "–" if _missing(lost) else f"loses {lost:.3f}"
 
 
-def headline(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Mapping[str, Any] | None) -> dict[str, float]:
+def headline(
+    metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Mapping[str, Any] | None
+) -> dict[str, float]:
     """The RAG evaluation at a glance (rag_eval's ``dvc metrics``), flat keys: ``<corpus>.<configuration>.<metric>`` for
     each metric of :data:`HEADLINE` (accuracy, retrievals per question, accuracy − always retrieving) of ``metrics``
     (``{corpus: {configuration: metrics}}``), and ``sweep.<trigger>.area_over_random`` of each curve of ``sweep`` (the
     detailed report's ``sweep``); missing values are left out (:func:`~detectors.evaluation.report.headline_value`)."""
-    out = {f"{corpus}.{name}.{key}": headline_value(values.get(key)) for corpus, configs in metrics.items() for name, values in configs.items()
-           for key in HEADLINE}  # fmt: skip
-    out |= {f"sweep.{trigger}.area_over_random": headline_value(s.get("area_over_random")) for trigger, s in (sweep or {}).get("curves", {}).items()}
+    out = {
+        f"{corpus}.{name}.{key}": headline_value(values.get(key))
+        for corpus, configs in metrics.items()
+        for name, values in configs.items()
+        for key in HEADLINE
+    }
+    out |= {
+        f"sweep.{trigger}.area_over_random": headline_value(s.get("area_over_random"))
+        for trigger, s in (sweep or {}).get("curves", {}).items()
+    }
     return {key: value for key, value in out.items() if value is not None}
 
 
@@ -111,7 +153,9 @@ def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict
     for name, values in configs.items():
         lost = float(ref["accuracy"]) - float(values["accuracy"])
         if lost <= 0:
-            out[name] = {TRADE[0]: 1.0 - float(values["retrievals_per_question"]) / float(ref["retrievals_per_question"])}
+            out[name] = {
+                TRADE[0]: 1.0 - float(values["retrievals_per_question"]) / float(ref["retrievals_per_question"])
+            }
         else:
             out[name] = {TRADE[1]: lost}
     return out
@@ -119,16 +163,30 @@ def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict
 
 def curves_table(sweep: Mapping[str, Any]) -> str:
     """The curves' summaries (``{"corpus", "query", "curves": {trigger: summary}}``) as Markdown: a row per trigger."""
-    out = [f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, query `{sweep['query']}`)", "",
-           "| trigger | area | random area | area − random [95% CI] | area − best training-free [95% CI] | retrieval rate to reach always-accuracy |",
-           "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    out = [
+        f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, query `{sweep['query']}`)",
+        "",
+        "| trigger | area | random area | area − random [95% CI] | area − best training-free [95% CI] | retrieval rate to reach always-accuracy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for trigger, s in sweep["curves"].items():
         best = s.get("best_training_free")
-        versus = "–" if best is None else "(the best)" if best == trigger else f"{_delta(s, 'area_over_best_training_free')} vs {best}"
-        out.append(f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {versus} | {_cell(s['rate_to_always'], '{:.2f}')} |")
+        versus = (
+            "–"
+            if best is None
+            else "(the best)"
+            if best == trigger
+            else f"{_delta(s, 'area_over_best_training_free')} vs {best}"
+        )
+        out.append(
+            f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {versus} | {_cell(s['rate_to_always'], '{:.2f}')} |"
+        )
     if sweep["curves"]:
         first = next(iter(sweep["curves"].values()))
-        out += ["", f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: {first['always_accuracy']:.3f}."]
+        out += [
+            "",
+            f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: {first['always_accuracy']:.3f}.",
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -138,9 +196,13 @@ def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: i
     candidate as ``thresholds → accuracy (retrievals / question)`` on the validation questions, the chosen one in bold."""
     corpora = list(tuning)
     names = list(dict.fromkeys(name for chosen in tuning.values() for name in chosen))
-    out = [f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate thresholds "
-           "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; inf = never retrieve)", "",
-           "| configuration | " + " | ".join(corpora) + " |", "| --- |" + " --- |" * len(corpora)]  # fmt: skip
+    out = [
+        f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate thresholds "
+        "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; inf = never retrieve)",
+        "",
+        "| configuration | " + " | ".join(corpora) + " |",
+        "| --- |" + " --- |" * len(corpora),
+    ]
     for name in names:
         cells = []
         for corpus in corpora:
@@ -173,34 +235,52 @@ def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Map
         raise ValueError("log_rag_runs: no metrics to log ({corpus: {configuration: metrics}} is empty)")
     missing = sorted({c for configs in metrics.values() for c in configs} - set(params))
     if missing:
-        raise ValueError(f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass params[configuration]")
+        raise ValueError(
+            f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass params[configuration]"
+        )
     for key in ("llm_digest",):
         if not str(tags.get(key, "")).strip():
             raise ValueError(f"log_rag_runs: tags lack {key!r}: every RAG run is tagged with the LLM it ran")
     absent = sorted(set(metrics) - set(corpus_digests))
     if absent:
-        raise ValueError(f"log_rag_runs: corpora {absent} have no digest: pass corpus_digests[corpus] (the index manifest's digest)")
+        raise ValueError(
+            f"log_rag_runs: corpora {absent} have no digest: pass corpus_digests[corpus] (the index manifest's digest)"
+        )
 
 
-def reference_deltas(results: dict[str, Sequence[dict]], answers: Sequence[Sequence[str]], references: dict[str, str], n: int = 1000,
-                     seed: int = 0) -> dict[str, dict[str, float]]:  # fmt: skip
+def reference_deltas(
+    results: dict[str, Sequence[dict]],
+    answers: Sequence[Sequence[str]],
+    references: dict[str, str],
+    n: int = 1000,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
     """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
     "always": name}``, no retrieval and retrieving once before generating) on the same questions, with the paired 95% bootstrap interval:
     ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``. A reference absent from ``results`` is left out."""
-    correct = {name: [accuracy(r["answer"], refs) for r, refs in zip(lines, answers)] for name, lines in results.items()}
+    correct = {
+        name: [accuracy(r["answer"], refs) for r, refs in zip(lines, answers)] for name, lines in results.items()
+    }
     out: dict[str, dict[str, float]] = {name: {} for name in results}
     for ref, ref_name in references.items():
         if ref_name not in correct:
             continue
         for name, values in correct.items():
             delta, low, high = paired_mean_delta(values, correct[ref_name], n, seed)
-            out[name].update({f"accuracy_vs_{ref}": delta, f"accuracy_vs_{ref}_ci_low": low, f"accuracy_vs_{ref}_ci_high": high})
+            out[name].update(
+                {f"accuracy_vs_{ref}": delta, f"accuracy_vs_{ref}_ci_low": low, f"accuracy_vs_{ref}_ci_high": high}
+            )
     return out
 
 
 def log_rag_runs(
-    metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], curves: Mapping[str, Any] | None, params: Mapping[str, Mapping[str, Any]],
-    experiment: str, tags: Mapping[str, str], artifact_root: str | None, corpus_digests: Mapping[str, str],
+    metrics: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    curves: Mapping[str, Any] | None,
+    params: Mapping[str, Mapping[str, Any]],
+    experiment: str,
+    tags: Mapping[str, str],
+    artifact_root: str | None,
+    corpus_digests: Mapping[str, str],
 ) -> list[str]:
     """Log one run per corpus × configuration in ``experiment`` (created under ``artifact_root``), named
     ``"<configuration> · <corpus>"``, with the same metric names in every run (a None or NaN value is left out) and tags
@@ -219,9 +299,14 @@ def log_rag_runs(
         for name, values in configs.items():
             config = dict(params[name])
             run_tags = {
-                **tags, "corpus": corpus, "configuration": name, "triggers": ",".join(config.pop("triggers", [])) or "none",
-                "query": str(config.pop("query", "")), "corpus_digest": corpus_digests[corpus], "rag_eval": logging_id,
-            }  # fmt: skip
+                **tags,
+                "corpus": corpus,
+                "configuration": name,
+                "triggers": ",".join(config.pop("triggers", [])) or "none",
+                "query": str(config.pop("query", "")),
+                "corpus_digest": corpus_digests[corpus],
+                "rag_eval": logging_id,
+            }
             with mlflow.start_run(experiment_id=exp, run_name=f"{name} · {corpus}", tags=run_tags) as run:
                 mlflow.log_params({k: str(v) for k, v in config.items()})
                 mlflow.log_metrics(_numbers(values))
@@ -229,9 +314,15 @@ def log_rag_runs(
     if curves:
         for trigger, summary in curves["curves"].items():
             run_tags = {
-                **tags, "corpus": curves["corpus"], "configuration": "sweep", "trigger": trigger, "triggers": trigger,
-                "query": curves["query"], "corpus_digest": corpus_digests.get(curves["corpus"], ""), "rag_eval": logging_id,
-            }  # fmt: skip
+                **tags,
+                "corpus": curves["corpus"],
+                "configuration": "sweep",
+                "trigger": trigger,
+                "triggers": trigger,
+                "query": curves["query"],
+                "corpus_digest": corpus_digests.get(curves["corpus"], ""),
+                "rag_eval": logging_id,
+            }
             with mlflow.start_run(experiment_id=exp, run_name=f"sweep · {trigger}", tags=run_tags) as run:
                 mlflow.log_metrics(_numbers({k: summary.get(k) for k in SWEEP_METRICS}))
             new.append(run.info.run_id)

@@ -54,21 +54,34 @@ class BM25Retriever:
     """BM25 (bm25s: ``method``, ``k1``, ``b``) over passages tokenised with bm25s's tokenizer, English stop words and
     the Snowball stemmer. Ties are broken by passage order, so a search is deterministic."""
 
-    def __init__(self, passages: list[Passage], index, params: dict, document_frequency: dict[str, int], digest: str = ""):
-        self.passages, self.index, self.params, self.df, self.digest = passages, index, dict(params), document_frequency, digest
+    def __init__(
+        self, passages: list[Passage], index, params: dict, document_frequency: dict[str, int], digest: str = ""
+    ):
+        self.passages, self.index, self.params, self.df, self.digest = (
+            passages,
+            index,
+            dict(params),
+            document_frequency,
+            digest,
+        )
         self._stemmer = _stemmer(self.params.get("stemmer"))
 
     # ---- building and storing ------------------------------------------------------------------------------
     @classmethod
-    def build(cls, passages: list[Passage], params) -> "BM25Retriever":
+    def build(cls, passages: list[Passage], params) -> BM25Retriever:
         """Index ``passages`` (``params``: a mapping or dataclass with method, k1, b, stopwords, stemmer)."""
         import bm25s
 
         params = dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(params)
         if not passages:
             raise InputError("cannot index an empty corpus: give at least one passage")
-        tokens = bm25s.tokenize([_indexed_text(p) for p in passages], stopwords=params["stopwords"], stemmer=_stemmer(params["stemmer"]),
-                                return_ids=False, show_progress=False)  # fmt: skip
+        tokens = bm25s.tokenize(
+            [_indexed_text(p) for p in passages],
+            stopwords=params["stopwords"],
+            stemmer=_stemmer(params["stemmer"]),
+            return_ids=False,
+            show_progress=False,
+        )
         index = bm25s.BM25(method=params["method"], k1=params["k1"], b=params["b"])
         # bm25s numbers its vocabulary in set order, which changes with PYTHONHASHSEED; sorted, the index files are
         # byte-identical on every run
@@ -89,14 +102,24 @@ class BM25Retriever:
         write_passages(self.passages, directory / PASSAGES)
         self.index.save(str(directory / INDEX))
         (directory / DOCUMENT_FREQUENCY).write_text(json.dumps(self.df, sort_keys=True))
-        files = {str(p.relative_to(directory)): _digest(p) for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+        files = {
+            str(p.relative_to(directory)): _digest(p)
+            for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != MANIFEST
+        }
         self.digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-        manifest = {"passages": len(self.passages), "vocabulary": len(self.df), "params": self.params, "files": files, "digest": self.digest}
+        manifest = {
+            "passages": len(self.passages),
+            "vocabulary": len(self.df),
+            "params": self.params,
+            "files": files,
+            "digest": self.digest,
+        }
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
         return manifest
 
     @classmethod
-    def load(cls, directory: str | Path) -> "BM25Retriever":
+    def load(cls, directory: str | Path) -> BM25Retriever:
         """The index saved in ``directory``; refuses a missing directory or files that do not match the manifest."""
         import bm25s
 
@@ -107,7 +130,9 @@ class BM25Retriever:
         for name, digest in manifest["files"].items():
             path = directory / name
             if not path.is_file() or _digest(path) != digest:
-                raise IndexError_(f"{path} is missing or changed since the index was built: rerun `dvc repro index_corpus`")
+                raise IndexError_(
+                    f"{path} is missing or changed since the index was built: rerun `dvc repro index_corpus`"
+                )
         index = bm25s.BM25.load(str(directory / INDEX))
         df = json.loads((directory / DOCUMENT_FREQUENCY).read_text())
         return cls(read_passages(directory / PASSAGES), index, manifest["params"], df, manifest["digest"])
@@ -117,7 +142,9 @@ class BM25Retriever:
         """The index's terms of ``text`` (lower-cased, stop words dropped, stemmed)."""
         import bm25s
 
-        return bm25s.tokenize([text], stopwords=self.params["stopwords"], stemmer=self._stemmer, return_ids=False, show_progress=False)[0]
+        return bm25s.tokenize(
+            [text], stopwords=self.params["stopwords"], stemmer=self._stemmer, return_ids=False, show_progress=False
+        )[0]
 
     def search(self, query: str, k: int) -> list[Hit]:
         terms = [t for t in self.terms(query) if t in self.df]

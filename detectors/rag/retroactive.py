@@ -56,7 +56,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -65,8 +65,8 @@ from detectors.baselines.retrorag import yes_no_ids, yes_probability
 from detectors.config.retrorag import RetroRagParams
 from detectors.config.schema import PromptParams
 from detectors.llm.generate import Generation, OnBatch, generate, instruction_prompt, row_generator
-from detectors.llm.states import StateCache
 from detectors.llm.loading import LLM
+from detectors.llm.states import StateCache
 from detectors.rag.context import with_context
 from detectors.rag.loop import RagResult, Retrieval
 from detectors.rag.retriever import Hit
@@ -162,8 +162,12 @@ class Iteration:
     reason: str = ""  # r
     sc_answer: str = ""  # a_sc
     consistency: float = float("nan")  # s_sc (Eq. 1)
-    inferred: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)  # e_ic with s_qr and s_ra (Eq. 3)
-    inferential: list[Evidence] = dataclasses.field(default_factory=list)  # E_i^(L) (Eq. 4; empty when discovery did not run)
+    inferred: list[tuple[str, float, float]] = dataclasses.field(
+        default_factory=list
+    )  # e_ic with s_qr and s_ra (Eq. 3)
+    inferential: list[Evidence] = dataclasses.field(
+        default_factory=list
+    )  # E_i^(L) (Eq. 4; empty when discovery did not run)
     next_query: str | None = None  # q_s^(L) (Eq. 5; None when the question stopped here)
 
 
@@ -177,7 +181,9 @@ class RetroState:
     matching_query: str = ""
     source: list[Evidence] = dataclasses.field(default_factory=list)  # E_s
     inferential: list[Evidence] = dataclasses.field(default_factory=list)  # E_i
-    relevance: dict[str, float] = dataclasses.field(default_factory=dict)  # M_e(e, q) of inferential evidence, by text (q is fixed)
+    relevance: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # M_e(e, q) of inferential evidence, by text (q is fixed)
     iterations: list[Iteration] = dataclasses.field(default_factory=list)
     retrievals: list[Retrieval] = dataclasses.field(default_factory=list)
     done: bool = False
@@ -193,14 +199,24 @@ class RetroState:
 
     def result(self) -> RagResult:
         error = NO_PASSAGE if self.retrievals and not any(r.passage_ids for r in self.retrievals) else None
-        return RagResult(self.question, self.answer, self.retrievals, self.passes, self.generated, self.seconds, self.prompts, error)
+        return RagResult(
+            self.question, self.answer, self.retrievals, self.passes, self.generated, self.seconds, self.prompts, error
+        )
 
 
 class RetroRag:
     """RetroRAG over ``llm`` and ``retriever`` (``batch_search``), the Answerer's prompts built on the project's
     question prompt ``prompt``; ``batch_size`` rows per batched LLM call."""
 
-    def __init__(self, llm: LLM, retriever, params: RetroRagParams, prompt: PromptParams, batch_size: int = 16, cache_bytes: int = 4 << 30):
+    def __init__(
+        self,
+        llm: LLM,
+        retriever,
+        params: RetroRagParams,
+        prompt: PromptParams,
+        batch_size: int = 16,
+        cache_bytes: int = 4 << 30,
+    ):
         params.check("retrorag")
         prompt.check("prompt")
         if batch_size < 1:
@@ -232,7 +248,13 @@ class RetroRag:
         p = self.params
         for level in range(p.max_iterations):
             active = [s for s in states if not s.done]
-            log.info("RetroRAG iteration %d/%d: %d of %d questions open", level + 1, p.max_iterations, len(active), len(states))
+            log.info(
+                "RetroRAG iteration %d/%d: %d of %d questions open",
+                level + 1,
+                p.max_iterations,
+                len(active),
+                len(states),
+            )
             if not active:
                 break
             last = level == p.max_iterations - 1
@@ -270,12 +292,30 @@ class RetroRag:
         jobs, spans = [], []
         for s, hits in zip(states, found):
             previous = s.iterations[-1].consistency if s.iterations else float("nan")
-            s.retrievals.append(Retrieval(TRIGGER, 0, previous, [s.search_query], [h.passage.id for h in hits], [h.passage.text for h in hits],
-                                          [float(h.score) for h in hits]))  # fmt: skip
+            s.retrievals.append(
+                Retrieval(
+                    TRIGGER,
+                    0,
+                    previous,
+                    [s.search_query],
+                    [h.passage.id for h in hits],
+                    [h.passage.text for h in hits],
+                    [float(h.score) for h in hits],
+                )
+            )
             candidates = merge_evidence(s.source, hits)
             spans.append((len(jobs), candidates))
-            jobs += [(s, self._instruction(p.relevance_template.format(evidence=truncate_words(e.text, p.evidence_words), question=s.matching_query)))
-                     for e in candidates]  # fmt: skip
+            jobs += [
+                (
+                    s,
+                    self._instruction(
+                        p.relevance_template.format(
+                            evidence=truncate_words(e.text, p.evidence_words), question=s.matching_query
+                        )
+                    ),
+                )
+                for e in candidates
+            ]
             s.iterations.append(Iteration(s.search_query, s.matching_query, [h.passage.id for h in hits], [], []))
         scores = self._score(jobs)
         for s, (at, candidates) in zip(states, spans):
@@ -294,20 +334,39 @@ class RetroRag:
         if judge:
             said = self._generate(list(zip(states, answer_prompts)), p.reason_tokens, stop=(), question_prompt=True)
         else:  # the answer is the continuation's first line, at most answer_tokens: the same tokens, without the reason
-            said = self._generate(list(zip(states, answer_prompts)), p.answer_tokens, stop=("\n",), question_prompt=True)
+            said = self._generate(
+                list(zip(states, answer_prompts)), p.answer_tokens, stop=("\n",), question_prompt=True
+            )
         for s, e, g in zip(states, evidence, said):
             it = s.iterations[-1]
             it.evidence = e
-            it.answer, it.reason = self.answer_text(g.ids), " ".join(self.llm.tokenizer.decode(g.ids, skip_special_tokens=True).split())
+            it.answer, it.reason = (
+                self.answer_text(g.ids),
+                " ".join(self.llm.tokenizer.decode(g.ids, skip_special_tokens=True).split()),
+            )
         if not judge:
             return
         direct_prompts = [self._question_prompt(s.question, p.direct_context, e) for s, e in zip(states, evidence)]
-        samples = self._generate(list(zip(states, direct_prompts)), p.answer_tokens, stop=("\n",), question_prompt=True,
-                                 generators=[row_generator(p.seed, s.question, len(s.iterations) - 1) for s in states])  # fmt: skip
+        samples = self._generate(
+            list(zip(states, direct_prompts)),
+            p.answer_tokens,
+            stop=("\n",),
+            question_prompt=True,
+            generators=[row_generator(p.seed, s.question, len(s.iterations) - 1) for s in states],
+        )
         for s, sc in zip(states, samples):
             s.iterations[-1].sc_answer = sc.text
-        jobs = [(s, self._instruction(p.consistency_template.format(question=s.question, answer=s.iterations[-1].answer,
-                                                                    sc_answer=s.iterations[-1].sc_answer))) for s in states]  # fmt: skip
+        jobs = [
+            (
+                s,
+                self._instruction(
+                    p.consistency_template.format(
+                        question=s.question, answer=s.iterations[-1].answer, sc_answer=s.iterations[-1].sc_answer
+                    )
+                ),
+            )
+            for s in states
+        ]
         for s, score in zip(states, self._score(jobs)):
             s.iterations[-1].consistency = float(score)
 
@@ -317,14 +376,27 @@ class RetroRag:
         ``gate``; merged with E_i, scored with M_e against q and the top_k_inferential kept as E_i."""
         p = self.params
         reference = {id(s): render_evidence(s.source, p.evidence_words, p.no_evidence) for s in states}
-        jobs = [(s, self._instruction(p.inference_template.format(question=s.question, reference=reference[id(s)]))) for s in states]
+        jobs = [
+            (s, self._instruction(p.inference_template.format(question=s.question, reference=reference[id(s)])))
+            for s in states
+        ]
         candidates: list[list[str]] = []
         for s, g in zip(states, self._generate(jobs, p.evidence_tokens, stop=("\n",))):
             known = {e.text for e in s.inferential}
             candidates.append([c for c in split_candidates(g.text) if c not in known])
         pairs = [(s, c) for s, cs in zip(states, candidates) for c in cs]
-        qr = self._score([(s, self._instruction(p.question_relevance_template.format(evidence=c, question=s.matching_query))) for s, c in pairs])
-        ra = self._score([(s, self._instruction(p.attribution_template.format(reference=reference[id(s)], evidence=c))) for s, c in pairs])
+        qr = self._score(
+            [
+                (s, self._instruction(p.question_relevance_template.format(evidence=c, question=s.matching_query)))
+                for s, c in pairs
+            ]
+        )
+        ra = self._score(
+            [
+                (s, self._instruction(p.attribution_template.format(reference=reference[id(s)], evidence=c)))
+                for s, c in pairs
+            ]
+        )
         gated: dict[int, list[Evidence]] = {id(s): [] for s in states}
         for (s, c), q_score, r_score in zip(pairs, qr, ra):
             s.iterations[-1].inferred.append((c, float(q_score), float(r_score)))
@@ -332,7 +404,12 @@ class RetroRag:
                 gated[id(s)].append(inferred_evidence(c))
         pools = {id(s): s.inferential + gated[id(s)] for s in states}
         fresh = [(s, e) for s in states for e in pools[id(s)] if e.text not in s.relevance]
-        scores = self._score([(s, self._instruction(p.relevance_template.format(evidence=e.text, question=s.question))) for s, e in fresh])
+        scores = self._score(
+            [
+                (s, self._instruction(p.relevance_template.format(evidence=e.text, question=s.question)))
+                for s, e in fresh
+            ]
+        )
         for (s, e), score in zip(fresh, scores):
             s.relevance[e.text] = float(score)
         for s in states:
@@ -344,10 +421,20 @@ class RetroRag:
         """The re-query generator (Eq. 5, M_R, greedy): q_s from q, E_s, E_i and the reason r; q_m = q + " " + q_s.
         An empty query falls back to the question."""
         p = self.params
-        jobs = [(s, self._instruction(p.requery_template.format(question=s.question, reference=render_evidence(s.source, p.evidence_words, p.no_evidence),
-                                                                evidence=render_evidence(s.inferential, p.evidence_words, p.no_evidence),
-                                                                reason=s.iterations[-1].reason)))
-                for s in states]  # fmt: skip
+        jobs = [
+            (
+                s,
+                self._instruction(
+                    p.requery_template.format(
+                        question=s.question,
+                        reference=render_evidence(s.source, p.evidence_words, p.no_evidence),
+                        evidence=render_evidence(s.inferential, p.evidence_words, p.no_evidence),
+                        reason=s.iterations[-1].reason,
+                    )
+                ),
+            )
+            for s in states
+        ]
         for s, g in zip(states, self._generate(jobs, p.evidence_tokens, stop=("\n",))):
             query = g.text.strip().strip("\"'") or s.question
             s.iterations[-1].next_query = query
@@ -356,7 +443,11 @@ class RetroRag:
     # ---- helpers -------------------------------------------------------------------------------------------
     def answer_text(self, ids: list[int]) -> str:
         """The answer a: the first ``answer_tokens`` generated tokens, cut at the first newline (rag_eval's stop)."""
-        return self.llm.tokenizer.decode(ids[: self.params.answer_tokens], skip_special_tokens=True).split("\n", 1)[0].strip()
+        return (
+            self.llm.tokenizer.decode(ids[: self.params.answer_tokens], skip_special_tokens=True)
+            .split("\n", 1)[0]
+            .strip()
+        )
 
     def _evidence(self, s: RetroState) -> list[Evidence]:
         """E = E_s ∪ E_i (source first; an inferred fact that repeats a source text is shown once)."""
@@ -392,16 +483,40 @@ class RetroRag:
     def _score(self, jobs: list[tuple[RetroState, str]]) -> np.ndarray:
         self._record(jobs)
         owners = [s for s, _ in jobs]
-        return yes_probability(self.llm, [t for _, t in jobs], self.yes_ids, self.no_ids, self.batch_size, add_special_tokens=not self.params.chat,
-                               on_batch=self._accounting(owners), cache=self.cache)  # fmt: skip
+        return yes_probability(
+            self.llm,
+            [t for _, t in jobs],
+            self.yes_ids,
+            self.no_ids,
+            self.batch_size,
+            add_special_tokens=not self.params.chat,
+            on_batch=self._accounting(owners),
+            cache=self.cache,
+        )
 
-    def _generate(self, jobs: list[tuple[RetroState, str]], max_new_tokens: int, stop: Sequence[str], question_prompt: bool = False,
-                  generators: list[torch.Generator] | None = None) -> list[Generation]:  # fmt: skip
+    def _generate(
+        self,
+        jobs: list[tuple[RetroState, str]],
+        max_new_tokens: int,
+        stop: Sequence[str],
+        question_prompt: bool = False,
+        generators: list[torch.Generator] | None = None,
+    ) -> list[Generation]:
         self._record(jobs)
         owners = [s for s, _ in jobs]
         chat = self.prompt.chat if question_prompt else self.params.chat
-        out = generate(self.llm, [t for _, t in jobs], max_new_tokens, add_special_tokens=not chat, stop=stop, batch_size=self.batch_size,
-                       generators=generators, temperature=self.params.sc_temperature, on_batch=self._accounting(owners), cache=self.cache)  # fmt: skip
+        out = generate(
+            self.llm,
+            [t for _, t in jobs],
+            max_new_tokens,
+            add_special_tokens=not chat,
+            stop=stop,
+            batch_size=self.batch_size,
+            generators=generators,
+            temperature=self.params.sc_temperature,
+            on_batch=self._accounting(owners),
+            cache=self.cache,
+        )
         for s, g in zip(owners, out):
             s.generated += len(g.ids)
         return out

@@ -33,10 +33,14 @@ class SegmentView:
     gen_ids: list[int]
     text: str  # the segment decoded
     stats: dict[str, Any]  # per generated token (see the module's docstring)
-    probes: dict[str, torch.Tensor]  # calculator key -> its probe's values at every position of context + segment, [len, d]
+    probes: dict[
+        str, torch.Tensor
+    ]  # calculator key -> its probe's values at every position of context + segment, [len, d]
     question_stats: dict[str, Any]
-    providers: dict[str, "Calculator"] = dataclasses.field(default_factory=dict)  # who computes a lazy statistic
-    states: Any = None  # the LLM's key/value states of context + segment (what the loop ran), for calculators that run more
+    providers: dict[str, Calculator] = dataclasses.field(default_factory=dict)  # who computes a lazy statistic
+    states: Any = (
+        None  # the LLM's key/value states of context + segment (what the loop ran), for calculators that run more
+    )
     answer_start: int | None = None  # where the kept answer tokens begin in ``context_ids`` (None: no answer kept yet)
 
     def stat(self, name: str, default: Any = None) -> Any:
@@ -102,7 +106,8 @@ def providers(calculators: list[Calculator], always: tuple[str, ...] = ("prob", 
     for c in calculators:
         for name in (*c.provides, *c.lazy, *c.question):
             if name in out:
-                raise ValueError(f"statistic {name!r} is provided by both {out[name]} and calculator {c.key!r}: use one trigger that needs it")
+                raise ValueError(
+                    f"statistic {name!r} is provided by both {out[name]} and calculator {c.key!r}: use one trigger that needs it"
+                )
             out[name] = c.key
     return out
-

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,10 +37,14 @@ class Outcome:
 
     def __post_init__(self) -> None:
         if 0 not in self.at:
-            raise ValueError(f"outcome {self}: `at` lacks position 0, the always-retrieve answer that every curve is read against")
+            raise ValueError(
+                f"outcome {self}: `at` lacks position 0, the always-retrieve answer that every curve is read against"
+            )
         for (s0, p0), (s1, p1) in zip(self.events, self.events[1:]):
             if not (s1 > s0 and p1 > p0):
-                raise ValueError(f"outcome events {self.events} are not records of a running max (scores and positions increasing); build them with records()")
+                raise ValueError(
+                    f"outcome events {self.events} are not records of a running max (scores and positions increasing); build them with records()"
+                )
         missing = sorted({p for _, p in self.events} - set(self.at))
         if missing:
             raise ValueError(f"outcome `at` lacks the correctness at positions {missing} where the trigger can fire")
@@ -80,20 +85,29 @@ class Curve:
     rate_to_always: float | None
 
     interval: tuple[float, float] = (float("nan"), float("nan"))  # 95% bootstrap interval of area - random_area
-    best_free: str | None = None  # the training-free trigger of largest area on the same questions (itself, if it is that one)
+    best_free: str | None = (
+        None  # the training-free trigger of largest area on the same questions (itself, if it is that one)
+    )
     over_best_free: float = float("nan")  # area - its area
     over_best_free_interval: tuple[float, float] = (float("nan"), float("nan"))  # paired 95% bootstrap interval
 
     def summary(self) -> dict[str, Any]:
         """The curve's numbers for the metrics file (JSON-able)."""
         return {
-            "area": self.area, "random_area": self.random_area, "area_over_random": self.area - self.random_area,
-            "area_over_random_ci_low": self.interval[0], "area_over_random_ci_high": self.interval[1],
-            "never_accuracy": self.never_accuracy, "always_accuracy": self.always_accuracy,
-            "rate_to_always": self.rate_to_always, "points": len(self.threshold), "best_training_free": self.best_free,
-            "area_over_best_training_free": self.over_best_free, "area_over_best_training_free_ci_low": self.over_best_free_interval[0],
+            "area": self.area,
+            "random_area": self.random_area,
+            "area_over_random": self.area - self.random_area,
+            "area_over_random_ci_low": self.interval[0],
+            "area_over_random_ci_high": self.interval[1],
+            "never_accuracy": self.never_accuracy,
+            "always_accuracy": self.always_accuracy,
+            "rate_to_always": self.rate_to_always,
+            "points": len(self.threshold),
+            "best_training_free": self.best_free,
+            "area_over_best_training_free": self.over_best_free,
+            "area_over_best_training_free_ci_low": self.over_best_free_interval[0],
             "area_over_best_training_free_ci_high": self.over_best_free_interval[1],
-        }  # fmt: skip
+        }
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per threshold (``trigger, threshold, retrieval_rate, accuracy``) for the curves CSV."""
@@ -129,7 +143,9 @@ def curve(trigger: str, outcomes: Sequence[Outcome], tolerance: float = 1e-9) ->
     score = score[order]
     correct = never.sum() + np.cumsum(np.asarray(delta_correct)[order]) if len(order) else np.zeros(0)
     retrieved = np.cumsum(np.asarray(delta_retrieved)[order]) if len(order) else np.zeros(0)
-    last = np.flatnonzero(np.r_[score[1:] != score[:-1], True]) if len(score) else np.zeros(0, dtype=int)  # end of each tie group
+    last = (
+        np.flatnonzero(np.r_[score[1:] != score[:-1], True]) if len(score) else np.zeros(0, dtype=int)
+    )  # end of each tie group
     threshold = np.r_[np.inf, score[last]]
     rate = np.r_[0.0, retrieved[last] / n]
     acc = np.r_[never.mean(), correct[last] / n]
@@ -140,9 +156,16 @@ def curve(trigger: str, outcomes: Sequence[Outcome], tolerance: float = 1e-9) ->
     always_accuracy = float(always.mean())
     hit = np.flatnonzero(ys >= always_accuracy - tolerance)
     return Curve(
-        trigger, threshold, rate, acc, float(never.mean()), always_accuracy, area,
-        random_area=(float(never.mean()) + always_accuracy) / 2, rate_to_always=float(xs[hit].min()) if len(hit) else None,
-    )  # fmt: skip
+        trigger,
+        threshold,
+        rate,
+        acc,
+        float(never.mean()),
+        always_accuracy,
+        area,
+        random_area=(float(never.mean()) + always_accuracy) / 2,
+        rate_to_always=float(xs[hit].min()) if len(hit) else None,
+    )
 
 
 def operating_point(c: Curve, budget: float | None = None) -> float:
@@ -161,24 +184,36 @@ def candidate_thresholds(c: Curve, rates: Sequence[float]) -> list[float]:
     In that order; a threshold may repeat."""
     out = [operating_point(c)]
     for r in rates:
-        out.append(float(c.threshold[int(np.argmin(np.abs(c.retrieval_rate - r)))]))  # first of the nearest: the highest threshold
+        out.append(
+            float(c.threshold[int(np.argmin(np.abs(c.retrieval_rate - r)))])
+        )  # first of the nearest: the highest threshold
     return out
 
 
-def question_outcomes(scores: Sequence[float], correct_without: Sequence[bool], correct_with: Sequence[bool]) -> list[Outcome]:
+def question_outcomes(
+    scores: Sequence[float], correct_without: Sequence[bool], correct_with: Sequence[bool]
+) -> list[Outcome]:
     """Outcomes of a question-level score (one event at position 0; none for NaN) from each question's correctness
     without and with its passages."""
-    return [Outcome([] if math.isnan(s) else [(float(s), 0)], bool(n), {0: bool(w)}) for s, n, w in zip(scores, correct_without, correct_with)]
+    return [
+        Outcome([] if math.isnan(s) else [(float(s), 0)], bool(n), {0: bool(w)})
+        for s, n, w in zip(scores, correct_without, correct_with)
+    ]
 
 
 def outcome_from_json(data: dict[str, Any], trigger: str) -> Outcome:
     """One trigger's :class:`Outcome` from a stored sweep line (``events: {trigger: [[score, position], ...]}``,
     ``never``, ``at: {"<position>": correct}``; JSON keys are strings)."""
-    return Outcome([(float(s), int(p)) for s, p in data["events"][trigger]], bool(data["never"]), {int(p): bool(c) for p, c in data["at"].items()})
+    return Outcome(
+        [(float(s), int(p)) for s, p in data["events"][trigger]],
+        bool(data["never"]),
+        {int(p): bool(c) for p, c in data["at"].items()},
+    )
 
 
-def area_interval(trigger: str, outcomes: Sequence[Outcome], n: int = 1000, seed: int = 0,
-                  reference: Sequence[Outcome] | None = None) -> tuple[float, float]:  # fmt: skip
+def area_interval(
+    trigger: str, outcomes: Sequence[Outcome], n: int = 1000, seed: int = 0, reference: Sequence[Outcome] | None = None
+) -> tuple[float, float]:
     """95% bootstrap interval of a curve's area minus a random trigger's (or, paired, minus the area of the
     ``reference`` trigger's outcomes on the same questions), resampling the questions: both areas are measured on the
     same resampled questions, so what they share cancels out."""
@@ -186,13 +221,20 @@ def area_interval(trigger: str, outcomes: Sequence[Outcome], n: int = 1000, seed
     values = []
     for row in draws:
         c = curve(trigger, [outcomes[i] for i in row])
-        values.append(c.area - (c.random_area if reference is None else curve("reference", [reference[i] for i in row]).area))
+        values.append(
+            c.area - (c.random_area if reference is None else curve("reference", [reference[i] for i in row]).area)
+        )
     low, high = np.percentile(values, [2.5, 97.5])
     return float(low), float(high)
 
 
-def curves(lines: Iterable[dict[str, Any]], triggers: Sequence[str], bootstrap: int = 0, seed: int = 0,
-           kinds: dict[str, str] | None = None) -> dict[str, Curve]:  # fmt: skip
+def curves(
+    lines: Iterable[dict[str, Any]],
+    triggers: Sequence[str],
+    bootstrap: int = 0,
+    seed: int = 0,
+    kinds: dict[str, str] | None = None,
+) -> dict[str, Curve]:
     """Every trigger's curve over the stored sweep lines (see :func:`outcome_from_json`), with the interval of its
     area minus random from ``bootstrap`` resamples of the questions (none for 0). With the triggers' ``kinds``
     (``baseline`` = training-free), each other trigger's area is also compared with the best training-free one's."""
@@ -200,24 +242,32 @@ def curves(lines: Iterable[dict[str, Any]], triggers: Sequence[str], bootstrap: 
     outcomes = {t: [outcome_from_json(line, t) for line in lines] for t in triggers}
     out = {t: curve(t, o) for t, o in outcomes.items()}
     if bootstrap:
-        out = {t: dataclasses.replace(c, interval=area_interval(t, outcomes[t], bootstrap, seed)) for t, c in out.items()}
+        out = {
+            t: dataclasses.replace(c, interval=area_interval(t, outcomes[t], bootstrap, seed)) for t, c in out.items()
+        }
     free = [t for t in triggers if (kinds or {}).get(t) == "baseline"]
     if free and bootstrap:
         best = max(free, key=lambda t: out[t].area)
         for t in triggers:
             interval = (0.0, 0.0) if t == best else area_interval(t, outcomes[t], bootstrap, seed, outcomes[best])
-            out[t] = dataclasses.replace(out[t], best_free=best, over_best_free=out[t].area - out[best].area, over_best_free_interval=interval)
+            out[t] = dataclasses.replace(
+                out[t], best_free=best, over_best_free=out[t].area - out[best].area, over_best_free_interval=interval
+            )
     return out
 
 
-def sweep_line(events: dict[str, list[tuple[float, int]]], never_answer: str, answers_at: dict[int, str], references: list[str]) -> dict[str, Any]:
+def sweep_line(
+    events: dict[str, list[tuple[float, int]]], never_answer: str, answers_at: dict[int, str], references: list[str]
+) -> dict[str, Any]:
     """One question of the sweep as stored: each trigger's events, the no-retrieval answer and the answers after a
     retrieval at each position, with their correctness (containment)."""
     return {
-        "events": {t: [[s, p] for s, p in e] for t, e in events.items()}, "never_answer": never_answer,
-        "never": bool(accuracy(never_answer, references)), "answers": {str(p): a for p, a in answers_at.items()},
+        "events": {t: [[s, p] for s, p in e] for t, e in events.items()},
+        "never_answer": never_answer,
+        "never": bool(accuracy(never_answer, references)),
+        "answers": {str(p): a for p, a in answers_at.items()},
         "at": {str(p): bool(accuracy(a, references)) for p, a in answers_at.items()},
-    }  # fmt: skip
+    }
 
 
 def trace_events(trace) -> dict[str, list[tuple[float, int]]]:

@@ -41,6 +41,7 @@ from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.rag.stats import Calculator
 
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """When a trigger is read and what its firing does (see the module's docstring)."""
@@ -100,7 +101,11 @@ class Trigger:
     def parts(self) -> list[Any]:
         """Everything it runs: its scorer, calculators, gate, validator, refusal handler and detector (whose modules are
         its code)."""
-        return [p for p in (self.scorer, *self.calculators, self.gate, self.validator, self.refusal, self.detector) if p is not None]
+        return [
+            p
+            for p in (self.scorer, *self.calculators, self.gate, self.validator, self.refusal, self.detector)
+            if p is not None
+        ]
 
     @property
     def stage(self) -> str:
@@ -163,5 +168,7 @@ def check_threshold(trigger: Trigger, value: float, key: str) -> None:
     trigger fire always or never; use inf to never retrieve)."""
     low, high = trigger.scores
     if not (low <= value <= high or math.isinf(value)):
-        raise InputError(f"{key} = {value!r}: {trigger.name}'s scores lie in [{low:g}, {high:g}]: choose a threshold in that range "
-                         "(inf never retrieves), or remove the key to choose it on the validation sweep")  # fmt: skip
+        raise InputError(
+            f"{key} = {value!r}: {trigger.name}'s scores lie in [{low:g}, {high:g}]: choose a threshold in that range "
+            "(inf never retrieves), or remove the key to choose it on the validation sweep"
+        )

@@ -44,7 +44,9 @@ class FrameInputs:
     def __set_name__(self, owner: type, name: str) -> None:
         predict = owner.__dict__.get("predict_frame")
         if predict is None:
-            raise TypeError(f"{owner.__name__}.{name}: declare the input columns in the class that defines predict_frame")
+            raise TypeError(
+                f"{owner.__name__}.{name}: declare the input columns in the class that defines predict_frame"
+            )
 
         @functools.wraps(predict)
         def checked(detector, frame, *args, **kwargs):
@@ -53,7 +55,9 @@ class FrameInputs:
         owner.predict_frame = checked
 
     def describe(self) -> str:
-        columns = [f"{n} ({k})" for n, k in self.required.items()] + [f"{n} ({k}, optional)" for n, k in self.optional.items()]
+        columns = [f"{n} ({k})" for n, k in self.required.items()] + [
+            f"{n} ({k}, optional)" for n, k in self.optional.items()
+        ]
         return ", ".join(columns)
 
     def check(self, frame: Any, what: str) -> pd.DataFrame:
@@ -65,7 +69,9 @@ class FrameInputs:
         missing = [c for c in self.required if c not in frame.columns]
         unknown = [c for c in frame.columns if c not in self.required and c not in self.optional]
         if missing or unknown:
-            found = "; ".join(x for x in (missing and f"missing column(s) {missing}", unknown and f"unknown column(s) {unknown}") if x)
+            found = "; ".join(
+                x for x in (missing and f"missing column(s) {missing}", unknown and f"unknown column(s) {unknown}") if x
+            )
             raise FrameInputError(f"{takes}: {found} (columns given: {list(frame.columns)})")
         for name, kind in {**self.required, **self.optional}.items():
             if name not in frame.columns:
@@ -125,14 +131,18 @@ def frame_dtype(frame: pd.DataFrame, what: str) -> str:
     build stages key their shards on the LLM's dtype, so they never mix dtypes.)"""
     rebuild = f"rebuild {what} with `dvc repro` so that all records share one LLM dtype"
     if "feature_dtype" not in frame.columns:
-        raise ValueError(f"{what} has no feature_dtype column: it was built before feature dtypes were recorded; {rebuild}")
+        raise ValueError(
+            f"{what} has no feature_dtype column: it was built before feature dtypes were recorded; {rebuild}"
+        )
     column = frame["feature_dtype"]
     found = sorted({None if pd.isna(v) else str(v) for v in column}, key=str)  # a record without one counts as None
     if len(found) != 1 or found[0] is None:
         counts = {(None if pd.isna(k) else str(k)): int(n) for k, n in column.value_counts(dropna=False).items()}
         raise ValueError(f"{what} has feature_dtype values {counts} (dtype: records), not exactly one; {rebuild}")
     if not isinstance(getattr(torch, found[0], None), torch.dtype):
-        raise ValueError(f"{what} has feature_dtype = {found[0]!r}, not a torch dtype (e.g. 'float32', 'bfloat16'); {rebuild}")
+        raise ValueError(
+            f"{what} has feature_dtype = {found[0]!r}, not a torch dtype (e.g. 'float32', 'bfloat16'); {rebuild}"
+        )
     return found[0]
 
 

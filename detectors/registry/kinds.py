@@ -9,14 +9,17 @@ from detectors.interfaces import Detector
 from detectors.lazy import LazyRegistry
 from detectors.registry.artifact import read_config
 
-
-KINDS = LazyRegistry("detector kind", {
-    "dior-early": "detectors.dior.early_detector:EarlyDetector",
-    "dior-realtime": "detectors.dior.realtime_detector:RealtimeDetector",
-    "ctrla-honesty": "detectors.ctrla.registered:HonestySteering",
-    "ctrla-confidence": "detectors.ctrla.registered:ConfidenceDetector",
-    "utility": "detectors.utility.detector:UtilityDetector",
-}, ValueError)  # fmt: skip
+KINDS = LazyRegistry(
+    "detector kind",
+    {
+        "dior-early": "detectors.dior.early_detector:EarlyDetector",
+        "dior-realtime": "detectors.dior.realtime_detector:RealtimeDetector",
+        "ctrla-honesty": "detectors.ctrla.registered:HonestySteering",
+        "ctrla-confidence": "detectors.ctrla.registered:ConfidenceDetector",
+        "utility": "detectors.utility.detector:UtilityDetector",
+    },
+    ValueError,
+)
 
 
 def detector_class(kind: str) -> type[Detector]:

@@ -104,10 +104,9 @@ def _locations():
 def _rewrite(uri: str, old: str, new: str) -> int:
     """Replace the prefix ``old`` of every location (a plain path or a ``file://`` URI) with ``new``, in one transaction;
     returns how many values changed."""
+    from mlflow.store.db.utils import create_sqlalchemy_engine
     from sqlalchemy import func, literal, or_, update
     from sqlalchemy.orm import Session
-
-    from mlflow.store.db.utils import create_sqlalchemy_engine
 
     changed = 0
     engine = create_sqlalchemy_engine(uri)
@@ -117,9 +116,11 @@ def _rewrite(uri: str, old: str, new: str) -> int:
                 column = getattr(model, attr)
                 for a, b in ((old, new), (Path(old).as_uri(), Path(new).as_uri())):
                     statement = (
-                        update(model).where(or_(column == a, column.startswith(a + "/", autoescape=True)))
-                        .values({attr: literal(b) + func.substr(column, len(a) + 1)}).execution_options(synchronize_session=False)
-                    )  # fmt: skip
+                        update(model)
+                        .where(or_(column == a, column.startswith(a + "/", autoescape=True)))
+                        .values({attr: literal(b) + func.substr(column, len(a) + 1)})
+                        .execution_options(synchronize_session=False)
+                    )
                     changed += session.execute(statement).rowcount
     finally:
         engine.dispose()
@@ -137,9 +138,13 @@ def relocate(uri: str, old: str | Path | None = None) -> dict:
 
     db = sqlite_path(uri)
     if db is None:
-        raise StoreRelocationError(f"{uri} is not a sqlite store: only a sqlite store moves with its project (a server's stays where it is)")
+        raise StoreRelocationError(
+            f"{uri} is not a sqlite store: only a sqlite store moves with its project (a server's stays where it is)"
+        )
     if not db.exists():
-        raise StoreRelocationError(f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project root)")
+        raise StoreRelocationError(
+            f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project root)"
+        )
     here = str(db.parent)
     source = str(Path(old).resolve()) if old is not None else recorded_dir(uri)
     result = {"store": str(db), "from": source, "to": here, "rewritten": 0}
@@ -150,5 +155,7 @@ def relocate(uri: str, old: str | Path | None = None) -> dict:
             _client(uri).set_experiment_tag(DEFAULT_EXPERIMENT, ANCHOR_TAG, here)
     except (SQLAlchemyError, MlflowException) as err:
         reason = str(err).splitlines()[0]
-        raise StoreRelocationError(f"cannot relocate the MLflow store {db} to {here} ({reason}): relocating writes to it, so run it with write access") from err
+        raise StoreRelocationError(
+            f"cannot relocate the MLflow store {db} to {here} ({reason}): relocating writes to it, so run it with write access"
+        ) from err
     return result

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from detectors.imports import import_closure
 
@@ -40,7 +41,9 @@ def distributions(top_level: Iterable[str], what: str, index: dict[str, list[str
     out: set[str] = set()
     for name in sorted(top_level):
         if name not in index:
-            raise RequirementError(f"{what} needs the module {name!r}, which no installed distribution provides; install it")
+            raise RequirementError(
+                f"{what} needs the module {name!r}, which no installed distribution provides; install it"
+            )
         out.update(index[name])
     return out
 

@@ -15,8 +15,9 @@ import json
 import math
 import re
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import mlflow
 from mlflow.exceptions import MlflowException
@@ -58,7 +59,7 @@ def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
     """The tracking URI with a relative sqlite path made absolute (stages and the UI then agree); ``mkdir``: create the
     database's directory (a writer's first run)."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        db = (Path(root) / uri[len("sqlite:///"):]).resolve()
+        db = (Path(root) / uri[len("sqlite:///") :]).resolve()
         if mkdir:
             db.parent.mkdir(parents=True, exist_ok=True)
         uri = f"sqlite:///{db}"
@@ -76,13 +77,19 @@ def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
 
     fix = "start it (`mlflow server ...`), or name a running one in params.yaml's mlflow.tracking_uri, --tracking-uri or $MLFLOW_TRACKING_URI"
     try:
-        response = http_request(get_default_host_creds(uri), "/health", "GET", max_retries=0, timeout=timeout, raise_on_status=False)
+        response = http_request(
+            get_default_host_creds(uri), "/health", "GET", max_retries=0, timeout=timeout, raise_on_status=False
+        )
     except MlflowException as err:
         found = re.search(r"\[Errno -?\d+\] [^'\")]+|Read timed out|timed out", str(err))
         reason = found.group(0) if found else type(err.__cause__ or err).__name__
-        raise TrackingServerError(f"no MLflow tracking server answers at {uri} ({reason.strip()}, {timeout:g} s timeout): {fix}") from None
+        raise TrackingServerError(
+            f"no MLflow tracking server answers at {uri} ({reason.strip()}, {timeout:g} s timeout): {fix}"
+        ) from None
     if response.status_code >= 400 and response.status_code not in (401, 403):  # a server asking for credentials is one
-        raise TrackingServerError(f"{uri} answered HTTP {response.status_code} to GET /health: no MLflow tracking server is there; {fix}")
+        raise TrackingServerError(
+            f"{uri} answered HTTP {response.status_code} to GET /health: no MLflow tracking server is there; {fix}"
+        )
 
 
 def configure(uri: str, root: str | Path = ".", *, existing: bool = False) -> str:
@@ -97,8 +104,10 @@ def configure(uri: str, root: str | Path = ".", *, existing: bool = False) -> st
     check_server(uri)
     db = sqlite_path(uri)
     if existing and db is not None and not db.exists():
-        raise StoreNotFoundError(f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project "
-                                 "root), or run `dvc repro` to create and fill it")  # fmt: skip
+        raise StoreNotFoundError(
+            f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project "
+            "root), or run `dvc repro` to create and fill it"
+        )
     require_in_place(uri)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
@@ -171,7 +180,9 @@ def log_detector(detector: Any, artifact_dir: str | Path, metadata: dict[str, An
     signature (:func:`input_signature`) and the pip requirements its code and artifact need
     (:mod:`detectors.registry.requirements`)."""
     config = read_config(artifact_dir)
-    with warnings.catch_warnings():  # no input example on purpose: MLflow would run the detector, and load its LLM, to check it
+    with (
+        warnings.catch_warnings()
+    ):  # no input example on purpose: MLflow would run the detector, and load its LLM, to check it
         warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)
         return mlflow.pyfunc.log_model(
             name="model",
@@ -206,7 +217,10 @@ def decide(
         return "champion", "no champion yet"
     tags = champion.tags
     if tags.get("val_digest") != val_digest:
-        return CHALLENGER, f"validation set {val_digest} differs from champion v{champion.version}'s {tags.get('val_digest')}"
+        return (
+            CHALLENGER,
+            f"validation set {val_digest} differs from champion v{champion.version}'s {tags.get('val_digest')}",
+        )
     if tags.get("llm_digest") != llm:
         return CHALLENGER, f"LLM {llm} differs from champion v{champion.version}'s {tags.get('llm_digest')}"
     if features is not None and tags.get("features") != features:
@@ -229,7 +243,13 @@ def alias_version(client: MlflowClient, name: str, alias: str) -> Any | None:
 
 
 def register(
-    model_uri: str, name: str, alias: str, val_auroc: float, val_digest: str | None, llm: str, features: str | None = None
+    model_uri: str,
+    name: str,
+    alias: str,
+    val_auroc: float,
+    val_digest: str | None,
+    llm: str,
+    features: str | None = None,
 ) -> dict[str, Any]:
     """Register a new version tagged with its validation AUROC, validation-set digest, LLM digest and feature set (when
     given), and apply the champion rule (:func:`decide`): the result says where ``alias`` points and why."""
@@ -284,7 +304,9 @@ def resolve(name: str, alias: str | None = None, version: int | str | None = Non
     if version is None:
         if alias not in model.aliases:
             held = ", ".join(f"{a} (v{v})" for a, v in sorted(model.aliases.items())) or "none"
-            raise NotRegisteredError(f"model {name!r} has no alias {alias!r} in {mlflow.get_tracking_uri()} (aliases: {held})")
+            raise NotRegisteredError(
+                f"model {name!r} has no alias {alias!r} in {mlflow.get_tracking_uri()} (aliases: {held})"
+            )
         version = model.aliases[alias]
     try:
         return client.get_model_version(name, str(version))
@@ -292,7 +314,9 @@ def resolve(name: str, alias: str | None = None, version: int | str | None = Non
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":  # a store error stays one
             raise
         versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
-        raise NotRegisteredError(f"model {name!r} has no version {version} in {mlflow.get_tracking_uri()} (versions: {versions})") from None
+        raise NotRegisteredError(
+            f"model {name!r} has no version {version} in {mlflow.get_tracking_uri()} (versions: {versions})"
+        ) from None
 
 
 def promote(name: str, version: int | str, alias: str = "champion") -> dict[str, Any]:
@@ -328,14 +352,18 @@ def log_and_register(
     llm = llm_digest(detector.fingerprint)
     with mlflow.start_run(experiment_id=experiment_id, run_name=name) as run:
         mlflow.log_params(params)
-        mlflow.log_metrics({k: v for k, v in {"val_auroc": val_auroc, **metrics}.items() if v is not None and math.isfinite(v)})
+        mlflow.log_metrics(
+            {k: v for k, v in {"val_auroc": val_auroc, **metrics}.items() if v is not None and math.isfinite(v)}
+        )
         mlflow.set_tags({"val_digest": val_digest or "", "llm_digest": llm})
         info = log_detector(detector, artifact_dir, metadata)
         result = register(info.model_uri, name, alias, val_auroc, val_digest, llm, features)
     return {**result, "run_id": run.info.run_id, "model_uri": info.model_uri}
 
 
-if __name__ == "__main__":  # the older `python -m detectors.registry.store promote NAME VERSION`: the `dynrag` command line runs it
+if (
+    __name__ == "__main__"
+):  # the older `python -m detectors.registry.store promote NAME VERSION`: the `dynrag` command line runs it
     import runpy
 
     runpy.run_module("detectors.cli", run_name="__main__", alter_sys=True)

@@ -65,7 +65,9 @@ def load_articles(source: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     rows, rejected, seen = [], [], set()
     for rec in records:
         title, text = rec["title"].strip(), " ".join(rec["text"].split())
-        reason = "empty title" if not title else "empty text" if not text else "duplicate title" if title in seen else None
+        reason = (
+            "empty title" if not title else "empty text" if not text else "duplicate title" if title in seen else None
+        )
         if reason:
             rejected.append({"title": title, "reason": reason})
             continue

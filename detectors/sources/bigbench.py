@@ -48,7 +48,19 @@ def _download_archive(raw: Path) -> Path:
     log.info("downloading the bigbench==%s source archive (once)", BIGBENCH_VERSION)
     raw.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=raw) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp, f"bigbench=={BIGBENCH_VERSION}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-q",
+            "-d",
+            tmp,
+            f"bigbench=={BIGBENCH_VERSION}",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise SourceError(f"could not download bigbench=={BIGBENCH_VERSION}: {done.stderr.strip()[-500:]}")
@@ -82,7 +94,9 @@ def fetch_bigbench_task(task: str, raw_dir: str | Path, file: str = "task.json")
             try:
                 fobj = tar.extractfile(member)
             except KeyError:
-                raise SourceError(f"bigbench:{task}: no file {file!r} for that task in bigbench {BIGBENCH_VERSION}") from None
+                raise SourceError(
+                    f"bigbench:{task}: no file {file!r} for that task in bigbench {BIGBENCH_VERSION}"
+                ) from None
             task_file.parent.mkdir(parents=True, exist_ok=True)
             tmp_file = task_file.with_suffix(".part")
             tmp_file.write_bytes(fobj.read())

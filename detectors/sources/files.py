@@ -35,4 +35,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         return pd.read_csv(path, dtype=str, keep_default_na=False).to_dict("records")
     if suffix == ".parquet":
         return pd.read_parquet(path).to_dict("records")
-    raise SourceError(f"qa.source = {str(path)!r}: unsupported file type {suffix!r}; use .json, .jsonl, .csv or .parquet")
+    raise SourceError(
+        f"qa.source = {str(path)!r}: unsupported file type {suffix!r}; use .json, .jsonl, .csv or .parquet"
+    )

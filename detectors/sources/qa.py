@@ -67,8 +67,10 @@ def parse_hf_source(source: str) -> tuple[str, str | None, str]:
     ``hf:hotpotqa/hotpot_qa:distractor:validation``. Any other shape is a :class:`SourceError` naming the source."""
     parts = source.removeprefix(HF).split(":")
     if not source.startswith(HF) or len(parts) > 3 or any(not part.strip() for part in parts):
-        raise SourceError(f"qa.source = {source!r}: write {HF_SYNTAX}, each part non-empty, "
-                          "e.g. hf:hotpotqa/hotpot_qa:distractor:validation")  # fmt: skip
+        raise SourceError(
+            f"qa.source = {source!r}: write {HF_SYNTAX}, each part non-empty, "
+            "e.g. hf:hotpotqa/hotpot_qa:distractor:validation"
+        )
     if len(parts) == 1:
         return parts[0], None, "validation"
     return parts[0], parts[1] if len(parts) == 3 else None, parts[-1]
@@ -85,8 +87,10 @@ def load_raw(source: str, raw_dir: str | Path) -> list[dict[str, Any]]:
         try:
             return list(datasets.load_dataset(name, config, split=split))
         except (ValueError, OSError) as err:  # an unknown config or split, no such dataset, offline without a copy
-            raise SourceError(f"qa.source = {source!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) "
-                              f"failed: {err} (write {HF_SYNTAX}; a hub dataset must be downloaded or reachable)") from err
+            raise SourceError(
+                f"qa.source = {source!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) "
+                f"failed: {err} (write {HF_SYNTAX}; a hub dataset must be downloaded or reachable)"
+            ) from err
     return read_records(Path(source))
 
 
@@ -126,4 +130,6 @@ def normalize_records(
             rejected.append({"index": i, "id": rid, "reason": reason})
             continue
         seen[rid] = {"id": rid, "question": question, "answers": answers}
-    return pd.DataFrame(list(seen.values()), columns=["id", "question", "answers"]), pd.DataFrame(rejected, columns=["index", "id", "reason"])
+    return pd.DataFrame(list(seen.values()), columns=["id", "question", "answers"]), pd.DataFrame(
+        rejected, columns=["index", "id", "reason"]
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import string
 import unicodedata
-from typing import Iterable
+from collections.abc import Iterable
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation)

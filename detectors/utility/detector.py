@@ -57,8 +57,13 @@ def gate_scalars(pre: dict, post: dict, k: int) -> np.ndarray:
     """The gate's scalars: the first-token statistics without and with the passages, and the retriever's ``k`` scores
     (best first; missing passages score 0) with how many came back."""
     scores = sorted((float(s) for s in post["retrieval_scores"]), reverse=True)[:k]
-    return np.concatenate([scalar_features(pre, ["first_token"]), scalar_features(post, ["first_token"]),
-                           np.array(scores + [0.0] * (k - len(scores)) + [len(scores)], dtype=np.float32)]).astype(np.float32)  # fmt: skip
+    return np.concatenate(
+        [
+            scalar_features(pre, ["first_token"]),
+            scalar_features(post, ["first_token"]),
+            np.array(scores + [0.0] * (k - len(scores)) + [len(scores)], dtype=np.float32),
+        ]
+    ).astype(np.float32)
 
 
 def gate_row(pre: dict, post: dict, k: int) -> np.ndarray:
@@ -80,17 +85,19 @@ class Standardised:
     n_scalars: int
 
     def items(self, raw: np.ndarray, labels: np.ndarray | None = None) -> list[dict]:
-        return _items(raw, np.zeros(len(raw), dtype=int) if labels is None else labels, self.mean, self.std, self.n_scalars)
+        return _items(
+            raw, np.zeros(len(raw), dtype=int) if labels is None else labels, self.mean, self.std, self.n_scalars
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"mean": self.mean.tolist(), "std": self.std.tolist(), "n_scalars": self.n_scalars}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Standardised":
+    def from_dict(cls, d: dict[str, Any]) -> Standardised:
         return cls(np.asarray(d["mean"], dtype=np.float32), np.asarray(d["std"], dtype=np.float32), int(d["n_scalars"]))
 
     @classmethod
-    def fit(cls, raw: np.ndarray, n_scalars: int) -> "Standardised":
+    def fit(cls, raw: np.ndarray, n_scalars: int) -> Standardised:
         return cls(raw.mean(axis=0).astype(np.float32), (raw.std(axis=0) + 1e-6).astype(np.float32), n_scalars)
 
 
@@ -125,34 +132,58 @@ class UtilityDetector(Detector):
     @property
     def state_indices(self) -> list[int]:
         """The hidden-state indices the gate reads at the last prompt token (``features.hidden_layers``)."""
-        return hidden_state_indices(self.features.hidden_layers, self.fingerprint.num_layers, "build_early.features.hidden_layers")
+        return hidden_state_indices(
+            self.features.hidden_layers, self.fingerprint.num_layers, "build_early.features.hidden_layers"
+        )
 
     # ---- artifact -------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
         config = {
-            "name": self.name, "corpus": self.corpus, "net": self.nets.config, "pre_groups": self.pre_groups,
-            "pre_inputs": self.pre_inputs.to_dict(), "gate_inputs": self.gate_inputs.to_dict(), "k": self.k,
-            "threshold": self.threshold, "budget_threshold": self.budget_threshold, "gate_threshold": self.gate_threshold,
-            "features": dataclasses.asdict(self.features), "llm": llm_section(self.fingerprint, self.llm_ref), "info": self.info,
-        }  # fmt: skip
+            "name": self.name,
+            "corpus": self.corpus,
+            "net": self.nets.config,
+            "pre_groups": self.pre_groups,
+            "pre_inputs": self.pre_inputs.to_dict(),
+            "gate_inputs": self.gate_inputs.to_dict(),
+            "k": self.k,
+            "threshold": self.threshold,
+            "budget_threshold": self.budget_threshold,
+            "gate_threshold": self.gate_threshold,
+            "features": dataclasses.asdict(self.features),
+            "llm": llm_section(self.fingerprint, self.llm_ref),
+            "info": self.info,
+        }
         return write_artifact(directory, self.KIND, self.nets, config)
 
     @classmethod
-    def load(cls, directory: str | Path) -> "UtilityDetector":
+    def load(cls, directory: str | Path) -> UtilityDetector:
         config, nets, fingerprint, llm_ref = read_net(directory, cls.KIND, UtilityNets)
         return cls(
-            nets=nets, corpus=config["corpus"], pre_groups=config["pre_groups"], pre_inputs=Standardised.from_dict(config["pre_inputs"]),
-            gate_inputs=Standardised.from_dict(config["gate_inputs"]), k=int(config["k"]), threshold=float(config["threshold"]),
-            budget_threshold=float(config["budget_threshold"]), gate_threshold=float(config["gate_threshold"]),
-            features=from_dict(EarlyFeatureParams, config["features"], "detector.features"), fingerprint=fingerprint, llm_ref=llm_ref,
-            info=config["info"], name=config["name"],
-        )  # fmt: skip
+            nets=nets,
+            corpus=config["corpus"],
+            pre_groups=config["pre_groups"],
+            pre_inputs=Standardised.from_dict(config["pre_inputs"]),
+            gate_inputs=Standardised.from_dict(config["gate_inputs"]),
+            k=int(config["k"]),
+            threshold=float(config["threshold"]),
+            budget_threshold=float(config["budget_threshold"]),
+            gate_threshold=float(config["gate_threshold"]),
+            features=from_dict(EarlyFeatureParams, config["features"], "detector.features"),
+            fingerprint=fingerprint,
+            llm_ref=llm_ref,
+            info=config["info"],
+            name=config["name"],
+        )
 
     # ---- scoring --------------------------------------------------------------------------------
     def predict_proba(self, rows: list[dict] | pd.DataFrame) -> np.ndarray:
         """P(retrieval helps) of questions from their early-set columns."""
         rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else rows
-        raw = np.stack([per_question(r, self.pre_groups) for r in rows]) if rows else np.zeros((0, len(self.pre_inputs.mean)), np.float32)
+        raw = (
+            np.stack([per_question(r, self.pre_groups) for r in rows])
+            if rows
+            else np.zeros((0, len(self.pre_inputs.mean)), np.float32)
+        )
         return predict(self.nets.pre, self.pre_inputs.items(raw), collate)
 
     def gate_proba(self, pre_rows: list[dict], post_rows: list[dict]) -> np.ndarray:
@@ -166,7 +197,10 @@ class UtilityDetector(Detector):
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: a ``question`` column in; P(retrieval helps) and the decision at the validation threshold out."""
         llm = self.require_llm()
-        probs = [float(self.predict_proba([features_to_row(question_features(llm, str(q), self.features))])[0]) for q in frame["question"]]
+        probs = [
+            float(self.predict_proba([features_to_row(question_features(llm, str(q), self.features))])[0])
+            for q in frame["question"]
+        ]
         return pd.DataFrame({"probability": probs, "retrieve": [p >= self.threshold for p in probs]})
 
 
@@ -183,7 +217,10 @@ class UtilityGate:
         self.probe = StateTap(detector.require_llm().model, detector.state_indices)
 
     def judge(self, items: list) -> list[float]:
-        return [float(s) for s in self.detector.gate_proba([i.question_stats for i in items], [post_features(i) for i in items])]
+        return [
+            float(s)
+            for s in self.detector.gate_proba([i.question_stats for i in items], [post_features(i) for i in items])
+        ]
 
 
 # ---- training ---------------------------------------------------------------------------------------------
@@ -203,27 +240,45 @@ def choose(scores: np.ndarray, rows: pd.DataFrame, budget: float | None = None) 
     """The validation operating threshold of a question score (see :func:`~detectors.rag.sweep.operating_point`)."""
     from detectors.rag.sweep import curve, operating_point, question_outcomes
 
-    return operating_point(curve("utility", question_outcomes(scores, rows["correct_without"], rows["correct_with"])), budget)
+    return operating_point(
+        curve("utility", question_outcomes(scores, rows["correct_without"], rows["correct_with"])), budget
+    )
 
 
 def train_utility_detector(
-    rows: pd.DataFrame, corpus: str, pre_groups: list[str], params: TrainingParams, budget: float, k: int, features: EarlyFeatureParams,
-    fingerprint: Fingerprint, llm_ref: dict[str, Any], name: str, fast_dev_run: bool = False,
-) -> UtilityDetector:  # fmt: skip
+    rows: pd.DataFrame,
+    corpus: str,
+    pre_groups: list[str],
+    params: TrainingParams,
+    budget: float,
+    k: int,
+    features: EarlyFeatureParams,
+    fingerprint: Fingerprint,
+    llm_ref: dict[str, Any],
+    name: str,
+    fast_dev_run: bool = False,
+) -> UtilityDetector:
     """Train both networks on the ``train`` split of ``rows`` (:func:`joined` labels of ``corpus``), early-stop and
     choose every threshold on ``val`` (never on test)."""
     llm_ref = {**llm_ref, "dtype": frame_dtype(rows, f"the {corpus} utility labels' early columns")}
     train, val = (rows[rows["split"] == s].to_dict("records") for s in ("train", "val"))
     if not train or not val:
-        raise ValueError(f"the {corpus} utility labels have {len(train)} train and {len(val)} val questions: both splits are needed")
+        raise ValueError(
+            f"the {corpus} utility labels have {len(train)} train and {len(val)} val questions: both splits are needed"
+        )
     nets: dict[str, EarlyGRU] = {}
     inputs: dict[str, Standardised] = {}
     summaries: dict[str, dict] = {}
     changed = lambda rows: [r for r in rows if r["utility"] != NEITHER]  # noqa: E731 - where the gate's decision matters
     for stage, used, featurize, n_scalars in (
-        (PRE_STAGE, lambda rows: rows, lambda r: per_question(r, pre_groups), len(scalar_features(train[0], pre_groups))),
+        (
+            PRE_STAGE,
+            lambda rows: rows,
+            lambda r: per_question(r, pre_groups),
+            len(scalar_features(train[0], pre_groups)),
+        ),
         (GATE_STAGE, changed, lambda r: gate_row(r, as_post(r), k), len(gate_scalars(train[0], as_post(train[0]), k))),
-    ):  # fmt: skip
+    ):
         data = {"train": used(train), "val": used(val)}
         raw = {split: np.stack([featurize(r) for r in rows]) for split, rows in data.items()}
         y = {split: np.array([int(r["utility"] == HELPS) for r in rows]) for split, rows in data.items()}
@@ -231,24 +286,53 @@ def train_utility_detector(
         require_both_classes(y["val"], f"the {corpus} {stage} validation labels")
         inputs[stage] = Standardised.fit(raw["train"], n_scalars)
         width = raw["train"].shape[1] - n_scalars
-        nets[stage], summaries[stage] = fit(lambda: EarlyGRU(0, n_scalars, width, params.hidden, params.dropout), inputs[stage].items(raw["train"], y["train"]),
-                                            inputs[stage].items(raw["val"], y["val"]), collate, params, fast_dev_run=fast_dev_run)  # fmt: skip
-        summaries[stage].update(n_train=len(data["train"]), n_val=len(data["val"]), helps_rate_train=float(y["train"].mean()))
+        nets[stage], summaries[stage] = fit(
+            lambda: EarlyGRU(0, n_scalars, width, params.hidden, params.dropout),
+            inputs[stage].items(raw["train"], y["train"]),
+            inputs[stage].items(raw["val"], y["val"]),
+            collate,
+            params,
+            fast_dev_run=fast_dev_run,
+        )
+        summaries[stage].update(
+            n_train=len(data["train"]), n_val=len(data["val"]), helps_rate_train=float(y["train"].mean())
+        )
     bundle = UtilityNets(nets[PRE_STAGE].config, nets[GATE_STAGE].config)
     bundle.pre.load_state_dict(nets[PRE_STAGE].state_dict())
     bundle.gate.load_state_dict(nets[GATE_STAGE].state_dict())
-    detector = UtilityDetector(bundle, corpus, list(pre_groups), inputs[PRE_STAGE], inputs[GATE_STAGE], k, 0.5, 0.5, 0.5, features, fingerprint,
-                               llm_ref, {}, name=name)  # fmt: skip
+    detector = UtilityDetector(
+        bundle,
+        corpus,
+        list(pre_groups),
+        inputs[PRE_STAGE],
+        inputs[GATE_STAGE],
+        k,
+        0.5,
+        0.5,
+        0.5,
+        features,
+        fingerprint,
+        llm_ref,
+        {},
+        name=name,
+    )
     val_frame = pd.DataFrame(val)
     pre_val = detector.predict_proba(val)
     gate_val = detector.gate_proba(val, [as_post(r) for r in val])
     detector.threshold = choose(pre_val, val_frame)
     detector.budget_threshold = choose(pre_val, val_frame, budget)
-    detector.gate_threshold = choose(gate_val, val_frame)  # the gate's most accurate point, every val question as retrieved
+    detector.gate_threshold = choose(
+        gate_val, val_frame
+    )  # the gate's most accurate point, every val question as retrieved
     detector.info = training_info(
-        summaries[PRE_STAGE], params, n_train=len(train), n_val=len(val), budget=budget, gate=summaries[GATE_STAGE],
+        summaries[PRE_STAGE],
+        params,
+        n_train=len(train),
+        n_val=len(val),
+        budget=budget,
+        gate=summaries[GATE_STAGE],
         val_retrieval_rate=float(np.mean(pre_val >= detector.threshold)),
         val_retrieval_rate_at_budget=float(np.mean(pre_val >= detector.budget_threshold)),
         val_gate_keep_rate=float(np.mean(gate_val >= detector.gate_threshold)),
-    )  # fmt: skip
+    )
     return detector

@@ -14,7 +14,8 @@ gate that keeps every retrieval (:class:`RecordingGate`), and whether the two an
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,9 @@ from detectors.rag.answer_metrics import accuracy
 HELPS, HURTS, NEITHER = "helps", "hurts", "neither"
 LABELS = (HELPS, HURTS, NEITHER)
 POST = "post_"  # prefix of the post-retrieval columns
-SCORES = "retrieval_scores"  # the one post-retrieval column stored under its own name (the early set has no such column)
+SCORES = (
+    "retrieval_scores"  # the one post-retrieval column stored under its own name (the early set has no such column)
+)
 
 
 def utility_label(correct_without: bool, correct_with: bool) -> str:
@@ -58,9 +61,12 @@ def post_features(item) -> dict[str, Any]:
     statistics with the passages, the hidden state (a list, as stored) and the retriever's scores. The labels store
     them (:func:`post_columns`) and the utility trigger's gate reads them in the loop: the same features both ways."""
     return {
-        "first_token_prob": item.first_token_prob, "first_token_entropy": item.first_token_entropy, "first_token_margin": item.first_token_margin,
-        "hidden": None if item.hidden is None else item.hidden.tolist(), SCORES: list(item.retrieval_scores),
-    }  # fmt: skip
+        "first_token_prob": item.first_token_prob,
+        "first_token_entropy": item.first_token_entropy,
+        "first_token_margin": item.first_token_margin,
+        "hidden": None if item.hidden is None else item.hidden.tolist(),
+        SCORES: list(item.retrieval_scores),
+    }
 
 
 def post_columns(item) -> dict[str, Any]:
@@ -74,7 +80,9 @@ def as_post(row: dict) -> dict[str, Any]:
     return {k[len(POST) :]: v for k, v in row.items() if k.startswith(POST)} | {SCORES: row[SCORES]}
 
 
-def utility_records(loop, gate: RecordingGate, questions: list[str], references: list[list[str]], answers_without: list[str]) -> list[dict]:
+def utility_records(
+    loop, gate: RecordingGate, questions: list[str], references: list[list[str]], answers_without: list[str]
+) -> list[dict]:
     """One labels row per question: the answer with the passages ``loop`` retrieves (its trigger must be ``always``
     with ``gate``), both answers' correctness, the label, the post-retrieval columns and the passages' ids. A question
     the loop could not answer comes back with its ``error`` and no label; one whose retrieval found no passage is
@@ -87,11 +95,18 @@ def utility_records(loop, gate: RecordingGate, questions: list[str], references:
             out.append({"answer_with": result.answer, "error": result.error or "the passages' prompt did not run"})
             continue
         right_without, right_with = bool(accuracy(without, refs)), bool(accuracy(result.answer, refs))
-        out.append({
-            "answer_with": result.answer, "correct_without": right_without, "correct_with": right_with,
-            "utility": utility_label(right_without, right_with), "answers_agree": without.strip().lower() == result.answer.strip().lower(),
-            "passage_ids": result.retrievals[0].passage_ids, "error": None, **post_columns(seen),
-        })  # fmt: skip
+        out.append(
+            {
+                "answer_with": result.answer,
+                "correct_without": right_without,
+                "correct_with": right_with,
+                "utility": utility_label(right_without, right_with),
+                "answers_agree": without.strip().lower() == result.answer.strip().lower(),
+                "passage_ids": result.retrievals[0].passage_ids,
+                "error": None,
+                **post_columns(seen),
+            }
+        )
     gate.seen.clear()
     return out
 
@@ -102,7 +117,11 @@ def balance(frame) -> dict[str, dict[str, Any]]:
     for split, group in frame.groupby("split"):
         counts = {label: int((group["utility"] == label).sum()) for label in LABELS}
         n = max(len(group), 1)
-        out[str(split)] = {"n": int(len(group)), **counts, **{f"{label}_rate": round(c / n, 4) for label, c in counts.items()},
-                           "accuracy_without": round(float(np.mean(group["correct_without"])), 4),
-                           "accuracy_with": round(float(np.mean(group["correct_with"])), 4)}  # fmt: skip
+        out[str(split)] = {
+            "n": int(len(group)),
+            **counts,
+            **{f"{label}_rate": round(c / n, 4) for label, c in counts.items()},
+            "accuracy_without": round(float(np.mean(group["correct_without"])), 4),
+            "accuracy_with": round(float(np.mean(group["correct_with"])), 4),
+        }
     return out

@@ -4,15 +4,17 @@ from the labels because the RAG loop imports them (through the utility trigger's
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
+from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import Retriever
-from detectors.rag.kinds import make_trigger
 from detectors.utility.labels import RecordingGate
 
 
-def recording_loop(llm, retriever: Retriever, config: RagConfig, layers: Sequence[int]) -> tuple[RagLoop, RecordingGate]:
+def recording_loop(
+    llm, retriever: Retriever, config: RagConfig, layers: Sequence[int]
+) -> tuple[RagLoop, RecordingGate]:
     """The loop that labels (:func:`~detectors.utility.labels.utility_records`): ``config``'s RAG loop over ``retriever`` with one ``always``
     trigger (one retrieval with the question, before the answer) whose gate records what it saw at the hidden-state
     indices ``layers`` and keeps every retrieval; and that gate."""

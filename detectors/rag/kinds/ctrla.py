@@ -18,6 +18,7 @@ class CtrlACalculator(Calculator):
     detector's layers, under whatever steering the loop runs): ``ctrla_eq2`` (Eq. 2 of each generated token over the
     running sequence), ``ctrla_confidence`` (its negation, the real-time set's CtrlA score), ``new_content`` (the
     tokens of new non-stopword words, the only ones CtrlA's trigger reads) and ``refusal`` (App. B.3.1)."""
+
     key, provides = "ctrla", ("ctrla_eq2", "ctrla_confidence", "new_content", "refusal")
 
     def __init__(self, detector):
@@ -27,7 +28,9 @@ class CtrlACalculator(Calculator):
     def segments(self, views: list[SegmentView]) -> None:
         tok = self.detector.llm.tokenizer
         for v in views:  # the probe's values cover exactly context + segment
-            eq2 = pooled_scores(v.probes[self.key].cpu().numpy(), self.params.tau, self.params.clip)[len(v.context_ids) :].astype(np.float64)
+            eq2 = pooled_scores(v.probes[self.key].cpu().numpy(), self.params.tau, self.params.clip)[
+                len(v.context_ids) :
+            ].astype(np.float64)
             v.stats["ctrla_eq2"], v.stats["ctrla_confidence"] = eq2, -eq2
             # new: not in the question q or the preceding generation y<t (Eq. 3's w ∉ q ∪ y<t), whatever else the prompt shows
             context = f"{v.question} {tok.decode(v.kept_ids, skip_special_tokens=True)}"
@@ -39,6 +42,14 @@ def build(name: str, detector, settings: object) -> Trigger:
     """CtrlA's Alg. 3: retrieval when a new content word is unconfident (Eq. 2 < 0) or the segment refuses (f_d); the
     segment is re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when
     ``settings.ctrla`` gives it; the next segment is predicted without the passages (line 4)."""
-    policy = Policy("token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment")
-    refusal = RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla) if settings.ctrla is not None else None
-    return Trigger(name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),), refusal=refusal)  # Eq. 2 already subtracts tau
+    policy = Policy(
+        "token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment"
+    )
+    refusal = (
+        RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla)
+        if settings.ctrla is not None
+        else None
+    )
+    return Trigger(
+        name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),), refusal=refusal
+    )  # Eq. 2 already subtracts tau

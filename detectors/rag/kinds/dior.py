@@ -21,6 +21,7 @@ class MlpCalculator(Calculator):
     own passes produced (its probe) and the token's probability and entropy, computed by the detector's
     serving function (:meth:`~detectors.dior.realtime_detector.RealtimeDetector.score_tokens`); lazily
     ``keywords``: the entity tokens of the generated text it does not flag (DioR §3.2, §3.3.1)."""
+
     key, provides, lazy = "mlp", ("mlp",), ("keywords",)
 
     def __init__(self, detector):
@@ -32,7 +33,9 @@ class MlpCalculator(Calculator):
         prob = torch.from_numpy(np.concatenate([v.stats["prob"] for v in views]).astype(np.float32))
         entropy = torch.from_numpy(np.concatenate([v.stats["entropy"] for v in views]).astype(np.float32))
         device = hidden.device
-        scores = self.detector.score_tokens(hidden, prob.to(device), entropy.to(device)).reshape(-1).float().cpu().numpy()
+        scores = (
+            self.detector.score_tokens(hidden, prob.to(device), entropy.to(device)).reshape(-1).float().cpu().numpy()
+        )
         for v, part in zip(views, np.split(scores.astype(np.float64), np.cumsum([len(v.gen_ids) for v in views])[:-1])):
             v.stats["mlp"] = part
 
@@ -44,9 +47,18 @@ class MlpCalculator(Calculator):
 
 
 def early(name: str, detector, settings: object) -> Trigger:
-    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), scores=PROBABILITY)
+    return Trigger(
+        name,
+        DetectorScorer(name, detector),
+        float(detector.threshold),
+        Policy("question"),
+        (EarlyCalculator(detector),),
+        scores=PROBABILITY,
+    )
 
 
 def realtime(name: str, detector, settings: object) -> Trigger:
     scorer = realtime_detector_scorer(Level.TOKEN, name)
-    return Trigger(name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),), scores=PROBABILITY)
+    return Trigger(
+        name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),), scores=PROBABILITY
+    )

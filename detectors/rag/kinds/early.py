@@ -23,6 +23,7 @@ class EarlyCalculator(Calculator):
     attribution (its ``attribution`` or ``entropy`` groups). A question is measured once per LLM and feature params and
     reused by every detector and configuration that asks again (the first computation's cost is reported with the
     reuse): the dior-early and utility triggers of every corpus share one measurement."""
+
     key, question = "early", ("early",)
 
     def __init__(self, detector, batch: int = 32):
@@ -47,8 +48,13 @@ class EarlyCalculator(Calculator):
                 feats = batch_question_features(llm, chunk, self.detector.features, attribution=self.attribution)
             seconds = (time.perf_counter() - began) / len(chunk)
             for q, f in zip(chunk, feats):
-                done[q] = (f if isinstance(f, RecordError) else features_to_row(f), counter.calls, seconds, self.attribution)
+                done[q] = (
+                    f if isinstance(f, RecordError) else features_to_row(f),
+                    counter.calls,
+                    seconds,
+                    self.attribution,
+                )
         return [Measured(*done[q][:3], fresh=q in fresh) for q in questions]
 
 
-_MEASURED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()  # EarlyCalculator's, per LLM
+_MEASURED: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()  # EarlyCalculator's, per LLM

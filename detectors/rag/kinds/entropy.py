@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -48,8 +49,20 @@ class MeanTokenEntropy(TokenStatScorer):
 
 
 def build_max(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    return Trigger("entropy_max", TokenEntropy(Level.TOKEN, name="entropy_max"), threshold, Policy("token", cut="segment", after_retrieval="accept"), scores=ENTROPY)
+    return Trigger(
+        "entropy_max",
+        TokenEntropy(Level.TOKEN, name="entropy_max"),
+        threshold,
+        Policy("token", cut="segment", after_retrieval="accept"),
+        scores=ENTROPY,
+    )
 
 
 def build_mean(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    return Trigger("entropy_mean", MeanTokenEntropy(Level.CONTINUATION), threshold, Policy("token", cut="segment", after_retrieval="accept"), scores=ENTROPY)
+    return Trigger(
+        "entropy_mean",
+        MeanTokenEntropy(Level.CONTINUATION),
+        threshold,
+        Policy("token", cut="segment", after_retrieval="accept"),
+        scores=ENTROPY,
+    )

@@ -18,6 +18,7 @@ class RindCalculator(Calculator):
     run once more, in one eager batch, on the loop's cached states of their contexts, with the entropies the loop
     recorded (the real-time set's RIND, :func:`~detectors.baselines.rind.rind_scores`, teacher-forces the whole
     sequence; the values are the same)."""
+
     key, provides = "rind", ("rind",)
 
     def __init__(self, llm: LLM, stopwords: frozenset[str]):
@@ -25,11 +26,15 @@ class RindCalculator(Calculator):
 
     def segments(self, views: list[SegmentView]) -> None:
         contexts = [crop_states(v.states, len(v.context_ids)) for v in views]
-        traces = rind_on_states(self.llm, contexts, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords)
+        traces = rind_on_states(
+            self.llm, contexts, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords
+        )
         for v, trace in zip(views, traces):
             v.stats["rind"] = trace.rind
 
 
-def build(llm: "LLM", threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+def build(llm: LLM, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
     stopwords = spacy_stopwords(spacy_model, "build_realtime.spacy_model")
-    return Trigger("rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),), scores=(0.0, math.inf))
+    return Trigger(
+        "rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),), scores=(0.0, math.inf)
+    )

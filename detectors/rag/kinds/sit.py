@@ -22,6 +22,7 @@ from detectors.rag.triggers import PROBABILITY, Policy, Trigger
 class EntityCalculator(Calculator):
     """``entities``: the token indices of each spaCy entity of the segment (the real-time set's entity tokens,
     :func:`~detectors.dior.entities.entity_tokens`)."""
+
     key, provides = "entities", ("entities",)
 
     def __init__(self, llm: LLM, nlp):
@@ -40,7 +41,9 @@ def concept_spans(question: str, segment: str, offsets: list[int], named: str) -
     :func:`~detectors.dior.entities.token_offsets`) it overlaps; the part in the question was not generated."""
     sentence = f"{question.strip()} {segment.strip()}".lower()
     shift = len(question.strip()) + 1 - (len(segment) - len(segment.lstrip()))  # a sentence offset minus the segment's
-    phrases = dict.fromkeys(re.sub(r"^\d+[.)]\s*", "", p.strip()).strip(" .;:\"'").lower() for p in re.split(r"[,\n]", named))
+    phrases = dict.fromkeys(
+        re.sub(r"^\d+[.)]\s*", "", p.strip()).strip(" .;:\"'").lower() for p in re.split(r"[,\n]", named)
+    )
     spans = []
     for phrase in (p for p in phrases if p and p in sentence):
         at = sentence.find(phrase)
@@ -56,6 +59,7 @@ class ConceptCalculator(Calculator):
     (``rag_eval.sit.concepts_prompt``, Table 3), names the important keyphrases of the sentence (the question and the
     segment), greedily, the segments batched; each one's tokens in the segment are a concept (:func:`concept_spans`):
     ``concepts``, beside the entities ``sit_min`` reads."""
+
     key, provides = "concepts", ("concepts",)
 
     def __init__(self, llm: LLM, params):
@@ -63,24 +67,45 @@ class ConceptCalculator(Calculator):
 
     def segments(self, views: list[SegmentView]) -> None:
         p = self.params
-        prompts = [instruction_prompt(self.llm, p.concepts_prompt.format(sentence=f"{v.question.strip()} {v.text.strip()}"), p.chat) for v in views]
-        for v, named in zip(views, generate(self.llm, prompts, p.concept_tokens, add_special_tokens=not p.chat, stop=("\n\n",))):
-            v.stats["concepts"] = [np.asarray(s, dtype=np.int64) for s in concept_spans(v.question, v.text, token_offsets(self.llm, v.gen_ids), named.text)]
+        prompts = [
+            instruction_prompt(
+                self.llm, p.concepts_prompt.format(sentence=f"{v.question.strip()} {v.text.strip()}"), p.chat
+            )
+            for v in views
+        ]
+        for v, named in zip(
+            views, generate(self.llm, prompts, p.concept_tokens, add_special_tokens=not p.chat, stop=("\n\n",))
+        ):
+            v.stats["concepts"] = [
+                np.asarray(s, dtype=np.int64)
+                for s in concept_spans(v.question, v.text, token_offsets(self.llm, v.gen_ids), named.text)
+            ]
 
 
-def build_min(llm: "LLM", threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    return Trigger("sit_min", SitMin(Level.ENTITY), threshold, Policy("token"), (EntityCalculator(llm, spacy.load(spacy_model)),), scores=PROBABILITY)
+def build_min(llm: LLM, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+    return Trigger(
+        "sit_min",
+        SitMin(Level.ENTITY),
+        threshold,
+        Policy("token"),
+        (EntityCalculator(llm, spacy.load(spacy_model)),),
+        scores=PROBABILITY,
+    )
 
 
-def build(llm: "LLM", threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+def build(llm: LLM, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
     """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2: the concepts of ``rag_eval.sit.concepts``, each
     scored by its least probable token, as ``sit_min``), validate each uncertain concept (§2.1.3-2.1.5) and repair the
     sentence with the passages when one fails (§2.2; the repair is kept)."""
     if settings.sit is None:
-        raise InputError("trigger 'sit' validates with rag_eval.sit: give its params (concepts, validation_question, prompt, yes/no words, threshold)")
+        raise InputError(
+            "trigger 'sit' validates with rag_eval.sit: give its params (concepts, validation_question, prompt, yes/no words, threshold)"
+        )
     policy = Policy("token", cut="segment", after_retrieval="accept")
     if settings.sit.concepts == "llm":
         scorer, concepts = SitMin(Level.ENTITY, spans="concepts"), ConceptCalculator(llm, settings.sit)
     else:
         scorer, concepts = SitMin(Level.ENTITY), EntityCalculator(llm, spacy.load(spacy_model))
-    return Trigger("sit", scorer, threshold, policy, (concepts,), scores=PROBABILITY, validator=SitValidator(llm, settings.sit))
+    return Trigger(
+        "sit", scorer, threshold, policy, (concepts,), scores=PROBABILITY, validator=SitValidator(llm, settings.sit)
+    )

@@ -9,5 +9,12 @@ from detectors.utility.detector import UtilityGate
 
 
 def build(name: str, detector, settings: object) -> Trigger:
-    return Trigger(name, DetectorScorer(name, detector), float(detector.threshold), Policy("question"), (EarlyCalculator(detector),), PROBABILITY,
-                   UtilityGate(detector))  # fmt: skip
+    return Trigger(
+        name,
+        DetectorScorer(name, detector),
+        float(detector.threshold),
+        Policy("question"),
+        (EarlyCalculator(detector),),
+        PROBABILITY,
+        UtilityGate(detector),
+    )
