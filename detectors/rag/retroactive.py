@@ -64,17 +64,16 @@ import torch
 from detectors.baselines.retrorag import yes_no_ids, yes_probability
 from detectors.config.retrorag import RetroRagParams
 from detectors.config.schema import PromptParams
-from detectors.llm.generate import Generation, OnBatch, generate, instruction_prompt, row_generator
+from detectors.llm.generate import Generation, generate, instruction_prompt, row_generator
 from detectors.llm.loading import LLM
 from detectors.llm.states import StateCache
 from detectors.rag.context import with_context
-from detectors.rag.loop import RagResult, Retrieval
+from detectors.rag.results import RagResult, Retrieval, charge, result
 from detectors.rag.retriever import Hit
 
 log = logging.getLogger(__name__)
 
 TRIGGER = "retrorag"
-NO_PASSAGE = "no passage retrieved"
 
 
 # ---- evidence -------------------------------------------------------------------------------------------------
@@ -198,9 +197,8 @@ class RetroState:
         return self.iterations[-1].answer if self.iterations else ""
 
     def result(self) -> RagResult:
-        error = NO_PASSAGE if self.retrievals and not any(r.passage_ids for r in self.retrievals) else None
-        return RagResult(
-            self.question, self.answer, self.retrievals, self.passes, self.generated, self.seconds, self.prompts, error
+        return result(
+            self.question, self.answer, self.retrievals, self.passes, self.generated, self.seconds, self.prompts
         )
 
 
@@ -292,17 +290,7 @@ class RetroRag:
         jobs, spans = [], []
         for s, hits in zip(states, found):
             previous = s.iterations[-1].consistency if s.iterations else float("nan")
-            s.retrievals.append(
-                Retrieval(
-                    TRIGGER,
-                    0,
-                    previous,
-                    [s.search_query],
-                    [h.passage.id for h in hits],
-                    [h.passage.text for h in hits],
-                    [float(h.score) for h in hits],
-                )
-            )
+            s.retrievals.append(Retrieval.of(TRIGGER, 0, previous, [s.search_query], hits))
             candidates = merge_evidence(s.source, hits)
             spans.append((len(jobs), candidates))
             jobs += [
@@ -463,18 +451,6 @@ class RetroRag:
     def _instruction(self, content: str) -> str:
         return instruction_prompt(self.llm, content, self.params.chat)
 
-    def _accounting(self, owners: list[RetroState]) -> OnBatch:
-        """Charges each batched call to the questions with a row in it: its forward calls once per question, its
-        seconds shared by its rows."""
-
-        def on_batch(idx: list[int], calls: int, seconds: float) -> None:
-            for s in {id(owners[i]): owners[i] for i in idx}.values():
-                s.passes += calls
-            for i in idx:
-                owners[i].seconds += seconds / len(idx)
-
-        return on_batch
-
     def _record(self, jobs: list[tuple[RetroState, str]]) -> None:
         for s, text in jobs:
             if s.record:
@@ -490,7 +466,7 @@ class RetroRag:
             self.no_ids,
             self.batch_size,
             add_special_tokens=not self.params.chat,
-            on_batch=self._accounting(owners),
+            on_batch=charge(owners, share_seconds=True),
             cache=self.cache,
         )
 
@@ -514,7 +490,7 @@ class RetroRag:
             batch_size=self.batch_size,
             generators=generators,
             temperature=self.params.sc_temperature,
-            on_batch=self._accounting(owners),
+            on_batch=charge(owners, share_seconds=True),
             cache=self.cache,
         )
         for s, g in zip(owners, out):

@@ -1,4 +1,4 @@
-"""Retrieval triggers: a scorer, a threshold and a policy.
+"""Retrieval triggers: a scorer, a threshold, a policy and a controller.
 
 The scorer is the one the comparison evaluates offline (:mod:`detectors.baselines`, :mod:`detectors.evaluation.scorers`),
 computed online from the statistics the loop measures while the LLM generates (:mod:`detectors.rag.stats`, same names
@@ -17,13 +17,10 @@ as the stored sets); the trigger fires at or above its threshold. The policy say
   that re-predicted segment only, and the segments after it are predicted from the prompt without them (CtrlA's
   Alg. 1, line 4: the next segment given (x, y<t)), ``"keep"`` leaves them in the prompt until the next retrieval.
 
-A trigger with a ``refusal`` handler (CtrlA's H_R, App. B.3) checks the segment it re-predicted after its retrieval
-for refusal patterns; one that still refuses gets a rewritten query (f_QR) and is re-predicted, up to the handler's
-``max_attempts`` (Alg. 2-3).
-
-A token trigger with a ``validator`` (Stitch-in-Time's ``sit``) does not retrieve for its query: it validates each
-uncertain concept it flagged, retrieving for the concept's validation question, and repairs the segment (generates it
-again with the passages) only when a concept fails (see :meth:`~detectors.rag.loop.RagLoop`).
+What a firing does beyond that is its ``controller``'s (:mod:`detectors.rag.controllers`): the plain retrieval with
+the loop's query; the utility trigger's gate on the passages (:mod:`~detectors.rag.controllers.gate`);
+Stitch-in-Time's validation and repair (:mod:`~detectors.rag.controllers.validation`); CtrlA's refusal handling H_R
+(:mod:`~detectors.rag.controllers.refusal`).
 
 A trigger brings the calculators of the statistics its scorer needs; the loop knows no concrete trigger.
 """
@@ -32,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 
 from detectors.errors import InputError
 from detectors.interfaces import Level
+from detectors.rag.controllers import RETRIEVE, Controller
 from detectors.rag.stats import Calculator
 
 
@@ -70,18 +68,6 @@ class Constant:
         return np.full(len(units), self.value)
 
 
-class Gate(Protocol):
-    """Judges the passages a question trigger retrieved, once their prompt has run and before the answer is generated
-    (:class:`~detectors.rag.loop.PostRetrieval`): the loop keeps them when the score is at or above ``threshold`` and
-    answers without them otherwise. ``probe`` (or None) records the hidden states it reads, under ``key``."""
-
-    key: str
-    probe: Any
-    threshold: float
-
-    def judge(self, items: list) -> list[float]: ...
-
-
 @dataclasses.dataclass
 class Trigger:
     """A scorer, the threshold at or above which it fires, the policy, and the calculators its scorer needs."""
@@ -92,20 +78,15 @@ class Trigger:
     policy: Policy
     calculators: tuple[Calculator, ...] = ()
     scores: tuple[float, float] = (-math.inf, math.inf)  # the range of its scores (a threshold outside it is refused)
-    gate: Any = None  # question stage: judges the passages it retrieved before the answer is generated (see Gate)
-    validator: Any = None  # token stage: validates the flagged concepts before repairing (SitValidator)
-    refusal: Any = None  # token stage: re-retrieves for a re-predicted segment that still refuses (RefusalHandler)
+    controller: Controller = RETRIEVE  # what its firing does (detectors.rag.controllers)
     source: str = ""  # the module that built it (detectors.rag.kinds.<family>)
     detector: Any = None  # the registered detector it serves, if any
 
     def parts(self) -> list[Any]:
-        """Everything it runs: its scorer, calculators, gate, validator, refusal handler and detector (whose modules are
+        """Everything it runs: its scorer, calculators, controller (and what it runs) and detector (whose modules are
         its code)."""
-        return [
-            p
-            for p in (self.scorer, *self.calculators, self.gate, self.validator, self.refusal, self.detector)
-            if p is not None
-        ]
+        parts = (self.scorer, *self.calculators, self.controller, *self.controller.parts(), self.detector)
+        return [p for p in parts if p is not None]
 
     @property
     def stage(self) -> str:

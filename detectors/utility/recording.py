@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from detectors.rag.controllers.gate import Gated
 from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import Retriever
@@ -19,5 +20,5 @@ def recording_loop(
     trigger (one retrieval with the question, before the answer) whose gate records what it saw at the hidden-state
     indices ``layers`` and keeps every retrieval; and that gate."""
     gate = RecordingGate(llm, layers)
-    always = dataclasses.replace(make_trigger("always", llm, {}, ""), gate=gate)
+    always = dataclasses.replace(make_trigger("always", llm, {}, ""), controller=Gated(gate))
     return RagLoop(llm, retriever, config, [always]), gate

@@ -9,6 +9,8 @@ from detectors.ctrla.monitor import ConfidenceMonitor, detect_refusal, pooled_sc
 from detectors.ctrla.refusal import RefusalHandler
 from detectors.interfaces import Level
 from detectors.llm.words import content_mask
+from detectors.rag.controllers import RETRIEVE
+from detectors.rag.controllers.refusal import RefusalRetry
 from detectors.rag.stats import Calculator, SegmentView
 from detectors.rag.triggers import Policy, Trigger
 
@@ -45,11 +47,8 @@ def build(name: str, detector, settings: object) -> Trigger:
     policy = Policy(
         "token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment"
     )
-    refusal = (
-        RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla)
-        if settings.ctrla is not None
-        else None
-    )
-    return Trigger(
-        name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),), refusal=refusal
-    )  # Eq. 2 already subtracts tau
+    controller = RETRIEVE
+    if settings.ctrla is not None:
+        controller = RefusalRetry(RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla))
+    scorer = CtrlAConfidence(Level.TOKEN, name=name)  # fires at 0: Eq. 2 already subtracts tau
+    return Trigger(name, scorer, 0.0, policy, (CtrlACalculator(detector),), controller=controller)

@@ -15,6 +15,7 @@ from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.llm.generate import generate, instruction_prompt
 from detectors.llm.loading import LLM
+from detectors.rag.controllers.validation import ValidateAndRepair
 from detectors.rag.stats import Calculator, SegmentView
 from detectors.rag.triggers import PROBABILITY, Policy, Trigger
 
@@ -106,6 +107,5 @@ def build(llm: LLM, threshold: float | None, spacy_model: str, settings: object)
         scorer, concepts = SitMin(Level.ENTITY, spans="concepts"), ConceptCalculator(llm, settings.sit)
     else:
         scorer, concepts = SitMin(Level.ENTITY), EntityCalculator(llm, spacy.load(spacy_model))
-    return Trigger(
-        "sit", scorer, threshold, policy, (concepts,), scores=PROBABILITY, validator=SitValidator(llm, settings.sit)
-    )
+    controller = ValidateAndRepair(SitValidator(llm, settings.sit))
+    return Trigger("sit", scorer, threshold, policy, (concepts,), scores=PROBABILITY, controller=controller)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from detectors.evaluation.scorers import DetectorScorer
+from detectors.rag.controllers.gate import Gated
 from detectors.rag.kinds.early import EarlyCalculator
 from detectors.rag.triggers import PROBABILITY, Policy, Trigger
 from detectors.utility.detector import UtilityGate
@@ -16,5 +17,5 @@ def build(name: str, detector, settings: object) -> Trigger:
         Policy("question"),
         (EarlyCalculator(detector),),
         PROBABILITY,
-        UtilityGate(detector),
+        controller=Gated(UtilityGate(detector)),
     )
