@@ -1,6 +1,6 @@
 """Controllers: what a trigger's firing does, beyond the decoder.
 
-The loop (:class:`~detectors.rag.loop.RagLoop`) decodes, scores each segment with the triggers and hands every
+The loop (:class:`~detectors.rag.loop.Loop`) decodes, scores each segment with the triggers and hands every
 decision to the firing trigger's controller, at three points:
 
 - :meth:`Controller.fired`: the trigger fired (before the question, or on a segment at ``position``): the plain
@@ -19,14 +19,32 @@ procedure is a controller module and a trigger that names it: no engine file cha
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from detectors.rag.decoder import Row
 from detectors.rag.queries import QueryInput
 from detectors.rag.stats import SegmentView
 
-if TYPE_CHECKING:
-    from detectors.rag.loop import RagLoop
+
+class Loop(Protocol):
+    """What a controller may use of the loop (:class:`~detectors.rag.loop.Loop`)."""
+
+    llm: Any
+    retriever: Any
+    config: Any  # RagConfig: k, max_retrievals, ...
+    query: Any  # the configuration's query formulation
+
+    def retrieve(self, rows: list[Row], queries: list[str], triggers: str | list[str], scores: list[float]) -> None:
+        """One retrieval per row with its query, recorded under its trigger's name; the passages go in its prompt."""
+
+    def set_prompt(self, row: Row, hits: list | None, query: str, context: str | None = None) -> None:
+        """The row's prompt with ``hits`` before the question (none: without passages); it runs again."""
+
+    def keep(self, row: Row, view: SegmentView) -> None:
+        """The segment stays in the answer."""
+
+    def charge(self, rows: list[Row]) -> Any:
+        """An ``on_batch`` callback charging a batched call's passes to ``rows``."""
 
 
 @dataclasses.dataclass
@@ -56,7 +74,7 @@ class Controller:
         """Probes it needs on the loop's passes ({key: probe}): their values are in ``row.values[key]``."""
         return {}
 
-    def fired(self, loop: RagLoop, fires: list[Fire]) -> None:
+    def fired(self, loop: Loop, fires: list[Fire]) -> None:
         inputs = [
             QueryInput(f.row.question, f.row.kept, f.view, f.position, f.row.question_stats)
             if f.view is not None
@@ -77,12 +95,12 @@ class Controller:
         if fire.view is not None and fire.trigger.policy.after_retrieval == "accept":
             fire.row.accepting = fire.trigger
 
-    def prompt_ran(self, loop: RagLoop, rows: list[Row]) -> list[Row]:
+    def prompt_ran(self, loop: Loop, rows: list[Row]) -> list[Row]:
         """Rows whose retrieved prompt just ran (``row.judge`` was this controller's trigger); returns the rows whose
         prompt changed and must run again."""
         return []
 
-    def repredicted(self, loop: RagLoop, items: list[tuple[Row, SegmentView, Any]]) -> None:
+    def repredicted(self, loop: Loop, items: list[tuple[Row, SegmentView, Any]]) -> None:
         """Segments re-predicted after the trigger's retrieval (``(row, view, trigger)``): kept; the next segment is
         predicted without the passages when the policy's ``passages="segment"`` (CtrlA's Alg. 1, line 4)."""
         for row, view, trigger in items:

@@ -5,17 +5,14 @@ when it rejects them."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from detectors.llm.distribution import entropy
-from detectors.rag.controllers import Controller, Fire
+from detectors.rag.controllers import Controller, Fire, Loop
 from detectors.rag.decoder import Row
-
-if TYPE_CHECKING:
-    from detectors.rag.loop import RagLoop
 
 
 @dataclasses.dataclass
@@ -61,7 +58,7 @@ class Gated(Controller):
     def after_retrieval(self, fire: Fire) -> None:
         fire.row.judge = fire.trigger
 
-    def prompt_ran(self, loop: RagLoop, rows: list[Row]) -> list[Row]:
+    def prompt_ran(self, loop: Loop, rows: list[Row]) -> list[Row]:
         gate, items = self.gate, []
         for row in rows:
             logp = torch.log_softmax(row.logits.float(), dim=-1)

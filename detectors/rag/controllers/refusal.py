@@ -5,14 +5,11 @@ refuses gets a rewritten query, and is re-predicted again."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from detectors.rag.controllers import Controller
+from detectors.rag.controllers import Controller, Loop
 from detectors.rag.decoder import Row
 from detectors.rag.stats import SegmentView
-
-if TYPE_CHECKING:
-    from detectors.rag.loop import RagLoop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +25,7 @@ class RefusalRetry(Controller):
     def parts(self) -> list[Any]:
         return [self.handler]
 
-    def repredicted(self, loop: RagLoop, items: list[tuple[Row, SegmentView, Any]]) -> None:
+    def repredicted(self, loop: Loop, items: list[tuple[Row, SegmentView, Any]]) -> None:
         h = self.handler
         refused, kept = [], []
         for item in items:

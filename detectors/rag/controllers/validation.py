@@ -5,16 +5,13 @@ segment is repaired only when one fails."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from detectors.rag.context import render_passages
-from detectors.rag.controllers import Controller, Fire
+from detectors.rag.controllers import Controller, Fire, Loop
 from detectors.rag.results import Retrieval
-
-if TYPE_CHECKING:
-    from detectors.rag.loop import RagLoop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +30,7 @@ class ValidateAndRepair(Controller):
     def parts(self) -> list[Any]:
         return [self.validator]
 
-    def fired(self, loop: RagLoop, fires: list[Fire]) -> None:
+    def fired(self, loop: Loop, fires: list[Fire]) -> None:
         tok, v = loop.llm.tokenizer, self.validator
         queue = []
         for f in fires:
@@ -69,7 +66,7 @@ class ValidateAndRepair(Controller):
             if f.row.gen:  # every concept passed: the segment stays
                 loop.keep(f.row, f.view)
 
-    def repair(self, loop: RagLoop, fire: Fire, hits: list, query: str) -> None:
+    def repair(self, loop: Loop, fire: Fire, hits: list, query: str) -> None:
         """The segment is generated again with the passages ``hits`` of the failed concept's validation question
         ``query`` in the prompt (§2.2), and kept (the trigger's policy accepts it)."""
         loop.set_prompt(fire.row, hits, query)
