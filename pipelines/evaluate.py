@@ -6,8 +6,8 @@ at token, entity and continuation level. Other stages' per-id score tables (Ctrl
 RetroRAG's evaluator on the LLM's own answer) are joined by id when they exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
 bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes the detailed
-reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: each trained detector's and the best
-baseline's test AUROC per dataset x level), the long table (parquet) and its Markdown, the figures (``dvc plots``: ROC,
+reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: one file per dataset x level, the best trained
+detector's and the best baseline's test AUROC), the long table (parquet) and its Markdown, the figures (``dvc plots``: ROC,
 precision-recall, reliability, score ECDFs, DioR Fig. 7; their curves as CSVs) and one flat MLflow run per table row.
 """
 
@@ -30,7 +30,7 @@ from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
-from detectors.io import file_digest, write_json
+from detectors.io import file_digest, write_json, write_json_rows
 from detectors.registry import store
 from pipelines._stage import run, stage_params
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     table = pd.concat(tables, ignore_index=True)
     for dataset in DATASETS:
         write_json(params[f"paths.evaluate_{dataset}_metrics"], nested_metrics(table, dataset))
-    write_json(params["paths.evaluate_headline"], headline(table))
+    write_json_rows(params["paths.evaluate_headline"], headline(table))
     Path(params["paths.comparison"]).parent.mkdir(parents=True, exist_ok=True)
     table.to_parquet(params["paths.comparison"], index=False)
     markdown = markdown_table(table)

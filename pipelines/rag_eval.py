@@ -16,7 +16,7 @@ intervals).
 
 Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries),
 ``thresholds`` (``{corpus: {trigger: threshold}}``) and ``digests`` (LLM and corpora)), its headline
-``paths.rag_headline`` (``dvc metrics``), the Markdown table ``paths.rag_table``, the curves CSV ``paths.rag_curves`` and
+``paths.rag_headline`` (``dvc metrics``: one file per corpus), the Markdown table ``paths.rag_table``, the curves CSV ``paths.rag_curves`` and
 their figure ``paths.rag_curves_plot`` (``dvc plots``), every prompt of the first ``prompts_sample`` questions per
 configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration (plus one per swept trigger).
 """
@@ -39,7 +39,7 @@ from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
 from detectors.evaluation.plots import write_rag_curves
 from detectors.execution import map_units
-from detectors.io import file_digest, write_json
+from detectors.io import file_digest, write_json, write_json_rows
 from detectors.rag.answer_metrics import FAILED, summarise
 from detectors.rag.kinds import check_specs
 from detectors.rag.report import (
@@ -191,6 +191,12 @@ def references(configurations: dict) -> dict[str, str]:
         elif c.triggers == ["always"] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
             out.setdefault("always", name)
     return out
+
+
+def dior_configurations(configurations: dict) -> list[str]:
+    """DioR's configurations (the headline's ``dior``): those whose every trigger is one of its registered detectors
+    (``dior-early``, ``dior-realtime``: the names ``register`` gives them)."""
+    return [name for name, c in configurations.items() if c.triggers and all(t.startswith("dior-") for t in c.triggers)]
 
 
 def other_template(configurations: dict, context: str, always: str | None) -> list[str]:
@@ -353,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in rag.corpora}}
     write_json(params["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in rag.corpora}
-    write_json(params["paths.rag_headline"], headline(table, metrics[SWEEP]))
+    write_json_rows(params["paths.rag_headline"], headline(table, refs, dior_configurations(rag.configurations)))
     markdown = (
         markdown_table(table) + "\n" + tuning_table(tuning, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
     )
