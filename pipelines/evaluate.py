@@ -6,9 +6,10 @@ at token, entity and continuation level. Other stages' per-id score tables (Ctrl
 RetroRAG's evaluator on the LLM's own answer) are joined by id when they exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
 bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes the detailed
-reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: one file per dataset x level, the best trained
-detector's and the best baseline's test AUROC), the long table (parquet) and its Markdown, the figures (``dvc plots``: ROC,
-precision-recall, reliability, score ECDFs, DioR Fig. 7; their curves as CSVs) and one flat MLflow run per table row.
+reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: one file per dataset x level,
+the best trained detector's and the best baseline's test AUROC), the long table (parquet) and its Markdown, the
+figures (``dvc plots``: ROC, precision-recall, reliability, score ECDFs, DioR Fig. 7; their curves as CSVs) and one
+flat MLflow run per table row.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ intervals).
 
 Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries),
 ``thresholds`` (``{corpus: {trigger: threshold}}``) and ``digests`` (LLM and corpora)), its headline
-``paths.rag_headline`` (``dvc metrics``: one file per corpus), the Markdown table ``paths.rag_table``, the curves CSV ``paths.rag_curves`` and
-their figure ``paths.rag_curves_plot`` (``dvc plots``), every prompt of the first ``prompts_sample`` questions per
-configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration (plus one per swept trigger).
+``paths.rag_headline`` (``dvc metrics``: one file per corpus), the Markdown table ``paths.rag_table``, the curves CSV
+``paths.rag_curves`` and their figure ``paths.rag_curves_plot`` (``dvc plots``), every prompt of the first
+``prompts_sample`` questions per configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration
+(plus one per swept trigger).
 """
 
 from __future__ import annotations

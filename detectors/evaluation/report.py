@@ -1,8 +1,8 @@
 """The comparison as Markdown (the README includes it), as detailed JSON (``{level: {scorer: metrics}}`` per
-dataset, which ``register`` reads) and as headline ``dvc metrics`` (a few numbers per dataset x level, read at a glance): one section per
-dataset x level with the scorers sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC and its 95% bootstrap
-interval, then the paired differences of each trained detector from the best training-free baseline. The headline of
-evaluate_directions' report (:func:`directions_headline`) is here too."""
+dataset, which ``register`` reads) and as headline ``dvc metrics`` (a few numbers per dataset x level, read at a
+glance): one section per dataset x level with the scorers sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC
+and its 95% bootstrap interval, then the paired differences of each trained detector from the best training-free
+baseline. The headline of evaluate_directions' report (:func:`directions_headline`) is here too."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def headline(table: pd.DataFrame) -> dict[str, dict[str, float | str]]:
     each, so that ``dvc metrics show`` prints one line per row and the rows share their columns): ``dior`` and
     ``dior_name``, the highest test AUROC of the trained detectors (DioR's, its extensions and ablations; the first of
     equals) and its detector; ``baseline`` and ``baseline_name``, the test AUROC and name of the baseline the detectors'
-    paired differences are against (``delta_vs``: the baseline of the highest test AUROC). Every detector's number is in the detailed reports and on the comparison page."""
+    paired differences are against (``delta_vs``: the baseline of the highest test AUROC). Every detector's number is in
+    the detailed reports and on the comparison page."""
     keys = table[["dataset", "level"]].drop_duplicates()
     keys = keys.assign(order=keys["level"].map(LEVEL_ORDER)).sort_values(["dataset", "order"])
     out: dict[str, dict[str, float | str]] = {}

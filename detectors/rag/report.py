@@ -123,9 +123,10 @@ def headline(
     {configuration: metrics}}``; one small JSON file each, so that ``dvc metrics show`` prints one line per corpus with
     the same columns as evaluate's rows): ``dior`` and ``dior_name``, the highest accuracy of DioR's configurations
     (``dior``: their names) and its configuration; ``baseline`` and ``baseline_name``, the same of every other
-    configuration but the ``references`` (the first of equals, in ``metrics``' order); ``always`` and ``never``, the accuracy of the references (``{"always": name, "never":
-    name}``). Missing values are left out (:func:`~detectors.evaluation.report.headline_value`); every configuration's
-    numbers are in the detailed report and on the RAG page."""
+    configuration but the ``references`` (the first of equals, in ``metrics``' order); ``always`` and ``never``, the
+    accuracy of the references (``{"always": name, "never": name}``). Missing values are left out
+    (:func:`~detectors.evaluation.report.headline_value`); every configuration's numbers are in the detailed report and
+    on the RAG page."""
     out: dict[str, dict[str, float | str]] = {}
     for corpus, configs in metrics.items():
         acc = {name: a for name, values in configs.items() if (a := headline_value(values.get("accuracy"))) is not None}
