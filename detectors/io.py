@@ -18,18 +18,6 @@ def write_json(path: str | Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_json_rows(directory: str | Path, rows: dict[str, Any]) -> None:
-    """Write each of ``rows`` as ``<name>.json`` in ``directory`` and remove its other ``.json`` files: a headline
-    ``dvc metrics`` directory, one table row per file, with no row left behind from an earlier run."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, row in rows.items():
-        write_json(directory / f"{name}.json", row)
-    for stale in directory.glob("*.json"):
-        if stale.stem not in rows:
-            stale.unlink()
-
-
 def file_digest(path: str | Path, length: int = 16) -> str:
     """SHA-256 of a file's bytes, shortened: identifies an input table in shard keys and MLflow tags."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:length]

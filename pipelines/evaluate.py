@@ -26,12 +26,12 @@ from detectors.dior.served import served_behaviour, served_scorer
 from detectors.evaluation.compare import DATASETS, compare_levels, long_table
 from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
 from detectors.evaluation.plots import write_comparison_plots
-from detectors.evaluation.report import headline, markdown_table, nested_metrics
+from detectors.evaluation.report import headline, markdown_table, nested_metrics, write_headline
 from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
-from detectors.io import file_digest, write_json, write_json_rows
+from detectors.io import file_digest, write_json
 from detectors.registry import store
 from pipelines._stage import run, stage_params
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     table = pd.concat(tables, ignore_index=True)
     for dataset in DATASETS:
         write_json(params[f"paths.evaluate_{dataset}_metrics"], nested_metrics(table, dataset))
-    write_json_rows(params["paths.evaluate_headline"], headline(table))
+    write_headline(params["paths.evaluate_headline"], headline(table))
     Path(params["paths.comparison"]).parent.mkdir(parents=True, exist_ok=True)
     table.to_parquet(params["paths.comparison"], index=False)
     markdown = markdown_table(table)

@@ -39,8 +39,9 @@ from mlflow.exceptions import MlflowException
 from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
 from detectors.evaluation.plots import write_rag_curves
+from detectors.evaluation.report import write_headline
 from detectors.execution import map_units
-from detectors.io import file_digest, write_json, write_json_rows
+from detectors.io import file_digest, write_json
 from detectors.rag.answer_metrics import FAILED, summarise
 from detectors.rag.kinds import check_specs
 from detectors.rag.report import (
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in rag.corpora}}
     write_json(params["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in rag.corpora}
-    write_json_rows(params["paths.rag_headline"], headline(table, refs, dior_configurations(rag.configurations)))
+    write_headline(params["paths.rag_headline"], headline(table, refs, dior_configurations(rag.configurations)))
     markdown = (
         markdown_table(table) + "\n" + tuning_table(tuning, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
     )

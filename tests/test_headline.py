@@ -13,8 +13,7 @@ import yaml
 from conftest import ROOT
 
 from detectors.evaluation.compare import COLUMNS
-from detectors.evaluation.report import directions_headline, headline, nested_metrics
-from detectors.io import write_json_rows
+from detectors.evaluation.report import directions_headline, headline, nested_metrics, write_headline
 from detectors.rag.report import headline as rag_headline
 
 ROWS = [  # scorer, kind, dataset, level, auroc, delta_vs
@@ -216,12 +215,12 @@ def test_rag_headline_gives_per_corpus_the_best_dior_and_other_configurations_ac
 
 
 def test_headline_rows_are_written_one_file_each_and_a_row_gone_from_the_results_is_removed(tmp_path):
-    write_json_rows(tmp_path / "rag", {"wiki": {"dior": 0.5}, "facts": {"dior": 0.9}})
+    write_headline(tmp_path / "rag", {"wiki": {"dior": 0.5}, "facts": {"dior": 0.9}})
     (tmp_path / "rag" / "notes.txt").write_text("kept")
-    write_json_rows(tmp_path / "rag", {"wiki": {"dior": 0.6}})
+    write_headline(tmp_path / "rag", {"wiki": {"dior": 0.6}})
     assert sorted(p.name for p in (tmp_path / "rag").iterdir()) == ["notes.txt", "wiki.json"]
     assert json.loads((tmp_path / "rag" / "wiki.json").read_text()) == {"dior": 0.6}
-    write_json_rows(tmp_path / "empty", {})
+    write_headline(tmp_path / "empty", {})
     assert (tmp_path / "empty").is_dir()  # the declared output exists even with no row
 
 

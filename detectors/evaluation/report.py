@@ -7,11 +7,13 @@ baseline. The headline of evaluate_directions' report (:func:`directions_headlin
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
 from detectors.evaluation.compare import COLUMNS
 from detectors.interfaces import Level
+from detectors.io import write_json
 
 LEVEL_ORDER = {level.value: i for i, level in enumerate(Level)}  # question, token, entity, continuation
 DIGITS = 4  # a headline metric's rounding (the detailed reports keep every digit)
@@ -80,6 +82,18 @@ def headline_value(value) -> float | None:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
     return round(float(value), DIGITS)
+
+
+def write_headline(directory: str | Path, rows: dict[str, dict]) -> None:
+    """Write each of a headline's ``rows`` as ``<name>.json`` in ``directory`` (its ``dvc metrics`` directory: one table
+    row per file) and remove its other ``.json`` files, so that no row of an earlier run is left behind."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, row in rows.items():
+        write_json(directory / f"{name}.json", row)
+    for stale in directory.glob("*.json"):
+        if stale.stem not in rows:
+            stale.unlink()
 
 
 def headline(table: pd.DataFrame) -> dict[str, dict[str, float | str]]:
