@@ -60,6 +60,52 @@ READS = (
     "paths.served_metrics",
     "paths.plots",
 )
+DEPS = (
+    "${paths.early}",
+    "${paths.early_model}",
+    "${paths.realtime}",
+    "${paths.realtime_hidden}",
+    "${paths.realtime_model}",
+    "${paths.ctrla_early}",
+    "${paths.ctrla_realtime}",
+    "${paths.baselines_early}",
+    "${paths.baselines_realtime}",
+)
+OUTS = (
+    "${paths.early_scores}",
+    "${paths.realtime_scores}",
+    "${paths.comparison}",
+    (
+        "${paths.comparison_table}",
+        {"cache": False},
+        "the Markdown comparison: a results page under docs/results (git-tracked)",
+    ),
+    (
+        "${paths.evaluate_early_metrics}",
+        {"cache": False},
+        "detailed reports {level: {scorer: metrics}} (register reads them)",
+    ),
+    ("${paths.evaluate_realtime_metrics}", {"cache": False}),
+    ("${paths.plots}/roc", {"cache": False}, "the curves' numbers behind the figures: <dataset>_<level>/<scorer>.csv"),
+    ("${paths.plots}/pr", {"cache": False}),
+    ("${paths.plots}/reliability", {"cache": False}),
+    ("${paths.plots}/early_entropy_ecdf", {"cache": False}, "correct.csv, hallucinated.csv"),
+    ("${paths.served_metrics}", {"cache": False}),
+)
+METRICS = (
+    (
+        "${paths.evaluate_headline}",
+        {"cache": False},
+        "at a glance, one JSON per dataset x level: best detector's and best baseline's test AUROC",
+    ),
+)
+PLOTS = (
+    (
+        "${paths.plots}/figures",
+        {"cache": False},
+        "PNGs, every scorer in one figure: <dataset>_<level>_{curves,ecdf}.png, early_entropy_ecdf.png",
+    ),
+)
 
 
 def early_inputs(params) -> tuple[pd.DataFrame, dict, dict]:

@@ -60,6 +60,30 @@ READS = (
     "paths.evaluate_directions_headline",
     "paths.plots",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.directions}",
+    "${paths.early}",
+    "${paths.realtime}",
+    "${paths.qa}",
+)
+OUTS = (
+    "${paths.ctrla_early}",
+    "${paths.ctrla_realtime}",
+    ("${paths.evaluate_directions_metrics}", {"cache": False}, "the detailed report (register_ctrla reads it)"),
+    ("${paths.plots}/ctrla_honesty_layers.csv", {"cache": False}, "the figures' numbers"),
+    ("${paths.plots}/ctrla_honesty_size.csv", {"cache": False}),
+    ("${paths.plots}/ctrla_truthfulqa.csv", {"cache": False}),
+    (
+        "${paths.evaluate_directions_headline}",
+        {"cache": False},
+        "at a glance: honesty and confidence test AUROC, TruthfulQA at λ = 0 and the best λ",
+    ),
+)
+PLOTS = (
+    ("${paths.plots}/ctrla_honesty.png", {"cache": False}),
+    ("${paths.plots}/ctrla_truthfulqa.png", {"cache": False}),
+)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,8 +69,8 @@ READS = (
     "build_realtime.spacy_model",
     "rag_eval",
     "retrorag",
-    "mlflow",
     "execution",
+    "mlflow",
     "paths.llm",
     "paths.qa",
     "paths.registry_early",
@@ -86,6 +86,35 @@ READS = (
     "paths.rag_curves_plot",
     "paths.rag_prompts",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.qa}",
+    "${paths.registry_early}",
+    "${paths.registry_realtime}",
+    "${paths.registry_ctrla}",
+    "${paths.registry_utility}",
+    "${paths.rag_index}",
+    "${paths.index_report}",
+)
+OUTS = (
+    ("${paths.rag_runs}", {"persist": True, "cache": False}, "finished questions: kept when a killed run restarts"),
+    (
+        "${paths.rag_metrics}",
+        {"cache": False},
+        "the detailed report: {corpus: {configuration: metrics}}, sweep, thresholds, digests",
+    ),
+    ("${paths.rag_table}", {"cache": False}),
+    ("${paths.rag_curves}", {"cache": False}, "the sweep's curves: trigger, threshold, retrieval_rate, accuracy"),
+    ("${paths.rag_prompts}", {"cache": False}),
+)
+METRICS = (
+    (
+        "${paths.rag_headline}",
+        {"cache": False},
+        "at a glance, one JSON per corpus: accuracy of DioR, the best other configuration, always, never",
+    ),
+)
+PLOTS = (("${paths.rag_curves_plot}", {"cache": False}, "every trigger's accuracy vs retrieval-rate curve in one PNG"),)
 
 
 def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> pd.DataFrame:
