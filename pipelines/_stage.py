@@ -15,8 +15,8 @@ from detectors.errors import InputError, one_line, traceback_wanted
 def stage_params(description: str | None, argv: list[str] | None, reads: Iterable[str], stage: str) -> StageParams:
     """Parse ``--params``, set up logging, and return the params the stage declared (``READS``), validated.
 
-    ``reads`` must equal the stage's ``params`` in ``dvc.yaml`` (tests/test_dag.py checks it), so DVC
-    reruns a stage exactly when a value it reads changes.
+    ``reads`` is the stage's ``params`` in ``dvc.yaml`` (``python -m pipelines._provenance`` writes them from it), so
+    DVC reruns a stage exactly when a value it reads changes.
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")

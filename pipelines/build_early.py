@@ -38,6 +38,16 @@ READS = (
     "paths.early_report",
     "paths.early_answer_hidden",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.qa}",
+)
+OUTS = (
+    ("${paths.early_shards}", {"persist": True, "cache": False}, "resumable work: kept when a killed run restarts"),
+    "${paths.early}",
+    "${paths.early_answer_hidden}",
+    ("${paths.early_report}", {"cache": False}),
+)
 HIDDEN = ".answer-hidden.safetensors"
 
 

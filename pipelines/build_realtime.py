@@ -37,6 +37,16 @@ READS = (
     "paths.realtime_hidden",
     "paths.realtime_report",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.articles}",
+)
+OUTS = (
+    ("${paths.realtime_shards}", {"persist": True, "cache": False}, "resumable work: kept when a killed run restarts"),
+    "${paths.realtime}",
+    "${paths.realtime_hidden}",
+    ("${paths.realtime_report}", {"cache": False}),
+)
 HIDDEN = ".hidden.safetensors"
 LIBRARIES = ("torch", "transformers", "tokenizers", "spacy", "sentence-transformers")  # versions in the shard key
 

@@ -46,6 +46,16 @@ READS = (
     "paths.utility",
     "paths.utility_report",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.early}",
+    "${paths.rag_index}",
+)
+OUTS = (
+    ("${paths.utility_shards}", {"persist": True, "cache": False}, "resumable work: kept when a killed run restarts"),
+    "${paths.utility}",
+    ("${paths.utility_report}", {"cache": False}),
+)
 
 
 def rag_config(params, batch_size: int) -> RagConfig:

@@ -6,9 +6,10 @@ at token, entity and continuation level. Other stages' per-id score tables (Ctrl
 RetroRAG's evaluator on the LLM's own answer) are joined by id when they exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
 bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes the detailed
-reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: each trained detector's and the best
-baseline's test AUROC per dataset x level), the long table (parquet) and its Markdown, the figures (``dvc plots``: ROC,
-precision-recall, reliability, score ECDFs, DioR Fig. 7; their curves as CSVs) and one flat MLflow run per table row.
+reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: one file per dataset x level,
+the best trained detector's and the best baseline's test AUROC), the long table (parquet) and its Markdown, the
+figures (``dvc plots``: ROC, precision-recall, reliability, score ECDFs, DioR Fig. 7; their curves as CSVs) and one
+flat MLflow run per table row.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from detectors.dior.served import served_behaviour, served_scorer
 from detectors.evaluation.compare import DATASETS, compare_levels, long_table
 from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
 from detectors.evaluation.plots import write_comparison_plots
-from detectors.evaluation.report import headline, markdown_table, nested_metrics
+from detectors.evaluation.report import headline, markdown_table, nested_metrics, write_headline
 from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
@@ -58,6 +59,52 @@ READS = (
     "paths.comparison_table",
     "paths.served_metrics",
     "paths.plots",
+)
+DEPS = (
+    "${paths.early}",
+    "${paths.early_model}",
+    "${paths.realtime}",
+    "${paths.realtime_hidden}",
+    "${paths.realtime_model}",
+    "${paths.ctrla_early}",
+    "${paths.ctrla_realtime}",
+    "${paths.baselines_early}",
+    "${paths.baselines_realtime}",
+)
+OUTS = (
+    "${paths.early_scores}",
+    "${paths.realtime_scores}",
+    "${paths.comparison}",
+    (
+        "${paths.comparison_table}",
+        {"cache": False},
+        "the Markdown comparison: a results page under docs/results (git-tracked)",
+    ),
+    (
+        "${paths.evaluate_early_metrics}",
+        {"cache": False},
+        "detailed reports {level: {scorer: metrics}} (register reads them)",
+    ),
+    ("${paths.evaluate_realtime_metrics}", {"cache": False}),
+    ("${paths.plots}/roc", {"cache": False}, "the curves' numbers behind the figures: <dataset>_<level>/<scorer>.csv"),
+    ("${paths.plots}/pr", {"cache": False}),
+    ("${paths.plots}/reliability", {"cache": False}),
+    ("${paths.plots}/early_entropy_ecdf", {"cache": False}, "correct.csv, hallucinated.csv"),
+    ("${paths.served_metrics}", {"cache": False}),
+)
+METRICS = (
+    (
+        "${paths.evaluate_headline}",
+        {"cache": False},
+        "at a glance, one JSON per dataset x level: best detector's and best baseline's test AUROC",
+    ),
+)
+PLOTS = (
+    (
+        "${paths.plots}/figures",
+        {"cache": False},
+        "PNGs, every scorer in one figure: <dataset>_<level>_{curves,ecdf}.png, early_entropy_ecdf.png",
+    ),
 )
 
 
@@ -110,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     table = pd.concat(tables, ignore_index=True)
     for dataset in DATASETS:
         write_json(params[f"paths.evaluate_{dataset}_metrics"], nested_metrics(table, dataset))
-    write_json(params["paths.evaluate_headline"], headline(table))
+    write_headline(params["paths.evaluate_headline"], headline(table))
     Path(params["paths.comparison"]).parent.mkdir(parents=True, exist_ok=True)
     table.to_parquet(params["paths.comparison"], index=False)
     markdown = markdown_table(table)

@@ -1,5 +1,5 @@
 """Stage evaluate_directions: how good the CtrlA directions are, in a detailed report (``paths.evaluate_directions_metrics``,
-which register_ctrla reads), its headline (``dvc metrics``), figures (``dvc plots``) and MLflow.
+which register_ctrla reads), its headline (a plain out; read at a glance), figures (``dvc plots``) and MLflow.
 
 - layer ranges: each concept at CtrlA's range scaled to the LLM's depth (``paper``) and at the window of
   the same width (or ``layer_window``) chosen on validation (``validation``: honesty on the val
@@ -59,6 +59,30 @@ READS = (
     "paths.evaluate_directions_metrics",
     "paths.evaluate_directions_headline",
     "paths.plots",
+)
+DEPS = (
+    "${paths.llm}",
+    "${paths.directions}",
+    "${paths.early}",
+    "${paths.realtime}",
+    "${paths.qa}",
+)
+OUTS = (
+    "${paths.ctrla_early}",
+    "${paths.ctrla_realtime}",
+    ("${paths.evaluate_directions_metrics}", {"cache": False}, "the detailed report (register_ctrla reads it)"),
+    ("${paths.plots}/ctrla_honesty_layers.csv", {"cache": False}, "the figures' numbers"),
+    ("${paths.plots}/ctrla_honesty_size.csv", {"cache": False}),
+    ("${paths.plots}/ctrla_truthfulqa.csv", {"cache": False}),
+    (
+        "${paths.evaluate_directions_headline}",
+        {"cache": False},
+        "at a glance: honesty and confidence test AUROC, TruthfulQA at λ = 0 and the best λ",
+    ),
+)
+PLOTS = (
+    ("${paths.plots}/ctrla_honesty.png", {"cache": False}),
+    ("${paths.plots}/ctrla_truthfulqa.png", {"cache": False}),
 )
 
 

@@ -34,6 +34,14 @@ READS = (
     "paths.directions",
     "paths.extract_directions_metrics",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.qa}",
+)
+OUTS = (
+    "${paths.directions}",
+    ("${paths.extract_directions_metrics}", {"cache": False}),
+)
 CONCEPTS = ("honesty", "confidence")
 
 

@@ -23,6 +23,11 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("index_corpus")
 READS = ("index_corpus", "paths.qa", "paths.rag_index", "paths.index_report")
+DEPS = ("${paths.qa}",)
+OUTS = (
+    "${paths.rag_index}",
+    ("${paths.index_report}", {"cache": False}),
+)
 
 
 def corpus_passages(name: str, corpus, qa: pd.DataFrame):

@@ -14,6 +14,11 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("prepare")
 READS = ("llm", "qa", "paths.llm", "paths.raw", "paths.qa", "paths.qa_report")
+OUTS = (
+    "${paths.llm}",
+    "${paths.qa}",
+    ("${paths.qa_report}", {"cache": False}),
+)
 
 
 def prepare_qa(qa, raw_dir: str, out: str, report_path: str) -> dict:

@@ -12,6 +12,10 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("prepare_articles")
 READS = ("articles", "paths.articles", "paths.articles_report")
+OUTS = (
+    "${paths.articles}",
+    ("${paths.articles_report}", {"cache": False}),
+)
 
 
 def main(argv: list[str] | None = None) -> None:

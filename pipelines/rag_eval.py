@@ -16,9 +16,10 @@ intervals).
 
 Writes ``paths.rag_metrics`` (``{corpus: {configuration: metrics}}``, ``sweep`` (the curves' summaries),
 ``thresholds`` (``{corpus: {trigger: threshold}}``) and ``digests`` (LLM and corpora)), its headline
-``paths.rag_headline`` (``dvc metrics``), the Markdown table ``paths.rag_table``, the curves CSV ``paths.rag_curves`` and
-their figure ``paths.rag_curves_plot`` (``dvc plots``), every prompt of the first ``prompts_sample`` questions per
-configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration (plus one per swept trigger).
+``paths.rag_headline`` (``dvc metrics``: one file per corpus), the Markdown table ``paths.rag_table``, the curves CSV
+``paths.rag_curves`` and their figure ``paths.rag_curves_plot`` (``dvc plots``), every prompt of the first
+``prompts_sample`` questions per configuration (``paths.rag_prompts``) and one MLflow run per corpus × configuration
+(plus one per swept trigger).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from mlflow.exceptions import MlflowException
 from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
 from detectors.evaluation.plots import write_rag_curves
+from detectors.evaluation.report import write_headline
 from detectors.execution import map_units
 from detectors.io import file_digest, write_json
 from detectors.rag.answer_metrics import FAILED, summarise
@@ -67,8 +69,8 @@ READS = (
     "build_realtime.spacy_model",
     "rag_eval",
     "retrorag",
-    "mlflow",
     "execution",
+    "mlflow",
     "paths.llm",
     "paths.qa",
     "paths.registry_early",
@@ -84,6 +86,35 @@ READS = (
     "paths.rag_curves_plot",
     "paths.rag_prompts",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.qa}",
+    "${paths.registry_early}",
+    "${paths.registry_realtime}",
+    "${paths.registry_ctrla}",
+    "${paths.registry_utility}",
+    "${paths.rag_index}",
+    "${paths.index_report}",
+)
+OUTS = (
+    ("${paths.rag_runs}", {"persist": True, "cache": False}, "finished questions: kept when a killed run restarts"),
+    (
+        "${paths.rag_metrics}",
+        {"cache": False},
+        "the detailed report: {corpus: {configuration: metrics}}, sweep, thresholds, digests",
+    ),
+    ("${paths.rag_table}", {"cache": False}),
+    ("${paths.rag_curves}", {"cache": False}, "the sweep's curves: trigger, threshold, retrieval_rate, accuracy"),
+    ("${paths.rag_prompts}", {"cache": False}),
+)
+METRICS = (
+    (
+        "${paths.rag_headline}",
+        {"cache": False},
+        "at a glance, one JSON per corpus: accuracy of DioR, the best other configuration, always, never",
+    ),
+)
+PLOTS = (("${paths.rag_curves_plot}", {"cache": False}, "every trigger's accuracy vs retrieval-rate curve in one PNG"),)
 
 
 def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> pd.DataFrame:
@@ -191,6 +222,12 @@ def references(configurations: dict) -> dict[str, str]:
         elif c.triggers == ["always"] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
             out.setdefault("always", name)
     return out
+
+
+def dior_configurations(configurations: dict) -> list[str]:
+    """DioR's configurations (the headline's ``dior``): those whose every trigger is one of its registered detectors
+    (``dior-early``, ``dior-realtime``: the names ``register`` gives them)."""
+    return [name for name, c in configurations.items() if c.triggers and all(t.startswith("dior-") for t in c.triggers)]
 
 
 def other_template(configurations: dict, context: str, always: str | None) -> list[str]:
@@ -353,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics["digests"] = {"llm": llm_digest, "corpora": {c: digests[c] for c in rag.corpora}}
     write_json(params["paths.rag_metrics"], metrics)
     table = {c: metrics[c] for c in rag.corpora}
-    write_json(params["paths.rag_headline"], headline(table, metrics[SWEEP]))
+    write_headline(params["paths.rag_headline"], headline(table, refs, dior_configurations(rag.configurations)))
     markdown = (
         markdown_table(table) + "\n" + tuning_table(tuning, len(rows["val"])) + "\n" + curves_table(metrics[SWEEP])
     )

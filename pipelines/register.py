@@ -48,6 +48,21 @@ READS = (
     "paths.registry_realtime",
     "paths.registry_utility",
 )
+DEPS = (
+    "${paths.early}",
+    "${paths.early_model}",
+    "${paths.realtime_model}",
+    "${paths.evaluate_early_metrics}",
+    "${paths.evaluate_realtime_metrics}",
+    "${paths.utility}",
+    "${paths.utility_model}",
+    "${paths.train_utility_metrics}",
+)
+OUTS = (
+    ("${paths.registry_early}", {"cache": False}),
+    ("${paths.registry_realtime}", {"cache": False}),
+    ("${paths.registry_utility}", {"cache": False}),
+)
 
 
 def early_val_ids(path: str | Path) -> list[str]:

@@ -25,6 +25,11 @@ from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register_ctrla")
 READS = ("register_ctrla", "mlflow", "paths.directions", "paths.evaluate_directions_metrics", "paths.registry_ctrla")
+DEPS = (
+    "${paths.directions}",
+    "${paths.evaluate_directions_metrics}",
+)
+OUTS = (("${paths.registry_ctrla}", {"cache": False}),)
 
 
 def chosen_range(metrics: dict, concept: str, selection: str) -> dict:

@@ -50,6 +50,16 @@ READS = (
     "paths.baselines_realtime",
     "paths.score_baselines_metrics",
 )
+DEPS = (
+    "${paths.llm}",
+    "${paths.early}",
+    "${paths.realtime}",
+)
+OUTS = (
+    "${paths.baselines_early}",
+    "${paths.baselines_realtime}",
+    ("${paths.score_baselines_metrics}", {"cache": False}),
+)
 
 
 def ok_records(path: str, columns: list[str]) -> pd.DataFrame:

@@ -27,6 +27,14 @@ READS = (
     "paths.early_model",
     "paths.train_early_metrics",
 )
+DEPS = (
+    "${paths.early}",
+    "${paths.llm}/llm.json",
+)
+OUTS = (
+    "${paths.early_model}",
+    ("${paths.train_early_metrics}", {"cache": False}),
+)
 
 
 def ablation_name(groups: list[str]) -> str:

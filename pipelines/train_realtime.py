@@ -32,6 +32,17 @@ READS = (
     "paths.realtime_model",
     "paths.train_realtime_metrics",
 )
+DEPS = (
+    "${paths.realtime}",
+    "${paths.realtime_hidden}",
+    "${paths.early}",
+    "${paths.early_answer_hidden}",
+    "${paths.llm}/llm.json",
+)
+OUTS = (
+    "${paths.realtime_model}",
+    ("${paths.train_realtime_metrics}", {"cache": False}),
+)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,16 @@ READS = (
     "paths.utility_model",
     "paths.train_utility_metrics",
 )
+DEPS = (
+    "${paths.early}",
+    "${paths.early_model}",
+    "${paths.utility}",
+    "${paths.llm}/llm.json",
+)
+OUTS = (
+    "${paths.utility_model}",
+    ("${paths.train_utility_metrics}", {"cache": False}),
+)
 
 
 def helps_auroc(scores: np.ndarray, helps: np.ndarray, confidence: np.ndarray, n: int, seed: int) -> dict:

@@ -4,13 +4,15 @@ exactly the params it reads, so no edit of code or params can leave a stale outp
 from __future__ import annotations
 
 import importlib
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import ROOT
 
-from pipelines._provenance import PACKAGES, stage_closure, write_code_deps
+from detectors.errors import InputError
+from pipelines._provenance import PACKAGES, STAGES, dvc_yaml, stage_closure
 
 
 def stages() -> dict[str, dict]:
@@ -43,17 +45,56 @@ def test_stage_depends_on_exactly_the_code_it_imports(name):
         )
 
 
-def test_dvc_yaml_holds_the_code_deps_the_command_writes():
-    assert (ROOT / "dvc.yaml").read_text() == write_code_deps(), "stale code deps: run python -m pipelines._provenance"
+def test_dvc_yaml_is_what_the_command_writes():
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(), "dvc.yaml is stale: run python -m pipelines._provenance"
 
 
-@pytest.mark.parametrize("name", sorted(stages()))
-def test_stage_declares_exactly_the_params_it_reads(name):
-    stage = stages()[name]
-    reads = importlib.import_module(stage_module(stage)).READS
-    assert sorted(stage.get("params", [])) == sorted(reads), (
-        f"dvc.yaml params of {name} differ from {stage_module(stage)}.READS"
+def test_an_edit_of_a_stage_modules_declarations_is_what_dvc_yaml_then_says(tmp_path):
+    """dvc.yaml follows the modules: a new out in ``OUTS`` and a new params key in ``READS`` show in the stage's
+    entry, and nothing else moves; a malformed entry is one error naming the module, the section and the entry."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    module = tmp_path / "pipelines/prepare_articles.py"
+    source = module.read_text()
+    module.write_text(
+        source.replace(
+            "OUTS = (\n", 'OUTS = (\n    ("${paths.articles}.sample", {"cache": False}, "a sample"),\n', 1
+        ).replace("READS = (", 'READS = (\n    "qa.limit",', 1)
     )
+    before, after = yaml.safe_load(dvc_yaml()), yaml.safe_load(dvc_yaml(tmp_path))
+    assert after["stages"]["prepare_articles"]["outs"][0] == {"${paths.articles}.sample": {"cache": False}}
+    assert after["stages"]["prepare_articles"]["params"] == [
+        "qa.limit",
+        *before["stages"]["prepare_articles"]["params"],
+    ]
+    assert "      - ${paths.articles}.sample:   # a sample\n          cache: false\n" in dvc_yaml(tmp_path)
+    del after["stages"]["prepare_articles"], before["stages"]["prepare_articles"]
+    assert after == before
+    module.write_text(source.replace("OUTS = (\n", 'OUTS = (\n    ("${paths.articles}.sample", {"cache": "no"}),\n', 1))
+    with pytest.raises(
+        InputError, match=r"pipelines/prepare_articles.py OUTS: entry .*cache.*'no'.* write one of those"
+    ):
+        dvc_yaml(tmp_path)
+
+
+def as_written(entry) -> dict | str:
+    """A declared entry (``path``, ``(path, options)``, ``(path, options, note)``) as dvc.yaml's YAML reads back."""
+    return entry if isinstance(entry, str) else {entry[0]: entry[1]}
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_each_stage_is_its_modules_declarations_and_its_params_exactly_what_it_reads(name):
+    """The entry of ``name`` is what its module declares (imported here, read from source by the command): the
+    params DVC watches are the keys StageParams lets it read, and its data deps, outs, metrics and plots."""
+    stage, module = stages()[name], importlib.import_module(f"pipelines.{name}")
+    assert stage["cmd"] == f"python -m pipelines.{name}"
+    assert stage["params"] == list(module.READS)
+    assert stage["deps"][len(stage["deps"]) - len(getattr(module, "DEPS", ())) :] == list(getattr(module, "DEPS", ()))
+    assert all(
+        Path(d).parts[0] in PACKAGES for d in stage["deps"][: len(stage["deps"]) - len(getattr(module, "DEPS", ()))]
+    )
+    for key in ("outs", "metrics", "plots"):
+        assert stage.get(key, []) == [as_written(e) for e in getattr(module, key.upper(), ())], (name, key)
 
 
 def test_closure_follows_imports_inside_functions_but_not_lazy_package_attributes():

@@ -1,8 +1,10 @@
-"""The headline ``dvc metrics`` (a few flat keys each stage writes beside its detailed report) on hand-made detailed reports,
-and dvc.yaml's declarations: headlines as metrics, detailed reports as plain outs, only images as plots."""
+"""The headline ``dvc metrics`` (a row of a few numbers per dataset x level and per corpus, one file each, beside the
+detailed reports) on hand-made detailed reports, and dvc.yaml's declarations: only the headlines as metrics, every
+other report a plain out, only images as plots."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -11,7 +13,7 @@ import yaml
 from conftest import ROOT
 
 from detectors.evaluation.compare import COLUMNS
-from detectors.evaluation.report import directions_headline, headline, nested_metrics
+from detectors.evaluation.report import directions_headline, headline, nested_metrics, write_headline
 from detectors.rag.report import headline as rag_headline
 
 ROWS = [  # scorer, kind, dataset, level, auroc, delta_vs
@@ -65,33 +67,44 @@ def long_table() -> pd.DataFrame:
     return pd.DataFrame(rows).reindex(columns=list(COLUMNS))
 
 
-def test_evaluate_headline_gives_each_detectors_and_the_best_baselines_test_auroc_per_dataset_and_level():
+COLUMNS_SHOWN = {"dior", "dior_name", "baseline", "baseline_name", "always", "never"}  # every headline row's keys
+
+
+def test_evaluate_headline_gives_the_best_detectors_and_the_best_baselines_test_auroc_per_dataset_and_level():
     table = long_table()
     out = headline(table)
     assert out == {
-        "early_question.test_auroc.dior-early": 0.7339,
-        "early_question.test_auroc.best_baseline": 0.7013,
-        "early_question.best_baseline": "first_token_prob",
-        "realtime_token.test_auroc.mlp": 0.8,
-        "realtime_token.test_auroc.best_baseline": 0.75,
-        "realtime_token.best_baseline": "flare",
-        "realtime_continuation.test_auroc.mlp": 0.61,
-        "realtime_continuation.test_auroc.mlp[served]": 0.6444,
-        "realtime_continuation.test_auroc.best_baseline": 0.69,
-        "realtime_continuation.best_baseline": "token_entropy",
+        "early_question": {
+            "dior": 0.7339,
+            "dior_name": "dior-early",  # gru[hidden] has no AUROC (NaN): not the best
+            "baseline": 0.7013,
+            "baseline_name": "first_token_prob",
+        },
+        "realtime_token": {"dior": 0.8, "dior_name": "mlp", "baseline": 0.75, "baseline_name": "flare"},
+        "realtime_continuation": {
+            "dior": 0.6444,
+            "dior_name": "mlp[served]",
+            "baseline": 0.69,
+            "baseline_name": "token_entropy",
+        },
     }
-    assert list(out)[:3] == [
-        "early_question.test_auroc.dior-early",
-        "early_question.test_auroc.best_baseline",
-        "early_question.best_baseline",
-    ]
-    assert list(out)[3].startswith("realtime_token.")  # levels in their order, not the table's
+    assert list(out) == [
+        "early_question",
+        "realtime_token",
+        "realtime_continuation",
+    ]  # levels in order, not the table's
     # the same numbers as the detailed report of each dataset
     detailed = nested_metrics(table, "realtime")
-    assert out["realtime_continuation.test_auroc.best_baseline"] == round(
-        detailed["continuation"]["token_entropy"]["auroc"], 4
-    )
-    assert all(isinstance(v, (float, str)) for v in out.values())  # flat scalars: one dvc column each
+    assert out["realtime_continuation"]["baseline"] == round(detailed["continuation"]["token_entropy"]["auroc"], 4)
+    assert all(set(row) <= COLUMNS_SHOWN for row in out.values())  # the columns every headline row shares
+
+
+def test_a_level_without_a_scored_detector_has_only_its_baseline_and_a_level_with_nothing_no_row():
+    table = long_table()
+    table.loc[table["scorer"] == "dior-early", "auroc"] = math.nan
+    rows = headline(table[table["level"] != "token"])
+    assert rows["early_question"] == {"baseline": 0.7013, "baseline_name": "first_token_prob"}
+    assert headline(table[table["kind"] == "baseline"]) == {}  # no detector, no paired difference: nothing to show
 
 
 DIRECTIONS = {  # the shape of evaluate_directions' detailed report, cut down
@@ -176,24 +189,39 @@ RAG = {  # the shape of rag_eval's detailed report, cut down
 }
 
 
-def test_rag_headline_gives_accuracy_retrievals_and_the_difference_to_always_per_corpus_and_configuration_and_each_curves_area():
-    out = rag_headline({c: RAG[c] for c in ("wiki", "facts")}, RAG["sweep"])
-    assert out == {
-        "wiki.no-retrieval.accuracy": 0.2,
-        "wiki.no-retrieval.retrievals_per_question": 0.0,
-        "wiki.no-retrieval.accuracy_vs_always": -0.1,
-        "wiki.single-round.accuracy": 0.3,
-        "wiki.single-round.retrievals_per_question": 1.0,
-        "wiki.single-round.accuracy_vs_always": 0.0,
-        "wiki.flare.accuracy": 0.3333,
-        "wiki.flare.retrievals_per_question": 0.6667,
-        "wiki.flare.accuracy_vs_always": 0.0333,
-        "facts.flare.accuracy": 0.9,
-        "facts.flare.retrievals_per_question": 0.5,  # no difference to always: left out, not NaN
-        "sweep.flare.area_over_random": 0.1,
-        "sweep.dior-early.area_over_random": -0.02,
+def test_rag_headline_gives_per_corpus_the_best_dior_and_other_configurations_accuracy_and_the_references():
+    configs = {
+        **RAG["wiki"],
+        "dior": {"accuracy": 0.31},
+        "dior-early": {"accuracy": 0.35},
+        "retrorag": {"accuracy": 0.33333333},  # ties with flare: the first in the report's order wins
     }
-    assert rag_headline({"wiki": RAG["wiki"]}, None) == {k: v for k, v in out.items() if k.startswith("wiki.")}
+    refs = {"never": "no-retrieval", "always": "single-round"}
+    out = rag_headline({"wiki": configs, "facts": RAG["facts"]}, refs, ["dior", "dior-early", "dior-realtime"])
+    assert out == {
+        "wiki": {
+            "dior": 0.35,
+            "dior_name": "dior-early",
+            "baseline": 0.3333,
+            "baseline_name": "flare",
+            "always": 0.3,
+            "never": 0.2,
+        },
+        "facts": {"baseline": 0.9, "baseline_name": "flare"},  # no DioR row, no references: left out
+    }
+    assert all(set(row) <= COLUMNS_SHOWN for row in out.values())  # the columns evaluate's rows have too
+    nan = {"wiki": {"flare": {"accuracy": float("nan")}, "single-round": {"accuracy": 0.3}}}
+    assert rag_headline(nan, refs, ["dior"]) == {"wiki": {"always": 0.3}}  # a missing accuracy: left out, not NaN
+
+
+def test_headline_rows_are_written_one_file_each_and_a_row_gone_from_the_results_is_removed(tmp_path):
+    write_headline(tmp_path / "rag", {"wiki": {"dior": 0.5}, "facts": {"dior": 0.9}})
+    (tmp_path / "rag" / "notes.txt").write_text("kept")
+    write_headline(tmp_path / "rag", {"wiki": {"dior": 0.6}})
+    assert sorted(p.name for p in (tmp_path / "rag").iterdir()) == ["notes.txt", "wiki.json"]
+    assert json.loads((tmp_path / "rag" / "wiki.json").read_text()) == {"dior": 0.6}
+    write_headline(tmp_path / "empty", {})
+    assert (tmp_path / "empty").is_dir()  # the declared output exists even with no row
 
 
 # ---- dvc.yaml -------------------------------------------------------------------------------------------------------
@@ -212,17 +240,42 @@ def declared(kind: str) -> dict[str, list[str]]:
     return {name: [resolve(e) for e in stage.get(kind, [])] for name, stage in stages.items()}
 
 
-def test_headlines_are_the_metrics_and_the_detailed_reports_plain_outs():
+def test_only_the_headlines_are_metrics_and_every_other_report_a_plain_out_kept_in_the_workspace():
+    """``dvc metrics show`` joins every metrics file's keys into one table: only the two headline directories are
+    metrics, so it is one screen (a line per dataset x level and per corpus); every other report is an out."""
     paths = yaml.safe_load((ROOT / "params.yaml").read_text())["paths"]
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     metrics, outs = declared("metrics"), declared("outs")
-    for stage, headline_key, detailed in [
-        ("evaluate", "evaluate_headline", ["evaluate_early_metrics", "evaluate_realtime_metrics"]),
-        ("evaluate_directions", "evaluate_directions_headline", ["evaluate_directions_metrics"]),
-        ("rag_eval", "rag_headline", ["rag_metrics"]),
-    ]:
-        assert paths[headline_key] in metrics[stage]
-        for key in detailed:
-            assert paths[key] in outs[stage] and paths[key] not in metrics[stage], (stage, key)
+    assert {stage: entries for stage, entries in metrics.items() if entries} == {
+        "evaluate": [paths["evaluate_headline"]],
+        "rag_eval": [paths["rag_headline"]],
+    }
+    reports = [
+        "qa_report",
+        "early_report",
+        "train_early_metrics",
+        "articles_report",
+        "realtime_report",
+        "train_realtime_metrics",
+        "score_baselines_metrics",
+        "evaluate_early_metrics",
+        "evaluate_realtime_metrics",
+        "served_metrics",
+        "utility_report",
+        "train_utility_metrics",
+        "extract_directions_metrics",
+        "evaluate_directions_metrics",
+        "evaluate_directions_headline",
+        "index_report",
+        "rag_metrics",
+    ]
+    for key in reports:
+        stage = next(name for name, entries in outs.items() if paths[key] in entries)
+        entry = next(e for e in stages[stage]["outs"] if isinstance(e, dict) and "${paths." + key + "}" in e)
+        assert entry["${paths." + key + "}"] == {"cache": False}, (
+            stage,
+            key,
+        )  # stays in the workspace, as the metric did
 
 
 def test_every_plot_is_an_image_so_dvc_plots_show_needs_no_javascript_renderer():

@@ -159,6 +159,10 @@ def evaluation_runs(pipeline: Path, dataset: str) -> pd.DataFrame:
 
 def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     metrics = json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())
+    rows = {p.stem: json.loads(p.read_text()) for p in (pipeline / "data/metrics/detectors").glob("*.json")}
+    assert set(rows) == {"early_question", "realtime_token", "realtime_entity", "realtime_continuation"}  # the headline
+    best = max(m["auroc"] for m in metrics["question"].values() if m["kind"] == "detector" and "auroc" in m)
+    assert rows["early_question"]["dior"] == round(best, 4)
     assert set(metrics) == {"question"}  # {level: {scorer: metrics}}, the shape of the real-time file too
     metrics = metrics["question"]
     assert {

@@ -94,6 +94,11 @@ def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     rag_eval.main(["--params", "params.yaml"])
     before = shard_times(project)
     metrics = json.loads((project / "data/metrics/rag_eval.json").read_text())
+    row = json.loads((project / "data/metrics/rag/facts.json").read_text())  # the headline: one file per corpus
+    assert (row["always"], row["never"]) == tuple(
+        round(metrics["facts"][name]["accuracy"], 4) for name in ("single-round", "no-retrieval")
+    )
+    assert row["baseline"] == round(max(metrics["facts"][n]["accuracy"] for n in ("flare", "sit")), 4)
     tuning = metrics["tuning"]["facts"]
     tried = [f"tune-val/{name}/{j}" for name, t in tuning.items() for j in range(len(t["candidates"]))]
     assert set(before) == {"no-retrieval", "single-round", "flare", "sit", "sweep", "sweep-val", *tried} and all(

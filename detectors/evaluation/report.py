@@ -1,17 +1,19 @@
 """The comparison as Markdown (the README includes it), as detailed JSON (``{level: {scorer: metrics}}`` per
-dataset, which ``register`` reads) and as headline ``dvc metrics`` (a few flat keys read at a glance): one section per
-dataset x level with the scorers sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC and its 95% bootstrap
-interval, then the paired differences of each trained detector from the best training-free baseline. The headline of
-evaluate_directions' report (:func:`directions_headline`) is here too."""
+dataset, which ``register`` reads) and as headline ``dvc metrics`` (a few numbers per dataset x level, read at a
+glance): one section per dataset x level with the scorers sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC
+and its 95% bootstrap interval, then the paired differences of each trained detector from the best training-free
+baseline. The headline of evaluate_directions' report (:func:`directions_headline`) is here too."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 
 from detectors.evaluation.compare import COLUMNS
 from detectors.interfaces import Level
+from detectors.io import write_json
 
 LEVEL_ORDER = {level.value: i for i, level in enumerate(Level)}  # question, token, entity, continuation
 DIGITS = 4  # a headline metric's rounding (the detailed reports keep every digit)
@@ -82,25 +84,41 @@ def headline_value(value) -> float | None:
     return round(float(value), DIGITS)
 
 
-def headline(table: pd.DataFrame) -> dict[str, float | str]:
-    """The comparison at a glance (evaluate's ``dvc metrics``), flat keys per ``<dataset>_<level>``: ``.test_auroc.<scorer>``
-    of every trained detector, ``.test_auroc.best_baseline`` and ``.best_baseline``: the test AUROC and name of the baseline
-    the detectors' paired differences are against (``delta_vs``: the baseline of the highest test AUROC)."""
+def write_headline(directory: str | Path, rows: dict[str, dict]) -> None:
+    """Write each of a headline's ``rows`` as ``<name>.json`` in ``directory`` (its ``dvc metrics`` directory: one table
+    row per file) and remove its other ``.json`` files, so that no row of an earlier run is left behind."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, row in rows.items():
+        write_json(directory / f"{name}.json", row)
+    for stale in directory.glob("*.json"):
+        if stale.stem not in rows:
+            stale.unlink()
+
+
+def headline(table: pd.DataFrame) -> dict[str, dict[str, float | str]]:
+    """The comparison at a glance (evaluate's ``dvc metrics``): one row per ``<dataset>_<level>`` (one small JSON file
+    each, so that ``dvc metrics show`` prints one line per row and the rows share their columns): ``dior`` and
+    ``dior_name``, the highest test AUROC of the trained detectors (DioR's, its extensions and ablations; the first of
+    equals) and its detector; ``baseline`` and ``baseline_name``, the test AUROC and name of the baseline the detectors'
+    paired differences are against (``delta_vs``: the baseline of the highest test AUROC). Every detector's number is in
+    the detailed reports and on the comparison page."""
     keys = table[["dataset", "level"]].drop_duplicates()
     keys = keys.assign(order=keys["level"].map(LEVEL_ORDER)).sort_values(["dataset", "order"])
-    out: dict[str, float | str] = {}
+    out: dict[str, dict[str, float | str]] = {}
     for dataset, level in keys[["dataset", "level"]].itertuples(index=False):
-        part, prefix = table[(table["dataset"] == dataset) & (table["level"] == level)], f"{dataset}_{level}"
+        part = table[(table["dataset"] == dataset) & (table["level"] == level)]
         detectors = part[part["kind"] == "detector"]
-        for r in detectors.itertuples(index=False):
-            if (auroc := headline_value(r.auroc)) is not None:
-                out[f"{prefix}.test_auroc.{r.scorer}"] = auroc
-        best = detectors["delta_vs"].dropna()
-        if len(best):
-            out[f"{prefix}.test_auroc.best_baseline"] = headline_value(
-                part.loc[part["scorer"] == best.iloc[0], "auroc"].iloc[0]
-            )
-            out[f"{prefix}.best_baseline"] = str(best.iloc[0])
+        row: dict[str, float | str] = {}
+        scored = detectors.dropna(subset=["auroc"])
+        if len(scored):
+            best = scored.loc[scored["auroc"].idxmax()]
+            row |= {"dior": headline_value(best["auroc"]), "dior_name": str(best["scorer"])}
+        vs = detectors["delta_vs"].dropna()
+        if len(vs) and (auroc := headline_value(part.loc[part["scorer"] == vs.iloc[0], "auroc"].iloc[0])) is not None:
+            row |= {"baseline": auroc, "baseline_name": str(vs.iloc[0])}
+        if row:
+            out[f"{dataset}_{level}"] = row
     return out
 
 

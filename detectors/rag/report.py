@@ -45,11 +45,6 @@ TRADE = (
 )  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
 TRADE_ROW = "vs always retrieve: retrievals saved at its accuracy or more, else accuracy lost"
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
-HEADLINE = (
-    "accuracy",
-    "retrievals_per_question",
-    "accuracy_vs_always",
-)  # per corpus x configuration in :func:`headline`
 SWEEP_METRICS = (
     "area",
     "random_area",
@@ -122,23 +117,29 @@ def _trade(values: Mapping[str, Any]) -> str:
 
 
 def headline(
-    metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Mapping[str, Any] | None
-) -> dict[str, float]:
-    """The RAG evaluation at a glance (rag_eval's ``dvc metrics``), flat keys: ``<corpus>.<configuration>.<metric>`` for
-    each metric of :data:`HEADLINE` (accuracy, retrievals per question, accuracy − always retrieving) of ``metrics``
-    (``{corpus: {configuration: metrics}}``), and ``sweep.<trigger>.area_over_random`` of each curve of ``sweep`` (the
-    detailed report's ``sweep``); missing values are left out (:func:`~detectors.evaluation.report.headline_value`)."""
-    out = {
-        f"{corpus}.{name}.{key}": headline_value(values.get(key))
-        for corpus, configs in metrics.items()
-        for name, values in configs.items()
-        for key in HEADLINE
-    }
-    out |= {
-        f"sweep.{trigger}.area_over_random": headline_value(s.get("area_over_random"))
-        for trigger, s in (sweep or {}).get("curves", {}).items()
-    }
-    return {key: value for key, value in out.items() if value is not None}
+    metrics: Mapping[str, Mapping[str, Mapping[str, Any]]], references: Mapping[str, str], dior: Sequence[str]
+) -> dict[str, dict[str, float | str]]:
+    """The RAG evaluation at a glance (rag_eval's ``dvc metrics``): one row per corpus of ``metrics`` (``{corpus:
+    {configuration: metrics}}``; one small JSON file each, so that ``dvc metrics show`` prints one line per corpus with
+    the same columns as evaluate's rows): ``dior`` and ``dior_name``, the highest accuracy of DioR's configurations
+    (``dior``: their names) and its configuration; ``baseline`` and ``baseline_name``, the same of every other
+    configuration but the ``references`` (the first of equals, in ``metrics``' order); ``always`` and ``never``, the
+    accuracy of the references (``{"always": name, "never": name}``). Missing values are left out
+    (:func:`~detectors.evaluation.report.headline_value`); every configuration's numbers are in the detailed report and
+    on the RAG page."""
+    out: dict[str, dict[str, float | str]] = {}
+    for corpus, configs in metrics.items():
+        acc = {name: a for name, values in configs.items() if (a := headline_value(values.get("accuracy"))) is not None}
+        row: dict[str, float | str] = {}
+        if ours := [name for name in dior if name in acc]:
+            best = max(ours, key=lambda name: acc[name])
+            row |= {"dior": acc[best], "dior_name": best}
+        if others := [name for name in acc if name not in dior and name not in references.values()]:
+            best = max(others, key=lambda name: acc[name])
+            row |= {"baseline": acc[best], "baseline_name": best}
+        row |= {ref: acc[name] for ref, name in sorted(references.items()) if name in acc}
+        out[corpus] = row
+    return out
 
 
 def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict[str, dict[str, float]]:
