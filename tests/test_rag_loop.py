@@ -427,7 +427,8 @@ def test_every_configuration_answers_with_dior_post_retrieval_template(tiny_llm,
     (rag_eval.context, no configuration its own), so both references answer with it too, and the loop renders it."""
     context = PARAMS["rag_eval"]["context"]
     assert context == "{passages}\nUsing the external knowledge provided above, please answer the following question:\n"
-    assert all(c["context"] is None for c in PARAMS["rag_eval"]["configurations"].values())
+    assert PARAMS["rag_eval"]["configuration_defaults"]["context"] is None
+    assert not any("context" in c for c in PARAMS["rag_eval"]["configurations"].values())
     config = RagConfig("dior", PROMPT, k=1, max_new_tokens=6, context=context)
     result = RagLoop(tiny_llm, retriever, config, [trigger("always", tiny_llm, registry)]).answer(
         QUESTION, record_prompts=True
@@ -500,16 +501,7 @@ def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_ll
     from pipelines.rag_eval import champion_versions
 
     data = copy.deepcopy(PARAMS)
-    data["rag_eval"]["configurations"] = {
-        "rt": {
-            "triggers": ["t-realtime@champion"],
-            "query": "question",
-            "stepwise": False,
-            "chunk": False,
-            "steering": None,
-            "context": None,
-        }
-    }
+    data["rag_eval"]["configurations"] = {"rt": {"triggers": ["t-realtime@champion"]}}
     p = {"rag_eval": load_section("rag_eval", data=data), "mlflow": SimpleNamespace(tracking_uri=registry)}
     assert champion_versions(p)["t-realtime@champion"].startswith("1:")  # the version and its run id
     detector = trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector

@@ -531,6 +531,21 @@ def rag_params() -> dict:
     return yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
+def test_configuration_rows_take_the_shared_defaults_and_override_them():
+    data = rag_params()
+    rows = load_section("rag_eval", data=data).configurations
+    defaults = data["rag_eval"]["configuration_defaults"]
+    assert rows["sit"].query == defaults["query"] and rows["sit"].steering is None  # given by the defaults
+    assert (rows["dior"].query, rows["dior"].stepwise, rows["ctrla"].steering) == (
+        "dior",
+        True,
+        "ctrla-honesty@champion",
+    )
+    data["rag_eval"]["configuration_defaults"]["triggers"] = ["always"]
+    with pytest.raises(ParamsError, match=r"configuration_defaults.triggers = \['always'\]: not a configuration key"):
+        load_section("rag_eval", data=data)
+
+
 @pytest.mark.parametrize(
     "path, value, message",
     [

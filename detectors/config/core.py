@@ -86,6 +86,9 @@ def from_dict(cls: type[T], data: Any, where: str, strict: bool = False) -> T:
         data = {}
     if not isinstance(data, dict):
         fail(where, data, "expected a mapping of keys")
+    with_defaults = getattr(cls, "with_defaults", None)  # a section whose rows share defaults fills them in first
+    if with_defaults is not None:
+        data = with_defaults(data, where)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))

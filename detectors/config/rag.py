@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from detectors.config.core import check_fields, fail, positive
 
@@ -183,6 +183,7 @@ class RagEvalParams:
     max_retrievals: int
     max_new_tokens: int
     context: str  # inserted right before {question} of the early prompt when passages were retrieved
+    configuration_defaults: dict[str, Any]  # what a configuration row does not give (every key but its triggers)
     configurations: dict[str, RagConfigurationParams]
     frameworks: list[str]  # seed systems that run their own loop (FRAMEWORKS), one row each beside the configurations
     thresholds: dict[
@@ -201,6 +202,23 @@ class RagEvalParams:
     shard_size: int  # questions per resumable shard of a run
     bootstrap: int  # resamples of the paired intervals (accuracy differences, curve areas)
     seed: int
+
+    @staticmethod
+    def with_defaults(data: dict, where: str) -> dict:
+        """The section with ``configuration_defaults`` filled into every configuration row (a row's own keys win), so
+        that a row gives its triggers and what differs only; the merged rows are then checked as always."""
+        defaults = data.get("configuration_defaults")
+        if not isinstance(defaults, dict):
+            return data  # a missing or malformed key is reported by from_dict
+        known = [f.name for f in dataclasses.fields(RagConfigurationParams) if f.name != "triggers"]
+        for key in defaults:
+            if key not in known:
+                fail(f"{where}.configuration_defaults.{key}", defaults[key], f"not a configuration key; known: {known}")
+        rows = data.get("configurations")
+        if not isinstance(rows, dict):
+            return data
+        merged = {name: {**defaults, **row} if isinstance(row, dict) else row for name, row in rows.items()}
+        return {**data, "configurations": merged}
 
     def check(self, where: str) -> None:
         if self.questions is not None:
