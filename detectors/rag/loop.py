@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from detectors.config.schema import PromptParams
+from detectors.evaluation.answer_metrics import FAILED
 from detectors.llm.distribution import entropy
 from detectors.llm.kv import PrefixStore, as_cache, common_prefix, crop_states, join_states, row_states
 from detectors.llm.loading import LLM
 from detectors.llm.states import Lockstep, StateCache, run_rows, similar_lengths
-from detectors.rag.answer_metrics import FAILED
 from detectors.rag.context import render_passages, stepwise_retrieve, with_context
 from detectors.rag.queries import QueryInput, QuestionQuery
 from detectors.rag.retriever import Hit, Retriever
