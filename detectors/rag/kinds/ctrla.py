@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from detectors.baselines.ctrla_confidence import CtrlAConfidence
-from detectors.ctrla.monitor import ConfidenceMonitor, detect_refusal, pooled_scores
+from detectors.ctrla.monitor import FIRING_THRESHOLD, ConfidenceMonitor, detect_refusal, pooled_scores
 from detectors.ctrla.refusal import RefusalHandler
 from detectors.interfaces import Level
 from detectors.llm.words import content_mask
@@ -39,7 +39,9 @@ class CtrlACalculator(Calculator):
 
 
 def build(name: str, detector, settings: object) -> Trigger:
-    """CtrlA's Alg. 3: retrieval when a new content word is unconfident (Eq. 2 < 0) or the segment refuses (f_d); the
+    """CtrlA's Alg. 3: retrieval when a new content word is unconfident (Eq. 2 < 0, the monitor's
+    :func:`~detectors.ctrla.monitor.unconfident`: the threshold on -Eq. 2 is :data:`FIRING_THRESHOLD`, Eq. 2 already
+    subtracting tau) or the segment refuses (f_d); the
     segment is re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when
     ``settings.ctrla`` gives it; the next segment is predicted without the passages (line 4)."""
     policy = Policy(
@@ -51,5 +53,10 @@ def build(name: str, detector, settings: object) -> Trigger:
         else None
     )
     return Trigger(
-        name, CtrlAConfidence(Level.TOKEN, name=name), 0.0, policy, (CtrlACalculator(detector),), refusal=refusal
-    )  # Eq. 2 already subtracts tau
+        name,
+        CtrlAConfidence(Level.TOKEN, name=name),
+        FIRING_THRESHOLD,
+        policy,
+        (CtrlACalculator(detector),),
+        refusal=refusal,
+    )
