@@ -26,6 +26,7 @@ from detectors.io import write_json
 from detectors.registry import store
 from detectors.registry.artifact import read_config
 from detectors.registry.kinds import load_artifact
+from detectors.sources.ids import ok_records
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register")
@@ -51,9 +52,10 @@ READS = (
 
 
 def early_val_ids(path: str | Path) -> list[str]:
-    """Ids of the early set's records the early detectors' validation AUROC is computed on: the ok records of the val split."""
+    """Ids of the early set's records the early detectors' validation AUROC is computed on: the val records
+    :func:`~detectors.dior.early_detector.train_early_detector` validates on (:func:`~detectors.sources.ids.ok_records`)."""
     frame = pd.read_parquet(path, columns=["id", "split", "status"])
-    return frame.loc[(frame["status"] == "ok") & (frame["split"] == "val"), "id"].astype(str).tolist()
+    return ok_records(frame, "val")["id"].astype(str).tolist()
 
 
 def realtime_val_digest(info: dict, artifact_dir: str | Path) -> str:
