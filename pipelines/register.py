@@ -157,7 +157,7 @@ def register_utility(params, experiment_id: str) -> dict[str, dict]:
     tests = json.loads(Path(params["paths.train_utility_metrics"]).read_text())
     results = {}
     for corpus in params["build_utility.corpora"]:
-        val = labels[(labels["corpus"] == corpus) & (labels["split"] == "val") & (labels["status"] == "ok")]
+        val = ok_records(labels[labels["corpus"] == corpus], "val")
         artifact = Path(params["paths.utility_model"]) / corpus
         features = ",".join(read_config(artifact)["pre_groups"])
         results[corpus] = register_detector(
