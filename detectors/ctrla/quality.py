@@ -123,8 +123,9 @@ class MonitoredSet:
         return [(-s[start:]).astype(float).tolist() for s, start in zip(self.eq2(layers, tau, clip), self.starts)]
 
     def trigger_rates(self, layers: list[int], tau: float, clip: float, rows: np.ndarray) -> dict[str, float | None]:
-        """How often the monitor fires at τ (:func:`~detectors.ctrla.monitor.unconfident`) on the ``rows`` (a boolean mask): on generated tokens, on new
-        non-stopword generated tokens, and per sequence as CtrlA's trigger (some new non-stopword token fires)."""
+        """How often the monitor fires at τ (:func:`~detectors.ctrla.monitor.unconfident`) on the ``rows`` (a boolean
+        mask): on generated tokens, on new non-stopword generated tokens, and per sequence as CtrlA's trigger
+        (:func:`~detectors.ctrla.monitor.trigger_position`: some new non-stopword token fires)."""
         fired, content, trig = [], [], []
         for keep, s, start, mask in zip(rows, self.eq2(layers, tau, clip), self.starts, self.masks):
             if not keep:

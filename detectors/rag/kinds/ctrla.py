@@ -39,11 +39,13 @@ class CtrlACalculator(Calculator):
 
 
 def build(name: str, detector, settings: object) -> Trigger:
-    """CtrlA's Alg. 3: retrieval when a new content word is unconfident (Eq. 2 < 0, the monitor's
-    :func:`~detectors.ctrla.monitor.unconfident`: the threshold on -Eq. 2 is :data:`FIRING_THRESHOLD`, Eq. 2 already
-    subtracting tau) or the segment refuses (f_d); the
-    segment is re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when
-    ``settings.ctrla`` gives it; the next segment is predicted without the passages (line 4)."""
+    """CtrlA's Alg. 3: retrieval when a new content word is unconfident or the segment refuses (f_d); the segment is
+    re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when ``settings.ctrla``
+    gives it; the next segment is predicted without the passages (line 4).
+
+    Unconfident is the monitor's :func:`~detectors.ctrla.monitor.unconfident` (Eq. 2 < 0; Eq. 2 already subtracts
+    tau): the trigger's score is -Eq. 2 and its threshold :data:`~detectors.ctrla.monitor.FIRING_THRESHOLD`, CtrlA's
+    own operating point. A threshold set later (``rag_eval.thresholds``, or the validation tuning) replaces it."""
     policy = Policy(
         "token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment"
     )
