@@ -315,8 +315,8 @@ class VariantRuntime(RagRuntime):
 
 def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, questions, refs) -> dict[str, Any]:
     """The configuration as configured and with the variant's change, on every corpus, at its chosen thresholds."""
+    from detectors.evaluation.answer_metrics import accuracy, summarise
     from detectors.evaluation.bootstrap import paired_mean_delta
-    from detectors.rag.answer_metrics import accuracy, summarise
 
     config, out = rag.configurations[variant.configuration], {}
     for corpus in rag.corpora:
@@ -357,7 +357,7 @@ def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, 
 def run_score(runtime: VariantRuntime, variant: Score, rag, questions, refs) -> dict[str, Any]:
     """The sweep of the configured trigger and its variant on the sweep corpus: each one's curve area, and the paired
     interval of the difference."""
-    from detectors.rag.sweep import area_interval, curve, outcome_from_json
+    from detectors.evaluation.rag_sweep import area_interval, curve, outcome_from_json
 
     corpus = rag.sweep.corpus
     runtime.variants = {variant.trigger: variant.change}

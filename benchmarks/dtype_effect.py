@@ -29,8 +29,8 @@ import pandas as pd
 from scipy.stats import spearmanr
 
 from detectors.config.rag import RESERVED
+from detectors.evaluation.answer_metrics import accuracy
 from detectors.evaluation.bootstrap import paired_bootstrap_delta, paired_mean_delta
-from detectors.rag.answer_metrics import accuracy
 
 
 def lines(run: Path, corpus: str, name: str) -> pd.DataFrame:

@@ -160,7 +160,9 @@ def monitor(args: argparse.Namespace) -> None:
             seg.scores,
             seg.trigger_position,
         )
-        rule, extra = "confidence < 0 on a new content word", {"refusal": seg.refusal, "query": seg.query}
+        from detectors.ctrla.monitor import FIRING_RULE
+
+        rule, extra = FIRING_RULE, {"refusal": seg.refusal, "query": seg.query}
     if args.json:
         print(
             json.dumps(

@@ -21,9 +21,11 @@ def module_file(module: str, root: Path = ROOT) -> Path | None:
     return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
 
 
-def imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
+def imported_modules(path: Path, top_level_only: bool = False, registered: bool = True) -> set[str]:
     """Every module an import statement of ``path`` names (inside functions too unless ``top_level_only``), and every
-    module a ``"package.module:attribute"`` string names (an entry of a lazy registry, :mod:`detectors.lazy`).
+    module a ``"package.module:attribute"`` string names (an entry of a lazy registry, :mod:`detectors.lazy`) unless
+    ``registered`` is False: what the file loads (a closure) counts the entries, its import statements (the layering of
+    the packages) do not.
 
     Imports inside a module-level ``__getattr__`` are lazy attribute loads (``detectors.load_detector``) that
     run only when the attribute is used, so they are not imports of the module.
@@ -43,7 +45,8 @@ def imported_modules(path: Path, top_level_only: bool = False) -> set[str]:
             out.add(node.module)
             out.update(f"{node.module}.{alias.name}" for alias in node.names)  # submodules imported by name
         elif (
-            not top_level_only
+            registered
+            and not top_level_only
             and isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and REGISTERED.fullmatch(node.value)

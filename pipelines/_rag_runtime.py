@@ -18,17 +18,17 @@ import pandas as pd
 
 from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
+from detectors.evaluation.answer_metrics import FAILED
+from detectors.evaluation.rag_sweep import sweep_line, trace_events
 from detectors.execution import LLMSpec
 from detectors.inference import load_detector
 from detectors.llm.states import StateCache
 from detectors.progress import progress
-from detectors.rag.answer_metrics import FAILED
 from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.results import RagResult, result
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.sweep import sweep_line, trace_events
 from detectors.rag.triggers import TriggerSettings, check_threshold
 from detectors.registry import store
 from detectors.shards import ERROR, OK, ShardStore

@@ -20,10 +20,10 @@ from detectors.execution import LLMSpec
 from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
 from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.recording import recording_loop
 from detectors.rag.retriever import BM25Retriever
 from detectors.shards import OK, ShardStore, run_shards, status_counts
 from detectors.utility.labels import RecordingGate, balance, utility_records
-from detectors.utility.recording import recording_loop
 from pipelines._provenance import open_shards
 from pipelines._stage import run, stage_params
 
@@ -82,7 +82,7 @@ class ShardWorker:
         self.config, self.loops = rag_config(params, params["build_utility"].batch_size), {}
 
     def loop(self, corpus: str) -> tuple[RagLoop, RecordingGate]:
-        """The corpus's recording loop and its gate (:func:`~detectors.utility.recording.recording_loop`)."""
+        """The corpus's recording loop and its gate (:func:`~detectors.rag.recording.recording_loop`)."""
         if corpus not in self.loops:
             retriever = BM25Retriever.load(Path(self.p["paths.rag_index"]) / corpus)
             self.loops[corpus] = recording_loop(self.llm, retriever, self.config, self.layers)

@@ -21,13 +21,14 @@ import pandas as pd
 from safetensors.numpy import load_file
 
 from detectors.baselines.catalog import question_baselines, realtime_baselines
+from detectors.dior.early_detector import load_early_detectors
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.dior.served import served_behaviour, served_scorer
 from detectors.evaluation.compare import DATASETS, compare_levels, long_table
-from detectors.evaluation.inputs import early_detector_scorers, join_score_tables
+from detectors.evaluation.inputs import join_score_tables
 from detectors.evaluation.plots import write_comparison_plots
 from detectors.evaluation.report import headline, markdown_table, nested_metrics, write_headline
-from detectors.evaluation.scorers import realtime_detector_scorer
+from detectors.evaluation.scorers import DetectorScorer, realtime_detector_scorer
 from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
@@ -114,7 +115,10 @@ def early_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
         pd.read_parquet(params["paths.early"]),
         {"CtrlA": params["paths.ctrla_early"], "baselines": params["paths.baselines_early"]},
     )
-    scorers = early_detector_scorers(params["paths.early_model"]) + question_baselines(set(frame.columns))
+    # every trained early detector under paths.early_model (dior-early, dior-early-extended, ablations), named after its
+    # directory
+    trained = [DetectorScorer(name, det) for name, det in load_early_detectors(params["paths.early_model"]).items()]
+    scorers = trained + question_baselines(set(frame.columns))
     return frame, {Level.QUESTION: frame}, {Level.QUESTION: scorers}
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from detectors.evaluation.answer_metrics import answer_recall
 from detectors.io import write_json
-from detectors.rag.answer_metrics import answer_recall
 from detectors.rag.corpus import OVOS, QA, check_passages, jsonl_passages, ovos_passages, qa_fact_passages
 from detectors.rag.retriever import BM25Retriever
 from pipelines._stage import run, stage_params

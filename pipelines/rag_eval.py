@@ -38,13 +38,9 @@ from mlflow.exceptions import MlflowException
 
 from detectors.config.rag import on_corpus, trigger_names
 from detectors.errors import InputError
+from detectors.evaluation.answer_metrics import FAILED, summarise
 from detectors.evaluation.plots import write_rag_curves
-from detectors.evaluation.report import write_headline
-from detectors.execution import map_units
-from detectors.io import file_digest, write_json
-from detectors.rag.answer_metrics import FAILED, summarise
-from detectors.rag.kinds import check_specs
-from detectors.rag.report import (
+from detectors.evaluation.rag_report import (
     TRADE,
     curves_table,
     headline,
@@ -54,8 +50,12 @@ from detectors.rag.report import (
     tuning_table,
     versus_always,
 )
-from detectors.rag.sweep import candidate_thresholds
-from detectors.rag.sweep import curves as sweep_curves
+from detectors.evaluation.rag_sweep import candidate_thresholds
+from detectors.evaluation.rag_sweep import curves as sweep_curves
+from detectors.evaluation.report import write_headline
+from detectors.execution import map_units
+from detectors.io import file_digest, write_json
+from detectors.rag.kinds import check_specs
 from detectors.registry import store
 from detectors.sources.ids import sample
 from pipelines._rag_runtime import SWEEP, TUNE, VAL_SWEEP, RunWorker
@@ -135,7 +135,7 @@ def tuning_candidates(
     configurations: dict, corpus: str, curves: dict, fixed: dict[str, float], rates: list[float]
 ) -> dict[str, list[dict[str, float]]]:
     """Per configuration, the threshold sets it is tried at on ``corpus``'s validation questions: set j puts each of its
-    triggers at candidate j of its validation curve (:func:`~detectors.rag.sweep.candidate_thresholds`: the most
+    triggers at candidate j of its validation curve (:func:`~detectors.evaluation.rag_sweep.candidate_thresholds`: the most
     accurate point, then the points nearest each of ``rates``; the triggers of one configuration at the same target),
     a trigger ``fixed`` gives a number stays there; a set that repeats is tried once. A configuration with no
     threshold to choose has one set."""

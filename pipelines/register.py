@@ -26,6 +26,7 @@ from detectors.io import write_json
 from detectors.registry import store
 from detectors.registry.artifact import read_config
 from detectors.registry.kinds import load_artifact
+from detectors.sources.ids import ok_records
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register")
@@ -66,9 +67,10 @@ OUTS = (
 
 
 def early_val_ids(path: str | Path) -> list[str]:
-    """Ids of the early set's records the early detectors' validation AUROC is computed on: the ok records of the val split."""
+    """Ids of the early set's records the early detectors' validation AUROC is computed on: the val records
+    :func:`~detectors.dior.early_detector.train_early_detector` validates on (:func:`~detectors.sources.ids.ok_records`)."""
     frame = pd.read_parquet(path, columns=["id", "split", "status"])
-    return frame.loc[(frame["status"] == "ok") & (frame["split"] == "val"), "id"].astype(str).tolist()
+    return ok_records(frame, "val")["id"].astype(str).tolist()
 
 
 def realtime_val_digest(info: dict, artifact_dir: str | Path) -> str:
@@ -170,7 +172,7 @@ def register_utility(params, experiment_id: str) -> dict[str, dict]:
     tests = json.loads(Path(params["paths.train_utility_metrics"]).read_text())
     results = {}
     for corpus in params["build_utility.corpora"]:
-        val = labels[(labels["corpus"] == corpus) & (labels["split"] == "val") & (labels["status"] == "ok")]
+        val = ok_records(labels[labels["corpus"] == corpus], "val")
         artifact = Path(params["paths.utility_model"]) / corpus
         features = ",".join(read_config(artifact)["pre_groups"])
         results[corpus] = register_detector(

@@ -16,12 +16,13 @@ import torch
 import yaml
 from conftest import ROOT, known_facts
 
-from detectors.baselines.retrorag import self_consistency_scores, self_evaluation_scores, word_token_ids
+from detectors.baselines.retrorag import self_consistency_scores, self_evaluation_scores
 from detectors.baselines.rind import rind_scores
 from detectors.config import load_section
 from detectors.config.core import from_dict
 from detectors.config.schema import PromptParams
 from detectors.dior.recorder import generate_traced
+from detectors.llm.judge import word_token_ids
 from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import prepare_llm
 from pipelines import score_baselines

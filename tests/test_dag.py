@@ -133,9 +133,9 @@ def test_every_path_a_stage_reads_is_a_dep_or_an_out(name):
     assert not missing, f"dvc.yaml stage {name} reads {missing} but names them in no dep, out, metric or plot"
 
 
-def import_cycle(root: Path = ROOT, package: str = "detectors") -> list[str] | None:
-    """A cycle among the library's modules (imports inside functions included; a module's own packages left out), or
-    None."""
+def import_graph(root: Path = ROOT, package: str = "detectors", registered: bool = True) -> dict[str, set[str]]:
+    """The library's modules and the modules of it each imports (imports inside functions included; a module's own
+    packages left out; the entries of lazy registries too unless ``registered`` is False), read from the sources."""
     from detectors.imports import imported_modules, module_file
 
     modules = {
@@ -145,17 +145,38 @@ def import_cycle(root: Path = ROOT, package: str = "detectors") -> list[str] | N
     graph = {}
     for name, path in modules.items():
         deps = set()
-        for imported in imported_modules(path):
+        for imported in imported_modules(path, registered=registered):
             while imported and imported not in modules:  # a name imported from a module: the module
                 imported = imported.rpartition(".")[0]
             if imported and imported != name and not name.startswith(imported + ".") and module_file(imported, root):
                 deps.add(imported)
         graph[name] = deps
+    return graph
+
+
+def package_graph(root: Path = ROOT, package: str = "detectors") -> dict[str, set[str]]:
+    """:func:`import_graph` folded onto ``package``'s first level (``detectors.rag``, ``detectors.cli``, ...): which of
+    its sub-packages and top-level modules import which. A lazy registry's entries are not imports: the registry names
+    its kinds by string precisely so that it does not import them (``detectors.registry.kinds`` names the detector
+    classes of ``dior``, ``ctrla`` and ``utility``, which import ``registry.artifact``)."""
+    top = len(package.split(".")) + 1
+    graph: dict[str, set[str]] = {}
+    for name, deps in import_graph(root, package, registered=False).items():
+        if name == package:
+            continue
+        first = ".".join(name.split(".")[:top])
+        graph.setdefault(first, set()).update(".".join(d.split(".")[:top]) for d in deps if d != package)
+        graph[first].discard(first)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (``[a, b, ..., a]``), or None."""
     state: dict[str, int] = {}
 
     def visit(name: str, path: list[str]) -> list[str] | None:
         state[name] = 1
-        for dep in sorted(graph[name]):
+        for dep in sorted(graph.get(name, ())):
             if state.get(dep) == 1:
                 return path[path.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep, path + [dep])):
@@ -167,4 +188,26 @@ def import_cycle(root: Path = ROOT, package: str = "detectors") -> list[str] | N
 
 
 def test_the_library_has_no_import_cycle():
-    assert import_cycle() is None
+    assert find_cycle(import_graph()) is None
+
+
+def test_the_library_packages_import_each_other_without_a_cycle():
+    """Layering: no two first-level packages of ``detectors`` depend on each other, even through imports inside
+    functions (evaluation below the detector packages, utility below rag, ...)."""
+    cycle = find_cycle(package_graph())
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_package_graph_sees_an_import_inside_a_function(tmp_path):
+    lib = tmp_path / "lib"
+    for sub, body in {
+        "a": "def f():\n    from lib.b.y import g\n",
+        "b": "from lib.c.z import h\n",
+        "c": "import lib.a.x\n",
+    }.items():
+        (lib / sub).mkdir(parents=True)
+        (lib / sub / "__init__.py").write_text("")
+        (lib / sub / f"{'xyz'['abc'.index(sub)]}.py").write_text(body)
+    (lib / "__init__.py").write_text("")
+    assert package_graph(tmp_path, "lib") == {"lib.a": {"lib.b"}, "lib.b": {"lib.c"}, "lib.c": {"lib.a"}}
+    assert find_cycle(package_graph(tmp_path, "lib")) == ["lib.a", "lib.b", "lib.c", "lib.a"]

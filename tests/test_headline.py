@@ -13,8 +13,8 @@ import yaml
 from conftest import ROOT
 
 from detectors.evaluation.compare import COLUMNS
+from detectors.evaluation.rag_report import headline as rag_headline
 from detectors.evaluation.report import directions_headline, headline, nested_metrics, write_headline
-from detectors.rag.report import headline as rag_headline
 
 ROWS = [  # scorer, kind, dataset, level, auroc, delta_vs
     ("first_token_prob", "baseline", "early", "question", 0.70126, None),

@@ -18,7 +18,6 @@ import torch
 import yaml
 from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
 
-from detectors.baselines.retrorag import word_token_ids, yes_probability
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
 from detectors.config.rag import CtrlARefusalParams, SitParams
@@ -34,6 +33,7 @@ from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.llm.generate import generate
+from detectors.llm.judge import word_token_ids, yes_probability
 from detectors.llm.kv import PrefixStore, prefix_states
 from detectors.llm.loading import LLM
 from detectors.rag.controllers import Controller

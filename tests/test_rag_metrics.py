@@ -17,10 +17,17 @@ from mlflow.entities import ViewType
 
 from detectors.config import ParamsError, load_section
 from detectors.errors import InputError
-from detectors.rag.answer_metrics import FAILED, METRICS, accuracy, answer_recall, exact_match, summarise, token_f1
-from detectors.rag.kinds import check_specs
-from detectors.rag.report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
-from detectors.rag.sweep import (
+from detectors.evaluation.answer_metrics import (
+    FAILED,
+    METRICS,
+    accuracy,
+    answer_recall,
+    exact_match,
+    summarise,
+    token_f1,
+)
+from detectors.evaluation.rag_report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
+from detectors.evaluation.rag_sweep import (
     Outcome,
     candidate_thresholds,
     curve,
@@ -30,6 +37,7 @@ from detectors.rag.sweep import (
     sweep_line,
     trace_events,
 )
+from detectors.rag.kinds import check_specs
 from detectors.registry import store
 from pipelines._rag_runtime import Run, run_questions
 from pipelines.rag_eval import (

@@ -10,12 +10,13 @@ import pytest
 import yaml
 from conftest import ROOT, qa_rows
 
-from detectors.baselines.retrorag import self_consistency_scores, yes_no_ids, yes_probability
+from detectors.baselines.retrorag import self_consistency_scores
 from detectors.config import load_section
 from detectors.config.core import ParamsError, from_dict
 from detectors.config.retrorag import RetroRagParams
 from detectors.config.schema import PromptParams
 from detectors.llm.generate import generate, instruction_prompt, row_generator
+from detectors.llm.judge import yes_no_ids, yes_probability
 from detectors.rag.corpus import Passage
 from detectors.rag.retriever import BM25Retriever, Hit
 from detectors.rag.retroactive import Evidence, RetroRag, keep_top, merge_evidence, split_candidates, truncate_words

@@ -3,6 +3,8 @@ on the tiny Llama."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from conftest import ROOT
 
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.monitor import (
+    FIRING_RULE,
     ConfidenceMonitor,
     content_mask,
     detect_refusal,
@@ -20,9 +23,14 @@ from detectors.ctrla.monitor import (
     running_scores,
     score_sequences,
     token_words,
+    trigger_position,
+    unconfident,
 )
+from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.steering import steer, steering_vectors
 from detectors.llm.layers import LayerTap, decoder_layers
+from detectors.rag.kinds.ctrla import build as ctrla_trigger
+from detectors.rag.triggers import TriggerSettings
 
 
 def unit(seed: int, dim: int = 64) -> torch.Tensor:
@@ -247,3 +255,32 @@ def test_truthfulqa_questions_batched_score_as_each_alone_under_steering(tiny_ll
         for batch_size in (1, 3):
             accuracy, hits = mc_accuracy(tiny_llm, prefix, examples, steering, progress=False, batch_size=batch_size)
             assert hits.tolist() == expected and accuracy == pytest.approx(np.mean(expected))
+
+
+def test_ctrlas_firing_rule_is_strictly_below_zero():
+    """CtrlA §3.2.3 (arXiv 2405.18727): m_k < 0 is unconfident, so a score of exactly 0 does not fire."""
+    eq2 = np.array([-1e-9, 0.0, -0.0, 1e-9, -2.0])
+    assert unconfident(eq2).tolist() == [True, False, False, False, True]
+    assert trigger_position(eq2, [False, True, True, True, False]) is None  # only the new content counts
+    assert trigger_position(eq2, [True, True, True, True, True]) == 0
+    assert trigger_position([0.0, 0.5, -0.1], [True, True, True]) == 2
+    assert trigger_position([], []) is None
+    assert "< 0" in FIRING_RULE
+
+
+def test_the_rag_loops_ctrla_trigger_fires_where_the_monitor_does(tiny_llm, directions):
+    """The loop's CtrlA trigger (a threshold on -Eq. 2, fired at or above it) decides as the monitor's trigger: not at
+    a score of exactly 0 (a threshold of 0.0 fired there), at the first new unconfident token otherwise."""
+    monitor = yaml.safe_load((ROOT / "params.yaml").read_text())["extract_directions"]["monitor"]
+    config = {"llm": {"dtype": "float32"}, "n_statements": 4, "monitor": monitor}
+    detector = ConfidenceDetector(dataclasses.replace(directions, config=config)).attach(tiny_llm)
+    trigger = ctrla_trigger("ctrla", detector, TriggerSettings())
+    for eq2, new in (
+        ([0.0, 0.3, 0.0], [True, True, True]),  # exactly 0: confident, no retrieval
+        ([0.0, -0.0, -1e-30, -0.4], [True, True, True, True]),
+        ([-0.5, 0.0, -0.2], [False, True, True]),
+        ([0.1, -3.0], [True, False]),
+    ):
+        eq2 = np.asarray(eq2, dtype=np.float64)
+        stats = {"ctrla_eq2": eq2, "ctrla_confidence": -eq2, "new_content": np.asarray(new), "refusal": False}
+        assert trigger.first(trigger.token_scores(stats)) == trigger_position(eq2, new), (eq2, new)

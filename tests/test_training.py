@@ -191,3 +191,23 @@ def test_an_artifact_written_before_names_loads_as_dior_early(tmp_path):
     del config["name"]
     (directory / "detector.json").write_text(json.dumps(config))
     assert EarlyDetector.load(directory).name == "dior-early"
+
+
+def test_register_digests_the_validation_records_the_trainer_validates_on(tmp_path):
+    """pipelines.register's early validation ids (the registry compares versions by their digest) are the records
+    train_early_detector early-stops and chooses its threshold on: the ok val records, failed ones left out."""
+    from pipelines.register import early_val_ids
+
+    frame = synthetic_rows(240)
+    failed = frame.index[frame["split"] == "val"][:7]
+    frame.loc[failed, "status"] = "failed"
+    frame.loc[failed, "label"] = 1 - frame.loc[failed, "label"]  # were they used, the threshold would differ
+    frame.to_parquet(tmp_path / "early.parquet")
+    ids = early_val_ids(tmp_path / "early.parquet")
+    det = train(frame, ["attribution"])
+    val = frame[frame["split"] == "val"]
+    assert set(ids) == set(val["id"]) - set(frame.loc[failed, "id"]) and det.info["n_val"] == len(ids)
+    chosen = frame.set_index("id").loc[ids].reset_index()
+    p, y = det.predict_proba(chosen.to_dict("records")), chosen["label"].to_numpy()
+    youden = lambda t: ((p >= t) & (y == 1)).sum() / (y == 1).sum() - ((p >= t) & (y == 0)).sum() / (y == 0).sum()  # noqa: E731
+    assert det.threshold in p and youden(det.threshold) == max(youden(t) for t in p)

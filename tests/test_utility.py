@@ -17,14 +17,15 @@ from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, PromptParams, TrainingParams
 from detectors.dior.early import early_records
+from detectors.evaluation.rag_sweep import curve, operating_point, question_outcomes
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.rag.controllers.gate import PostRetrieval
 from detectors.rag.corpus import qa_fact_passages
 from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.recording import recording_loop
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.sweep import curve, operating_point, question_outcomes
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
@@ -39,7 +40,6 @@ from detectors.utility.labels import (
     utility_label,
     utility_records,
 )
-from detectors.utility.recording import recording_loop
 
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 PROMPT = PromptParams(template="{question}", chat=False, system=None)  # as the tiny Llama learnt its facts

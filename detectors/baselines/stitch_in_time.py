@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from detectors.baselines.retrorag import yes_no_ids, yes_probability
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.interfaces import Level
+from detectors.llm.judge import yes_no_ids, yes_probability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class SitValidator:
 
     def judge(self, validation_questions: list[str], passages: list[str], on_batch=None) -> np.ndarray:
         """P(yes) of each validation question answered from its rendered passages (``on_batch``: see
-        :func:`~detectors.baselines.retrorag.yes_probability`)."""
+        :func:`~detectors.llm.judge.yes_probability`)."""
         prompts = [
             self.params.prompt.format(passages=p, validation_question=q) for q, p in zip(validation_questions, passages)
         ]

@@ -172,10 +172,38 @@ def score_sequences(
 
 # ---- the retrieval trigger: new, non-stopword tokens (content_mask, token_words: detectors.llm.words) ----
 
+FIRING_RULE = "Eq. 2 confidence < 0 on a new content word"  # :func:`unconfident` and :func:`trigger_position`, in words
+
+# The RAG loop's triggers fire at a score at or above their threshold (detectors.rag.triggers) and CtrlA's score there
+# is -Eq. 2: the threshold that fires exactly where :func:`unconfident` holds is the smallest positive float, since
+# -Eq. 2 >= it <=> Eq. 2 < 0 for every float (a threshold of 0.0 would also fire at Eq. 2 == 0, which is confident).
+FIRING_THRESHOLD = float(np.nextafter(0.0, 1.0))
+
+
+def unconfident(scores) -> np.ndarray:
+    """CtrlA's firing rule, the one definition of it (CtrlA, arXiv 2405.18727, §3.2.3): a token is unconfident when
+    its Eq. 2 score is strictly below zero ("if m_k < 0, LLM is unconfident in generating the k-th token"; "the
+    retrieval trigger T activates if any confidence score in y'_t satisfies m_k < 0"). A score of exactly 0 is not
+    unconfident. The monitor's trigger, Eq. 3's masking, the quality report's trigger rates, the ``dynrag monitor``
+    command and the RAG loop's CtrlA trigger (:data:`FIRING_THRESHOLD`) all decide with it."""
+    return np.asarray(scores, dtype=np.float64) < 0
+
+
+def trigger_position(scores, new_content) -> int | None:
+    """CtrlA's retrieval trigger T on a generated segment: the first token that is new content (``new_content``: a
+    new non-stopword word, :func:`~detectors.llm.words.content_mask`) and :func:`unconfident`; None when T does not
+    fire."""
+    hits = np.flatnonzero(unconfident(scores) & np.asarray(new_content, dtype=bool))
+    return int(hits[0]) if len(hits) else None
+
 
 def hallucination_score(scores: np.ndarray, mask: list[bool], fallback: float) -> float:
     """A sequence's hallucination score: ``-min`` of Eq. 2 over the new non-stopword tokens (the token that
-    fires CtrlA's trigger first), over all tokens when none is new, ``fallback`` when there are none."""
+    fires CtrlA's trigger first), over all tokens when none is new, ``fallback`` when there are none.
+
+    It ranks sequences (AUROC), it does not decide: where some token is new content, score > 0 exactly when
+    :func:`trigger_position` fires; the all-tokens fallback scores a sequence the trigger cannot fire on (it reads only
+    new content), so that such a sequence still has a rank."""
     scores = np.asarray(scores, dtype=np.float64)
     if len(scores) == 0:
         return float(fallback)
@@ -197,7 +225,7 @@ def detect_refusal(text: str, patterns: list[str]) -> str | None:
 
 def masked_query(tokenizer, question: str, context_text: str, ids: list[int], scores: np.ndarray) -> str:
     """Context-augmented query (Eq. 3): the question plus the segment without its words that are both new
-    (not in the question or earlier generation) and unconfident (Eq. 2 score < 0)."""
+    (not in the question or earlier generation) and unconfident (:func:`unconfident`: some token of the word)."""
     seen = set(normalize_text(f"{question} {context_text}").split())
     words = token_words(tokenizer, ids)
     kept: list[int] = []
@@ -205,7 +233,7 @@ def masked_query(tokenizer, question: str, context_text: str, ids: list[int], sc
         members = [i for i, x in enumerate(words) if x == w]
         text = tokenizer.decode([ids[i] for i in members], skip_special_tokens=True)
         new = normalize_text(text) not in seen if normalize_text(text) else False
-        if not (new and min(float(scores[i]) for i in members) < 0):
+        if not (new and unconfident([scores[i] for i in members]).any()):
             kept.extend(ids[i] for i in members)
     segment = tokenizer.decode(kept, skip_special_tokens=True).strip()
     return f"{question} {segment}".strip()
@@ -220,11 +248,9 @@ class Segment:
 
     text: str
     token_ids: list[int]
-    scores: list[float]  # Eq. 2 per generated token (< 0: unconfident)
+    scores: list[float]  # Eq. 2 per generated token (:func:`unconfident`: < 0)
     new_content: list[bool]  # the trigger looks only at these tokens
-    trigger_position: (
-        int | None
-    )  # the first generated token that fires trigger T (new, non-stopword, score < 0), or None
+    trigger_position: int | None  # the first generated token that fires trigger T (:func:`trigger_position`), or None
     refusal: str | None  # the refusal pattern found (f_d), if any
     query: str  # the context-augmented query (Eq. 3)
 
@@ -278,7 +304,7 @@ def generate_segment(
         token_ids=gen,
         scores=scores.tolist(),
         new_content=mask,
-        trigger_position=next((i for i, (m, s) in enumerate(zip(mask, scores)) if m and s < 0), None),
+        trigger_position=trigger_position(scores, mask),
         refusal=detect_refusal(text, list(refusal_patterns)),
         query=masked_query(llm.tokenizer, question, context_text, gen, scores),
     )

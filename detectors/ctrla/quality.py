@@ -19,7 +19,14 @@ from detectors.config.schema import PromptParams
 from detectors.ctrla import RANGE_COLUMNS
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.layer_ranges import choose_window
-from detectors.ctrla.monitor import content_mask, hallucination_score, pooled_scores, project_sequences
+from detectors.ctrla.monitor import (
+    content_mask,
+    hallucination_score,
+    pooled_scores,
+    project_sequences,
+    trigger_position,
+    unconfident,
+)
 from detectors.ctrla.statements import instruction_prefix, statement_ids
 from detectors.ctrla.steering import steer, steering_vectors
 from detectors.evaluation.metrics import auroc
@@ -116,16 +123,17 @@ class MonitoredSet:
         return [(-s[start:]).astype(float).tolist() for s, start in zip(self.eq2(layers, tau, clip), self.starts)]
 
     def trigger_rates(self, layers: list[int], tau: float, clip: float, rows: np.ndarray) -> dict[str, float | None]:
-        """How often the monitor fires at τ (Eq. 2 < 0) on the ``rows`` (a boolean mask): on generated tokens, on new
-        non-stopword generated tokens, and per sequence as CtrlA's trigger (some new non-stopword token fires)."""
+        """How often the monitor fires at τ (:func:`~detectors.ctrla.monitor.unconfident`) on the ``rows`` (a boolean
+        mask): on generated tokens, on new non-stopword generated tokens, and per sequence as CtrlA's trigger
+        (:func:`~detectors.ctrla.monitor.trigger_position`: some new non-stopword token fires)."""
         fired, content, trig = [], [], []
         for keep, s, start, mask in zip(rows, self.eq2(layers, tau, clip), self.starts, self.masks):
             if not keep:
                 continue
-            below, mask = s[start:] < 0, np.asarray(mask, dtype=bool)
+            below, mask = unconfident(s[start:]), np.asarray(mask, dtype=bool)
             fired.append(below)
             content.append(below[mask])
-            trig.append(bool((below & mask).any()))
+            trig.append(trigger_position(s[start:], mask) is not None)
         share = lambda parts: round(float(np.concatenate(parts).mean()), 4) if parts and sum(map(len, parts)) else None  # noqa: E731
         return {
             "token": share(fired),

@@ -45,6 +45,7 @@ from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.registry.artifact import FrameInputs, frame_dtype, llm_section, read_net, write_artifact
+from detectors.sources.ids import ok_records
 from detectors.training import fit, predict, training_info
 
 PAPER_THRESHOLD = 0.5  # DioR Eq. 2: retrieve when the softmax (here: sigmoid) output exceeds 0.5
@@ -191,9 +192,7 @@ def train_early_detector(
     ``llm_ref``, so that serving in another dtype is refused.
     """
     llm_ref = {**llm_ref, "dtype": frame_dtype(frame, "the early-detection set")}
-    ok = frame[frame["status"] == "ok"]
-    train = ok[ok["split"] == "train"].to_dict("records")
-    val = ok[ok["split"] == "val"].to_dict("records")
+    train, val = (ok_records(frame, split).to_dict("records") for split in ("train", "val"))
     train_labels, val_labels = (np.array([r["label"] for r in rows]) for rows in (train, val))
     require_both_classes(train_labels, "the train split")
     require_both_classes(val_labels, "the validation split")

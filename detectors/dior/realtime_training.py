@@ -23,6 +23,7 @@ from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import frame_dtype
 from detectors.registry.store import validation_digest
+from detectors.sources.ids import ok_records
 from detectors.training import fit, training_info
 
 log = logging.getLogger(__name__)
@@ -199,9 +200,7 @@ def train_and_choose(
         if best is None or (value is not None and value > best_auroc):
             best, best_auroc, best_scores = detector, value, val_scores
     records = sets.records(choose_on)[0]
-    val_ids = records.loc[
-        (records["status"] == "ok") & (records["split"] == "val"), "id"
-    ]  # the records served_auroc scores
+    val_ids = ok_records(records, "val")["id"]  # the records served_auroc scores
     best.info = {
         **best.info,
         "val_served_auroc": summary[best.info["tokens"]]["val_served_auroc"],

@@ -23,6 +23,7 @@ from detectors.errors import InputError
 from detectors.evaluation.metrics import auroc, choose_threshold, require_both_classes
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.interfaces import Level
+from detectors.sources.ids import ok_records
 
 SERVED = "mlp[served]"
 
@@ -51,9 +52,7 @@ def record_tokens(
     frame: pd.DataFrame, mlp_scores: dict[str, np.ndarray], split: str | None
 ) -> list[tuple[Any, np.ndarray, np.ndarray]]:
     """``(row, scores, token labels)`` of the ok records of ``split`` (None: all), every token scored."""
-    ok = frame[frame["status"] == "ok"]
-    if split is not None:
-        ok = ok[ok["split"] == split]
+    ok = ok_records(frame, split)
     if not len(ok):
         raise InputError(f"no ok record in split {split!r} of the real-time set: nothing to serve")
     out = []

@@ -1,5 +1,6 @@
-"""What the comparison reads besides the data sets: other stages' per-id score tables, joined generically
-(a missing table means that scorer is absent), and the trained early detectors, one per directory."""
+"""What the comparison reads besides the data sets: other stages' per-id score tables, joined generically (a missing
+table means that scorer is absent). The trained detectors are loaded by the stage (``pipelines.evaluate``): evaluation
+imports no detector package, they import it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,6 @@ import logging
 from pathlib import Path
 
 import pandas as pd
-
-from detectors.dior.early_detector import load_early_detectors
-from detectors.evaluation.scorers import DetectorScorer
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +36,3 @@ def join_score_tables(frame: pd.DataFrame, tables: dict[str, str | Path]) -> tup
         frame = frame.merge(table, on="id", how="left")
         joined += columns
     return frame, joined
-
-
-def early_detector_scorers(model_dir: str | Path) -> list[DetectorScorer]:
-    """Every trained early detector under ``model_dir`` (``dior-early``, ``dior-early-extended``, ablations), a scorer
-    named after its directory."""
-    return [DetectorScorer(name, detector) for name, detector in load_early_detectors(model_dir).items()]

@@ -231,7 +231,7 @@ def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
 
 
 def write_rag_curves(curves: dict, path: Path, title: str) -> Path:
-    """rag_eval's accuracy vs retrieval-rate curves (``{trigger: Curve}`` of :mod:`detectors.rag.sweep`) in one figure,
+    """rag_eval's accuracy vs retrieval-rate curves (``{trigger: Curve}`` of :mod:`detectors.evaluation.rag_sweep`) in one figure,
     each labelled with its area − random's, beside random retrieval's line (from never to always retrieving)."""
     colours = scorer_colours(curves)
     fig, ax = plt.subplots(figsize=(9, 6))

@@ -11,5 +11,7 @@ Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``)
 while the LLM generates, under the stored sets' names), ``triggers`` (a scorer, a threshold and a policy: when to
 retrieve), ``kinds`` (one module per trigger family, with the calculators of what it reads; ``make_trigger``), ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
 stepwise selection, chunking, the passages block), ``loop`` (the batched loop, the threshold sweep's trace),
-``answer_metrics``, ``sweep``, ``report``; ``retroactive`` (RetroRAG, a loop of its own).
+``recording`` (the loop that labels retrieval utility); ``retroactive`` (RetroRAG, a loop of its own). Scoring the
+answers, the threshold sweep and the report are evaluation: :mod:`detectors.evaluation.answer_metrics`,
+:mod:`detectors.evaluation.rag_sweep`, :mod:`detectors.evaluation.rag_report`.
 """

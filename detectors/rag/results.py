@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from detectors.rag.answer_metrics import FAILED
+from detectors.evaluation.answer_metrics import FAILED
 
 NO_PASSAGE = "no passage retrieved"  # a recorded outcome: the question retrieved and every retrieval came back empty
 

@@ -61,10 +61,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from detectors.baselines.retrorag import yes_no_ids, yes_probability
 from detectors.config.retrorag import RetroRagParams
 from detectors.config.schema import PromptParams
 from detectors.llm.generate import Generation, generate, instruction_prompt, row_generator
+from detectors.llm.judge import yes_no_ids, yes_probability
 from detectors.llm.loading import LLM
 from detectors.llm.states import StateCache
 from detectors.rag.context import with_context

@@ -32,6 +32,15 @@ def split_of(record_id: str, ratios: dict[str, float]) -> str:
     return "test"
 
 
+def ok_records(frame: pd.DataFrame, split: str | None) -> pd.DataFrame:
+    """The records of ``split`` (None: every split) a trainer and its evaluation use: those built without error
+    (``status`` ok). The one definition of a split's usable records: the early detector trains and validates on it,
+    the real-time detector's served AUROC and its validation digest read it, and the register stage's digest of the
+    early detectors' validation records is computed from it, so that they always name the same records."""
+    ok = frame[frame["status"] == "ok"]
+    return ok if split is None else ok[ok["split"] == split]
+
+
 def sample(df: pd.DataFrame, limit: int | None) -> pd.DataFrame:
     """A deterministic subset of ``limit`` records (by id hash), independent of the source's order."""
     if limit is None or limit >= len(df):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from detectors.rag.answer_metrics import accuracy
+from detectors.evaluation.answer_metrics import accuracy
 
 HELPS, HURTS, NEITHER = "helps", "hurts", "neither"
 LABELS = (HELPS, HURTS, NEITHER)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from detectors.baselines.ctrla_confidence import CtrlAConfidence
-from detectors.ctrla.monitor import ConfidenceMonitor, detect_refusal, pooled_scores
+from detectors.ctrla.monitor import FIRING_THRESHOLD, ConfidenceMonitor, detect_refusal, pooled_scores
 from detectors.ctrla.refusal import RefusalHandler
 from detectors.interfaces import Level
 from detectors.llm.words import content_mask
@@ -41,14 +41,18 @@ class CtrlACalculator(Calculator):
 
 
 def build(name: str, detector, settings: object) -> Trigger:
-    """CtrlA's Alg. 3: retrieval when a new content word is unconfident (Eq. 2 < 0) or the segment refuses (f_d); the
-    segment is re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when
-    ``settings.ctrla`` gives it; the next segment is predicted without the passages (line 4)."""
+    """CtrlA's Alg. 3: retrieval when a new content word is unconfident or the segment refuses (f_d); the segment is
+    re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when ``settings.ctrla``
+    gives it; the next segment is predicted without the passages (line 4).
+
+    Unconfident is the monitor's :func:`~detectors.ctrla.monitor.unconfident` (Eq. 2 < 0; Eq. 2 already subtracts
+    tau): the trigger's score is -Eq. 2 and its threshold :data:`~detectors.ctrla.monitor.FIRING_THRESHOLD`, CtrlA's
+    own operating point. A threshold set later (``rag_eval.thresholds``, or the validation tuning) replaces it."""
     policy = Policy(
         "token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment"
     )
     controller = RETRIEVE
     if settings.ctrla is not None:
         controller = RefusalRetry(RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla))
-    scorer = CtrlAConfidence(Level.TOKEN, name=name)  # fires at 0: Eq. 2 already subtracts tau
-    return Trigger(name, scorer, 0.0, policy, (CtrlACalculator(detector),), controller=controller)
+    scorer = CtrlAConfidence(Level.TOKEN, name=name)
+    return Trigger(name, scorer, FIRING_THRESHOLD, policy, (CtrlACalculator(detector),), controller=controller)

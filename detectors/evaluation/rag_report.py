@@ -15,9 +15,9 @@ import mlflow
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
+from detectors.evaluation.answer_metrics import accuracy
 from detectors.evaluation.bootstrap import paired_mean_delta
 from detectors.evaluation.report import headline_value
-from detectors.rag.answer_metrics import accuracy
 from detectors.registry import store
 
 DELTA = "delta"  # a paired difference with its interval: ``key``, ``key_ci_low``, ``key_ci_high``

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from detectors.rag.answer_metrics import accuracy
+from detectors.evaluation.answer_metrics import accuracy
 
 
 @dataclasses.dataclass(frozen=True)

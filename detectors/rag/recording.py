@@ -1,5 +1,6 @@
-"""The loop that labels retrieval utility (:func:`~detectors.utility.labels.utility_records` reads it), kept apart
-from the labels because the RAG loop imports them (through the utility trigger's gate)."""
+"""The loop that labels retrieval utility (:func:`~detectors.utility.labels.utility_records` reads it). It is RAG
+code above :mod:`detectors.utility`: the RAG loop imports the utility trigger's gate, so ``utility`` must not import
+``rag``."""
 
 from __future__ import annotations
 
