@@ -168,3 +168,16 @@ def import_cycle(root: Path = ROOT, package: str = "detectors") -> list[str] | N
 
 def test_the_library_has_no_import_cycle():
     assert import_cycle() is None
+
+
+def test_validating_the_rag_sections_reads_the_registries_names_not_their_code():
+    """A stage that reads ``rag_eval`` or ``index_corpus`` params checks the configured names against the registries
+    (detectors.rag.extensions, detectors.rag.frameworks) without depending on what the entries build; rag_eval,
+    which builds them, depends on all of them."""
+    for stage in ("pipelines.index_corpus", "pipelines.train_utility"):
+        closure = stage_closure(stage)
+        assert {Path("detectors/rag/extensions.py"), Path("detectors/rag/frameworks.py")} <= closure
+        assert not {Path("detectors/rag/kinds/flare.py"), Path("detectors/rag/retroactive.py")} & closure, stage
+    assert {Path("detectors/rag/kinds/flare.py"), Path("detectors/rag/retroactive.py")} <= stage_closure(
+        "pipelines.rag_eval"
+    )

@@ -7,29 +7,32 @@ import dataclasses
 import re
 from typing import Literal
 
-from detectors.config.core import check_fields, fail, positive
+from detectors.config.core import check_fields, check_registered, fail, positive
+from detectors.rag.extensions import QUERIES, TRAINING_FREE
+from detectors.rag.frameworks import FRAMEWORKS
 
-QueryKind = Literal["question", "flare", "qfs", "dior", "ctrla"]
-QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-FRAMEWORKS = (
-    "retrorag",
-)  # seed systems with a loop of their own (detectors.rag.retroactive); params: the section of that name
 RESERVED = ("sweep", "digests", "thresholds", "tuning")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
 CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configuration runs on (utility-{corpus}@champion)
 
 
 def check_trigger(key: str, trigger: str) -> None:
-    """A trigger's spelling: a training-free trigger's name (the stage checks it against
-    :data:`detectors.rag.triggers.TRAINING_FREE` before any work) or a registered detector as ``<name>@<alias>``
-    (``{corpus}`` in the name stands for the corpus the configuration runs on)."""
-    if not (NAME.fullmatch(trigger) or REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1))):
+    """A configured trigger: a training-free trigger's name (:data:`detectors.rag.extensions.TRAINING_FREE`) or a
+    registered detector as ``<name>@<alias>`` (``{corpus}`` in the name stands for the corpus the configuration runs
+    on; the detector's kind is checked when it loads). The one check of a trigger's spelling, before any work."""
+    if "@" not in trigger:
+        check_registered(
+            key,
+            trigger,
+            TRAINING_FREE,
+            f"or a registered detector as <name>@<alias>, e.g. dior-early@champion or utility-{CORPUS}@champion",
+        )
+    elif not REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1)):
         fail(
             key,
             trigger,
-            f"name a training-free trigger (e.g. flare) or a registered detector as <name>@<alias>, e.g. dior-early@champion "
-            f"or utility-{CORPUS}@champion",
+            f"name a registered detector as <name>@<alias>, e.g. dior-early@champion or utility-{CORPUS}@champion",
         )
 
 
@@ -51,7 +54,7 @@ class RagConfigurationParams:
     ``rag_eval.context``)."""
 
     triggers: list[str]
-    query: QueryKind
+    query: str  # a formulation of detectors.rag.extensions.QUERIES
     stepwise: bool
     chunk: bool
     steering: str | None
@@ -60,6 +63,7 @@ class RagConfigurationParams:
     def check(self, where: str) -> None:
         for i, trigger in enumerate(self.triggers):
             check_trigger(f"{where}.triggers[{i}]", trigger)
+        check_registered(f"{where}.query", self.query, QUERIES)
         if len(set(self.triggers)) != len(self.triggers):
             fail(f"{where}.triggers", self.triggers, "list each trigger once")
         if self.steering is not None and not REGISTERED.fullmatch(self.steering):
@@ -184,7 +188,7 @@ class RagEvalParams:
     max_new_tokens: int
     context: str  # inserted right before {question} of the early prompt when passages were retrieved
     configurations: dict[str, RagConfigurationParams]
-    frameworks: list[str]  # seed systems that run their own loop (FRAMEWORKS), one row each beside the configurations
+    frameworks: list[str]  # seed systems that run their own loop (detectors.rag.frameworks), one row each
     thresholds: dict[
         str, float
     ]  # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
@@ -239,8 +243,7 @@ class RagEvalParams:
                     "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit",
                 )
         for i, name in enumerate(self.frameworks):
-            if name not in FRAMEWORKS:
-                fail(f"{where}.frameworks[{i}]", name, f"known frameworks: {list(FRAMEWORKS)}")
+            check_registered(f"{where}.frameworks[{i}]", name, FRAMEWORKS)
             if name in self.configurations:
                 fail(
                     f"{where}.frameworks[{i}]",

@@ -12,6 +12,9 @@ statistics it cannot do without (the loop refuses a configuration whose triggers
 - :class:`DiorQuery`: DioR's pre-retrieval importance score (§3.3.1) over the detectors' keyword candidates (the
   early detector's Eq. 3 keywords, the real-time detector's unflagged entity tokens);
 - :class:`CtrlAQuery`: CtrlA's masked query (Eq. 3), :func:`detectors.ctrla.monitor.masked_query`.
+
+:func:`detectors.rag.extensions.make_query` builds one by name from the ``rag_eval.query`` section (the builders
+below).
 """
 
 from __future__ import annotations
@@ -289,26 +292,27 @@ class CtrlAQuery(_Formulation):
         return masked_query(llm.tokenizer, q.question, preceding, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
 
 
-QUERIES = ("question", "flare", "qfs", "dior", "ctrla")
+# ---- the builders, registered by name in detectors.rag.extensions.QUERIES -----------------------------------------
+# Each takes the ``rag_eval.query`` section (detectors.config.rag.RagQueryParams), the threshold of the configuration's
+# FLARE trigger (None without one) and the retriever's idf (None without a retriever), and reads what it needs.
 
 
-def make_query(
-    name: str,
-    flare_theta: float = 0.5,
-    qfs_top_n: int = 8,
-    dior_weights: DiorWeights | None = None,
-    dior_top: int = 5,
-    idf: Callable[[str], float] | None = None,
-):
-    """The formulation ``name`` (one of :data:`QUERIES`) with its settings."""
-    if name == "question":
-        return QuestionQuery()
-    if name == "flare":
-        return FlareQuery(flare_theta)
-    if name == "qfs":
-        return QfsQuery(qfs_top_n)
-    if name == "dior":
-        return DiorQuery(dior_weights or DiorWeights(0.25, 0.25, 0.25, 0.25), dior_top, idf)
-    if name == "ctrla":
-        return CtrlAQuery()
-    raise ValueError(f"query formulation {name!r} is not one of {QUERIES}")
+def build_question(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> QuestionQuery:
+    return QuestionQuery()
+
+
+def build_flare(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> FlareQuery:
+    """Words are masked under 1 - the FLARE trigger's threshold (0.5 without a FLARE trigger)."""
+    return FlareQuery(0.5 if flare_threshold is None else 1 - flare_threshold)
+
+
+def build_qfs(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> QfsQuery:
+    return QfsQuery(params.qfs_top_n)
+
+
+def build_dior(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> DiorQuery:
+    return DiorQuery(DiorWeights(**dataclasses.asdict(params.dior_weights)), params.dior_top, idf)
+
+
+def build_ctrla(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> CtrlAQuery:
+    return CtrlAQuery()
