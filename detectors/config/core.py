@@ -18,7 +18,6 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from detectors.errors import InputError
-from detectors.lazy import LazyRegistry
 
 T = TypeVar("T")
 
@@ -104,14 +103,6 @@ def from_dict(cls: type[T], data: Any, where: str, strict: bool = False) -> T:
     if check is not None:
         check(where)
     return obj
-
-
-def check_registered(key: str, name: str, registry: LazyRegistry, alternative: str = "") -> None:
-    """``name`` is an entry of ``registry`` (what a configured name builds);
-    the one error of an unknown name, listing the known ones (and the ``alternative`` spelling, if any)."""
-    if name not in registry:
-        known = ", ".join(sorted(registry))
-        fail(key, name, f"no {registry.what} of that name; known: {known}{f' {alternative}' if alternative else ''}")
 
 
 def positive(key: str, value: float | int) -> None:

@@ -7,7 +7,8 @@ import dataclasses
 import re
 from typing import Literal
 
-from detectors.config.core import check_fields, check_registered, fail, positive
+from detectors.config.core import check_fields, fail, positive
+from detectors.lazy import LazyRegistry
 from detectors.rag.extensions import QUERIES, TRAINING_FREE
 from detectors.rag.frameworks import FRAMEWORKS
 
@@ -15,6 +16,15 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 RESERVED = ("sweep", "digests", "thresholds", "tuning")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
 CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configuration runs on (utility-{corpus}@champion)
+
+
+def check_registered(key: str, name: str, registry: LazyRegistry, alternative: str = "") -> None:
+    """``name`` is an entry of ``registry`` (what a configured name builds): the one check of a configured trigger,
+    query formulation or framework, whose error lists the known names (and the ``alternative`` spelling, if any).
+    Here rather than in :mod:`.core`, which every stage imports: the sections that name registered things are these."""
+    if name not in registry:
+        known = ", ".join(sorted(registry))
+        fail(key, name, f"no {registry.what} of that name; known: {known}{f' {alternative}' if alternative else ''}")
 
 
 def check_trigger(key: str, trigger: str) -> None:
