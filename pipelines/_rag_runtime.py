@@ -81,10 +81,7 @@ def run_params(rag, config, triggers: list) -> dict[str, Any]:
     only where its query or triggers read them."""
     out: dict[str, Any] = {k: getattr(rag, k) for k in ("k", "max_retrievals", "max_new_tokens", "context")}
     out["configuration"] = dataclasses.asdict(config)
-    if config.query == "qfs":
-        out["qfs_top_n"] = rag.query.qfs_top_n
-    if config.query == "dior":
-        out["dior"] = {"top": rag.query.dior_top, "weights": dataclasses.asdict(rag.query.dior_weights)}
+    out.update(make_query(config.query, rag.query).settings())  # the settings its formulation reads
     for section in dict.fromkeys(t.controller.section for t in triggers if t.controller.section):
         out[section] = dataclasses.asdict(getattr(rag, section))
     return out

@@ -180,6 +180,11 @@ class _Formulation:
     def formulate_all(self, llm: LLM, inputs: list[QueryInput]) -> list[str]:
         return [self.formulate(llm, q) for q in inputs]
 
+    def settings(self) -> dict[str, Any]:
+        """The ``rag_eval.query`` settings it reads, as a rag_eval run's params record them (a change restarts the
+        runs that formulate with it only); {} when it reads none."""
+        return {}
+
 
 class _Attending(_Formulation):
     """A formulation that reads the last-layer attention over the question and the answer up to the flagged token
@@ -239,6 +244,9 @@ class QfsQuery(_Attending):
     def _with_attention(self, llm: LLM, q: QueryInput, context: list[int], attention: np.ndarray | None) -> str:
         return qfs_query(llm, context, len(context) - 1, self.top_n, self.stopwords, attention)
 
+    def settings(self) -> dict[str, Any]:
+        return {"qfs_top_n": self.top_n}
+
 
 @dataclasses.dataclass(frozen=True)
 class DiorQuery(_Attending):
@@ -250,6 +258,9 @@ class DiorQuery(_Attending):
     idf: Callable[[str], float] | None = None
     name: str = "dior"
     needs: tuple[str, ...] = ()
+
+    def settings(self) -> dict[str, Any]:
+        return {"dior": {"top": self.top, "weights": dataclasses.asdict(self.weights)}}
 
     def candidates(self, llm: LLM, q: QueryInput) -> list[str]:
         out = list(q.question_stats.get("keywords", []))
