@@ -23,9 +23,6 @@ from pathlib import Path
 
 from detectors.errors import InputError, one_line, traceback_wanted
 
-ASSESS_KINDS = ("dior-early", "utility")  # decide before generating, from the question
-MONITOR_KINDS = ("dior-realtime", "ctrla-confidence")  # watch a generation token by token
-
 
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line error (``prog: error: ... (see prog --help)``), exit status 2."""
@@ -97,16 +94,19 @@ def store(args: argparse.Namespace) -> tuple[str, Path]:
     return tracking_uri(load_section("mlflow", params).tracking_uri, params.parent, mkdir=False), params.parent
 
 
-def detector(args: argparse.Namespace, kinds: tuple[str, ...], other: str):
-    """The detector ``--model``@``--alias``, of one of ``kinds`` (else an error pointing to the ``other`` command), and a
-    function that loads its LLM from the project root on ``--device`` (after the caller's own checks: bad input fails fast)."""
+def detector(args: argparse.Namespace, decides: str, other: str):
+    """The detector ``--model``@``--alias``, one that decides retrieval ``decides`` (``Detector.DECIDES``; else an error
+    pointing to the ``other`` command), and a function that loads its LLM from the project root on ``--device`` (after
+    the caller's own checks: bad input fails fast)."""
     from detectors.inference import load_detector
+    from detectors.registry.kinds import kinds_deciding
 
     uri, root = store(args)
     det = load_detector(args.model, args.alias, tracking_uri=uri, load_llm=False)
-    if det.KIND not in kinds:
+    if det.DECIDES != decides:
+        kinds = ", ".join(kinds_deciding(decides))
         raise InputError(
-            f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {', '.join(kinds)} ({other})"
+            f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {kinds} ({other})"
         )
     return det, lambda: det.load_llm(device=args.device, root=root)
 
@@ -118,7 +118,7 @@ def assess(args: argparse.Namespace) -> None:
     """Each question's decision before generating: retrieve?, the probability, and the keywords to retrieve with."""
     import pandas as pd
 
-    det, load_llm = detector(args, ASSESS_KINDS, "use `dynrag monitor` for a detector that watches a generation")
+    det, load_llm = detector(args, "question", "use `dynrag monitor` for a detector that watches a generation")
     load_llm()
     out = det.predict_frame(pd.DataFrame({"question": args.questions}))
     for question, row in zip(args.questions, out.to_dict("records")):
@@ -143,7 +143,7 @@ def assess(args: argparse.Namespace) -> None:
 
 def monitor(args: argparse.Namespace) -> None:
     """Generate a continuation with the detector attached and show where it would trigger retrieval."""
-    det, load_llm = detector(args, MONITOR_KINDS, "use `dynrag assess` for a detector that decides from the question")
+    det, load_llm = detector(args, "generation", "use `dynrag assess` for a detector that decides from the question")
     if det.KIND == "dior-realtime" and not args.title:
         raise InputError(
             "dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with --title TITLE"

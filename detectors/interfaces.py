@@ -31,6 +31,9 @@ class Detector(abc.ABC):
     """
 
     KIND: ClassVar[str]
+    # when it decides retrieval: "question" (before generating, from the question: `dynrag assess`), "generation"
+    # (token by token while the LLM generates: `dynrag monitor`), None (it does not decide retrieval: a steering)
+    DECIDES: ClassVar[str | None] = None
     fingerprint: Fingerprint
     llm_ref: dict[str, Any]
     llm: LLM | None

@@ -78,10 +78,17 @@ def declared_reads(module: str, root: Path = ROOT) -> tuple[str, ...]:
     return declared(module, "READS", root)
 
 
+# modules that hold only registries of names a params section is checked against: validating the section reads the
+# names, so a stage depends on what the entries build only when its own code imports the registry (rag_eval does)
+NAMES = ("detectors.extensions",)
+
+
 def stage_closure(module: str, root: Path = ROOT) -> set[Path]:
     """The project files (relative to ``root``) that ``python -m <module>`` loads: its import closure and the
-    modules of the params sections it reads (loaded by name when it reads them). These are its code deps."""
-    return import_closure([module, *sorted(section_modules(declared_reads(module, root)))], PACKAGES, root)[0]
+    modules of the params sections it reads (loaded by name when it reads them; the entries of the :data:`NAMES`
+    registries they check names against are not followed). These are its code deps."""
+    sections = sorted(section_modules(declared_reads(module, root)))
+    return import_closure([module], PACKAGES, root)[0] | import_closure(sections, PACKAGES, root, NAMES)[0]
 
 
 def stage_code_deps(module: str, root: Path = ROOT) -> list[str]:

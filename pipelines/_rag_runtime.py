@@ -21,12 +21,12 @@ from detectors.errors import InputError
 from detectors.evaluation.answer_metrics import FAILED
 from detectors.evaluation.rag_sweep import sweep_line, trace_events
 from detectors.execution import LLMSpec
+from detectors.extensions import FRAMEWORKS, make_query
 from detectors.inference import load_detector
 from detectors.llm.states import StateCache
 from detectors.progress import progress
 from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
-from detectors.rag.queries import DiorWeights, make_query
 from detectors.rag.results import RagResult, result
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.triggers import TriggerSettings, check_threshold
@@ -47,6 +47,7 @@ TUNE = "tune-val"  # each corpus's configurations at their candidate thresholds 
 DISPATCH = (
     "pipelines._rag_runtime",
     "detectors.rag.kinds",
+    "detectors.extensions",
     "detectors.rag.queries",
     "detectors.registry.kinds",
     "detectors.config.sections",
@@ -78,10 +79,7 @@ def run_params(rag, config, triggers: list) -> dict[str, Any]:
     only where its query or triggers read them."""
     out: dict[str, Any] = {k: getattr(rag, k) for k in ("k", "max_retrievals", "max_new_tokens", "context")}
     out["configuration"] = dataclasses.asdict(config)
-    if config.query == "qfs":
-        out["qfs_top_n"] = rag.query.qfs_top_n
-    if config.query == "dior":
-        out["dior"] = {"top": rag.query.dior_top, "weights": dataclasses.asdict(rag.query.dior_weights)}
+    out.update(make_query(config.query, rag.query).settings())  # the settings its formulation reads
     for section in dict.fromkeys(t.controller.section for t in triggers if t.controller.section):
         out[section] = dataclasses.asdict(getattr(rag, section))
     return out
@@ -183,11 +181,10 @@ class RagRuntime:
         )
 
     def query(self, name: str, triggers: list, retriever: BM25Retriever | None):
-        """Formulation ``name``; FLARE's masks words under 1 - the FLARE trigger's threshold (0.5 without one)."""
-        q = self.params.query
-        theta = next((1 - t.threshold for t in triggers if t.name == "flare"), 0.5)
-        weights = DiorWeights(**dataclasses.asdict(q.dior_weights))
-        return make_query(name, theta, q.qfs_top_n, weights, q.dior_top, retriever.idf if retriever else None)
+        """Formulation ``name`` with the ``rag_eval.query`` settings, the FLARE trigger's threshold (FLARE's query
+        masks words under 1 - it) and the retriever's idf."""
+        flare = next((t.threshold for t in triggers if t.name == "flare"), None)
+        return make_query(name, self.params.query, flare, retriever.idf if retriever else None)
 
     def loop(self, name: str, config, corpus: str, thresholds: dict[str, float]) -> tuple[Answer, str]:
         """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus``, its triggers at ``thresholds``,
@@ -214,9 +211,7 @@ class RagRuntime:
     def framework(self, name: str, corpus: str) -> tuple[Answer, str]:
         """Seed system ``name`` of ``rag_eval.frameworks`` (its own loop, its params the section of its name) over
         ``corpus``, as ``answer(questions, records)``, and the digest of the code it runs."""
-        from detectors.rag.retroactive import RetroRag  # the only framework (FRAMEWORKS)
-
-        rag = RetroRag(
+        rag = FRAMEWORKS.load(name)(
             self.llm,
             self.retriever(corpus),
             self.stage_params[name],

@@ -211,3 +211,16 @@ def test_the_package_graph_sees_an_import_inside_a_function(tmp_path):
     (lib / "__init__.py").write_text("")
     assert package_graph(tmp_path, "lib") == {"lib.a": {"lib.b"}, "lib.b": {"lib.c"}, "lib.c": {"lib.a"}}
     assert find_cycle(package_graph(tmp_path, "lib")) == ["lib.a", "lib.b", "lib.c", "lib.a"]
+
+
+def test_validating_the_rag_sections_reads_the_registries_names_not_their_code():
+    """A stage that reads ``rag_eval`` or ``index_corpus`` params checks the configured names against the registries
+    (detectors.extensions) without depending on what the entries build; rag_eval,
+    which builds them, depends on all of them."""
+    for stage in ("pipelines.index_corpus", "pipelines.train_utility"):
+        closure = stage_closure(stage)
+        assert Path("detectors/extensions.py") in closure
+        assert not {Path("detectors/rag/kinds/flare.py"), Path("detectors/rag/retroactive.py")} & closure, stage
+    assert {Path("detectors/rag/kinds/flare.py"), Path("detectors/rag/retroactive.py")} <= stage_closure(
+        "pipelines.rag_eval"
+    )

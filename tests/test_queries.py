@@ -6,10 +6,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from detectors.config.rag import DiorWeightsParams, RagQueryParams
+from detectors.errors import InputError
+from detectors.extensions import QUERIES, make_query
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.rag.context import chunk_passage, render_passages, stepwise_retrieve
 from detectors.rag.corpus import Passage
-from detectors.rag.queries import DiorWeights, dior_query, flare_query, importance_scores, qfs_query
+from detectors.rag.queries import (
+    CtrlAQuery,
+    DiorQuery,
+    DiorWeights,
+    FlareQuery,
+    QfsQuery,
+    QuestionQuery,
+    dior_query,
+    flare_query,
+    importance_scores,
+    qfs_query,
+)
 from detectors.rag.retriever import BM25Retriever
 
 BM25 = {"method": "lucene", "k1": 1.5, "b": 0.75, "stopwords": "en", "stemmer": "english"}
@@ -129,3 +143,36 @@ def test_passages_render_as_numbered_blocks():
         chunked.startswith("External Knowledge After Chunk:\n[1] Lumière: (1). ")
         and "\n[2] (1). No title here." in chunked
     )
+
+
+# ---- the formulations by name (detectors.extensions.QUERIES) --------------------------------------------------
+
+
+def test_each_query_formulation_is_built_by_name_with_its_settings():
+    """A builder reads what it needs of the ``rag_eval.query`` section, the FLARE trigger's threshold and the
+    retriever's idf; what it builds is what the loop ran before the formulations were a registry (same objects, same
+    settings), and each registered name is its formulation's own name."""
+    params = RagQueryParams(qfs_top_n=3, dior_top=2, dior_weights=DiorWeightsParams(0.1, 0.2, 0.3, 0.4))
+
+    def idf(word: str) -> float:
+        return 2.0
+
+    built = {name: make_query(name, params, 0.25, idf) for name in QUERIES}
+    assert built == {
+        "question": QuestionQuery(),
+        "flare": FlareQuery(0.75),  # words masked under 1 - FLARE's threshold
+        "qfs": QfsQuery(3),
+        "dior": DiorQuery(DiorWeights(0.1, 0.2, 0.3, 0.4), 2, idf),
+        "ctrla": CtrlAQuery(),
+    }
+    assert all(q.name == name for name, q in built.items())
+    assert make_query("flare", params) == FlareQuery(0.5)  # no FLARE trigger among the configuration's
+    assert make_query("dior", params).idf is None  # no retriever
+
+
+def test_an_unknown_query_formulation_is_one_error_naming_the_known_ones():
+    params = RagQueryParams(qfs_top_n=3, dior_top=2, dior_weights=DiorWeightsParams(0.1, 0.2, 0.3, 0.4))
+    with pytest.raises(
+        InputError, match=r"^no query formulation named 'hyde'; known: ctrla, dior, flare, qfs, question$"
+    ):
+        make_query("hyde", params)

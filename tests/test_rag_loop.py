@@ -20,7 +20,7 @@ from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
 
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
-from detectors.config.rag import CtrlARefusalParams, SitParams
+from detectors.config.rag import CtrlARefusalParams, DiorWeightsParams, RagQueryParams, SitParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.registered import ConfidenceDetector
@@ -31,6 +31,7 @@ from detectors.dior.entities import token_offsets
 from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
+from detectors.extensions import make_query
 from detectors.interfaces import Level
 from detectors.llm.generate import generate
 from detectors.llm.judge import word_token_ids, yes_probability
@@ -41,7 +42,7 @@ from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.kinds import make_trigger
 from detectors.rag.kinds.sit import concept_spans
 from detectors.rag.loop import RagConfig, RagLoop
-from detectors.rag.queries import CtrlAQuery, make_query
+from detectors.rag.queries import CtrlAQuery
 from detectors.rag.retriever import BM25Retriever
 from detectors.rag.triggers import Policy, Trigger, TriggerSettings
 from detectors.registry import store
@@ -258,6 +259,7 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
     assert len(result.retrievals) == 1  # Kenya: "Paris" fired it once
 
 
+QUERY = RagQueryParams(qfs_top_n=8, dior_top=5, dior_weights=DiorWeightsParams(0.25, 0.25, 0.25, 0.25))
 CTRLA = from_dict(CtrlARefusalParams, {**PARAMS["rag_eval"]["ctrla"], "chat": False, "query_tokens": 4}, "ctrla")
 
 
@@ -279,7 +281,7 @@ def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm
     )  # a context the tiny Llama continues
     confidence = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)  # K = 2
     refusing = changed(confidence, "handler", patterns=[r"\S"])
-    result = RagLoop(tiny_llm, retriever, config, [refusing], make_query("ctrla")).answer(question)
+    result = RagLoop(tiny_llm, retriever, config, [refusing], make_query("ctrla", QUERY)).answer(question)
     assert [r.trigger for r in result.retrievals] == ["t-confidence", "t-confidence:refusal", "t-confidence:refusal"]
     first = result.retrievals[0].queries[0]
     rewritten = refusing.controller.handler.rewrite([question], [first])[0]
@@ -289,10 +291,10 @@ def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm
     ]
     assert rewritten != first and all(r.score == np.inf for r in result.retrievals[1:])
     capped = RagLoop(
-        tiny_llm, retriever, dataclasses.replace(config, max_retrievals=2), [refusing], make_query("ctrla")
+        tiny_llm, retriever, dataclasses.replace(config, max_retrievals=2), [refusing], make_query("ctrla", QUERY)
     ).answer(question)
     assert [r.trigger for r in capped.retrievals] == ["t-confidence", "t-confidence:refusal"]
-    kept = RagLoop(tiny_llm, retriever, config, [confidence], make_query("ctrla")).answer(
+    kept = RagLoop(tiny_llm, retriever, config, [confidence], make_query("ctrla", QUERY)).answer(
         question
     )  # no refusal: one retrieval
     assert [r.trigger for r in kept.retrievals] == ["t-confidence"]
@@ -554,8 +556,8 @@ def test_detectors_that_are_not_registered_or_not_triggers_are_refused(tiny_llm,
         make_trigger("nope@champion", tiny_llm, {}, SPACY, tracking_uri=registry)
     with pytest.raises(InputError, match="no threshold"):
         make_trigger("flare", tiny_llm, {}, SPACY)
-    with pytest.raises(InputError, match="registered detector"):
-        make_trigger("dior", tiny_llm, {}, SPACY)
+    with pytest.raises(InputError, match=r"^no training-free trigger named 'dior'; known: always, entropy_max, "):
+        make_trigger("dior", tiny_llm, {}, SPACY)  # the registry's error (params.yaml's validation refuses it first)
 
 
 def test_a_detector_registered_for_another_llm_is_refused(registry, tokenizer):
@@ -686,14 +688,14 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
             facts,
             config("dior", stepwise=True, chunk=True),
             [triggers["t-early"], triggers["t-realtime"]],
-            make_query("dior", idf=facts.idf),
+            make_query("dior", QUERY, idf=facts.idf),
         ),
         "training-free": RagLoop(
             tiny_llm,
             facts,
             config("training-free"),
             [triggers[t] for t in ("flare", "rind", "sit_min")],
-            make_query("qfs"),
+            make_query("qfs", QUERY),
         ),
         "sit": RagLoop(
             tiny_llm,
@@ -701,13 +703,13 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
             config("sit"),
             [changed(triggers["sit"], "validator", params=dataclasses.replace(SIT, threshold=0.5))],
         ),
-        "ctrla": RagLoop(tiny_llm, facts, config("ctrla"), [confidence], make_query("ctrla"), steering),
+        "ctrla": RagLoop(tiny_llm, facts, config("ctrla"), [confidence], make_query("ctrla", QUERY), steering),
         "ctrla-refusal": RagLoop(
             tiny_llm,
             facts,
             config("ctrla-refusal", context="{passages} "),
             [changed(handling, "handler", patterns=[r"\bis\b"])],
-            make_query("ctrla"),
+            make_query("ctrla", QUERY),
         ),  # some re-predictions "refuse"
     }
 

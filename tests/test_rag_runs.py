@@ -13,13 +13,14 @@ from test_build_resume import edit_params
 from test_pipeline import write_params
 from test_rag_loop import SIT
 
+from detectors.config import load_section
 from detectors.imports import ROOT, import_closure
 from detectors.rag.kinds import make_trigger
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.triggers import TriggerSettings
 from pipelines import index_corpus, prepare, rag_eval
 from pipelines._provenance import PACKAGES
-from pipelines._rag_runtime import DISPATCH, run_modules
+from pipelines._rag_runtime import DISPATCH, run_modules, run_params
 
 
 def closure(triggers) -> set[str]:
@@ -50,6 +51,28 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
     assert "detectors/baselines/stitch_in_time.py" in closure([sit]) & closure(
         [sit_min]
     )  # SiT's validator beside its detector
+
+
+def test_a_runs_params_hold_the_query_settings_its_formulation_reads():
+    """The query's settings enter a run's key only where its formulation reads them (QFS's top n, DioR's top and
+    weights), under the keys the runs were stored with before the formulations were a registry."""
+    rag = load_section("rag_eval", ROOT / "params.yaml")
+    q = rag.query
+    query_keys = {"qfs_top_n", "dior"}
+    assert run_params(rag, rag.configurations["dragin"], [])["qfs_top_n"] == q.qfs_top_n
+    dior = run_params(rag, rag.configurations["dior"], [])
+    assert dior["dior"] == {
+        "top": q.dior_top,
+        "weights": {
+            "attention": q.dior_weights.attention,
+            "tfidf": q.dior_weights.tfidf,
+            "position": q.dior_weights.position,
+            "similarity": q.dior_weights.similarity,
+        },
+    }
+    assert not query_keys & set(dior) - {"dior"}
+    for name in ("flare", "ctrla", "no-retrieval"):
+        assert not query_keys & set(run_params(rag, rag.configurations[name], [])), name
 
 
 @pytest.fixture

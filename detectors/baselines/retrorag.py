@@ -13,7 +13,7 @@ RetroRAG itself, the iterative framework around the evaluator, is :mod:`detector
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -21,10 +21,6 @@ from detectors.evaluation.scorers import ColumnScorer
 from detectors.llm.generate import generate, instruction_prompt, row_generator
 from detectors.llm.judge import yes_no_ids, yes_probability
 from detectors.llm.loading import LLM
-
-if TYPE_CHECKING:
-    from detectors.config.retrorag import RetroRagParams
-    from detectors.config.schema import PromptParams
 
 NAME = "retrorag_self_evaluation"
 CONSISTENCY = "retrorag_self_consistency"
@@ -53,8 +49,8 @@ def self_consistency_scores(
     llm: LLM,
     questions: list[str],
     answers: list[str],
-    params: RetroRagParams,
-    prompt: PromptParams,
+    params: Any,  # detectors.config.retrorag.RetroRagParams (baselines sit below config)
+    prompt: Any,  # detectors.config.schema.PromptParams
     batch_size: int = 16,
     progress=None,
 ) -> np.ndarray:

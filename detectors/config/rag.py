@@ -8,28 +8,40 @@ import re
 from typing import Any, Literal
 
 from detectors.config.core import check_fields, fail, positive
+from detectors.extensions import FRAMEWORKS, QUERIES, TRAINING_FREE
+from detectors.lazy import LazyRegistry
 
-QueryKind = Literal["question", "flare", "qfs", "dior", "ctrla"]
-QUERY_KINDS = ("question", "flare", "qfs", "dior", "ctrla")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-FRAMEWORKS = (
-    "retrorag",
-)  # seed systems with a loop of their own (detectors.rag.retroactive); params: the section of that name
 RESERVED = ("sweep", "digests", "thresholds", "tuning")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>
 CORPUS = "{corpus}"  # in a registered trigger's name: the corpus the configuration runs on (utility-{corpus}@champion)
 
 
+def check_registered(key: str, name: str, registry: LazyRegistry, alternative: str = "") -> None:
+    """``name`` is an entry of ``registry`` (what a configured name builds): the one check of a configured trigger,
+    query formulation or framework, whose error lists the known names (and the ``alternative`` spelling, if any).
+    Here rather than in :mod:`.core`, which every stage imports: the sections that name registered things are these."""
+    if name not in registry:
+        known = ", ".join(sorted(registry))
+        fail(key, name, f"no {registry.what} of that name; known: {known}{f' {alternative}' if alternative else ''}")
+
+
 def check_trigger(key: str, trigger: str) -> None:
-    """A trigger's spelling: a training-free trigger's name (the stage checks it against
-    :data:`detectors.rag.triggers.TRAINING_FREE` before any work) or a registered detector as ``<name>@<alias>``
-    (``{corpus}`` in the name stands for the corpus the configuration runs on)."""
-    if not (NAME.fullmatch(trigger) or REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1))):
+    """A configured trigger: a training-free trigger's name (:data:`detectors.extensions.TRAINING_FREE`) or a
+    registered detector as ``<name>@<alias>`` (``{corpus}`` in the name stands for the corpus the configuration runs
+    on; the detector's kind is checked when it loads). The one check of a trigger's spelling, before any work."""
+    if "@" not in trigger:
+        check_registered(
+            key,
+            trigger,
+            TRAINING_FREE,
+            f"or a registered detector as <name>@<alias>, e.g. dior-early@champion or utility-{CORPUS}@champion",
+        )
+    elif not REGISTERED.fullmatch(trigger.replace(CORPUS, "corpus", 1)):
         fail(
             key,
             trigger,
-            f"name a training-free trigger (e.g. flare) or a registered detector as <name>@<alias>, e.g. dior-early@champion "
-            f"or utility-{CORPUS}@champion",
+            f"name a registered detector as <name>@<alias>, e.g. dior-early@champion or utility-{CORPUS}@champion",
         )
 
 
@@ -51,7 +63,7 @@ class RagConfigurationParams:
     ``rag_eval.context``)."""
 
     triggers: list[str]
-    query: QueryKind
+    query: str  # a formulation of detectors.extensions.QUERIES
     stepwise: bool
     chunk: bool
     steering: str | None
@@ -60,6 +72,7 @@ class RagConfigurationParams:
     def check(self, where: str) -> None:
         for i, trigger in enumerate(self.triggers):
             check_trigger(f"{where}.triggers[{i}]", trigger)
+        check_registered(f"{where}.query", self.query, QUERIES)
         if len(set(self.triggers)) != len(self.triggers):
             fail(f"{where}.triggers", self.triggers, "list each trigger once")
         if self.steering is not None and not REGISTERED.fullmatch(self.steering):
@@ -185,7 +198,7 @@ class RagEvalParams:
     context: str  # inserted right before {question} of the early prompt when passages were retrieved
     configuration_defaults: dict[str, Any]  # what a configuration row does not give (every key but its triggers)
     configurations: dict[str, RagConfigurationParams]
-    frameworks: list[str]  # seed systems that run their own loop (FRAMEWORKS), one row each beside the configurations
+    frameworks: list[str]  # seed systems that run their own loop (detectors.extensions), one row each
     thresholds: dict[
         str, float
     ]  # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
@@ -257,8 +270,7 @@ class RagEvalParams:
                     "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit",
                 )
         for i, name in enumerate(self.frameworks):
-            if name not in FRAMEWORKS:
-                fail(f"{where}.frameworks[{i}]", name, f"known frameworks: {list(FRAMEWORKS)}")
+            check_registered(f"{where}.frameworks[{i}]", name, FRAMEWORKS)
             if name in self.configurations:
                 fail(
                     f"{where}.frameworks[{i}]",

@@ -94,6 +94,7 @@ class ConfidenceDetector(_CtrlADetector):
     """The confidence monitor (CtrlA Eq. 2) with the retrieval trigger, refusal detector and query masking."""
 
     KIND = "ctrla-confidence"
+    DECIDES = "generation"
     INPUTS = FrameInputs({"question": "string"})
 
     @property

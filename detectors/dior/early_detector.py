@@ -97,6 +97,7 @@ class EarlyDetector(Detector):
     """
 
     KIND = "dior-early"
+    DECIDES = "question"
     INPUTS = FrameInputs({"question": "string"})
 
     net: EarlyGRU

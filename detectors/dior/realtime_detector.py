@@ -129,6 +129,7 @@ class RealtimeDetector(Detector):
     """The MLP over a generated token's hidden states, probability and entropy: retrieve at this token?"""
 
     KIND = "dior-realtime"
+    DECIDES = "generation"
     INPUTS = FrameInputs({"title": "string", "text": "string"})
 
     net: TokenMLP

@@ -4,7 +4,7 @@ questions at once.
 
     from detectors.rag.retriever import BM25Retriever
     from detectors.rag.loop import RagConfig, RagLoop
-    from detectors.rag.queries import make_query
+    from detectors.extensions import make_query
     from detectors.rag.kinds import make_trigger
 
 Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``), ``stats`` (what the loop measures
@@ -13,5 +13,7 @@ retrieve), ``kinds`` (one module per trigger family, with the calculators of wha
 stepwise selection, chunking, the passages block), ``loop`` (the batched loop, the threshold sweep's trace),
 ``recording`` (the loop that labels retrieval utility); ``retroactive`` (RetroRAG, a loop of its own). Scoring the
 answers, the threshold sweep and the report are evaluation: :mod:`detectors.evaluation.answer_metrics`,
-:mod:`detectors.evaluation.rag_sweep`, :mod:`detectors.evaluation.rag_report`.
+:mod:`detectors.evaluation.rag_sweep`, :mod:`detectors.evaluation.rag_report`. What a
+configuration can name (the triggers, the query formulations, the frameworks) is registered in
+:mod:`detectors.extensions`, below every package, so the params' validation reads the names without the code.
 """

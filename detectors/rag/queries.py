@@ -12,6 +12,9 @@ statistics it cannot do without (the loop refuses a configuration whose triggers
 - :class:`DiorQuery`: DioR's pre-retrieval importance score (§3.3.1) over the detectors' keyword candidates (the
   early detector's Eq. 3 keywords, the real-time detector's unflagged entity tokens);
 - :class:`CtrlAQuery`: CtrlA's masked query (Eq. 3), :func:`detectors.ctrla.monitor.masked_query`.
+
+:func:`detectors.extensions.make_query` builds one by name from the ``rag_eval.query`` section (the builders
+below).
 """
 
 from __future__ import annotations
@@ -177,6 +180,11 @@ class _Formulation:
     def formulate_all(self, llm: LLM, inputs: list[QueryInput]) -> list[str]:
         return [self.formulate(llm, q) for q in inputs]
 
+    def settings(self) -> dict[str, Any]:
+        """The ``rag_eval.query`` settings it reads, as a rag_eval run's params record them (a change restarts the
+        runs that formulate with it only); {} when it reads none."""
+        return {}
+
 
 class _Attending(_Formulation):
     """A formulation that reads the last-layer attention over the question and the answer up to the flagged token
@@ -236,6 +244,9 @@ class QfsQuery(_Attending):
     def _with_attention(self, llm: LLM, q: QueryInput, context: list[int], attention: np.ndarray | None) -> str:
         return qfs_query(llm, context, len(context) - 1, self.top_n, self.stopwords, attention)
 
+    def settings(self) -> dict[str, Any]:
+        return {"qfs_top_n": self.top_n}
+
 
 @dataclasses.dataclass(frozen=True)
 class DiorQuery(_Attending):
@@ -247,6 +258,9 @@ class DiorQuery(_Attending):
     idf: Callable[[str], float] | None = None
     name: str = "dior"
     needs: tuple[str, ...] = ()
+
+    def settings(self) -> dict[str, Any]:
+        return {"dior": {"top": self.top, "weights": dataclasses.asdict(self.weights)}}
 
     def candidates(self, llm: LLM, q: QueryInput) -> list[str]:
         out = list(q.question_stats.get("keywords", []))
@@ -289,26 +303,27 @@ class CtrlAQuery(_Formulation):
         return masked_query(llm.tokenizer, q.question, preceding, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
 
 
-QUERIES = ("question", "flare", "qfs", "dior", "ctrla")
+# ---- the builders, registered by name in detectors.extensions.QUERIES -----------------------------------------
+# Each takes the ``rag_eval.query`` section (detectors.config.rag.RagQueryParams), the threshold of the configuration's
+# FLARE trigger (None without one) and the retriever's idf (None without a retriever), and reads what it needs.
 
 
-def make_query(
-    name: str,
-    flare_theta: float = 0.5,
-    qfs_top_n: int = 8,
-    dior_weights: DiorWeights | None = None,
-    dior_top: int = 5,
-    idf: Callable[[str], float] | None = None,
-):
-    """The formulation ``name`` (one of :data:`QUERIES`) with its settings."""
-    if name == "question":
-        return QuestionQuery()
-    if name == "flare":
-        return FlareQuery(flare_theta)
-    if name == "qfs":
-        return QfsQuery(qfs_top_n)
-    if name == "dior":
-        return DiorQuery(dior_weights or DiorWeights(0.25, 0.25, 0.25, 0.25), dior_top, idf)
-    if name == "ctrla":
-        return CtrlAQuery()
-    raise ValueError(f"query formulation {name!r} is not one of {QUERIES}")
+def build_question(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> QuestionQuery:
+    return QuestionQuery()
+
+
+def build_flare(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> FlareQuery:
+    """Words are masked under 1 - the FLARE trigger's threshold (0.5 without a FLARE trigger)."""
+    return FlareQuery(0.5 if flare_threshold is None else 1 - flare_threshold)
+
+
+def build_qfs(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> QfsQuery:
+    return QfsQuery(params.qfs_top_n)
+
+
+def build_dior(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> DiorQuery:
+    return DiorQuery(DiorWeights(**dataclasses.asdict(params.dior_weights)), params.dior_top, idf)
+
+
+def build_ctrla(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> CtrlAQuery:
+    return CtrlAQuery()

@@ -27,6 +27,11 @@ def detector_class(kind: str) -> type[Detector]:
     return KINDS.load(kind)
 
 
+def kinds_deciding(when: str) -> list[str]:
+    """The kinds whose detectors decide retrieval ``when`` (``Detector.DECIDES``: "question" or "generation")."""
+    return [kind for kind in KINDS if KINDS.load(kind).DECIDES == when]
+
+
 def load_artifact(directory: str | Path) -> Detector:
     """The detector stored in ``directory``, whatever its kind."""
     kind = read_config(directory).get("kind")

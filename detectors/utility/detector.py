@@ -106,6 +106,7 @@ class UtilityDetector(Detector):
     """Retrieve for this question, and keep the passages retrieved? (see the module's docstring)."""
 
     KIND = "utility"
+    DECIDES = "question"
     INPUTS = FrameInputs({"question": "string"})
 
     nets: UtilityNets
