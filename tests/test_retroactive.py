@@ -226,7 +226,7 @@ def test_instructions_are_a_user_turn_when_chat(tiny_llm):
             "rag_eval",
             "frameworks",
             ["selfrag"],
-            r"rag_eval.frameworks\[0\] = 'selfrag': known frameworks: \['retrorag'\]",
+            r"rag_eval.frameworks\[0\] = 'selfrag': no framework of that name; known: retrorag",
         ),
         (
             "rag_eval",
