@@ -192,11 +192,13 @@ def open_shards(
     directory: str,
     n_records: int,
     shared: dict[str, Any] | None = None,
+    unshaping: Iterable[str] = (),
 ):
     """The shard store of build stage ``stage`` (section ``params``), keyed on what shapes its records
-    (every key of the section but ``max_failed_share``, and the ``shared`` params it reads from other sections), and
-    the failure budget of its ``n_records``."""
-    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k != "max_failed_share"} | (shared or {})
+    (every key of the section but ``max_failed_share`` and the ``unshaping`` ones, and the ``shared`` params it reads
+    from other sections), and the failure budget of its ``n_records``."""
+    skip = {"max_failed_share", *unshaping}
+    shaping = {k: v for k, v in dataclasses.asdict(params).items() if k not in skip} | (shared or {})
     store = ShardStore(directory, record_key(f"pipelines.{stage}", shaping, llm, inputs, libraries))
     key = llm.key()
     log.info("%s: LLM %s (%s on %s)", stage, key["name"], key["dtype"], key["device"])

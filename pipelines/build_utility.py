@@ -3,9 +3,10 @@
 Every usable question of the early set (all splits) is answered with the top-k passages retrieved with the question
 from each corpus of ``build_utility.corpora``, by the RAG loop of rag_eval (its prompt, context, k and decoding: the
 answer is single-round RAG's), beside its answer without passages (the early set's); see
-:mod:`detectors.utility.labels`. Work is written in resumable shards; writes ``paths.utility`` (one row per corpus x
-question: label, both answers, post-retrieval columns) and the label balance per corpus and split
-(``paths.utility_report``).
+:mod:`detectors.utility.labels`. Work is written in resumable shards, one store per corpus
+(``paths.utility_shards/<corpus>/``, keyed on that corpus's index and not on the list of corpora, so leaving a corpus
+out or adding one keeps the others' finished shards); writes ``paths.utility`` (one row per corpus x question: label,
+both answers, post-retrieval columns) and the label balance per corpus and split (``paths.utility_report``).
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ def rag_config(params, batch_size: int) -> RagConfig:
 
 
 class ShardWorker:
-    """Labels shards of (corpus, question) rows; loads the LLM once and each corpus's retriever when first needed."""
+    """Labels shards of (corpus, question) rows, one corpus per shard, into that corpus's store; loads the LLM once and
+    each corpus's retriever when first needed."""
 
-    def __init__(self, llm: LLMSpec, params, store: ShardStore):
-        self.llm, self.p, self.store = llm.load(), params, store
+    def __init__(self, llm: LLMSpec, params, stores: dict[str, ShardStore]):
+        self.llm, self.p, self.stores = llm.load(), params, stores
         key = "build_early.features.hidden_layers"
         self.layers = hidden_state_indices(params[key], self.llm.fingerprint.num_layers, key)
         self.config, self.loops = rag_config(params, params["build_utility"].batch_size), {}
@@ -90,17 +92,33 @@ class ShardWorker:
 
     def __call__(self, shard: tuple[int, pd.DataFrame]) -> pd.DataFrame:
         k, rows = shard
+        (corpus,) = rows["corpus"].unique()
+        records = utility_records(
+            *self.loop(corpus), list(rows["question"]), [list(a) for a in rows["answers"]], list(rows["answer"])
+        )
         out = []
-        for corpus, group in rows.groupby("corpus", sort=False):
-            records = utility_records(
-                *self.loop(corpus), list(group["question"]), [list(a) for a in group["answers"]], list(group["answer"])
-            )
-            for base, rec in zip(group.to_dict("records"), records):
-                error = rec.pop("error")
-                out.append({**base, **rec, "status": OK if error is None else f"skipped: {error}"})
+        for base, rec in zip(rows.to_dict("records"), records):
+            error = rec.pop("error")
+            out.append({**base, **rec, "status": OK if error is None else f"skipped: {error}"})
         frame = pd.DataFrame(out)
-        self.store.write(k, frame)
+        self.stores[corpus].write(k, frame)
         return frame[["id", "status"]]
+
+
+class BuiltOnce:
+    """``make_worker`` for several :func:`~detectors.shards.run_shards` calls: the local backend builds the worker
+    (it loads the LLM) at the first call and hands the same one to the next; a Ray actor builds its own."""
+
+    def __init__(self, make_worker):
+        self.make_worker, self.worker = make_worker, None
+
+    def __call__(self):
+        if self.worker is None:
+            self.worker = self.make_worker()
+        return self.worker
+
+    def __getstate__(self):
+        return {"make_worker": self.make_worker, "worker": None}  # an actor never receives the driver's LLM
 
 
 def questions(early: pd.DataFrame, corpora: list[str]) -> pd.DataFrame:
@@ -126,26 +144,44 @@ def main(argv: list[str] | None = None) -> None:
         write_json(params["paths.utility_report"], {"records": 0, "balance": {}})
         return
     llm = LLMSpec.of(params)
-    inputs = {
-        "early": params["paths.early"],
-        **{f"index_{c}": str(Path(params["paths.rag_index"]) / c / "manifest.json") for c in utility.corpora},
-    }
     shared = {k: params[k] for k in READS if k.startswith(("build_early.", "rag_eval."))}
-    store, budget = open_shards(
-        "build_utility", utility, llm, inputs, LIBRARIES, params["paths.utility_shards"], len(table), shared
-    )
-    work = table.rename(columns={"id": "question_id", "key": "id"})  # a shard row's id is corpus/question id
-    run_shards(
-        store,
-        work,
-        utility.shard_size,
-        functools.partial(ShardWorker, llm, params, store),
-        params["execution"],
-        budget,
-        "build_utility",
-        "q",
-    )
-    frame = store.read_all(len(work), utility.shard_size).rename(columns={"id": "key", "question_id": "id"})
+    parts = {}  # corpus -> (its rows, its store, its failure budget)
+    for corpus in utility.corpora:
+        # a shard row's id is corpus/question id
+        rows = table[table["corpus"] == corpus].rename(columns={"id": "question_id", "key": "id"})
+        inputs = {
+            "early": params["paths.early"],
+            "index": str(Path(params["paths.rag_index"]) / corpus / "manifest.json"),
+        }
+        # each corpus its own store, keyed without the list of corpora: leaving a corpus out or adding one keeps the
+        # others' finished shards
+        store, budget = open_shards(
+            "build_utility",
+            utility,
+            llm,
+            inputs,
+            LIBRARIES,
+            str(Path(params["paths.utility_shards"]) / corpus),
+            len(rows),
+            shared,
+            unshaping=("corpora",),
+        )
+        parts[corpus] = (rows, store, budget)
+    make_worker = BuiltOnce(functools.partial(ShardWorker, llm, params, {c: s for c, (_, s, _) in parts.items()}))
+    for corpus, (rows, store, budget) in parts.items():
+        run_shards(
+            store,
+            rows,
+            utility.shard_size,
+            make_worker,
+            params["execution"],
+            budget,
+            f"build_utility {corpus}",
+            "q",
+        )
+    frame = pd.concat(
+        [store.read_all(len(rows), utility.shard_size) for rows, store, _ in parts.values()], ignore_index=True
+    ).rename(columns={"id": "key", "question_id": "id"})
     frame.to_parquet(out, index=False)
     ok = frame[frame["status"] == OK]
     summary = {**status_counts(frame), "balance": {c: balance(g) for c, g in ok.groupby("corpus")}}

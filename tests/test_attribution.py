@@ -6,13 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from detectors.config.schema import PromptParams
+from detectors.config.schema import EarlyFeatureParams, PromptParams
 from detectors.dior.attribution import (
     attribution_distribution,
     attribution_entropy,
     keyword_candidates,
     token_attributions,
 )
+from detectors.dior.early import question_features
+from detectors.llm.offsets import token_offsets
 
 
 def naive_ig(model, ids, mask, target, n_steps):
@@ -59,12 +61,45 @@ def test_distribution_of_all_zero_attributions_is_uniform():
     np.testing.assert_allclose(attribution_distribution(np.zeros(4)), np.full(4, 0.25))
 
 
+def decoded(tokens: list[str]) -> tuple[str, list[int]]:
+    """The text of decoded tokens and their character offsets (what token_offsets gives for whole characters)."""
+    return "".join(tokens), [sum(len(t) for t in tokens[:i]) for i in range(len(tokens) + 1)]
+
+
 def test_keyword_candidates_are_words_above_the_mean():
     tokens = ["The", " cap", "ital", " of", " Occ", "itan", "ia", " is"]
     p = attribution_distribution(np.array([0.05, 0.3, 0.02, 0.01, 0.02, 0.4, 0.1, 0.1]))
     # mean is 1/8: "capital" (via "cap") and "Occitania" (via "itan") are above it, "is" is not
-    assert keyword_candidates(tokens, p) == ["capital", "Occitania"]
-    assert keyword_candidates(["A", " b", "."], np.array([0.2, 0.2, 0.6])) == []  # punctuation alone is no word
+    assert keyword_candidates(*decoded(tokens), p) == ["capital", "Occitania"]
+    assert keyword_candidates(*decoded(["A", " b", "."]), np.array([0.2, 0.2, 0.6])) == []  # punctuation is no word
+    # a hot apostrophe token is inside its word, a hot hyphen between two words is neither; a word comes once
+    tokens = [" Kenya", "'", "s", " Saint", "-", "Etienne", " kenya", "'s", " Rome", "?"]
+    p = np.array([0, 1, 0, 0, 1, 0, 1, 0, 0, 0.0])
+    assert keyword_candidates(*decoded(tokens), p) == ["Kenya's"]
+
+
+@pytest.mark.parametrize(
+    ("question", "words"),
+    [("Ünïcødé", ["Ünïcødé"]), ("Zürich", ["Zürich"]), ("São Paulo", ["São", "Paulo"])],
+)
+def test_keywords_are_whole_words_when_a_character_spans_tokens(tiny_llm, question, words):
+    """The tiny tokenizer splits ü, ã, Ü ... into one token per UTF-8 byte: any hot token of a word, the byte that
+    completes a character included, makes the whole word a keyword, never a replacement character or a fragment."""
+    ids = tiny_llm.tokenizer(question, add_special_tokens=False)["input_ids"]
+    text, offsets = tiny_llm.tokenizer.decode(ids), token_offsets(tiny_llm, ids)
+    by_byte = [i for i, t in enumerate(ids) if tiny_llm.tokenizer.decode([t]) == "\ufffd"]
+    assert by_byte  # the case at hand: characters spread over tokens
+    for hot in range(len(ids)):
+        p = np.full(len(ids), 0.1)
+        p[hot] = 1.0
+        got = keyword_candidates(text, offsets, p)
+        assert len(got) == 1 and got[0] in words
+    f = question_features(
+        tiny_llm,
+        question,
+        EarlyFeatureParams(prompt=PromptParams(template="{question}", chat=False), n_steps=4, hidden_layers=[-1]),
+    )
+    assert f.keywords and set(f.keywords) <= set(words)  # the early path: its tokens decoded together
 
 
 @pytest.mark.parametrize("rows", [1, 5, 24])  # a question's steps over several passes / questions sharing a pass

@@ -17,7 +17,7 @@ from test_pipeline import write_params
 
 from detectors.dior import realtime_set
 from detectors.shards import FailedRecordsError
-from pipelines import build_early, build_realtime, prepare, prepare_articles
+from pipelines import build_early, build_realtime, build_utility, index_corpus, prepare, prepare_articles
 from pipelines._provenance import PACKAGES, code_digest, stage_closure, stage_code_deps
 
 
@@ -184,3 +184,48 @@ def test_failed_realtime_records_are_retried_with_their_hidden_states(project, m
         got = hidden["hidden"][row.hidden_offset : row.hidden_offset + n]
         want = clean_hidden["hidden"][ref.hidden_offset : ref.hidden_offset + n]
         np.testing.assert_allclose(got, want, atol=2e-2, err_msg=row.id)
+
+
+def test_build_utility_keeps_a_corpus_shards_when_the_list_of_corpora_changes(project, monkeypatch):
+    """build_utility's shards are kept per corpus: leaving one corpus out of build_utility.corpora (or adding it back)
+    labels no question again, and a killed run still resumes with only its missing shard."""
+    qa = {"source": "qa", "id_field": None, "title_field": None, "text_field": None}
+    edit_params(project, "index_corpus", corpora={"facts": qa, "more": qa})
+    edit_params(project, "build_utility", corpora=["facts", "more"], shard_size=8)  # three shards of 8 per corpus
+    early(project)
+    index_corpus.main(["--params", "params.yaml"])
+    real, labelled = build_utility.utility_records, []
+
+    def counted(loop, gate, questions, *args):
+        labelled.extend(questions)
+        return real(loop, gate, questions, *args)
+
+    monkeypatch.setattr(build_utility, "utility_records", counted)
+    build_utility.main(["--params", "params.yaml"])
+    labels = project / "data/utility/labels.parquet"
+    both = pd.read_parquet(labels)
+    assert list(both["corpus"].unique()) == ["facts", "more"] and len(both) == len(labelled) == 48
+
+    labelled.clear()
+    edit_params(project, "build_utility", corpora=["facts"])
+    build_utility.main(["--params", "params.yaml"])
+    assert labelled == []  # the facts shards were kept
+    pd.testing.assert_frame_equal(pd.read_parquet(labels), both[both["corpus"] == "facts"].reset_index(drop=True))
+
+    edit_params(project, "build_utility", corpora=["more", "facts"])
+    build_utility.main(["--params", "params.yaml"])
+    assert labelled == []  # and so were the left-out corpus's
+    shards = sorted((project / "data/utility/shards/more").glob("shard-*.parquet"))
+    stamps = {p: p.stat().st_mtime_ns for p in shards[:-1]}
+    shards[-1].unlink()  # as if a run had been killed during the last shard of "more"
+    build_utility.main(["--params", "params.yaml"])
+    assert len(labelled) == 8 and {p: p.stat().st_mtime_ns for p in shards[:-1]} == stamps
+    again = pd.read_parquet(labels)
+    assert list(again["corpus"].unique()) == ["more", "facts"]
+    key = ["corpus", "id"]
+    pd.testing.assert_frame_equal(
+        again.sort_values(key).reset_index(drop=True),
+        both.sort_values(key).reset_index(drop=True),
+        check_exact=False,
+        atol=1e-5,
+    )

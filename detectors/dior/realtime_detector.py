@@ -21,7 +21,6 @@ from transformers import StoppingCriteria
 
 from detectors.config.core import from_dict
 from detectors.config.schema import RealtimePromptParams
-from detectors.dior.entities import entity_tokens, token_offsets
 from detectors.dior.nets import TokenMLP
 from detectors.dior.recorder import (
     GenerationRecorder,
@@ -35,6 +34,7 @@ from detectors.dior.recorder import (
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
+from detectors.llm.offsets import token_offsets, words_and_tokens
 from detectors.registry.artifact import FrameInputs, llm_section, read_net, write_artifact
 from detectors.training import predict
 
@@ -232,20 +232,21 @@ class RealtimeDetector(Detector):
         return int(hits[0]) if len(hits) else None
 
     def keywords(self, gen_ids: list[int], probabilities) -> list[str]:
-        """DioR §3.2: the generated text's entities, as tokens, without the tokens flagged as hallucinated."""
+        """DioR §3.2: the whole words of the generated text's entities whose tokens are none flagged as hallucinated
+        (each once, in text order). Words, not tokens decoded one by one: a name whose UTF-8 bytes span tokens would
+        come out as replacement characters and fragments (:func:`~detectors.llm.offsets.words_and_tokens`)."""
         if self._nlp is None:
             import spacy
 
             self._nlp = spacy.load(self.spacy_model)
         text = self.llm.tokenizer.decode(gen_ids, skip_special_tokens=True)
         offsets = token_offsets(self.llm, gen_ids)
-        out: list[str] = []
+        out: dict[str, None] = {}
         for ent in self._nlp(text).ents:
-            for i in entity_tokens(offsets, ent.start_char, ent.end_char):
-                token = self.llm.tokenizer.decode([gen_ids[i]]).strip()
-                if probabilities[i] < self.threshold and token and token not in out:
-                    out.append(token)
-        return out
+            for word, tokens in words_and_tokens(text, offsets, ent.start_char, ent.end_char):
+                if tokens and all(probabilities[i] < self.threshold for i in tokens):
+                    out.setdefault(word)
+        return list(out)
 
     def result(self, recorder: GenerationRecorder, row: int = 0) -> RealtimeResult:
         """What ``recorder`` saw of batch row ``row``: per-token probabilities, trigger and keywords."""

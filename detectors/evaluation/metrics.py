@@ -17,13 +17,21 @@ class OneClassError(InputError, ValueError):
     """A split holds only one class: AUROC and thresholds are undefined."""
 
 
-def require_both_classes(labels: np.ndarray, what: str) -> None:
+ONE_CLASS_FIX = "Use more questions (qa.limit), another source, or other split ratios."
+
+
+def require_both_classes(
+    labels: np.ndarray, what: str, positive: str = "hallucinated", fix: str = ONE_CLASS_FIX
+) -> None:
+    """Raise :class:`OneClassError` (one line: ``what``, how many of ``labels`` are ``positive``, then ``fix``) when
+    ``labels`` hold only 0s or only 1s. A caller whose label 1 means something else (retrieval ``helps``) or whose
+    fix is another setting names them."""
     labels = np.asarray(labels)
     n_pos = int(labels.sum())
     if n_pos == 0 or n_pos == len(labels):
         raise OneClassError(
-            f"{what} has only one class ({n_pos} hallucinated of {len(labels)}): AUROC and the threshold are "
-            "undefined. Use more questions (qa.limit), another source, or other split ratios."
+            f"{what} has only one class ({n_pos} {positive} of {len(labels)}): AUROC and the threshold are "
+            f"undefined. {fix}"
         )
 
 

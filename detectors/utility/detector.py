@@ -33,6 +33,7 @@ from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early import features_to_row, question_features, scalar_features
 from detectors.dior.early_detector import collate, per_question
 from detectors.dior.nets import EarlyGRU
+from detectors.errors import InputError
 from detectors.evaluation.metrics import require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
@@ -263,9 +264,12 @@ def train_utility_detector(
     choose every threshold on ``val`` (never on test)."""
     llm_ref = {**llm_ref, "dtype": frame_dtype(rows, f"the {corpus} utility labels' early columns")}
     train, val = (rows[rows["split"] == s].to_dict("records") for s in ("train", "val"))
+    # a small sample can leave a corpus without a split or a class: more questions, or no trigger for that corpus
+    fix = f"Use more questions (qa.limit) or leave {corpus} out of build_utility.corpora."
     if not train or not val:
-        raise ValueError(
-            f"the {corpus} utility labels have {len(train)} train and {len(val)} val questions: both splits are needed"
+        raise InputError(
+            f"the {corpus} utility labels have {len(train)} train and {len(val)} val questions: both splits are "
+            f"needed. {fix}"
         )
     nets: dict[str, EarlyGRU] = {}
     inputs: dict[str, Standardised] = {}
@@ -283,8 +287,10 @@ def train_utility_detector(
         data = {"train": used(train), "val": used(val)}
         raw = {split: np.stack([featurize(r) for r in rows]) for split, rows in data.items()}
         y = {split: np.array([int(r["utility"] == HELPS) for r in rows]) for split, rows in data.items()}
-        require_both_classes(y["train"], f"the {corpus} {stage} train labels")
-        require_both_classes(y["val"], f"the {corpus} {stage} validation labels")
+        for split in ("train", "val"):
+            require_both_classes(
+                y[split], f"the {corpus} corpus's {split} split of the {stage} labels", repr(HELPS), fix
+            )
         inputs[stage] = Standardised.fit(raw["train"], n_scalars)
         width = raw["train"].shape[1] - n_scalars
         nets[stage], summaries[stage] = fit(

@@ -10,11 +10,11 @@ import numpy as np
 import spacy
 
 from detectors.baselines.stitch_in_time import SitMin, SitValidator
-from detectors.dior.entities import entity_tokens, token_offsets
 from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.llm.generate import generate, instruction_prompt
 from detectors.llm.loading import LLM
+from detectors.llm.offsets import entity_tokens, token_offsets
 from detectors.rag.controllers.validation import ValidateAndRepair
 from detectors.rag.stats import Calculator, SegmentView
 from detectors.rag.triggers import PROBABILITY, Policy, Trigger
@@ -22,7 +22,7 @@ from detectors.rag.triggers import PROBABILITY, Policy, Trigger
 
 class EntityCalculator(Calculator):
     """``entities``: the token indices of each spaCy entity of the segment (the real-time set's entity tokens,
-    :func:`~detectors.dior.entities.entity_tokens`)."""
+    :func:`~detectors.llm.offsets.entity_tokens`)."""
 
     key, provides = "entities", ("entities",)
 
@@ -39,7 +39,7 @@ class EntityCalculator(Calculator):
 def concept_spans(question: str, segment: str, offsets: list[int], named: str) -> list[list[int]]:
     """The token spans of the concepts the LLM ``named`` (a list split at commas and lines, numbering dropped) in the
     sentence ``question`` + ``segment``: each phrase found in the sentence covers the segment's tokens (``offsets``:
-    :func:`~detectors.dior.entities.token_offsets`) it overlaps; the part in the question was not generated."""
+    :func:`~detectors.llm.offsets.token_offsets`) it overlaps; the part in the question was not generated."""
     sentence = f"{question.strip()} {segment.strip()}".lower()
     shift = len(question.strip()) + 1 - (len(segment) - len(segment.lstrip()))  # a sentence offset minus the segment's
     phrases = dict.fromkeys(
