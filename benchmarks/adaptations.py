@@ -41,7 +41,8 @@ Variants:
   ``generate_attn``: ``model(generated_tokens, output_attentions=True)``); configured: the segment's attention within
   the loop's pass over prompt + segment, over the segment's own tokens.
 
-Run: ``python -m benchmarks.adaptations [--variants ...] [--questions N] [--out benchmarks/results/adaptations_cpu.json]``
+Run:
+``python -m benchmarks.adaptations [--variants ...] [--questions N] [--out benchmarks/results/adaptations_cpu.json]``
 after ``dvc repro rag_eval``; nothing else on the machine meanwhile. A variant already in ``--out`` is kept unless it
 is run again.
 """
@@ -170,7 +171,8 @@ class ReleasedQfsQuery(QfsQuery):
 
 
 SIT_REPAIR = (
-    "{passages}\n{sentence}\nThe above sentence has information that can not be verified from the provided evidence, repair that "
+    "{passages}\n{sentence}\nThe above sentence has information that can not be verified from the provided evidence, "
+    "repair that "
     "incorrect information and create a new sentence based on the provided evidence.\n"
 )
 # Stitch-in-Time's Table 3, "Repair Hallucinated Sentence" (as the block before the question, where every RAG prompt
@@ -260,7 +262,8 @@ PROCEDURES = {
     ),
     "ctrla-tvq": Procedure(
         "ctrla",
-        "the query: the question and the LLM's targeted validation query (Prompt B.1) instead of Eq. 3's masked segment",
+        "the query: the question and the LLM's targeted validation query (Prompt B.1) instead of Eq. 3's masked "
+        "segment",
         query=_tvq,
     ),
     "dragin-qfs-released": Procedure(
@@ -346,7 +349,8 @@ def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, 
             "became_wrong": int(sum(y < x for x, y in zip(*right))),
         }
         print(
-            f"{variant.configuration} · {corpus}: {a['accuracy']:.3f} → {b['accuracy']:.3f} ({delta:+.3f} [{low:+.3f}, {high:+.3f}]), "
+            f"{variant.configuration} · {corpus}: {a['accuracy']:.3f} → {b['accuracy']:.3f} "
+            f"({delta:+.3f} [{low:+.3f}, {high:+.3f}]), "
             f"retrievals {a['retrievals_per_question']:.2f} → {b['retrievals_per_question']:.2f}",
             file=sys.stderr,
             flush=True,
@@ -390,7 +394,8 @@ def run_score(runtime: VariantRuntime, variant: Score, rag, questions, refs) -> 
         "variant_rate_to_always": after.rate_to_always,
     }
     print(
-        f"{names[0]} · {corpus}: curve area {before.area:.3f} → {after.area:.3f} ({out['delta']:+.3f} [{low:+.3f}, {high:+.3f}]; "
+        f"{names[0]} · {corpus}: curve area {before.area:.3f} → {after.area:.3f} "
+        f"({out['delta']:+.3f} [{low:+.3f}, {high:+.3f}]; "
         f"random {before.random_area:.3f})",
         file=sys.stderr,
         flush=True,

@@ -13,9 +13,10 @@ What it reports
 * **every RAG accuracy** (``data/metrics/rag_eval.json`` and the stored runs): accuracy in both runs, the paired
   difference on the same questions with a bootstrap interval, and how many questions changed correctness.
 
-Run: ``python -m benchmarks.dtype_effect --float32 RUN_DIR --default RUN_DIR [--out benchmarks/results/dtype_effect_cpu.json]``
-(each RUN_DIR a checkout where ``dvc repro`` ran; the float32 one with ``llm.dtype: float32``; a float32 run that stopped
-before ``rag_eval``, ``dvc repro evaluate``, gives the early set and the comparison rows only).
+Run: ``python -m benchmarks.dtype_effect --float32 RUN_DIR --default RUN_DIR
+[--out benchmarks/results/dtype_effect_cpu.json]`` (each RUN_DIR a checkout where ``dvc repro`` ran; the float32 one
+with ``llm.dtype: float32``; a float32 run that stopped before ``rag_eval``, ``dvc repro evaluate``, gives the early set
+and the comparison rows only).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).write_text(json.dumps(result, indent=2, default=float) + "\n")
     e = result["early_set"]
     print(
-        f"early set: {e['same_answer']}/{e['questions']} same answers, {e['same_label']} same labels; IG Spearman median "
+        f"early set: {e['same_answer']}/{e['questions']} same answers, {e['same_label']} same labels; "
+        "IG Spearman median "
         f"{e['attribution_spearman_median']:.3f}, entropy r = {e['entropy_correlation']:.3f}"
     )
     for r in result["comparison"]:
@@ -159,16 +161,21 @@ def main(argv: list[str] | None = None) -> None:
             else ""
         )
         print(
-            f"{r['dataset']:8s} {r['level']:12s} {r['scorer']:38s} {r['auroc_float32']:.3f} -> {r['auroc_default']:.3f}{extra}"
+            f"{r['dataset']:8s} {r['level']:12s} {r['scorer']:38s} "
+            f"{r['auroc_float32']:.3f} -> {r['auroc_default']:.3f}{extra}"
         )
     for r in result["rag"]:
         extra = (
-            f"  paired Δ {r['delta']:+.3f} [{r['delta_ci'][0]:+.3f}, {r['delta_ci'][1]:+.3f}], {r['changed_correctness']} changed"
+            (
+                f"  paired Δ {r['delta']:+.3f} [{r['delta_ci'][0]:+.3f}, {r['delta_ci'][1]:+.3f}], "
+                f"{r['changed_correctness']} changed"
+            )
             if "delta" in r
             else ""
         )
         print(
-            f"{r['corpus']:6s} {r['configuration']:14s} {r['accuracy_float32']:.3f} -> {r['accuracy_default']:.3f}{extra}"
+            f"{r['corpus']:6s} {r['configuration']:14s} "
+            f"{r['accuracy_float32']:.3f} -> {r['accuracy_default']:.3f}{extra}"
         )
 
 

@@ -194,12 +194,15 @@ def print_table(result: dict[str, Any]) -> None:
     for r in result["questions"]:
         q = r["question"] if len(r["question"]) <= 58 else r["question"][:55] + "..."
         print(
-            f"{q:<58} {r['target']!r:>10} {r['prompt_tokens']:>4} {r['time_ours_s']:>8.3f} {r['time_reference_s']:>8.3f} "
-            f"{r['time_reference_s'] / r['time_ours_s']:>6.2f} {r['max_abs_diff_distribution']:>9.2e} {r['abs_diff_entropy']:>9.2e}"
+            f"{q:<58} {r['target']!r:>10} {r['prompt_tokens']:>4} "
+            f"{r['time_ours_s']:>8.3f} {r['time_reference_s']:>8.3f} "
+            f"{r['time_reference_s'] / r['time_ours_s']:>6.2f} {r['max_abs_diff_distribution']:>9.2e} "
+            f"{r['abs_diff_entropy']:>9.2e}"
         )
     print()
     print(
-        f"prompt={result['prompt']}  n_questions={result['n_questions']}  n_steps={result['n_steps']}  method={result['method']}  "
+        f"prompt={result['prompt']}  n_questions={result['n_questions']}  n_steps={result['n_steps']}  "
+        f"method={result['method']}  "
         f"repeats={result['repeats']}  threads={result['torch_threads']}  device={result['device']}  "
         f"load={result['load_before']:.1f}->{result['load_after']:.1f} on {result['cpu_count']} cpus"
     )

@@ -1,5 +1,5 @@
-"""Minutes per stage of a whole pipeline run: ``make repro`` (creating ``.venv``, then ``dvc repro``) in a checkout, each
-stage timed from DVC's "Running stage" line to the next (the first stage's clock starts when ``.venv`` is ready).
+"""Minutes per stage of a whole pipeline run: ``make repro`` (creating ``.venv``, then ``dvc repro``) in a checkout,
+each stage timed from DVC's "Running stage" line to the next (the first stage's clock starts when ``.venv`` is ready).
 
 What it measures: the wall time a newcomer waits for a fresh clone's first result, and where it goes. Run it in a fresh
 clone with nothing else on the machine (two CPU jobs distort each other); the result names the machine, the commit and
@@ -24,7 +24,8 @@ STAGE = re.compile(r"^Running stage '([^']+)'")
 
 
 def timed_run(command: list[str], cwd: Path, log: Path) -> tuple[float, list[tuple[str, float]]]:
-    """Run ``command`` in ``cwd``, its output copied to ``log`` and stderr; the total seconds and (stage, start) marks."""
+    """Run ``command`` in ``cwd``, its output copied to ``log`` and stderr; the total seconds and (stage, start)
+    marks."""
     marks: list[tuple[str, float]] = []
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:

@@ -223,8 +223,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"reference ({run['reference_dtype']}) vs ours ({run['ours_dtype']})")
         for unit, row in run["units"].items():
             print(
-                f"  {unit:28s} {row['reference_s_per_question']:6.3f} -> {row['ours_s_per_question']:6.3f} s/question ({row['speedup']:4.1f}x), "
-                f"same answers {row['same_answers']}/{row['questions']}, same retrievals {row['same_traces']}/{row['questions']}"
+                f"  {unit:28s} {row['reference_s_per_question']:6.3f} -> {row['ours_s_per_question']:6.3f} s/question "
+                f"({row['speedup']:4.1f}x), "
+                f"same answers {row['same_answers']}/{row['questions']}, "
+                f"same retrievals {row['same_traces']}/{row['questions']}"
             )
         print(f"  total {run['reference_s']:.0f} s -> {run['ours_s']:.0f} s: {run['speedup']:.2f}x")
 

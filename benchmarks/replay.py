@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rounded(x: float | None) -> float | str | None:
-    """A score to 4 decimals; nan (no score: the sweep's and RetroRAG's first retrieval) as a string, equal to itself."""
+    """A score to 4 decimals; nan (no score: the sweep's and RetroRAG's first retrieval) as a string, equal to
+    itself."""
     return None if x is None else "nan" if math.isnan(float(x)) else round(float(x), 4)
 
 

@@ -119,7 +119,8 @@ def _entry(entry: Any, where: str) -> list[str]:
         and all(isinstance(n, str) and "\n" not in n for n in entry[2:])
     ):
         raise InputError(
-            f"{where}: entry {entry!r} is neither a path nor (path, {{option: True|False}}[, comment]); write one of those"
+            f"{where}: entry {entry!r} is neither a path nor (path, {{option: True|False}}[, comment]); "
+            "write one of those"
         )
     path, options, *note = entry
     lines = [f"      - {path}:" + "".join(f"   # {n}" for n in note)]

@@ -39,7 +39,8 @@ log = logging.getLogger("rag_eval")
 Answer = Callable[[list[str], list[bool]], list[dict]]
 SWEEP = "sweep"  # the test sweep's run, and the metrics file's key for the curves
 VAL_SWEEP = "sweep-val"  # each corpus's sweep of the validation questions: the candidate thresholds of the tuning
-TUNE = "tune-val"  # each corpus's configurations at their candidate thresholds on the validation questions: the operating points
+# each corpus's configurations at their candidate thresholds on the validation questions: the operating points
+TUNE = "tune-val"
 
 
 # modules that dispatch by name (registries, the runtime's builders): their function-level imports and registry entries
@@ -154,7 +155,8 @@ class RagRuntime:
             return trigger
         if trigger.name not in thresholds:
             raise InputError(
-                f"trigger {trigger.name!r} has no threshold on corpus {corpus!r}: its validation sweep did not measure it"
+                f"trigger {trigger.name!r} has no threshold on corpus {corpus!r}: "
+                "its validation sweep did not measure it"
             )
         return dataclasses.replace(trigger, threshold=thresholds[trigger.name])
 
@@ -331,7 +333,8 @@ class RunWorker:
         self.runs_dir = Path(params["paths.rag_runs"])
 
     def _champions(self, specs: list[str]) -> dict[str, str]:
-        """The registered versions the run's ``<name>@<alias>`` specs point to (a promotion restarts the runs that read it)."""
+        """The registered versions the run's ``<name>@<alias>`` specs point to (a promotion restarts the runs that read
+        it)."""
         return {s: self.base_key["champions"][s] for s in sorted(set(specs)) if s in self.base_key["champions"]}
 
     def _config_run(

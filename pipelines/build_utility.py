@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     missing = [c for c in utility.corpora if not (Path(params["paths.rag_index"]) / c).is_dir()]
     if missing:
         raise FileNotFoundError(
-            f"build_utility.corpora {missing} have no index under {params['paths.rag_index']}: add them to index_corpus.corpora and run `dvc repro index_corpus`"
+            f"build_utility.corpora {missing} have no index under {params['paths.rag_index']}: "
+            "add them to index_corpus.corpora and run `dvc repro index_corpus`"
         )
     table = questions(pd.read_parquet(params["paths.early"]), utility.corpora)
     out = Path(params["paths.utility"])

@@ -1,5 +1,6 @@
-"""Stage evaluate_directions: how good the CtrlA directions are, in a detailed report (``paths.evaluate_directions_metrics``,
-which register_ctrla reads), its headline (a plain out; read at a glance), figures (``dvc plots``) and MLflow.
+"""Stage evaluate_directions: how good the CtrlA directions are, in a detailed report
+(``paths.evaluate_directions_metrics``, which register_ctrla reads), its headline (a plain out; read at a glance),
+figures (``dvc plots``) and MLflow.
 
 - layer ranges: each concept at CtrlA's range scaled to the LLM's depth (``paper``) and at the window of
   the same width (or ``layer_window``) chosen on validation (``validation``: honesty on the val

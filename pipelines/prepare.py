@@ -26,7 +26,8 @@ def prepare_qa(qa, raw_dir: str, out: str, report_path: str) -> dict:
     table, rejected = normalize_records(raw, qa.source, qa.question_field, qa.answers_field, qa.id_field)
     if table.empty:
         raise SourceError(
-            f"qa.source = {qa.source!r}: no usable record among {len(raw)} ({rejected['reason'].value_counts().to_dict()})"
+            f"qa.source = {qa.source!r}: no usable record among {len(raw)} "
+            f"({rejected['reason'].value_counts().to_dict()})"
         )
     table = sample(table, qa.limit)
     table["split"] = table["id"].map(lambda i: split_of(i, qa.splits))

@@ -134,9 +134,9 @@ def tuning_candidates(
     configurations: dict, corpus: str, curves: dict, fixed: dict[str, float], rates: list[float]
 ) -> dict[str, list[dict[str, float]]]:
     """Per configuration, the threshold sets it is tried at on ``corpus``'s validation questions: set j puts each of its
-    triggers at candidate j of its validation curve (:func:`~detectors.evaluation.rag_sweep.candidate_thresholds`: the most
-    accurate point, then the points nearest each of ``rates``; the triggers of one configuration at the same target),
-    a trigger ``fixed`` gives a number stays there; a set that repeats is tried once. A configuration with no
+    triggers at candidate j of its validation curve (:func:`~detectors.evaluation.rag_sweep.candidate_thresholds`: the
+    most accurate point, then the points nearest each of ``rates``; the triggers of one configuration at the same
+    target), a trigger ``fixed`` gives a number stays there; a set that repeats is tried once. A configuration with no
     threshold to choose has one set."""
     out = {}
     for name, config in configurations.items():
@@ -271,12 +271,14 @@ def champion_versions(params) -> dict[str, str]:
             version = store.alias_version(client, name, alias)
         except MlflowException as err:  # no such registered model
             raise InputError(
-                f"rag_eval uses {spec}, but {name} is not registered in {params['mlflow'].tracking_uri}: run the register stages "
+                f"rag_eval uses {spec}, but {name} is not registered in {params['mlflow'].tracking_uri}: "
+                "run the register stages "
                 f"first ({err.error_code})"
             ) from err
         if version is None:
             raise InputError(
-                f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {params['mlflow'].tracking_uri}: run the register stages first"
+                f"rag_eval uses {spec}, but {name} has no alias {alias!r} in {params['mlflow'].tracking_uri}: "
+                "run the register stages first"
             )
         out[spec] = f"{version.version}:{version.run_id}"  # the run id tells a version 1 of another store apart
     return out
@@ -288,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     qa = pd.read_parquet(params["paths.qa"])
     rows = {"test": split_questions(qa, "test", rag.questions), "val": split_questions(qa, "val")}
     answers = [list(a) for a in rows["test"]["answers"]]
-    # what shapes every run's answers; each run adds its own code, params, thresholds and champions (pipelines._rag_runtime)
+    # what shapes every run's answers; each run adds its own code, params, thresholds and champions
+    # (pipelines._rag_runtime)
     base_key = {
         "qa": file_digest(params["paths.qa"]),
         "prompt": dataclasses.asdict(params["build_early.features.prompt"]),
@@ -303,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
         for i, result in map_units(sweeps, functools.partial(RunWorker, params, rows, base_key), params["execution"])
     }
     swept = {unit: {**result, "lines": result["lines"][unit[1]]} for unit, result in swept.items()}
-    # then every configuration at its candidate thresholds on the validation questions: its own procedure picks its point
+    # then every configuration at its candidate thresholds on the validation questions: its own procedure picks its
+    # point
     val_curves = {
         c: sweep_curves(swept[(c, VAL_SWEEP)]["lines"], list(swept[(c, VAL_SWEEP)]["triggers"])) for c in rag.corpora
     }

@@ -2,8 +2,8 @@
 
 The early detectors of ``register_early.names`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``:
 the stronger feature set), each from ``paths.early_model/<name>/`` under its own registered name, their results
-in one JSON keyed by detector; ``dior-realtime`` (the MLP; its test metrics are the continuation level's); and the retrieval-utility trigger of
-each corpus (``utility-<corpus>``; its test metrics are train_utility's).
+in one JSON keyed by detector; ``dior-realtime`` (the MLP; its test metrics are the continuation level's); and the
+retrieval-utility trigger of each corpus (``utility-<corpus>``; its test metrics are train_utility's).
 Each version is tagged with the digest of the validation records its AUROC was computed on (the ok records of
 the set's val split; for the real-time detector those of the set it was chosen on, the QA answers with a token or the
 continuations, as training recorded it in the detector's ``info``), so only comparable versions compete.
@@ -68,7 +68,8 @@ OUTS = (
 
 def early_val_ids(path: str | Path) -> list[str]:
     """Ids of the early set's records the early detectors' validation AUROC is computed on: the val records
-    :func:`~detectors.dior.early_detector.train_early_detector` validates on (:func:`~detectors.sources.ids.ok_records`)."""
+    :func:`~detectors.dior.early_detector.train_early_detector` validates on
+    (:func:`~detectors.sources.ids.ok_records`)."""
     frame = pd.read_parquet(path, columns=["id", "split", "status"])
     return ok_records(frame, "val")["id"].astype(str).tolist()
 
@@ -80,7 +81,8 @@ def realtime_val_digest(info: dict, artifact_dir: str | Path) -> str:
     if digest is None:
         raise InputError(
             f"the real-time detector at {artifact_dir} records no digest of its validation records (info.val_digest): "
-            f"its {info.get('chosen_on', CONTINUATIONS)} have no ok validation record, or it was trained by an older version: "
+            f"its {info.get('chosen_on', CONTINUATIONS)} have no ok validation record, "
+            "or it was trained by an older version: "
             "check the val split and run `dvc repro train_realtime`"
         )
     return digest
@@ -128,7 +130,8 @@ def register_detector(
 
 
 def early_artifact(model_dir: str | Path, detector: str) -> Path:
-    """``paths.early_model/<detector>``, the trained early detector ``register_early.names`` names; missing, a clear error."""
+    """``paths.early_model/<detector>``, the trained early detector ``register_early.names`` names; missing, a clear
+    error."""
     path = Path(model_dir) / detector
     if not (path / "detector.json").exists():
         trained = sorted(d.name for d in Path(model_dir).iterdir() if d.is_dir()) if Path(model_dir).is_dir() else []
@@ -211,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     exp = store.experiment(realtime.experiment, mlflow_params.artifact_root)
     layers = ",".join(map(str, params["build_realtime.hidden_layers"]))
+    # a champion compared on another number (older versions: token AUROC, or the other set) is not compared: the new one
+    # waits as challenger
     result = register_detector(
         params["paths.realtime_model"],
         realtime_digest,
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         {"hidden_layers": layers, "chosen_on": chosen_on},
         f"hidden layers {layers}; served validation AUROC on the {chosen_on}",
         val_key="val_served_auroc",
-    )  # a champion compared on another number (older versions: token AUROC, or the other set) is not compared: the new one waits as challenger
+    )
     write_json(params["paths.registry_realtime"], result)
     exp = store.experiment(params["register_utility"].experiment, mlflow_params.artifact_root)
     write_json(params["paths.registry_utility"], register_utility(params, exp))

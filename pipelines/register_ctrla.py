@@ -38,8 +38,10 @@ def chosen_range(metrics: dict, concept: str, selection: str) -> dict:
     found = section.get("ranges", {}).get(selection)
     if found is None and selection == "validation":
         raise InputError(
-            f"register_ctrla.{concept}_layers = 'validation', but {concept} has no layer range chosen on validation in the "
-            "evaluate_directions metrics (its validation split lacks one of the labels, or the metrics predate layer ranges): "
+            f"register_ctrla.{concept}_layers = 'validation', but {concept} has no layer range chosen on validation "
+            "in the "
+            "evaluate_directions metrics (its validation split lacks one of the labels, or the metrics predate layer "
+            "ranges): "
             "set it to 'paper' or rerun `dvc repro evaluate_directions`"
         )
     return found or {}

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     layers, answer_layers = params["build_realtime.hidden_layers"], params["build_early.answer_hidden_layers"]
     if layers != answer_layers:
         raise InputError(
-            f"build_early.answer_hidden_layers = {answer_layers} but build_realtime.hidden_layers = {layers}: the real-time "
+            f"build_early.answer_hidden_layers = {answer_layers} but build_realtime.hidden_layers = {layers}: "
+            "the real-time "
             "detector reads one set of layers, so set both to the same list"
         )
     sets = TokenSets(

@@ -6,7 +6,8 @@ point chosen on validation, and writes ``paths.utility_model/<corpus>/``. ``path
 corpus the thresholds, the training summaries and what the test split says: the AUROC of P(helps) for ``helps`` and
 its paired difference with the first-token probability's (the signal left after the LLM's confidence), the gate's
 AUROC for ``helps`` against ``hurts``, the same AUROC and difference for the trained early detectors (they learnt
-"the unaided answer is wrong", not "retrieval fixes it"), and the test accuracy and retrieval rate at each operating point.
+"the unaided answer is wrong", not "retrieval fixes it"), and the test accuracy and retrieval rate at each operating
+point.
 """
 
 from __future__ import annotations

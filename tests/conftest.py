@@ -50,7 +50,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_llama(
     tokenizer, seed: int = 0, train_steps: int = 300, texts: list[str] | None = None
 ) -> LlamaForCausalLM:
-    """The tiny Llama, trained ``train_steps`` on ``texts`` (default: the known facts, each ``<question> <answer>.``)."""
+    """The tiny Llama, trained ``train_steps`` on ``texts`` (default: the known facts, each
+    ``<question> <answer>.``)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

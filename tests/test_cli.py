@@ -83,8 +83,8 @@ def test_assess_and_monitor_refuse_the_other_kind(registered, capsys):  # noqa: 
     status, out, err = run(capsys, "assess", QUESTIONS[0], "--model", "dior-realtime", "--tracking-uri", registered)
     assert status == 1 and out == ""
     assert (
-        "dior-realtime@champion is a 'dior-realtime' detector; `assess` takes one of kind dior-early, utility (use `dynrag monitor`"
-        in one_line(err)
+        "dior-realtime@champion is a 'dior-realtime' detector; `assess` takes one of kind dior-early, utility "
+        "(use `dynrag monitor`" in one_line(err)
     )
     status, _, err = run(capsys, "monitor", QUESTIONS[0], "--model", "dior-early", "--tracking-uri", registered)
     assert status == 1 and "(use `dynrag assess` for a detector that decides from the question)" in one_line(err)
@@ -182,7 +182,8 @@ def test_monitor_shows_where_ctrla_confidence_triggers(registered, tiny_llm, cap
 
 
 def test_the_store_comes_from_the_option_the_environment_or_the_params_file(registered, tmp_path, monkeypatch, capsys):  # noqa: F811
-    """--tracking-uri, else --params, else $MLFLOW_TRACKING_URI, else params.yaml here (a relative sqlite path: relative to it)."""
+    """--tracking-uri, else --params, else $MLFLOW_TRACKING_URI, else params.yaml here (a relative sqlite path: relative
+    to it)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     status, _, err = run(capsys, "promote", "dior-early", "1")

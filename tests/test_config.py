@@ -153,7 +153,8 @@ def test_declared_sections_are_validated_before_any_work(shipped):
 
 
 def test_paths_is_an_open_section_of_named_paths(shipped, tmp_path):
-    """A new path is data (no type lists the keys, so no stage's code changes); a blank path or a bad name is refused."""
+    """A new path is data (no type lists the keys, so no stage's code changes); a blank path or a bad name is
+    refused."""
     data = copy.deepcopy(shipped)
     data["paths"]["new_report"] = "data/metrics/new.json"
     assert StageParams(data, ("paths.new_report", "paths.qa"), "a stage")["paths.new_report"] == "data/metrics/new.json"
@@ -222,7 +223,8 @@ def test_unknown_feature_group(shipped, tmp_path):
 
 
 def test_shipped_dior_early_is_the_papers_rnn_over_ig_features():
-    """DioR Eq. 2: the detector reads IG(Q) only (the attribution sequence and its entropy); the stronger set has its own name."""
+    """DioR Eq. 2: the detector reads IG(Q) only (the attribution sequence and its entropy); the stronger set has its
+    own name."""
     sections = load_all(SHIPPED)
     assert sections["train_early"].detectors["dior-early"] == ["attribution", "entropy"]
     assert set(sections["train_early"].detectors["dior-early-extended"]) == {

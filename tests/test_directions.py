@@ -52,7 +52,8 @@ def test_pca_recovers_a_planted_direction_and_orients_it_positive():
     assert float(vectors[0] @ u) > 0.99  # positive instruction projects higher
     assert float(vectors[1] @ u) < -0.99  # the reversed contrast is oriented the other way
     assert torch.allclose(vectors.norm(dim=-1), torch.ones(2))
-    # the planted share of the variance: E[(3(1+U))^2] = 21 along u against 64 * 0.3^2 of noise (measured 0.784-0.793 over seeds)
+    # the planted share of the variance: E[(3(1+U))^2] = 21 along u against 64 * 0.3^2 of noise (measured 0.784-0.793
+    # over seeds)
     assert float(explained[0]) == pytest.approx(21 / (21 + 64 * 0.09), abs=0.03) and float(explained[1]) == float(
         explained[0]
     )

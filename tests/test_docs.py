@@ -230,7 +230,8 @@ def check_command(cmd: list[str]) -> None:
         )
     elif name != "pytest":
         raise AssertionError(
-            f"{' '.join(cmd)}: not one of the project's commands (make, dvc, python -m, dynrag, mlflow, ray, pip, pytest, "
+            f"{' '.join(cmd)}: not one of the project's commands (make, dvc, python -m, dynrag, mlflow, ray, pip, "
+            "pytest, "
             "source .venv/bin/activate, export, curl to a local server)"
         )
     outputs = stage_outputs()

@@ -228,7 +228,8 @@ def test_headline_rows_are_written_one_file_each_and_a_row_gone_from_the_results
 
 
 def declared(kind: str) -> dict[str, list[str]]:
-    """Per stage, the paths of its ``kind`` entries (outs, metrics, plots) with ``${paths.*}`` resolved from params.yaml."""
+    """Per stage, the paths of its ``kind`` entries (outs, metrics, plots) with ``${paths.*}`` resolved from
+    params.yaml."""
     paths = yaml.safe_load((ROOT / "params.yaml").read_text())["paths"]
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 

@@ -46,7 +46,8 @@ def in_bfloat16(llm: LLM) -> LLM:
 
 @pytest.fixture(scope="module")
 def early(tiny_llm) -> EarlyDetector:
-    """An early detector trained on the tiny Llama's real fp32 features of the QA fixture (as build_early stores them)."""
+    """An early detector trained on the tiny Llama's real fp32 features of the QA fixture (as build_early stores
+    them)."""
     rows, qa = [], qa_rows()
     records = early_records(tiny_llm, [r["question"] for r in qa], [r["answers"] for r in qa], FEATURES, 4, [])
     for i, record in enumerate(records):

@@ -104,8 +104,8 @@ def test_registered_detectors_have_champion_aliases(server, pipeline):  # noqa: 
 
 @pytest.fixture()
 def team_server(tmp_path):
-    """A team's registry: an empty ``mlflow server`` of its own (sqlite here, PostgreSQL in a team), artifacts proxied to its
-    own directory; yields its URL and that directory."""
+    """A team's registry: an empty ``mlflow server`` of its own (sqlite here, PostgreSQL in a team), artifacts proxied
+    to its own directory; yields its URL and that directory."""
     with mlflow_server(
         f"sqlite:///{tmp_path / 'team.db'}", tmp_path / "team.log", cwd=tmp_path, artifacts=tmp_path / "team-artifacts"
     ) as base:
@@ -145,7 +145,8 @@ def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline
 
 @contextlib.contextmanager
 def not_found_server() -> Iterator[str]:
-    """A local HTTP server that answers 404 to everything (another service on that port, a proxy's error page); its URL."""
+    """A local HTTP server that answers 404 to everything (another service on that port, a proxy's error page); its
+    URL."""
 
     class NotFound(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -166,13 +167,17 @@ def not_found_server() -> Iterator[str]:
 
 
 def test_a_tracking_uri_without_an_mlflow_server_fails_fast_in_one_line(tmp_path, capsys):
-    """Nothing listening, or a server answering 404: the store's configuration (so load_detector, the CLI and the register
-    stage) fails within seconds naming the URI, instead of MLflow's minutes of retries and a raw 404 traceback."""
+    """Nothing listening, or a server answering 404: the store's configuration (so load_detector, the CLI and the
+    register stage) fails within seconds naming the URI, instead of MLflow's minutes of retries and a raw 404
+    traceback."""
     dead = f"http://127.0.0.1:{free_port()}"
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     with not_found_server() as wrong:
         cases = {
-            dead: rf"no MLflow tracking server answers at {dead} \(\[Errno 111\] Connection refused, 5 s timeout\): start it",
+            dead: (
+                rf"no MLflow tracking server answers at {dead} "
+                r"\(\[Errno 111\] Connection refused, 5 s timeout\): start it"
+            ),
             wrong: rf"{wrong} answered HTTP 404 to GET /health: no MLflow tracking server is there; start it",
         }
         for uri, message in cases.items():

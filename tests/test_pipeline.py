@@ -195,7 +195,8 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
             name
         )  # of the stored test-split scores
         assert m["trigger_rate"] == pytest.approx(float((test[name] >= m["threshold"]).mean())), name
-    # what the tiny Llama planted (memorised facts answered right, and confidently) shows in the training-free first-token
+    # what the tiny Llama planted (memorised facts answered right, and confidently) shows in the training-free
+    # first-token
     # probability. The trained scorers are not asserted here: fitted on 24 questions with 12 to choose their epoch or C,
     # their test AUROC on 12 questions swings with the split (0.53-0.88 for the logistic probe when the fixture's ids
     # still depended on the checkout's path); test_training checks that they learn.
@@ -305,7 +306,8 @@ def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pi
 
 
 def test_train_early_writes_each_named_detector_and_ablation_in_its_own_directory(pipeline):
-    """dior-early is DioR's RNN over IG(Q) (attribution and its entropy); the extended set and the ablation sit beside it."""
+    """dior-early is DioR's RNN over IG(Q) (attribution and its entropy); the extended set and the ablation sit beside
+    it."""
     models = pipeline / "data/models/early"
     assert {d.name for d in models.iterdir()} == {"dior-early", "dior-early-extended", "gru[attribution]"}
     configs = {d.name: json.loads((d / "detector.json").read_text()) for d in models.iterdir()}
@@ -442,8 +444,8 @@ def test_champion_alias_moves_only_when_not_worse(pipeline):
 
 
 def test_register_compares_the_realtime_detector_on_the_validation_records_training_scored(pipeline):
-    """The real-time version is tagged with the digest training recorded: that of the ok validation records of the set it
-    was chosen on (here the QA answers with a token), which the champion rule compares."""
+    """The real-time version is tagged with the digest training recorded: that of the ok validation records of the set
+    it was chosen on (here the QA answers with a token), which the champion rule compares."""
     from detectors.dior.realtime_detector import answer_records
 
     out = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
@@ -596,7 +598,8 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
 
 def run_ctrla_stages(pipeline: Path, stages, name: str, edit=None) -> None:
     """Run ``stages`` (modules with ``main``) in ``pipeline`` (the working directory) with its params sized for the tiny
-    Llama's CtrlA directions (``edit(values)`` changes more) written to ``name``, and an offline TruthfulQA task file."""
+    Llama's CtrlA directions (``edit(values)`` changes more) written to ``name``, and an offline TruthfulQA task
+    file."""
     values = yaml.safe_load((pipeline / "params.yaml").read_text())
     for concept in ("honesty", "confidence"):
         values["extract_directions"][concept]["statements"].update(limit=24)

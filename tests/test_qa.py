@@ -473,7 +473,9 @@ HOTPOTQA = {
         },
         {
             "id": "5a8c7595554299585d9e36b6",
-            "question": "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?",
+            "question": (
+                "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
+            ),
             "answer": "Chief of Protocol",
             "type": "bridge",
             "level": "hard",

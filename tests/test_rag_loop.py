@@ -134,7 +134,8 @@ def registry(tmp_path_factory, tiny_llm) -> str:
 SIT = from_dict(
     SitParams, {**PARAMS["rag_eval"]["sit"], "concepts": "entities", "yes_words": ["Y"], "no_words": ["N"]}, "sit"
 )  # the tiny
-# Llama names no concepts when instructed: the validation tests read spaCy's (the LLM's: test_sit_validates_the_concepts_the_llm_names)
+# Llama names no concepts when instructed: the validation tests read spaCy's (the LLM's:
+# test_sit_validates_the_concepts_the_llm_names)
 
 
 def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT, ctrla=None):
@@ -596,8 +597,8 @@ def test_a_comparison_scorer_becomes_a_trigger_without_touching_the_loop(tiny_ll
 
 class SegmentAsQuery(Controller):
     """A procedure the engine has never seen: retrieve with the question and the flagged segment's text (the tokens
-    before the flagged one kept), and answer the re-predicted segment only when the retriever's best passage scored at least
-    ``floor``; otherwise the passages go and the segment is predicted again without them."""
+    before the flagged one kept), and answer the re-predicted segment only when the retriever's best passage scored at
+    least ``floor``; otherwise the passages go and the segment is predicted again without them."""
 
     def __init__(self, floor: float):
         self.floor, self.seen = floor, []
@@ -623,7 +624,8 @@ class SegmentAsQuery(Controller):
 @pytest.mark.parametrize("floor", [0.0, float("inf")])
 def test_a_controller_defined_here_runs_in_the_loop(tiny_llm, retriever, floor):
     """A new procedure is a controller and a trigger that names it: the engine runs its firing (here: the question and
-    the segment as the query) and its look at the retrieved prompt's first pass (here: reject weak passages), without knowing it."""
+    the segment as the query) and its look at the retrieved prompt's first pass (here: reject weak passages), without
+    knowing it."""
     controller = SegmentAsQuery(floor)
     always = Trigger("anything", TokenEntropy(Level.TOKEN), -1.0, Policy("token"), controller=controller)
     config = RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1)
@@ -776,8 +778,9 @@ def offline_frame(tiny_llm, prompts: list[str], traces) -> tuple[pd.DataFrame, n
 
 def test_every_online_score_equals_the_offline_score_of_the_same_tokens(tiny_llm, facts, registry):
     """For each trigger, the score it reads while the LLM generates equals the score the comparison computes from the
-    stored statistics of the same tokens (1e-5): FLARE, Stitch-in-Time, RIND, the real-time MLP and DioR's early detector
-    from the real-time and early sets' own functions, CtrlA's monitor from a teacher-forced pass under the same steering."""
+    stored statistics of the same tokens (1e-5): FLARE, Stitch-in-Time, RIND, the real-time MLP and DioR's early
+    detector from the real-time and early sets' own functions, CtrlA's monitor from a teacher-forced pass under the same
+    steering."""
     from detectors.baselines.rind import rind_scores
     from detectors.ctrla.quality import realtime_set
     from detectors.dior.early import early_records

@@ -105,7 +105,8 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
 
 
 def shard_times(project: Path) -> dict[str, list[int]]:
-    """Each run's shard times by its directory under the corpus's runs (the tuning's runs: ``tune-val/<configuration>/<j>``)."""
+    """Each run's shard times by its directory under the corpus's runs (the tuning's runs:
+    ``tune-val/<configuration>/<j>``)."""
     root = project / "data/rag/runs/facts"
     return {
         str(run.relative_to(root)): [p.stat().st_mtime_ns for p in sorted(run.glob("shard-*.parquet"))]

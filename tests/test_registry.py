@@ -1,5 +1,5 @@
-"""The registry on a real sqlite MLflow store in a temporary directory, with tiny artifacts of every kind (their LLM: the
-tiny Llama's checkpoint): the champion rule, the logged environments, the pyfunc's declared inputs, what
+"""The registry on a real sqlite MLflow store in a temporary directory, with tiny artifacts of every kind (their LLM:
+the tiny Llama's checkpoint): the champion rule, the logged environments, the pyfunc's declared inputs, what
 ``load_detector`` returns, and a store that moves with its project (read without writing, relocated on request)."""
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def logged(tmp_path_factory, artifacts) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def registered(logged) -> str:
-    """Every kind registered once, as champion, under the name the README loads it by (:data:`NAMES`); the store's URI."""
+    """Every kind registered once, as champion, under the name the README loads it by (:data:`NAMES`); the store's
+    URI."""
     store.configure(logged["tracking_uri"])
     for kind, name in NAMES.items():
         store.register(logged[kind], name, "champion", 0.5, "val-a", "llm-a")
@@ -222,7 +223,8 @@ def test_incomparable_versions_become_challengers_until_promoted(logged):
 
 def test_a_champion_with_another_feature_set_is_not_compared(logged):
     """dior-early's champion from before it became DioR's RNN over IG(Q) (all feature groups, no features tag) does not
-    reject the paper's detector for a lower AUROC: it becomes a challenger, and among equal feature sets the rule is as before."""
+    reject the paper's detector for a lower AUROC: it becomes a challenger, and among equal feature sets the rule is as
+    before."""
     store.configure(logged["tracking_uri"])
     uri, name = logged["dior-early"], "feature-sets"
     store.register(
@@ -557,7 +559,10 @@ def test_a_moved_store_is_read_without_writing_and_relocated_on_request(tmp_path
     clone = Path(shutil.copytree(project, tmp_path / "clone"))
     db = clone / "data/mlflow/mlflow.db"
     clone_uri, before = f"sqlite:///{db}", _state(db)
-    moved = rf"the MLflow store {db} was moved from {project / 'data/mlflow'} .*run `dynrag relocate --tracking-uri {clone_uri}` once"
+    moved = (
+        rf"the MLflow store {db} was moved from {project / 'data/mlflow'} "
+        rf".*run `dynrag relocate --tracking-uri {clone_uri}` once"
+    )
     with pytest.raises(relocate.StoreMovedError, match=moved):
         load_detector("ctrla-honesty", tracking_uri=clone_uri, llm=tiny_llm)
     assert cli.main(["promote", "ctrla-honesty", "1", "--tracking-uri", clone_uri]) == 1

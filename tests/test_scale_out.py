@@ -74,7 +74,8 @@ def assert_same(a: dict, b: dict) -> None:
 @contextlib.contextmanager
 def threads(n: int):
     """Torch threads of this process: a CPU's float reductions depend on how many threads share them, so the local
-    runs compute with the one thread of each Ray worker (``cpus_per_worker: 1``) when outputs are compared bit for bit."""
+    runs compute with the one thread of each Ray worker (``cpus_per_worker: 1``) when outputs are compared bit for
+    bit."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

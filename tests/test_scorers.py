@@ -186,6 +186,9 @@ def test_every_registered_kind_is_a_detector_with_one_llm_attachment():
         assert cls.load_llm is Detector.load_llm and cls.attach is Detector.attach  # written once
     with pytest.raises(
         ValueError,
-        match="no detector kind named 'dior-late'; known: ctrla-confidence, ctrla-honesty, dior-early, dior-realtime, utility",
+        match=(
+            "no detector kind named 'dior-late'; known: ctrla-confidence, ctrla-honesty, dior-early, dior-realtime, "
+            "utility"
+        ),
     ):
         detector_class("dior-late")

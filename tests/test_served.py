@@ -274,7 +274,8 @@ def test_the_kept_training_tokens_are_the_ones_that_serve_best_on_validation():
     assert det.info["n_train_tokens"] == 6 * (frame["split"] == "train").sum()  # every generated token of train
     test = frame[frame["split"] == "test"]
     assert served_auroc(test, det.record_scores(test, hidden), "test") > 0.85
-    # the served threshold is the best Youden J of the validation continuations' max over tokens, not the token-level one
+    # the served threshold is the best Youden J of the validation continuations' max over tokens, not the token-level
+    # one
     val = frame[frame["split"] == "val"]
     maxima = np.array([s.max() for s in (det.record_scores(val, hidden)[i] for i in val["id"])])
     youden = lambda t: (maxima[val["label"] == 1] >= t).mean() - (maxima[val["label"] == 0] >= t).mean()  # noqa: E731
@@ -330,7 +331,8 @@ def test_the_qa_answers_are_a_candidate_chosen_on_the_task_it_serves():
 
 
 def test_the_kept_detector_records_the_digest_of_the_validation_records_it_was_chosen_on():
-    """``info["val_digest"]``: the ok validation records of the set chosen on, what the register stage compares versions by."""
+    """``info["val_digest"]``: the ok validation records of the set chosen on, what the register stage compares versions
+    by."""
     frame, hidden = synthetic_set(40, 3, True)
     failed = {**frame[frame["split"] == "val"].iloc[0].to_dict(), "id": "failed", "status": "error: OSError"}
     frame = pd.concat([frame, pd.DataFrame([failed])], ignore_index=True)  # not scored, so not in the digest

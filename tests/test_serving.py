@@ -48,7 +48,8 @@ def test_a_registered_detector_is_served_over_http(registered, tmp_path):  # noq
         "--workers",
         "1",
     ]
-    # MLflow runs `exec uvicorn ...` through a shell: the environment's bin directory must be on PATH (an activated venv)
+    # MLflow runs `exec uvicorn ...` through a shell: the environment's bin directory must be on PATH (an activated
+    # venv)
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": registered,

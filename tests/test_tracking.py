@@ -1,5 +1,5 @@
-"""The comparison in MLflow (:mod:`detectors.evaluation.tracking`) and its figures (:mod:`detectors.evaluation.plots`) on a
-hand-made long table, and the experiment kind that makes the UI open experiments on their runs table
+"""The comparison in MLflow (:mod:`detectors.evaluation.tracking`) and its figures (:mod:`detectors.evaluation.plots`)
+on a hand-made long table, and the experiment kind that makes the UI open experiments on their runs table
 (:func:`detectors.registry.store.experiment`)."""
 
 from __future__ import annotations

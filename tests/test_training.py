@@ -73,7 +73,8 @@ def test_gru_learns_attribution_shape_and_threshold_comes_from_validation():
     p, y = det.predict_proba(val.to_dict("records")), val["label"].to_numpy()
     youden = lambda t: ((p >= t) & (y == 1)).sum() / (y == 1).sum() - ((p >= t) & (y == 0)).sum() / (y == 0).sum()  # noqa: E731
     assert det.threshold in p and youden(det.threshold) == max(youden(t) for t in p)  # the best Youden J on validation
-    # DioR's Eq. 2 rule (retrieve when the output exceeds 0.5) is recorded beside the validation threshold, with both trigger rates
+    # DioR's Eq. 2 rule (retrieve when the output exceeds 0.5) is recorded beside the validation threshold, with both
+    # trigger rates
     assert det.info["paper_threshold"] == PAPER_THRESHOLD == 0.5
     assert det.info["val_trigger_rate"] == pytest.approx(np.mean(p >= det.threshold))
     assert det.info["val_trigger_rate_at_paper_threshold"] == pytest.approx(np.mean(p > 0.5))
@@ -97,7 +98,8 @@ class Broken(torch.nn.Module):
 
 @pytest.mark.parametrize("before", [False, True])
 def test_training_leaves_the_process_torch_flags_as_they_were(before, monkeypatch):
-    """Deterministic algorithms are on while training only; the process's setting is back afterwards, also after an error."""
+    """Deterministic algorithms are on while training only; the process's setting is back afterwards, also after an
+    error."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     torch.use_deterministic_algorithms(before)
     try:

@@ -44,7 +44,8 @@ def collate(items: list[dict]) -> dict:
 
 
 def points(n: int, seed: int) -> list[dict]:
-    """Label 1 around (1, 1), label 0 around (-1, -1): overlapping clouds (so the AUROC is below 1 and varies by epoch)."""
+    """Label 1 around (1, 1), label 0 around (-1, -1): overlapping clouds (so the AUROC is below 1 and varies by
+    epoch)."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 2, n)
     xs = rng.normal(0, 1.2, (n, 2)) + (2 * labels[:, None] - 1)
@@ -52,9 +53,9 @@ def points(n: int, seed: int) -> list[dict]:
 
 
 def test_the_reported_val_auroc_counts_every_val_record_once_and_is_the_returned_nets():
-    """Two CPU workers (``ddp_spawn``, gloo) on a val split of odd size, so the two shards are uneven (21 + 20): the best
-    validation AUROC the caller gets is the returned net's AUROC on the val split, each record once (Lightning's default
-    sampler pads the shorter shard with a repeated record, which the synced AUROC then counts twice)."""
+    """Two CPU workers (``ddp_spawn``, gloo) on a val split of odd size, so the two shards are uneven (21 + 20): the
+    best validation AUROC the caller gets is the returned net's AUROC on the val split, each record once (Lightning's
+    default sampler pads the shorter shard with a repeated record, which the synced AUROC then counts twice)."""
     train, val, test = points(96, 0), points(41, 1), points(200, 2)
     net, summary = fit(Linear, train, val, collate, dataclasses.replace(PARAMS, devices=2))
     assert summary["devices"] == 2 and summary["device"] == "cpu" and 1 <= summary["epochs"] <= PARAMS.max_epochs
