@@ -9,7 +9,8 @@
 
 Every command takes ``--tracking-uri`` (default: ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section of ``--params``,
 ``params.yaml`` in the working directory). Bad input is one line on stderr and exit status 1 (2: a malformed command
-line); ``DETECTORS_TRACEBACK=1`` shows the traceback. The library never reads params.yaml: this module does, for the user.
+line); ``DETECTORS_TRACEBACK=1`` shows the traceback. The library never reads params.yaml: this module does, for the
+user.
 """
 
 from __future__ import annotations

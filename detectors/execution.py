@@ -69,7 +69,8 @@ class LLMSpec:
 
     @classmethod
     def of(cls, p) -> LLMSpec:
-        """From a stage's params (:class:`~detectors.config.StageParams` reading ``llm``, ``paths.llm`` and ``execution``)."""
+        """From a stage's params (:class:`~detectors.config.StageParams` reading ``llm``, ``paths.llm`` and
+        ``execution``)."""
         return cls(p["paths.llm"], p["llm"].dtype, worker_device(p["llm"].device, p["execution"]))
 
     def load(self) -> LLM:

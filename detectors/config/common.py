@@ -50,7 +50,8 @@ class LLMParams:
 
 @dataclasses.dataclass(frozen=True)
 class MLflowParams:
-    """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow server``."""
+    """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow
+    server``."""
 
     tracking_uri: str
     artifact_root: (

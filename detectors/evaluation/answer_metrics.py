@@ -81,7 +81,8 @@ def _check(results: Sequence[dict], answers: Sequence[Sequence[str]]) -> None:
 def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]]) -> dict[str, float | int | None]:
     """The metrics (:data:`METRICS`) of one (corpus, configuration) over ``results`` and the matching reference
     ``answers``. Every result counts with its answer; ``failed`` counts the questions whose loop raised (error
-    ``failed: ...``), ``no_passage`` those whose every retrieval came back empty (a recorded outcome). ``answer_recall_at_k`` is the share of retrievals whose passages hold a
+    ``failed: ...``), ``no_passage`` those whose every retrieval came back empty (a recorded outcome).
+    ``answer_recall_at_k`` is the share of retrievals whose passages hold a
     reference answer (None when nothing was retrieved)."""
     _check(results, answers)
     n = len(results)

@@ -194,7 +194,8 @@ def curves_table(sweep: Mapping[str, Any]) -> str:
 def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: int) -> str:
     """Each configuration's operating point as Markdown (``tuning``: ``{corpus: {configuration: {"chosen", "candidates":
     [{"thresholds", "accuracy", "retrievals_per_question"}]}}}``): a row per configuration, a column per corpus, every
-    candidate as ``thresholds → accuracy (retrievals / question)`` on the validation questions, the chosen one in bold."""
+    candidate as ``thresholds → accuracy (retrievals / question)`` on the validation questions, the chosen one in
+    bold."""
     corpora = list(tuning)
     names = list(dict.fromkeys(name for chosen in tuning.values() for name in chosen))
     out = [
@@ -257,7 +258,8 @@ def reference_deltas(
     seed: int = 0,
 ) -> dict[str, dict[str, float]]:
     """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
-    "always": name}``, no retrieval and retrieving once before generating) on the same questions, with the paired 95% bootstrap interval:
+    "always": name}``, no retrieval and retrieving once before generating) on the same questions, with the paired 95%
+    bootstrap interval:
     ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``. A reference absent from ``results`` is left out."""
     correct = {
         name: [accuracy(r["answer"], refs) for r, refs in zip(lines, answers)] for name, lines in results.items()

@@ -65,7 +65,8 @@ def markdown_table(table: pd.DataFrame) -> str:
 
 
 def nested_metrics(table: pd.DataFrame, dataset: str) -> dict[str, dict[str, dict]]:
-    """``{level: {scorer: metrics}}`` of one dataset, the shape of both detailed reports (``paths.evaluate_*_metrics``)."""
+    """``{level: {scorer: metrics}}`` of one dataset, the shape of both detailed reports
+    (``paths.evaluate_*_metrics``)."""
     part = table[table["dataset"] == dataset]
     metrics = [c for c in COLUMNS if c not in ("scorer", "dataset", "level", "features")]
     out: dict[str, dict[str, dict]] = {}

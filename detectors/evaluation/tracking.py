@@ -152,7 +152,8 @@ def log_comparison(
     artifact_root: str | None,
 ) -> None:
     """Log ``table`` (the long comparison table) as one flat run per row in experiment
-    ``f"{experiment_prefix}-{dataset}"`` (created under ``artifact_root``, see :func:`~detectors.registry.store.experiment`),
+    ``f"{experiment_prefix}-{dataset}"`` (created under ``artifact_root``, see
+    :func:`~detectors.registry.store.experiment`),
     then soft-delete the runs an earlier logging left for the same dataset. ``plots`` maps ``dataset`` or
     ``f"{dataset}_{level}"`` to the PNGs each run of that dataset (or dataset × level) carries; ``base_tags`` must name
     the ``llm``. Bad input (missing columns, unknown datasets, levels or kinds, duplicate rows, unknown plot keys,

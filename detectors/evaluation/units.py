@@ -49,7 +49,8 @@ def realtime_token_stats(
 def realtime_units(frame: pd.DataFrame, token_stats: dict[str, dict[str, np.ndarray]]) -> dict[Level, pd.DataFrame]:
     """The token, entity and continuation tables of the ok records (columns ``id, group, split, label, status,
     stats``; continuations also ``entities``). ``group`` is the record id at every level: the bootstrap resamples
-    continuations, since the tokens of one entity share its label and the entities of one continuation its context. A continuation is hallucinated when any of its entities is."""
+    continuations, since the tokens of one entity share its label and the entities of one continuation its context. A
+    continuation is hallucinated when any of its entities is."""
     tokens, entities, continuations = [], [], []
     for row in frame[frame["status"] == "ok"].itertuples():
         stats = token_stats[row.id]

@@ -68,7 +68,8 @@ def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
 
 def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
     """For an ``http(s)://`` tracking URI: GET its ``/health`` once (MLflow's HTTP client, so its TLS and auth settings
-    apply; no retries, ``timeout`` seconds), and raise :class:`TrackingServerError` naming the URI unless an MLflow server
+    apply; no retries, ``timeout`` seconds), and raise :class:`TrackingServerError` naming the URI unless an MLflow
+    server
     answers. MLflow's own calls would retry for minutes and then fail with a bare 404 or connection traceback."""
     if not uri.startswith(("http://", "https://")):
         return
@@ -93,12 +94,14 @@ def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
 
 
 def configure(uri: str, root: str | Path = ".", *, existing: bool = False) -> str:
-    """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``); returns the URI.
+    """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``); returns the
+    URI.
 
     Never writes to the store. A tracking server must answer its health check (:func:`check_server`); a sqlite store
     opened from another directory than the one it records (moved or cloned) is refused with the command that relocates
     it (see :mod:`detectors.registry.relocate`), since its artifact locations still point to the old directory.
-    ``existing`` (readers): a sqlite database that does not exist is an error, not a new empty store MLflow would create.
+    ``existing`` (readers): a sqlite database that does not exist is an error, not a new empty store MLflow would
+    create.
     """
     uri = tracking_uri(uri, root, mkdir=not existing)
     check_server(uri)
@@ -134,7 +137,8 @@ def experiment(name: str, artifact_root: str | Path | None, root: str | Path = "
     The experiment is marked as custom model development (:data:`EXPERIMENT_KIND_TAG`), so the UI opens it on its
     runs table; an existing experiment without a kind (one an older version created) gets the mark too, one a person
     marked otherwise keeps theirs. A sqlite store that records no directory yet records its own (see
-    :mod:`detectors.registry.relocate`). Keep ``artifact_root`` inside the sqlite store's directory: only locations there
+    :mod:`detectors.registry.relocate`). Keep ``artifact_root`` inside the sqlite store's directory: only locations
+    there
     move with the store."""
     found = mlflow.get_experiment_by_name(name)
     if found is None:
@@ -283,7 +287,8 @@ def register(
 
 
 def registered_model(client: MlflowClient, name: str) -> Any:
-    """The registered model ``name``; a name the store does not hold is a :class:`NotRegisteredError` listing those it holds."""
+    """The registered model ``name``; a name the store does not hold is a :class:`NotRegisteredError` listing those it
+    holds."""
     try:
         return client.get_registered_model(name)
     except MlflowException as err:
@@ -297,7 +302,8 @@ def registered_model(client: MlflowClient, name: str) -> Any:
 
 
 def resolve(name: str, alias: str | None = None, version: int | str | None = None) -> Any:
-    """The version of model ``name`` that ``alias`` points to, or version ``version``; a missing model, alias or version is a
+    """The version of model ``name`` that ``alias`` points to, or version ``version``; a missing model, alias or version
+    is a
     :class:`NotRegisteredError` that lists what the store holds."""
     client = MlflowClient()
     model = registered_model(client, name)
