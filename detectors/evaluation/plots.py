@@ -217,7 +217,10 @@ def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
             ylabel="AUROC at the paper's steering layers",
             title="Dependence on |S|",
         )
-        title = f"CtrlA honesty direction: held-out true-vs-false AUROC per layer and vs statements used ({h['n_heldout']} test statements)"
+        title = (
+            f"CtrlA honesty direction: held-out true-vs-false AUROC per layer and vs statements used "
+            f"({h['n_heldout']} test statements)"
+        )
         pngs.append(save_figure(fig, plots_dir / "ctrla_honesty.png", title, dpi=120))
     t = metrics.get("truthfulqa", {})
     if t:
