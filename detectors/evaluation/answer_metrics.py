@@ -74,10 +74,8 @@ def _check(results: Sequence[dict], answers: Sequence[Sequence[str]]) -> None:
         missing = [k for k in RESULT_KEYS if k not in result]
         if missing:
             raise ValueError(
-                (
-                    f"result {i} (id {result.get('id')!r}) lacks keys {missing}: store dataclasses.asdict(RagResult) "
-                    f"plus its id"
-                )
+                f"result {i} (id {result.get('id')!r}) lacks keys {missing}: store dataclasses.asdict(RagResult) "
+                f"plus its id"
             )
 
 

@@ -161,9 +161,7 @@ def relocate(uri: str, old: str | Path | None = None) -> dict:
     except (SQLAlchemyError, MlflowException) as err:
         reason = str(err).splitlines()[0]
         raise StoreRelocationError(
-            (
-                f"cannot relocate the MLflow store {db} to {here} ({reason}): relocating writes to it, so run it with "
-                f"write access"
-            )
+            f"cannot relocate the MLflow store {db} to {here} ({reason}): relocating writes to it, so run it with "
+            f"write access"
         ) from err
     return result
