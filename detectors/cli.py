@@ -107,7 +107,8 @@ def detector(args: argparse.Namespace, decides: str, other: str):
     if det.DECIDES != decides:
         kinds = ", ".join(kinds_deciding(decides))
         raise InputError(
-            f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {kinds} ({other})"
+            f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {kinds} "
+            f"({other})"
         )
     return det, lambda: det.load_llm(device=args.device, root=root)
 
@@ -138,7 +139,8 @@ def assess(args: argparse.Namespace) -> None:
         else:
             words = f"  keywords: {', '.join(keywords)}" if keywords else ""
             print(
-                f"retrieve: {'yes' if row['retrieve'] else 'no '}  probability: {row['probability']:.3f}{words}  question: {question}"
+                f"retrieve: {'yes' if row['retrieve'] else 'no '}  probability: {row['probability']:.3f}{words}  "
+                f"question: {question}"
             )
 
 
@@ -147,7 +149,8 @@ def monitor(args: argparse.Namespace) -> None:
     det, load_llm = detector(args, "generation", "use `dynrag assess` for a detector that decides from the question")
     if det.KIND == "dior-realtime" and not args.title:
         raise InputError(
-            "dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with --title TITLE"
+            "dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with "
+            "--title TITLE"
         )
     load_llm()
     if det.KIND == "dior-realtime":
@@ -224,7 +227,8 @@ def screenshot(args: argparse.Namespace) -> None:
         params = Path(args.params or root / "params.yaml")
         if not params.exists():
             raise InputError(
-                f"no {params} to read the experiment prefix (evaluate.experiment) from: pass --experiment NAME or --params PATH"
+                f"no {params} to read the experiment prefix (evaluate.experiment) from: pass --experiment NAME or "
+                f"--params PATH"
             )
         name = f"{load_section('evaluate', params).experiment}-{args.dataset}"
     out = Path(args.out) if args.out else root / "data" / "screenshots" / f"runs-{args.dataset}.png"

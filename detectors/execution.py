@@ -52,7 +52,8 @@ def worker_device(device: str, execution: ExecutionParams) -> str:
         )
     if device == "cpu" and execution.gpus_per_worker > 0:
         raise InputError(
-            f"llm.device = cpu but execution.gpus_per_worker = {execution.gpus_per_worker}: set gpus_per_worker to 0 (CPU workers)"
+            f"llm.device = cpu but execution.gpus_per_worker = {execution.gpus_per_worker}: set gpus_per_worker "
+            f"to 0 (CPU workers)"
         )
     return device
 

@@ -61,7 +61,8 @@ class TokenSets:
             raise ValueError(f"source = {source!r}: use {CONTINUATIONS!r} or {ANSWERS!r}")
         if self.answers is None:
             raise InputError(
-                "no QA answer tokens were given: the 'answers' candidate and choose_on: answers need build_early's answer tokens"
+                "no QA answer tokens were given: the 'answers' candidate and choose_on: answers need "
+                "build_early's answer tokens"
             )
         return self.answers
 

@@ -165,9 +165,15 @@ def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict
 def curves_table(sweep: Mapping[str, Any]) -> str:
     """The curves' summaries (``{"corpus", "query", "curves": {trigger: summary}}``) as Markdown: a row per trigger."""
     out = [
-        f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, query `{sweep['query']}`)",
+        (
+            f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, "
+            f"query `{sweep['query']}`)"
+        ),
         "",
-        "| trigger | area | random area | area − random [95% CI] | area − best training-free [95% CI] | retrieval rate to reach always-accuracy |",
+        (
+            "| trigger | area | random area | area − random [95% CI] | area − best training-free [95% CI] | retrieval "
+            "rate to reach always-accuracy |"
+        ),
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for trigger, s in sweep["curves"].items():
@@ -180,13 +186,17 @@ def curves_table(sweep: Mapping[str, Any]) -> str:
             else f"{_delta(s, 'area_over_best_training_free')} vs {best}"
         )
         out.append(
-            f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {versus} | {_cell(s['rate_to_always'], '{:.2f}')} |"
+            f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {versus} "
+            f"| {_cell(s['rate_to_always'], '{:.2f}')} |"
         )
     if sweep["curves"]:
         first = next(iter(sweep["curves"].values()))
         out += [
             "",
-            f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: {first['always_accuracy']:.3f}.",
+            (
+                f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: "
+                f"{first['always_accuracy']:.3f}."
+            ),
         ]
     return "\n".join(out) + "\n"
 
@@ -238,7 +248,8 @@ def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Map
     missing = sorted({c for configs in metrics.values() for c in configs} - set(params))
     if missing:
         raise ValueError(
-            f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass params[configuration]"
+            f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass "
+            f"params[configuration]"
         )
     for key in ("llm_digest",):
         if not str(tags.get(key, "")).strip():

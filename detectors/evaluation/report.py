@@ -58,7 +58,8 @@ def markdown_table(table: pd.DataFrame) -> str:
             out += ["", "| detector | vs best baseline | Δ AUROC [95% CI] |", "| --- | --- | --- |"]
             for r in deltas.itertuples(index=False):
                 out.append(
-                    f"| {r.scorer} | {r.delta_vs} | {_interval(r.delta_auroc, r.delta_ci_low, r.delta_ci_high, signed=True)} |"
+                    f"| {r.scorer} | {r.delta_vs} | "
+                    f"{_interval(r.delta_auroc, r.delta_ci_low, r.delta_ci_high, signed=True)} |"
                 )
         out.append("")
     return "\n".join(out)

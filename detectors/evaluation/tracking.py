@@ -90,7 +90,8 @@ def _check(table: pd.DataFrame, plots: dict[str, list[Path]], base_tags: dict[st
     missing = [c for c in REQUIRED if c not in table.columns]
     if missing:
         raise ValueError(
-            f"comparison table lacks columns {missing}: log_comparison expects the long table (a row per scorer × level)"
+            f"comparison table lacks columns {missing}: log_comparison expects the long table (a row per scorer × "
+            f"level)"
         )
     if table.empty:
         raise ValueError("comparison table has no rows: nothing to log (did the evaluation score any unit?)")

@@ -76,7 +76,10 @@ def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
-    fix = "start it (`mlflow server ...`), or name a running one in params.yaml's mlflow.tracking_uri, --tracking-uri or $MLFLOW_TRACKING_URI"
+    fix = (
+        "start it (`mlflow server ...`), or name a running one in params.yaml's mlflow.tracking_uri, --tracking-uri "
+        "or $MLFLOW_TRACKING_URI"
+    )
     try:
         response = http_request(
             get_default_host_creds(uri), "/health", "GET", max_retries=0, timeout=timeout, raise_on_status=False
