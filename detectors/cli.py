@@ -89,7 +89,8 @@ def store(args: argparse.Namespace) -> tuple[str, Path]:
     params = Path(args.params or "params.yaml").resolve()
     if not params.exists():
         raise InputError(
-            f"no MLflow store named and no {params}: pass --tracking-uri URI, set $MLFLOW_TRACKING_URI, or run from the "
+            f"no MLflow store named and no {params}: pass --tracking-uri URI, set $MLFLOW_TRACKING_URI, or run from "
+            f"the "
             "project root (its params.yaml names the store) or pass --params PATH"
         )
     return tracking_uri(load_section("mlflow", params).tracking_uri, params.parent, mkdir=False), params.parent

@@ -47,8 +47,10 @@ def worker_device(device: str, execution: ExecutionParams) -> str:
         return "cuda" if execution.gpus_per_worker > 0 else "cpu"
     if device.startswith("cuda") and (device != "cuda" or execution.gpus_per_worker == 0):
         raise InputError(
-            f"llm.device = {device!r} with execution.backend = ray and gpus_per_worker = {execution.gpus_per_worker}: Ray gives "
-            "each actor its own GPUs (its CUDA_VISIBLE_DEVICES), so use llm.device auto (or cuda) with gpus_per_worker > 0, or cpu"
+            f"llm.device = {device!r} with execution.backend = ray and gpus_per_worker = {execution.gpus_per_worker}: "
+            f"Ray gives "
+            "each actor its own GPUs (its CUDA_VISIBLE_DEVICES), so use llm.device auto (or cuda) with gpus_per_worker "
+            "> 0, or cpu"
         )
     if device == "cpu" and execution.gpus_per_worker > 0:
         raise InputError(

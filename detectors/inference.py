@@ -46,7 +46,8 @@ def load_detector(
     if not uri:
         raise StoreNotNamedError(
             f"load_detector({name!r}) needs the MLflow store: pass tracking_uri= (the project's is params.yaml's "
-            "mlflow.tracking_uri, e.g. 'sqlite:///data/mlflow/mlflow.db' from the project root) or set $MLFLOW_TRACKING_URI"
+            "mlflow.tracking_uri, e.g. 'sqlite:///data/mlflow/mlflow.db' from the project root) or set "
+            "$MLFLOW_TRACKING_URI"
         )
     configure(uri, existing=True)
     try:

@@ -28,7 +28,8 @@ METRICS = (
     "failed",
     "no_passage",
 )
-FAILED = "failed:"  # how the error of a question whose loop raised starts (other errors are outcomes: "no passage retrieved")
+# how the error of a question whose loop raised starts (other errors are outcomes: "no passage retrieved")
+FAILED = "failed:"
 RESULT_KEYS = ("answer", "retrievals", "forward_passes", "generated_tokens", "wall_s", "error")
 
 

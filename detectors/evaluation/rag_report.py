@@ -209,8 +209,10 @@ def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: i
     corpora = list(tuning)
     names = list(dict.fromkeys(name for chosen in tuning.values() for name in chosen))
     out = [
-        f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate thresholds "
-        "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; inf = never retrieve)",
+        f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate "
+        f"thresholds "
+        "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; "
+        "inf = never retrieve)",
         "",
         "| configuration | " + " | ".join(corpora) + " |",
         "| --- |" + " --- |" * len(corpora),

@@ -33,7 +33,8 @@ def markdown_table(table: pd.DataFrame) -> str:
         "# Comparison of every scorer on the test splits",
         "",
         "AUROC with its 95% bootstrap interval (clusters = questions, or continuations at token and entity level); "
-        "accuracy, F1 and trigger rate at the threshold chosen on validation; ECE after a Platt map fitted on validation "
+        "accuracy, F1 and trigger rate at the threshold chosen on validation; ECE after a Platt map fitted on "
+        "validation "
         "for scores that are not probabilities. Δ AUROC: paired bootstrap interval of a trained detector's AUROC minus "
         "that of the best training-free baseline at the same dataset and level, on the same resampled examples.",
         "",

@@ -79,9 +79,12 @@ VIEW = {
 }
 DESCRIPTION = (
     "One run per scorer × level on the {dataset} test set, logged by the `evaluate` stage. Sort the runs table by "
-    "`test_auroc`; `test_auroc_ci_low`/`_high` are its 95 % bootstrap interval, `delta_auroc` (with `delta_ci_low`/`_high`) "
-    "a trained detector's AUROC minus the best training-free baseline's (`delta_vs`) on the same examples, `trigger_rate` "
-    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = 'continuation'`. "
+    "`test_auroc`; `test_auroc_ci_low`/`_high` are its 95 % bootstrap interval, `delta_auroc` (with "
+    "`delta_ci_low`/`_high`) "
+    "a trained detector's AUROC minus the best training-free baseline's (`delta_vs`) on the same examples, "
+    "`trigger_rate` "
+    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = "
+    "'continuation'`. "
     "The comparison view shows these columns: add `?viewStateShareKey=comparison` to this page's address."
 )
 

@@ -36,7 +36,8 @@ def realtime_token_stats(
                 values = np.asarray(row[column], dtype=np.float64)
                 if len(values) != len(stats["prob"]):
                     raise ValueError(
-                        f"record {row['id']!r}: column {column!r} holds {len(values)} values for {len(stats['prob'])} generated "
+                        f"record {row['id']!r}: column {column!r} holds {len(values)} values for {len(stats['prob'])} "
+                        f"generated "
                         "tokens; rerun the stage that wrote it on this real-time set"
                     )
                 stats[column] = values

@@ -299,7 +299,8 @@ def registered_model(client: MlflowClient, name: str) -> Any:
             raise
         known = sorted(m.name for m in client.search_registered_models(max_results=1000))
         raise NotRegisteredError(
-            f"no model registered as {name!r} in {mlflow.get_tracking_uri()} (registered: {', '.join(known) or 'none'}): "
+            f"no model registered as {name!r} in {mlflow.get_tracking_uri()} (registered: "
+            f"{', '.join(known) or 'none'}): "
             "check the name, or run `dvc repro` to register the detectors"
         ) from None
 
