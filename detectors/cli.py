@@ -9,7 +9,8 @@
 
 Every command takes ``--tracking-uri`` (default: ``$MLFLOW_TRACKING_URI``, else the ``mlflow`` section of ``--params``,
 ``params.yaml`` in the working directory). Bad input is one line on stderr and exit status 1 (2: a malformed command
-line); ``DETECTORS_TRACEBACK=1`` shows the traceback. The library never reads params.yaml: this module does, for the user.
+line); ``DETECTORS_TRACEBACK=1`` shows the traceback. The library never reads params.yaml: this module does, for the
+user.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def store(args: argparse.Namespace) -> tuple[str, Path]:
     params = Path(args.params or "params.yaml").resolve()
     if not params.exists():
         raise InputError(
-            f"no MLflow store named and no {params}: pass --tracking-uri URI, set $MLFLOW_TRACKING_URI, or run from the "
+            f"no MLflow store named and no {params}: pass --tracking-uri URI, set $MLFLOW_TRACKING_URI, or run from "
+            f"the "
             "project root (its params.yaml names the store) or pass --params PATH"
         )
     return tracking_uri(load_section("mlflow", params).tracking_uri, params.parent, mkdir=False), params.parent
@@ -106,7 +108,8 @@ def detector(args: argparse.Namespace, decides: str, other: str):
     if det.DECIDES != decides:
         kinds = ", ".join(kinds_deciding(decides))
         raise InputError(
-            f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {kinds} ({other})"
+            f"{args.model}@{args.alias} is a {det.KIND!r} detector; `{args.command}` takes one of kind {kinds} "
+            f"({other})"
         )
     return det, lambda: det.load_llm(device=args.device, root=root)
 
@@ -137,7 +140,8 @@ def assess(args: argparse.Namespace) -> None:
         else:
             words = f"  keywords: {', '.join(keywords)}" if keywords else ""
             print(
-                f"retrieve: {'yes' if row['retrieve'] else 'no '}  probability: {row['probability']:.3f}{words}  question: {question}"
+                f"retrieve: {'yes' if row['retrieve'] else 'no '}  probability: {row['probability']:.3f}{words}  "
+                f"question: {question}"
             )
 
 
@@ -146,7 +150,8 @@ def monitor(args: argparse.Namespace) -> None:
     det, load_llm = detector(args, "generation", "use `dynrag assess` for a detector that decides from the question")
     if det.KIND == "dior-realtime" and not args.title:
         raise InputError(
-            "dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with --title TITLE"
+            "dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with "
+            "--title TITLE"
         )
     load_llm()
     if det.KIND == "dior-realtime":
@@ -223,7 +228,8 @@ def screenshot(args: argparse.Namespace) -> None:
         params = Path(args.params or root / "params.yaml")
         if not params.exists():
             raise InputError(
-                f"no {params} to read the experiment prefix (evaluate.experiment) from: pass --experiment NAME or --params PATH"
+                f"no {params} to read the experiment prefix (evaluate.experiment) from: pass --experiment NAME or "
+                f"--params PATH"
             )
         name = f"{load_section('evaluate', params).experiment}-{args.dataset}"
     out = Path(args.out) if args.out else root / "data" / "screenshots" / f"runs-{args.dataset}.png"

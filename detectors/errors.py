@@ -29,6 +29,7 @@ def traceback_wanted() -> bool:
 
 
 def one_line(err: BaseException) -> str:
-    """How an input error is reported: ``<type>: <message, its lines joined> (set DETECTORS_TRACEBACK=1 for the traceback)``."""
+    """How an input error is reported: ``<type>: <message, its lines joined> (set DETECTORS_TRACEBACK=1 for the
+    traceback)``."""
     message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     return f"{type(err).__name__}: {message} (set {TRACEBACK_ENV}=1 for the traceback)"

@@ -47,12 +47,15 @@ def worker_device(device: str, execution: ExecutionParams) -> str:
         return "cuda" if execution.gpus_per_worker > 0 else "cpu"
     if device.startswith("cuda") and (device != "cuda" or execution.gpus_per_worker == 0):
         raise InputError(
-            f"llm.device = {device!r} with execution.backend = ray and gpus_per_worker = {execution.gpus_per_worker}: Ray gives "
-            "each actor its own GPUs (its CUDA_VISIBLE_DEVICES), so use llm.device auto (or cuda) with gpus_per_worker > 0, or cpu"
+            f"llm.device = {device!r} with execution.backend = ray and gpus_per_worker = {execution.gpus_per_worker}: "
+            f"Ray gives "
+            "each actor its own GPUs (its CUDA_VISIBLE_DEVICES), so use llm.device auto (or cuda) with gpus_per_worker "
+            "> 0, or cpu"
         )
     if device == "cpu" and execution.gpus_per_worker > 0:
         raise InputError(
-            f"llm.device = cpu but execution.gpus_per_worker = {execution.gpus_per_worker}: set gpus_per_worker to 0 (CPU workers)"
+            f"llm.device = cpu but execution.gpus_per_worker = {execution.gpus_per_worker}: set gpus_per_worker "
+            f"to 0 (CPU workers)"
         )
     return device
 
@@ -69,7 +72,8 @@ class LLMSpec:
 
     @classmethod
     def of(cls, p) -> LLMSpec:
-        """From a stage's params (:class:`~detectors.config.StageParams` reading ``llm``, ``paths.llm`` and ``execution``)."""
+        """From a stage's params (:class:`~detectors.config.StageParams` reading ``llm``, ``paths.llm`` and
+        ``execution``)."""
         return cls(p["paths.llm"], p["llm"].dtype, worker_device(p["llm"].device, p["execution"]))
 
     def load(self) -> LLM:

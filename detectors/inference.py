@@ -1,7 +1,8 @@
 """Thin inference API: load a registered detector and ask it "retrieve now?".
 
     from detectors import load_detector
-    det = load_detector("dior-early", alias="champion", tracking_uri="sqlite:///data/mlflow/mlflow.db")  # or $MLFLOW_TRACKING_URI
+    # or $MLFLOW_TRACKING_URI
+    det = load_detector("dior-early", alias="champion", tracking_uri="sqlite:///data/mlflow/mlflow.db")
     decision = det.assess("The capital of Occitania is")
     decision.retrieve, decision.probability, decision.keywords
 
@@ -32,8 +33,10 @@ def load_detector(
     """The detector registered as ``models:/<name>@<alias>``, ready to use.
 
     The store is ``tracking_uri`` (a relative sqlite path is relative to the working directory), else
-    ``$MLFLOW_TRACKING_URI``; a team's ``mlflow server`` is named by its URL (``http(s)://host:port``) and must answer its
-    health check, a sqlite store must exist and, if it was moved, be relocated first (see :func:`detectors.registry.store.configure`).
+    ``$MLFLOW_TRACKING_URI``; a team's ``mlflow server`` is named by its URL (``http(s)://host:port``) and must answer
+    its
+    health check, a sqlite store must exist and, if it was moved, be relocated first (see
+    :func:`detectors.registry.store.configure`).
     ``llm``: an LLM already in memory (e.g. another detector's ``.llm``); it must be the detector's LLM, in the dtype
     its features were computed in unless ``allow_dtype_mismatch``. Otherwise the detector's own LLM is loaded now, from
     where its artifact says it came from (relative to the working directory: the project root), in the recorded dtype;
@@ -43,7 +46,8 @@ def load_detector(
     if not uri:
         raise StoreNotNamedError(
             f"load_detector({name!r}) needs the MLflow store: pass tracking_uri= (the project's is params.yaml's "
-            "mlflow.tracking_uri, e.g. 'sqlite:///data/mlflow/mlflow.db' from the project root) or set $MLFLOW_TRACKING_URI"
+            "mlflow.tracking_uri, e.g. 'sqlite:///data/mlflow/mlflow.db' from the project root) or set "
+            "$MLFLOW_TRACKING_URI"
         )
     configure(uri, existing=True)
     try:

@@ -124,7 +124,8 @@ def screenshot(
     wait_ms: int = 20000,
     cwd: str | Path | None = None,
 ) -> Path:
-    """A PNG at ``out`` of experiment ``experiment``'s comparison view (runs sorted by ``test_auroc``, metric columns shown;
+    """A PNG at ``out`` of experiment ``experiment``'s comparison view (runs sorted by ``test_auroc``, metric columns
+    shown;
     :func:`detectors.evaluation.tracking.view_url`) as the MLflow UI shows it: served by the tracking server itself when
     ``tracking_uri`` names one, else by an ``mlflow server`` started on the store for the shot. A missing experiment or
     Chromium is an :class:`InputError` saying what to do."""

@@ -1,7 +1,8 @@
 """Training-free hallucination scores, one small module each, behind :class:`detectors.interfaces.Scorer`.
 
 Question level: attribution entropy (DioR Eq. 1), first-token probability and entropy, a logistic-
-regression probe, RetroRAG's evaluator: Eq. 1's self-consistency with a sampled answer (``retrorag_self_consistency``) and
+regression probe, RetroRAG's evaluator: Eq. 1's self-consistency with a sampled answer (``retrorag_self_consistency``)
+and
 asked about the LLM's own answer (``retrorag_self_evaluation``); real-time levels: FLARE, Stitch-in-Time
 MIN/AVG/NORM, token entropy, DRAGIN's RIND; both: CtrlA's confidence monitor (one scorer per
 ``ctrla_confidence*`` column or per-token stat).

@@ -1,4 +1,5 @@
-"""Every training-free scorer of the comparison: :func:`question_baselines` and :func:`realtime_baselines` return each one
+"""Every training-free scorer of the comparison: :func:`question_baselines` and :func:`realtime_baselines` return each
+one
 whose input is available, so a comparison lists a baseline exactly when its scores were computed."""
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ def rind_on_states(
     entropies: list[np.ndarray],
     stopwords: frozenset[str] = DEFAULT_STOPWORDS,
 ) -> list[RindTrace]:
-    """RIND of each continuation while the LLM generates it (the RAG loop's trigger): the continuation runs once more, in
+    """RIND of each continuation while the LLM generates it (the RAG loop's trigger): the continuation runs once more,
+    in
     one eager batch, on the cached states of everything before it (``contexts``: per row, its key/value states), so
     only its own tokens are computed; ``H_i`` is the entropy recorded when each token was chosen, the distribution
     :func:`rind_scores` recomputes by teacher forcing. The same Eq. 3 and content words, the same values."""

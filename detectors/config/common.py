@@ -50,7 +50,8 @@ class LLMParams:
 
 @dataclasses.dataclass(frozen=True)
 class MLflowParams:
-    """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow server``."""
+    """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow
+    server``."""
 
     tracking_uri: str
     artifact_root: (
@@ -62,14 +63,20 @@ class MLflowParams:
             fail(
                 f"{where}.tracking_uri",
                 self.tracking_uri,
-                "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is refused)",
+                (
+                    "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is "
+                    "refused)"
+                ),
             )
         server = self.tracking_uri.startswith(("http://", "https://"))
         if self.artifact_root is None and not server:
             fail(
                 f"{where}.artifact_root",
                 None,
-                "only a tracking server (http://host:port) chooses the artifact root itself: give a directory or an s3://... URI",
+                (
+                    "only a tracking server (http://host:port) chooses the artifact root itself: give a directory or "
+                    "an s3://... URI"
+                ),
             )
         if server and self.artifact_root is not None and "://" not in self.artifact_root:
             fail(

@@ -1,4 +1,5 @@
-"""The params sections of the early-detection set: the QA source, ``build_early``, ``train_early``, ``register_early``."""
+"""The params sections of the early-detection set: the QA source, ``build_early``, ``train_early``,
+``register_early``."""
 
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ class Paths(Mapping[str, str]):
 
     @classmethod
     def from_params(cls, data: Any, where: str) -> Paths:
-        """The section ``where`` of params.yaml: a mapping of names (lower-case identifiers) to non-empty path strings."""
+        """The section ``where`` of params.yaml: a mapping of names (lower-case identifiers) to non-empty path
+        strings."""
         if not isinstance(data, dict) or not data:
             fail(where, data, "expected a mapping of path names to paths, e.g. {qa: data/prepared/qa.parquet}")
         for key, value in data.items():

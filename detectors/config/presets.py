@@ -146,7 +146,8 @@ def apply(
     preset_path: str | Path, params_path: str | Path = "params.yaml", out: str | Path | None = None
 ) -> list[tuple[str, Any, Any]]:
     """Apply the preset to ``params_path``, validate the result as the stages do, and write it to ``out`` (None: write
-    nothing). Returns :func:`changes`. A key or value the sections refuse is a :class:`ParamsError` naming the preset."""
+    nothing). Returns :func:`changes`. A key or value the sections refuse is a :class:`ParamsError` naming the
+    preset."""
     preset = read_preset(preset_path)
     found = changes(preset, read_params(params_path))
     with tempfile.TemporaryDirectory() as tmp:

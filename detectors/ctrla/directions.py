@@ -186,7 +186,8 @@ class Directions:
         if llm.fingerprint.num_layers != self.fingerprint.num_layers:
             raise LLMMismatchError(
                 f"ctrla-{self.concept} directions have {self.fingerprint.num_layers} layers but the LLM "
-                f"{llm.fingerprint.name!r} has {llm.fingerprint.num_layers}: extract directions for this LLM with `dvc repro`"
+                f"{llm.fingerprint.name!r} has {llm.fingerprint.num_layers}: extract directions for this LLM with `dvc "
+                f"repro`"
             )
         self.fingerprint.require_same(llm.fingerprint, f"ctrla-{self.concept} directions")
         require_dtype(self.dtype, llm.dtype_name, f"ctrla-{self.concept} directions", allow_dtype_mismatch)

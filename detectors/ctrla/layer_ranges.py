@@ -45,7 +45,8 @@ def choose_window(
     """
     if not 1 <= width <= num_layers:
         raise InputError(
-            f"{key} = {width}, but the LLM has {num_layers} layers: choose a width in 1..{num_layers} (null = the paper range's)"
+            f"{key} = {width}, but the LLM has {num_layers} layers: choose a width in 1..{num_layers} (null = the "
+            f"paper range's)"
         )
     by_first = {first: val_auroc(list(range(first, first + width))) for first in range(1, num_layers - width + 2)}
     scored = {first: a for first, a in by_first.items() if a is not None}

@@ -334,7 +334,8 @@ def honesty_metrics(
         "auroc_per_layer": [_auroc(labels, per_layer[:, i]) for i in range(per_layer.shape[1])],
         "val_auroc_per_layer": val_per_layer,
         "ranges": ranges,
-        "val_digest": val_digest,  # the val statements' ids: the registry compares only versions evaluated on the same ones
+        # the val statements' ids: the registry compares only versions evaluated on the same ones
+        "val_digest": val_digest,
         "auroc_by_n_statements": curve,  # at the paper's range
         "confidence_direction_test_auroc": _auroc(
             labels, projection_scores(states, confidence.vectors, confidence.layers)

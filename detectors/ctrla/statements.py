@@ -131,8 +131,10 @@ def statement_ids(llm: LLM, statements: list[str], max_tokens: int | None, prefi
             ids = ids[:max_tokens]
         if context is not None and prefix_len + len(ids) > context:
             raise StatementError(
-                f"statement {text[:80]!r}... has {len(ids)} tokens; with the {prefix_len}-token instruction that exceeds "
-                f"the LLM's context of {context} tokens. Set statements.max_tokens (CtrlA truncates statements) or shorten it."
+                f"statement {text[:80]!r}... has {len(ids)} tokens; with the {prefix_len}-token instruction that "
+                f"exceeds "
+                f"the LLM's context of {context} tokens. Set statements.max_tokens (CtrlA truncates statements) or "
+                f"shorten it."
             )
         out.append(ids)
     return out

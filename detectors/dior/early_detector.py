@@ -93,7 +93,8 @@ class EarlyDetector(Detector):
     """The GRU over a question's attribution sequence (plus per-question features): retrieve before generating?
 
     ``name`` says which of the trained early detectors it is (``dior-early``, ``dior-early-extended``, an ablation
-    ``gru[...]``); all share the kind ``dior-early``. Artifacts written before names were recorded load as ``dior-early``.
+    ``gru[...]``); all share the kind ``dior-early``. Artifacts written before names were recorded load as
+    ``dior-early``.
     """
 
     KIND = "dior-early"

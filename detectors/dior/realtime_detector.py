@@ -272,6 +272,7 @@ class RealtimeDetector(Detector):
         )
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
-        """pyfunc view: ``title`` and ``text`` columns in; continuation, per-token probabilities, trigger, keywords out."""
+        """pyfunc view: ``title`` and ``text`` columns in; continuation, per-token probabilities, trigger, keywords
+        out."""
         results = [self.generate(str(r["title"]), str(r["text"])) for r in frame.to_dict("records")]
         return pd.DataFrame([dataclasses.asdict(r) for r in results])

@@ -46,7 +46,8 @@ class TokenSets:
         (cont, h_cont), (ans, h_ans) = self.continuations, self.answers
         if h_cont.shape[1] != h_ans.shape[1]:
             raise InputError(
-                f"the QA answers' hidden states have width {h_ans.shape[1]}, the continuations' {h_cont.shape[1]}: capture both at the "
+                f"the QA answers' hidden states have width {h_ans.shape[1]}, the continuations' {h_cont.shape[1]}: "
+                f"capture both at the "
                 "same layers (build_early.answer_hidden_layers = build_realtime.hidden_layers) and rerun build_early"
             )
         if frame_dtype(cont, "the real-time set") != frame_dtype(ans, "the early set's answers"):
@@ -61,7 +62,8 @@ class TokenSets:
             raise ValueError(f"source = {source!r}: use {CONTINUATIONS!r} or {ANSWERS!r}")
         if self.answers is None:
             raise InputError(
-                "no QA answer tokens were given: the 'answers' candidate and choose_on: answers need build_early's answer tokens"
+                "no QA answer tokens were given: the 'answers' candidate and choose_on: answers need "
+                "build_early's answer tokens"
             )
         return self.answers
 
@@ -185,7 +187,8 @@ def train_and_choose(
         value, val_scores = served[choose_on]["val"]
         if value is None and len(candidates) > 1:
             raise OneClassError(
-                f"train_realtime.tokens = {candidates}: cannot choose a candidate by validation (the {choose_on}' validation "
+                f"train_realtime.tokens = {candidates}: cannot choose a candidate by validation (the {choose_on}' "
+                f"validation "
                 "records are all of one class)"
             )
         summary[tokens] = {

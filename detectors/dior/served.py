@@ -64,7 +64,8 @@ def record_tokens(
         scores, labels = np.asarray(mlp_scores[row.id], dtype=np.float64), np.asarray(row.token_label)
         if len(scores) != len(labels) or np.isnan(scores).any():
             raise InputError(
-                f"record {row.id!r}: {int((~np.isnan(scores)).sum())} scored tokens of {len(labels)} generated; the served view "
+                f"record {row.id!r}: {int((~np.isnan(scores)).sum())} scored tokens of {len(labels)} generated; the "
+                f"served view "
                 "needs every generated token scored (RealtimeDetector.record_scores scores them all)"
             )
         out.append((row, scores, labels))

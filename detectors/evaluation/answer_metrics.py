@@ -28,7 +28,8 @@ METRICS = (
     "failed",
     "no_passage",
 )
-FAILED = "failed:"  # how the error of a question whose loop raised starts (other errors are outcomes: "no passage retrieved")
+# how the error of a question whose loop raised starts (other errors are outcomes: "no passage retrieved")
+FAILED = "failed:"
 RESULT_KEYS = ("answer", "retrievals", "forward_passes", "generated_tokens", "wall_s", "error")
 
 
@@ -74,14 +75,16 @@ def _check(results: Sequence[dict], answers: Sequence[Sequence[str]]) -> None:
         missing = [k for k in RESULT_KEYS if k not in result]
         if missing:
             raise ValueError(
-                f"result {i} (id {result.get('id')!r}) lacks keys {missing}: store dataclasses.asdict(RagResult) plus its id"
+                f"result {i} (id {result.get('id')!r}) lacks keys {missing}: store dataclasses.asdict(RagResult) "
+                f"plus its id"
             )
 
 
 def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]]) -> dict[str, float | int | None]:
     """The metrics (:data:`METRICS`) of one (corpus, configuration) over ``results`` and the matching reference
     ``answers``. Every result counts with its answer; ``failed`` counts the questions whose loop raised (error
-    ``failed: ...``), ``no_passage`` those whose every retrieval came back empty (a recorded outcome). ``answer_recall_at_k`` is the share of retrievals whose passages hold a
+    ``failed: ...``), ``no_passage`` those whose every retrieval came back empty (a recorded outcome).
+    ``answer_recall_at_k`` is the share of retrievals whose passages hold a
     reference answer (None when nothing was retrieved)."""
     _check(results, answers)
     n = len(results)

@@ -31,7 +31,8 @@ def join_score_tables(frame: pd.DataFrame, tables: dict[str, str | Path]) -> tup
         clash = sorted(set(columns) & (set(frame.columns) | set(joined)))
         if clash:
             raise ValueError(
-                f"{what} scores at {path} repeat columns {clash} that the data set or another score table has; rename them"
+                f"{what} scores at {path} repeat columns {clash} that the data set or another score table has; "
+                f"rename them"
             )
         frame = frame.merge(table, on="id", how="left")
         joined += columns

@@ -3,7 +3,8 @@ reliability diagrams and ECDFs of the scores of hallucinated vs correct units (o
 attribution-entropy ECDF; the CtrlA directions' figures; rag_eval's accuracy vs retrieval-rate curves. The PNGs are
 the ``dvc plots`` (DVC embeds images in its HTML: no renderer to download) and MLflow artifacts, each with every
 scorer (or trigger) in one figure under a title of its own, also stored as the PNG's ``Title`` text chunk; the curves'
-numbers are written beside them as CSVs (one per scorer). Each scorer keeps one colour in every figure (:func:`scorer_colours`).
+numbers are written beside them as CSVs (one per scorer). Each scorer keeps one colour in every figure
+(:func:`scorer_colours`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def level_title(dataset: str, level: str, n: int, positive_rate: float) -> str:
 
 
 def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
-    """Save ``fig`` as a PNG titled ``title`` (its suptitle, wrapped to the figure's width, and its ``Title`` text chunk,
+    """Save ``fig`` as a PNG titled ``title`` (its suptitle, wrapped to the figure's width, and its ``Title`` text
+    chunk,
     which image viewers and tests read) and close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.suptitle("\n".join(textwrap.wrap(title, width=max(40, int(fig.get_figwidth() * 11)))), fontsize=11)
@@ -181,7 +183,8 @@ def write_comparison_plots(
 
 
 def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
-    """The CtrlA directions' CSVs and PNGs (evaluate_directions): honesty AUROC per layer, AUROC vs statements, TruthfulQA accuracy vs λ."""
+    """The CtrlA directions' CSVs and PNGs (evaluate_directions): honesty AUROC per layer, AUROC vs statements,
+    TruthfulQA accuracy vs λ."""
     plots_dir.mkdir(parents=True, exist_ok=True)
     pngs = []
     h = metrics.get("honesty", {})
@@ -214,7 +217,10 @@ def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
             ylabel="AUROC at the paper's steering layers",
             title="Dependence on |S|",
         )
-        title = f"CtrlA honesty direction: held-out true-vs-false AUROC per layer and vs statements used ({h['n_heldout']} test statements)"
+        title = (
+            f"CtrlA honesty direction: held-out true-vs-false AUROC per layer and vs statements used "
+            f"({h['n_heldout']} test statements)"
+        )
         pngs.append(save_figure(fig, plots_dir / "ctrla_honesty.png", title, dpi=120))
     t = metrics.get("truthfulqa", {})
     if t:
@@ -231,7 +237,8 @@ def write_directions_plots(metrics: dict, plots_dir: Path) -> list[Path]:
 
 
 def write_rag_curves(curves: dict, path: Path, title: str) -> Path:
-    """rag_eval's accuracy vs retrieval-rate curves (``{trigger: Curve}`` of :mod:`detectors.evaluation.rag_sweep`) in one figure,
+    """rag_eval's accuracy vs retrieval-rate curves (``{trigger: Curve}`` of :mod:`detectors.evaluation.rag_sweep`) in
+    one figure,
     each labelled with its area − random's, beside random retrieval's line (from never to always retrieving)."""
     colours = scorer_colours(curves)
     fig, ax = plt.subplots(figsize=(9, 6))

@@ -165,9 +165,15 @@ def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict
 def curves_table(sweep: Mapping[str, Any]) -> str:
     """The curves' summaries (``{"corpus", "query", "curves": {trigger: summary}}``) as Markdown: a row per trigger."""
     out = [
-        f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, query `{sweep['query']}`)",
+        (
+            f"### accuracy vs retrieval rate on corpus `{sweep['corpus']}` (one retrieval at the first crossing, "
+            f"query `{sweep['query']}`)"
+        ),
         "",
-        "| trigger | area | random area | area − random [95% CI] | area − best training-free [95% CI] | retrieval rate to reach always-accuracy |",
+        (
+            "| trigger | area | random area | area − random [95% CI] | area − best training-free [95% CI] | retrieval "
+            "rate to reach always-accuracy |"
+        ),
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for trigger, s in sweep["curves"].items():
@@ -180,13 +186,17 @@ def curves_table(sweep: Mapping[str, Any]) -> str:
             else f"{_delta(s, 'area_over_best_training_free')} vs {best}"
         )
         out.append(
-            f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {versus} | {_cell(s['rate_to_always'], '{:.2f}')} |"
+            f"| {trigger} | {s['area']:.3f} | {s['random_area']:.3f} | {_delta(s, 'area_over_random')} | {versus} "
+            f"| {_cell(s['rate_to_always'], '{:.2f}')} |"
         )
     if sweep["curves"]:
         first = next(iter(sweep["curves"].values()))
         out += [
             "",
-            f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: {first['always_accuracy']:.3f}.",
+            (
+                f"No retrieval: accuracy {first['never_accuracy']:.3f}; always retrieving before generating: "
+                f"{first['always_accuracy']:.3f}."
+            ),
         ]
     return "\n".join(out) + "\n"
 
@@ -194,12 +204,15 @@ def curves_table(sweep: Mapping[str, Any]) -> str:
 def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: int) -> str:
     """Each configuration's operating point as Markdown (``tuning``: ``{corpus: {configuration: {"chosen", "candidates":
     [{"thresholds", "accuracy", "retrievals_per_question"}]}}}``): a row per configuration, a column per corpus, every
-    candidate as ``thresholds → accuracy (retrievals / question)`` on the validation questions, the chosen one in bold."""
+    candidate as ``thresholds → accuracy (retrievals / question)`` on the validation questions, the chosen one in
+    bold."""
     corpora = list(tuning)
     names = list(dict.fromkeys(name for chosen in tuning.values() for name in chosen))
     out = [
-        f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate thresholds "
-        "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; inf = never retrieve)",
+        f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate "
+        f"thresholds "
+        "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; "
+        "inf = never retrieve)",
         "",
         "| configuration | " + " | ".join(corpora) + " |",
         "| --- |" + " --- |" * len(corpora),
@@ -237,7 +250,8 @@ def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Map
     missing = sorted({c for configs in metrics.values() for c in configs} - set(params))
     if missing:
         raise ValueError(
-            f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass params[configuration]"
+            f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass "
+            f"params[configuration]"
         )
     for key in ("llm_digest",):
         if not str(tags.get(key, "")).strip():
@@ -257,7 +271,8 @@ def reference_deltas(
     seed: int = 0,
 ) -> dict[str, dict[str, float]]:
     """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
-    "always": name}``, no retrieval and retrieving once before generating) on the same questions, with the paired 95% bootstrap interval:
+    "always": name}``, no retrieval and retrieving once before generating) on the same questions, with the paired 95%
+    bootstrap interval:
     ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``. A reference absent from ``results`` is left out."""
     correct = {
         name: [accuracy(r["answer"], refs) for r, refs in zip(lines, answers)] for name, lines in results.items()

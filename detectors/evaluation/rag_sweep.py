@@ -43,7 +43,8 @@ class Outcome:
         for (s0, p0), (s1, p1) in zip(self.events, self.events[1:]):
             if not (s1 > s0 and p1 > p0):
                 raise ValueError(
-                    f"outcome events {self.events} are not records of a running max (scores and positions increasing); build them with records()"
+                    f"outcome events {self.events} are not records of a running max (scores and positions "
+                    f"increasing); build them with records()"
                 )
         missing = sorted({p for _, p in self.events} - set(self.at))
         if missing:

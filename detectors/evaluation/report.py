@@ -33,7 +33,8 @@ def markdown_table(table: pd.DataFrame) -> str:
         "# Comparison of every scorer on the test splits",
         "",
         "AUROC with its 95% bootstrap interval (clusters = questions, or continuations at token and entity level); "
-        "accuracy, F1 and trigger rate at the threshold chosen on validation; ECE after a Platt map fitted on validation "
+        "accuracy, F1 and trigger rate at the threshold chosen on validation; ECE after a Platt map fitted on "
+        "validation "
         "for scores that are not probabilities. Δ AUROC: paired bootstrap interval of a trained detector's AUROC minus "
         "that of the best training-free baseline at the same dataset and level, on the same resampled examples.",
         "",
@@ -58,14 +59,16 @@ def markdown_table(table: pd.DataFrame) -> str:
             out += ["", "| detector | vs best baseline | Δ AUROC [95% CI] |", "| --- | --- | --- |"]
             for r in deltas.itertuples(index=False):
                 out.append(
-                    f"| {r.scorer} | {r.delta_vs} | {_interval(r.delta_auroc, r.delta_ci_low, r.delta_ci_high, signed=True)} |"
+                    f"| {r.scorer} | {r.delta_vs} | "
+                    f"{_interval(r.delta_auroc, r.delta_ci_low, r.delta_ci_high, signed=True)} |"
                 )
         out.append("")
     return "\n".join(out)
 
 
 def nested_metrics(table: pd.DataFrame, dataset: str) -> dict[str, dict[str, dict]]:
-    """``{level: {scorer: metrics}}`` of one dataset, the shape of both detailed reports (``paths.evaluate_*_metrics``)."""
+    """``{level: {scorer: metrics}}`` of one dataset, the shape of both detailed reports
+    (``paths.evaluate_*_metrics``)."""
     part = table[table["dataset"] == dataset]
     metrics = [c for c in COLUMNS if c not in ("scorer", "dataset", "level", "features")]
     out: dict[str, dict[str, dict]] = {}

@@ -77,7 +77,8 @@ class TokenStatScorer:
     def __post_init__(self) -> None:
         if self.level not in self.levels:
             raise ValueError(
-                f"scorer {self.name!r} is not defined at the {self.level.value} level; levels: {[x.value for x in self.levels]}"
+                f"scorer {self.name!r} is not defined at the {self.level.value} level; levels: "
+                f"{[x.value for x in self.levels]}"
             )
 
     @property

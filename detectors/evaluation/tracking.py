@@ -79,9 +79,12 @@ VIEW = {
 }
 DESCRIPTION = (
     "One run per scorer × level on the {dataset} test set, logged by the `evaluate` stage. Sort the runs table by "
-    "`test_auroc`; `test_auroc_ci_low`/`_high` are its 95 % bootstrap interval, `delta_auroc` (with `delta_ci_low`/`_high`) "
-    "a trained detector's AUROC minus the best training-free baseline's (`delta_vs`) on the same examples, `trigger_rate` "
-    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = 'continuation'`. "
+    "`test_auroc`; `test_auroc_ci_low`/`_high` are its 95 % bootstrap interval, `delta_auroc` (with "
+    "`delta_ci_low`/`_high`) "
+    "a trained detector's AUROC minus the best training-free baseline's (`delta_vs`) on the same examples, "
+    "`trigger_rate` "
+    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = "
+    "'continuation'`. "
     "The comparison view shows these columns: add `?viewStateShareKey=comparison` to this page's address."
 )
 
@@ -90,7 +93,8 @@ def _check(table: pd.DataFrame, plots: dict[str, list[Path]], base_tags: dict[st
     missing = [c for c in REQUIRED if c not in table.columns]
     if missing:
         raise ValueError(
-            f"comparison table lacks columns {missing}: log_comparison expects the long table (a row per scorer × level)"
+            f"comparison table lacks columns {missing}: log_comparison expects the long table (a row per scorer × "
+            f"level)"
         )
     if table.empty:
         raise ValueError("comparison table has no rows: nothing to log (did the evaluation score any unit?)")
@@ -152,7 +156,8 @@ def log_comparison(
     artifact_root: str | None,
 ) -> None:
     """Log ``table`` (the long comparison table) as one flat run per row in experiment
-    ``f"{experiment_prefix}-{dataset}"`` (created under ``artifact_root``, see :func:`~detectors.registry.store.experiment`),
+    ``f"{experiment_prefix}-{dataset}"`` (created under ``artifact_root``, see
+    :func:`~detectors.registry.store.experiment`),
     then soft-delete the runs an earlier logging left for the same dataset. ``plots`` maps ``dataset`` or
     ``f"{dataset}_{level}"`` to the PNGs each run of that dataset (or dataset × level) carries; ``base_tags`` must name
     the ``llm``. Bad input (missing columns, unknown datasets, levels or kinds, duplicate rows, unknown plot keys,

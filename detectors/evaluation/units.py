@@ -36,7 +36,8 @@ def realtime_token_stats(
                 values = np.asarray(row[column], dtype=np.float64)
                 if len(values) != len(stats["prob"]):
                     raise ValueError(
-                        f"record {row['id']!r}: column {column!r} holds {len(values)} values for {len(stats['prob'])} generated "
+                        f"record {row['id']!r}: column {column!r} holds {len(values)} values for {len(stats['prob'])} "
+                        f"generated "
                         "tokens; rerun the stage that wrote it on this real-time set"
                     )
                 stats[column] = values
@@ -49,7 +50,8 @@ def realtime_token_stats(
 def realtime_units(frame: pd.DataFrame, token_stats: dict[str, dict[str, np.ndarray]]) -> dict[Level, pd.DataFrame]:
     """The token, entity and continuation tables of the ok records (columns ``id, group, split, label, status,
     stats``; continuations also ``entities``). ``group`` is the record id at every level: the bootstrap resamples
-    continuations, since the tokens of one entity share its label and the entities of one continuation its context. A continuation is hallucinated when any of its entities is."""
+    continuations, since the tokens of one entity share its label and the entities of one continuation its context. A
+    continuation is hallucinated when any of its entities is."""
     tokens, entities, continuations = [], [], []
     for row in frame[frame["status"] == "ok"].itertuples():
         stats = token_stats[row.id]

@@ -43,7 +43,8 @@ def require_dtype(recorded: str | None, given: str, what: str, allow_dtype_misma
         if not allow_dtype_mismatch:
             raise DtypeMismatchError(
                 f"{what}: built from {recorded} features, but the LLM given computes {given} features, which shifts "
-                f"its scores. Load the LLM with dtype={recorded!r} (the detector's `load_llm()` does by default), or pass "
+                f"its scores. Load the LLM with dtype={recorded!r} (the detector's `load_llm()` does by default), or "
+                f"pass "
                 "allow_dtype_mismatch=True to accept the difference."
             )
         log.warning("%s: serving %s features to a detector built from %s features (allowed)", what, given, recorded)

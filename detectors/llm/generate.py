@@ -1,4 +1,5 @@
-"""Batched generation for the LLM's own instruction calls (RetroRAG's generators and SC-generator, CtrlA's query rewrite):
+"""Batched generation for the LLM's own instruction calls (RetroRAG's generators and SC-generator, CtrlA's query
+rewrite):
 prompts in batches of similar length, each continuing its longest cached prefix (:mod:`detectors.llm.states`), decoded
 in lockstep, greedy or sampled from one seeded random stream per row, so that a row's continuation never depends on the
 rows beside it or on the batch size."""

@@ -34,7 +34,8 @@ def word_token_ids(tokenizer, words: list[str]) -> list[int]:
                     ids.append(enc[0])
     if not ids:
         raise ValueError(
-            f"none of the words {words} (nor their casing/leading-space variants) is one token of the LLM: choose other words"
+            f"none of the words {words} (nor their casing/leading-space variants) is one token of the LLM: choose "
+            f"other words"
         )
     return ids
 
@@ -44,7 +45,8 @@ def yes_no_ids(tokenizer, yes: Sequence[str], no: Sequence[str]) -> tuple[list[i
     yes_ids, no_ids = word_token_ids(tokenizer, list(yes)), word_token_ids(tokenizer, list(no))
     if set(yes_ids) & set(no_ids):
         raise ValueError(
-            f"the yes words {list(yes)} and no words {list(no)} share tokens {sorted(set(yes_ids) & set(no_ids))}: choose other words"
+            f"the yes words {list(yes)} and no words {list(no)} share tokens "
+            f"{sorted(set(yes_ids) & set(no_ids))}: choose other words"
         )
     return yes_ids, no_ids
 

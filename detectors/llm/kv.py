@@ -73,7 +73,8 @@ class GrowingCache(DynamicCache):
 
 
 def as_cache(prefix: KV | None, rows: int, config) -> DynamicCache | None:
-    """A fresh cache holding ``prefix`` for ``rows`` sequences (copied into the cache's own buffers: the prefix itself is
+    """A fresh cache holding ``prefix`` for ``rows`` sequences (copied into the cache's own buffers: the prefix itself
+    is
     never changed), growing in place as tokens are appended (:class:`GrowingCache`)."""
     if not prefix:
         return None

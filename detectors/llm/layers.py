@@ -25,7 +25,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(
-            f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a decoder-only LLM"
+            f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a "
+            f"decoder-only LLM"
         )
     return layers
 

@@ -158,7 +158,8 @@ def prepare_llm(source: str, directory: str | Path, gguf_file: str | None = None
         converted = Fingerprint.of(model, name)
         if converted != fingerprint:
             raise RuntimeError(
-                f"GGUF conversion changed the weights: digest {fingerprint.weights_digest} -> {converted.weights_digest}"
+                f"GGUF conversion changed the weights: digest {fingerprint.weights_digest} -> "
+                f"{converted.weights_digest}"
             )
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)

@@ -9,7 +9,8 @@ questions at once.
 
 Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``), ``stats`` (what the loop measures
 while the LLM generates, under the stored sets' names), ``triggers`` (a scorer, a threshold and a policy: when to
-retrieve), ``kinds`` (one module per trigger family, with the calculators of what it reads; ``make_trigger``), ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
+retrieve), ``kinds`` (one module per trigger family, with the calculators of what it reads; ``make_trigger``),
+``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
 stepwise selection, chunking, the passages block), ``loop`` (the batched loop, the threshold sweep's trace),
 ``recording`` (the loop that labels retrieval utility); ``retroactive`` (RetroRAG, a loop of its own). Scoring the
 answers, the threshold sweep and the report are evaluation: :mod:`detectors.evaluation.answer_metrics`,

@@ -83,7 +83,8 @@ def jsonl_passages(path: str | Path, id_field: str | None, title_field: str | No
         for field in (f for f in (text_field, id_field, title_field) if f is not None):
             if field not in record:
                 raise SourceError(
-                    f"{path} line {number} has no field {field!r} (fields: {sorted(record)}): set the corpus's *_field params"
+                    f"{path} line {number} has no field {field!r} (fields: {sorted(record)}): set the corpus's "
+                    f"*_field params"
                 )
         text = str(record[text_field]).strip()
         if not text:
@@ -101,7 +102,8 @@ def check_passages(passages: list[Passage], where: str) -> list[Passage]:
     for p in passages:
         if p.id in seen:
             raise SourceError(
-                f"{where}: passage id {p.id!r} occurs twice: ids must be unique (set id_field, or null for line numbers)"
+                f"{where}: passage id {p.id!r} occurs twice: ids must be unique (set id_field, or null for line "
+                f"numbers)"
             )
         seen.add(p.id)
     return passages

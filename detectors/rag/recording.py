@@ -17,7 +17,8 @@ from detectors.utility.labels import RecordingGate
 def recording_loop(
     llm, retriever: Retriever, config: RagConfig, layers: Sequence[int]
 ) -> tuple[RagLoop, RecordingGate]:
-    """The loop that labels (:func:`~detectors.utility.labels.utility_records`): ``config``'s RAG loop over ``retriever`` with one ``always``
+    """The loop that labels (:func:`~detectors.utility.labels.utility_records`): ``config``'s RAG loop over
+    ``retriever`` with one ``always``
     trigger (one retrieval with the question, before the answer) whose gate records what it saw at the hidden-state
     indices ``layers`` and keeps every retrieval; and that gate."""
     gate = RecordingGate(llm, layers)

@@ -443,7 +443,8 @@ class RetroRag:
         return list(s.source) + [e for e in s.inferential if e.text not in texts]
 
     def _question_prompt(self, question: str, context: str, evidence: list[Evidence]) -> str:
-        """The project's question prompt with the evidence block ``context`` before the question (none without evidence)."""
+        """The project's question prompt with the evidence block ``context`` before the question (none without
+        evidence)."""
         p = self.params
         block = context.format(evidence=render_evidence(evidence, p.evidence_words, p.no_evidence)) if evidence else ""
         return self.llm.render(question, with_context(self.prompt, block))[0]

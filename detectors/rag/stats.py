@@ -107,7 +107,8 @@ def providers(calculators: list[Calculator], always: tuple[str, ...] = ("prob", 
         for name in (*c.provides, *c.lazy, *c.question):
             if name in out:
                 raise ValueError(
-                    f"statistic {name!r} is provided by both {out[name]} and calculator {c.key!r}: use one trigger that needs it"
+                    f"statistic {name!r} is provided by both {out[name]} and calculator {c.key!r}: use one "
+                    f"trigger that needs it"
                 )
             out[name] = c.key
     return out

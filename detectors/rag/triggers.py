@@ -1,6 +1,7 @@
 """Retrieval triggers: a scorer, a threshold, a policy and a controller.
 
-The scorer is the one the comparison evaluates offline (:mod:`detectors.baselines`, :mod:`detectors.evaluation.scorers`),
+The scorer is the one the comparison evaluates offline (:mod:`detectors.baselines`,
+:mod:`detectors.evaluation.scorers`),
 computed online from the statistics the loop measures while the LLM generates (:mod:`detectors.rag.stats`, same names
 as the stored sets); the trigger fires at or above its threshold. The policy says when and how:
 

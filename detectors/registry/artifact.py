@@ -23,15 +23,18 @@ WEIGHTS = "weights.safetensors"
 
 
 class FrameInputError(InputError, ValueError):
-    """A frame given to a detector's ``predict_frame`` (or its pyfunc) lacks a column, has an unknown one, or a bad value."""
+    """A frame given to a detector's ``predict_frame`` (or its pyfunc) lacks a column, has an unknown one, or a bad
+    value."""
 
 
 class FrameInputs:
     """The columns a detector's ``predict_frame`` takes, declared once as its class attribute ``INPUTS`` (MLflow types:
-    ``"string"``, a non-blank string; ``"double"``, a finite number). Declared in a class that defines ``predict_frame``,
+    ``"string"``, a non-blank string; ``"double"``, a finite number). Declared in a class that defines
+    ``predict_frame``,
     it checks every frame before the detector reads it: a missing or unknown column, or a missing or bad value, is a
     :class:`FrameInputError` naming it (instead of a bare ``KeyError``, or ``None`` scored as the text "None"). The
-    registry logs the same columns as the pyfunc's input signature (:func:`detectors.registry.store.input_signature`)."""
+    registry logs the same columns as the pyfunc's input signature
+    (:func:`detectors.registry.store.input_signature`)."""
 
     TYPES = ("string", "double")
 

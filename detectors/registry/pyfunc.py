@@ -19,7 +19,8 @@ from detectors.registry.kinds import load_artifact
 
 
 class PredictInputError(MlflowException, InputError):
-    """Bad input to the pyfunc: an :class:`~detectors.errors.InputError` that MLflow's scoring server answers with HTTP 400
+    """Bad input to the pyfunc: an :class:`~detectors.errors.InputError` that MLflow's scoring server answers with HTTP
+    400
     and its message (it answers any other exception with a generic message and a traceback)."""
 
 

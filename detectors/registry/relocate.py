@@ -32,7 +32,8 @@ RELOCATE_COMMAND = "dynrag relocate --tracking-uri {uri}"
 
 
 class StoreMovedError(InputError):
-    """A sqlite store opened from another directory than the one it records: its artifact locations point to the old one."""
+    """A sqlite store opened from another directory than the one it records: its artifact locations point to the old
+    one."""
 
 
 class StoreRelocationError(InputError):
@@ -81,7 +82,8 @@ def require_in_place(uri: str) -> None:
 
 
 def anchor(uri: str) -> None:
-    """Record the sqlite store's directory in it when it records none (a writer's first experiment); other stores: nothing."""
+    """Record the sqlite store's directory in it when it records none (a writer's first experiment); other stores:
+    nothing."""
     db = sqlite_path(uri)
     if db is not None and db.exists() and recorded_dir(uri) is None:
         _client(uri).set_experiment_tag(DEFAULT_EXPERIMENT, ANCHOR_TAG, str(db.parent))
@@ -102,7 +104,8 @@ def _locations():
 
 
 def _rewrite(uri: str, old: str, new: str) -> int:
-    """Replace the prefix ``old`` of every location (a plain path or a ``file://`` URI) with ``new``, in one transaction;
+    """Replace the prefix ``old`` of every location (a plain path or a ``file://`` URI) with ``new``, in one
+    transaction;
     returns how many values changed."""
     from mlflow.store.db.utils import create_sqlalchemy_engine
     from sqlalchemy import func, literal, or_, update
@@ -128,11 +131,13 @@ def _rewrite(uri: str, old: str, new: str) -> int:
 
 
 def relocate(uri: str, old: str | Path | None = None) -> dict:
-    """Anchor the sqlite store at ``uri`` at its current directory, rewriting the artifact locations under the directory it
+    """Anchor the sqlite store at ``uri`` at its current directory, rewriting the artifact locations under the directory
+    it
     moved from (``old`` when given, e.g. for a store that records none; else the one it records):
     ``{"store", "from", "to", "rewritten"}``.
 
-    A store already in place is left alone; one that records no directory and gets no ``old`` is anchored where it is."""
+    A store already in place is left alone; one that records no directory and gets no ``old`` is anchored where it
+    is."""
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -156,6 +161,7 @@ def relocate(uri: str, old: str | Path | None = None) -> dict:
     except (SQLAlchemyError, MlflowException) as err:
         reason = str(err).splitlines()[0]
         raise StoreRelocationError(
-            f"cannot relocate the MLflow store {db} to {here} ({reason}): relocating writes to it, so run it with write access"
+            f"cannot relocate the MLflow store {db} to {here} ({reason}): relocating writes to it, so run it with "
+            f"write access"
         ) from err
     return result

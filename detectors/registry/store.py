@@ -68,14 +68,18 @@ def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
 
 def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
     """For an ``http(s)://`` tracking URI: GET its ``/health`` once (MLflow's HTTP client, so its TLS and auth settings
-    apply; no retries, ``timeout`` seconds), and raise :class:`TrackingServerError` naming the URI unless an MLflow server
+    apply; no retries, ``timeout`` seconds), and raise :class:`TrackingServerError` naming the URI unless an MLflow
+    server
     answers. MLflow's own calls would retry for minutes and then fail with a bare 404 or connection traceback."""
     if not uri.startswith(("http://", "https://")):
         return
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
-    fix = "start it (`mlflow server ...`), or name a running one in params.yaml's mlflow.tracking_uri, --tracking-uri or $MLFLOW_TRACKING_URI"
+    fix = (
+        "start it (`mlflow server ...`), or name a running one in params.yaml's mlflow.tracking_uri, --tracking-uri "
+        "or $MLFLOW_TRACKING_URI"
+    )
     try:
         response = http_request(
             get_default_host_creds(uri), "/health", "GET", max_retries=0, timeout=timeout, raise_on_status=False
@@ -93,12 +97,14 @@ def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
 
 
 def configure(uri: str, root: str | Path = ".", *, existing: bool = False) -> str:
-    """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``); returns the URI.
+    """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``); returns the
+    URI.
 
     Never writes to the store. A tracking server must answer its health check (:func:`check_server`); a sqlite store
     opened from another directory than the one it records (moved or cloned) is refused with the command that relocates
     it (see :mod:`detectors.registry.relocate`), since its artifact locations still point to the old directory.
-    ``existing`` (readers): a sqlite database that does not exist is an error, not a new empty store MLflow would create.
+    ``existing`` (readers): a sqlite database that does not exist is an error, not a new empty store MLflow would
+    create.
     """
     uri = tracking_uri(uri, root, mkdir=not existing)
     check_server(uri)
@@ -134,7 +140,8 @@ def experiment(name: str, artifact_root: str | Path | None, root: str | Path = "
     The experiment is marked as custom model development (:data:`EXPERIMENT_KIND_TAG`), so the UI opens it on its
     runs table; an existing experiment without a kind (one an older version created) gets the mark too, one a person
     marked otherwise keeps theirs. A sqlite store that records no directory yet records its own (see
-    :mod:`detectors.registry.relocate`). Keep ``artifact_root`` inside the sqlite store's directory: only locations there
+    :mod:`detectors.registry.relocate`). Keep ``artifact_root`` inside the sqlite store's directory: only locations
+    there
     move with the store."""
     found = mlflow.get_experiment_by_name(name)
     if found is None:
@@ -283,7 +290,8 @@ def register(
 
 
 def registered_model(client: MlflowClient, name: str) -> Any:
-    """The registered model ``name``; a name the store does not hold is a :class:`NotRegisteredError` listing those it holds."""
+    """The registered model ``name``; a name the store does not hold is a :class:`NotRegisteredError` listing those it
+    holds."""
     try:
         return client.get_registered_model(name)
     except MlflowException as err:
@@ -291,13 +299,15 @@ def registered_model(client: MlflowClient, name: str) -> Any:
             raise
         known = sorted(m.name for m in client.search_registered_models(max_results=1000))
         raise NotRegisteredError(
-            f"no model registered as {name!r} in {mlflow.get_tracking_uri()} (registered: {', '.join(known) or 'none'}): "
+            f"no model registered as {name!r} in {mlflow.get_tracking_uri()} (registered: "
+            f"{', '.join(known) or 'none'}): "
             "check the name, or run `dvc repro` to register the detectors"
         ) from None
 
 
 def resolve(name: str, alias: str | None = None, version: int | str | None = None) -> Any:
-    """The version of model ``name`` that ``alias`` points to, or version ``version``; a missing model, alias or version is a
+    """The version of model ``name`` that ``alias`` points to, or version ``version``; a missing model, alias or version
+    is a
     :class:`NotRegisteredError` that lists what the store holds."""
     client = MlflowClient()
     model = registered_model(client, name)

@@ -20,7 +20,8 @@ OVOS_FILE = "data/summaries_en-us.json"
 
 
 def ovos_records() -> list[dict]:
-    """The ovos package's English Wikipedia lead summaries as ``{"title", "text"}`` records (read locally, never downloaded)."""
+    """The ovos package's English Wikipedia lead summaries as ``{"title", "text"}`` records (read locally, never
+    downloaded)."""
     spec = importlib.util.find_spec(OVOS_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise SourceError(
@@ -33,7 +34,8 @@ def ovos_records() -> list[dict]:
 
 
 def _file_records(path: Path) -> list[dict]:
-    """MIND-style ``[{"title", "sentences": [...]}, ...]`` or ``[{"title", "text"}]``, in a file or a directory of them."""
+    """MIND-style ``[{"title", "sentences": [...]}, ...]`` or ``[{"title", "text"}]``, in a file or a directory of
+    them."""
     files = sorted(path.glob("*.json")) if path.is_dir() else [path]
     if not files:
         raise SourceError(f"articles.source = {str(path)!r}: no .json files in this directory")

@@ -11,7 +11,8 @@ head and hidden states through a projection), trained in Lightning on the train 
   columns, the first-token statistics and last-prompt hidden state with the passages in the prompt and the
   retriever's scores. The loop answers without the passages when it is below ``gate_threshold``.
 
-Operating points are chosen on the validation split only (:func:`~detectors.evaluation.rag_sweep.operating_point` over the
+Operating points are chosen on the validation split only (:func:`~detectors.evaluation.rag_sweep.operating_point` over
+the
 accuracy vs retrieval-rate curve of the labels): ``threshold``, the most accurate; ``budget_threshold``, the most
 accurate retrieving at most ``budget`` of the questions; ``gate_threshold``, the gate's most accurate (every
 validation question as retrieved). The RAG evaluation chooses its own operating threshold on its validation sweep.
@@ -197,7 +198,8 @@ class UtilityDetector(Detector):
         return predict(self.nets.gate, self.gate_inputs.items(raw), collate)
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
-        """pyfunc view: a ``question`` column in; P(retrieval helps) and the decision at the validation threshold out."""
+        """pyfunc view: a ``question`` column in; P(retrieval helps) and the decision at the validation threshold
+        out."""
         llm = self.require_llm()
         probs = [
             float(self.predict_proba([features_to_row(question_features(llm, str(q), self.features))])[0])
@@ -239,7 +241,8 @@ def joined(labels: pd.DataFrame, early: pd.DataFrame) -> pd.DataFrame:
 
 
 def choose(scores: np.ndarray, rows: pd.DataFrame, budget: float | None = None) -> float:
-    """The validation operating threshold of a question score (see :func:`~detectors.evaluation.rag_sweep.operating_point`)."""
+    """The validation operating threshold of a question score (see
+    :func:`~detectors.evaluation.rag_sweep.operating_point`)."""
     from detectors.evaluation.rag_sweep import curve, operating_point, question_outcomes
 
     return operating_point(

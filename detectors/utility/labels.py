@@ -6,7 +6,8 @@ RAG loop's no-retrieval answer) and with the top-k passages retrieved with the q
 without, wrong with) or ``neither``, by answer containment, the RAG evaluation's accuracy.
 
 What a trigger can know at each decision is kept beside the label: before retrieval, the early set's columns (joined by
-id); after it, what the loop's gate sees once the passages' prompt has run (:class:`~detectors.rag.controllers.gate.PostRetrieval`:
+id); after it, what the loop's gate sees once the passages' prompt has run
+(:class:`~detectors.rag.controllers.gate.PostRetrieval`:
 the first-token distribution and last-prompt hidden state with the passages, the retriever's scores), recorded by a
 gate that keeps every retrieval (:class:`RecordingGate`), and whether the two answers agree.
 """
@@ -57,7 +58,8 @@ class RecordingGate:
 
 
 def post_features(item) -> dict[str, Any]:
-    """What a gate reads of a :class:`~detectors.rag.controllers.gate.PostRetrieval`, under the early set's names: the first-token
+    """What a gate reads of a :class:`~detectors.rag.controllers.gate.PostRetrieval`, under the early set's names: the
+    first-token
     statistics with the passages, the hidden state (a list, as stored) and the retriever's scores. The labels store
     them (:func:`post_columns`) and the utility trigger's gate reads them in the loop: the same features both ways."""
     return {
@@ -70,7 +72,8 @@ def post_features(item) -> dict[str, Any]:
 
 
 def post_columns(item) -> dict[str, Any]:
-    """The stored post-retrieval columns of a :class:`~detectors.rag.controllers.gate.PostRetrieval`: :func:`post_features`
+    """The stored post-retrieval columns of a :class:`~detectors.rag.controllers.gate.PostRetrieval`:
+    :func:`post_features`
     prefixed with ``post_`` (the early set has columns of the same names), the retriever's scores as they are."""
     return {k if k == SCORES else POST + k: v for k, v in post_features(item).items()}
 

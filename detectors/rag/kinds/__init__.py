@@ -46,7 +46,8 @@ def make_trigger(
     )  # not registered: NotRegisteredError, an InputError
     if detector.KIND not in DETECTOR_KINDS:
         raise InputError(
-            f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of {', '.join(DETECTOR_KINDS)})"
+            f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of "
+            f"{', '.join(DETECTOR_KINDS)})"
         )
     trigger = DETECTOR_KINDS.load(detector.KIND)(name, detector, settings)
     trigger.source, trigger.detector = DETECTOR_KINDS.module(detector.KIND), detector

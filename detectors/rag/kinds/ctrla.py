@@ -34,7 +34,8 @@ class CtrlACalculator(Calculator):
                 len(v.context_ids) :
             ].astype(np.float64)
             v.stats["ctrla_eq2"], v.stats["ctrla_confidence"] = eq2, -eq2
-            # new: not in the question q or the preceding generation y<t (Eq. 3's w ∉ q ∪ y<t), whatever else the prompt shows
+            # new: not in the question q or the preceding generation y<t (Eq. 3's w ∉ q ∪ y<t), whatever else the prompt
+            # shows
             context = f"{v.question} {tok.decode(v.kept_ids, skip_special_tokens=True)}"
             v.stats["new_content"] = np.asarray(content_mask(tok, context, v.gen_ids), dtype=bool)
             v.stats["refusal"] = bool(detect_refusal(v.text, list(self.params.refusal_patterns)))

@@ -1,4 +1,5 @@
-"""The question features every early trigger reads (DioR's early detector, the utility trigger): the early set's columns,
+"""The question features every early trigger reads (DioR's early detector, the utility trigger): the early set's
+columns,
 measured once per question, LLM and feature params."""
 
 from __future__ import annotations

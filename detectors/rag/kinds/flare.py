@@ -1,4 +1,5 @@
-"""FLARE's trigger: a token whose probability is below 1 - the threshold regenerates its sentence (the look-ahead segment)
+"""FLARE's trigger: a token whose probability is below 1 - the threshold regenerates its sentence (the look-ahead
+segment)
 with the passages its masked query retrieves; the regenerated sentence is accepted, not judged again, and the passages
 serve that sentence only (FLARE's §3, as DRAGIN's released TokenRAG also runs it)."""
 

@@ -100,7 +100,8 @@ def build(llm: LLM, threshold: float | None, spacy_model: str, settings: object)
     sentence with the passages when one fails (§2.2; the repair is kept)."""
     if settings.sit is None:
         raise InputError(
-            "trigger 'sit' validates with rag_eval.sit: give its params (concepts, validation_question, prompt, yes/no words, threshold)"
+            "trigger 'sit' validates with rag_eval.sit: give its params (concepts, validation_question, prompt, "
+            "yes/no words, threshold)"
         )
     policy = Policy("token", cut="segment", after_retrieval="accept")
     if settings.sit.concepts == "llm":

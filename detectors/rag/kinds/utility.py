@@ -1,4 +1,5 @@
-"""The retrieval-utility trigger: the corpus's trained retrieval decision before generating, and its gate on the passages."""
+"""The retrieval-utility trigger: the corpus's trained retrieval decision before generating, and its gate on the
+passages."""
 
 from __future__ import annotations
 
