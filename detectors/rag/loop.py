@@ -39,7 +39,7 @@ from detectors.rag.context import find_passages, render_passages, with_context
 from detectors.rag.controllers import Fire
 from detectors.rag.decoder import Decoder, Row
 from detectors.rag.queries import QuestionQuery
-from detectors.rag.results import RagResult, Retrieval, charge, result
+from detectors.rag.results import RagResult, Retrieval, result
 from detectors.rag.retriever import Hit, Retriever
 from detectors.rag.stats import SegmentView, calculators_of, providers
 from detectors.rag.triggers import Trigger
@@ -92,7 +92,7 @@ class RagLoop:
     :class:`~detectors.llm.states.StateCache` of the sequences loops over the same LLM and steering ran (a prompt
     another configuration ran is not run again).
 
-    Controllers act through :meth:`retrieve`, :meth:`set_prompt`, :meth:`keep` and :meth:`charge`.
+    Controllers act through :meth:`retrieve`, :meth:`set_prompt` and :meth:`keep`.
     """
 
     def __init__(
@@ -310,12 +310,6 @@ class RagLoop:
             row.prompts.append(text)
         row.prompt = self.llm.tokenizer(text, add_special_tokens=not p.chat)["input_ids"]
         row.logits = None  # its states of what it ran so far stay: the new prompt may begin as the old one did
-
-    @staticmethod
-    def charge(rows: list[Row]):
-        """An ``on_batch`` callback that counts a batched call's forward passes for each of its rows (a batched pass
-        counts for every question in it)."""
-        return charge(rows)
 
 
 def loop_info(loop: RagLoop) -> dict[str, Any]:

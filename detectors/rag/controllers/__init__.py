@@ -12,8 +12,9 @@ decision to the firing trigger's controller, at three points:
   has ended: the plain controller keeps it (and drops the passages for the next segment when the policy's
   ``passages="segment"``); CtrlA's refusal handling retrieves again while it refuses (:mod:`.refusal`).
 
-A controller acts through the loop's own operations (``retrieve``, ``set_prompt``, ``keep``, ``charge``), so a new
-procedure is a controller module and a trigger that names it: no engine file changes.
+A controller acts through the loop's own operations (``retrieve``, ``set_prompt``, ``keep``) and charges its batched
+LLM calls to their rows with :func:`detectors.rag.results.charge`, so a new procedure is a controller module and a
+trigger that names it: no engine file changes.
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ class Loop(Protocol):
 
     def keep(self, row: Row, view: SegmentView) -> None:
         """The segment stays in the answer."""
-
-    def charge(self, rows: list[Row]) -> Any:
-        """An ``on_batch`` callback charging a batched call's passes to ``rows``."""
 
 
 @dataclasses.dataclass
@@ -75,12 +73,7 @@ class Controller:
         return {}
 
     def fired(self, loop: Loop, fires: list[Fire]) -> None:
-        inputs = [
-            QueryInput(f.row.question, f.row.kept, f.view, f.position, f.row.question_stats)
-            if f.view is not None
-            else QueryInput(f.row.question, f.row.kept, question_stats=f.row.question_stats)
-            for f in fires
-        ]
+        inputs = [QueryInput(f.row.question, f.row.kept, f.view, f.position, f.row.question_stats) for f in fires]
         queries = loop.query.formulate_all(loop.llm, inputs)
         for f in fires:
             if f.view is not None:

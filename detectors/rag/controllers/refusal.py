@@ -9,6 +9,7 @@ from typing import Any
 
 from detectors.rag.controllers import Controller, Loop
 from detectors.rag.decoder import Row
+from detectors.rag.results import charge
 from detectors.rag.stats import SegmentView
 
 
@@ -39,7 +40,7 @@ class RefusalRetry(Controller):
         if refused:
             rows = [row for row, _, _ in refused]
             previous = [r.retrievals[-1].queries[-1] for r in rows]
-            queries = h.rewrite([r.question for r in rows], previous, on_batch=loop.charge(rows))
+            queries = h.rewrite([r.question for r in rows], previous, on_batch=charge(rows))
             for row, _, trigger in refused:
                 row.gen, row.notes["refusal"], row.accepting = [], row.notes.get("refusal", 0) + 1, trigger
             names = [f"{trigger.name}:refusal" for _, _, trigger in refused]

@@ -11,7 +11,7 @@ import numpy as np
 
 from detectors.rag.context import render_passages
 from detectors.rag.controllers import Controller, Fire, Loop
-from detectors.rag.results import Retrieval
+from detectors.rag.results import Retrieval, charge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ValidateAndRepair(Controller):
             questions = [v.question(f.row.question, f.view.text, concept) for f, (_, concept) in jobs]
             found = loop.retriever.batch_search(questions, loop.config.k)
             passages = [render_passages(hits, False, q) for hits, q in zip(found, questions)]
-            verdict = v.judge(questions, passages, on_batch=loop.charge([f.row for f, _ in jobs]))
+            verdict = v.judge(questions, passages, on_batch=charge([f.row for f, _ in jobs]))
             for (f, (score, _)), question, hits, p_yes in zip(jobs, questions, found, verdict):
                 row = f.row
                 retrieval = Retrieval.of(f.trigger.name, len(row.kept), score, [question], hits, used=False)
