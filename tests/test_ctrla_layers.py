@@ -15,6 +15,7 @@ from detectors.baselines.ctrla_confidence import question_scorers, realtime_scor
 from detectors.config.schema import ContrastParams, PromptParams, StatementParams
 from detectors.ctrla.directions import Directions, contrast_differences, fit_pca
 from detectors.ctrla.layer_ranges import choose_window
+from detectors.ctrla.monitor import new_content
 from detectors.ctrla.quality import MonitoredSet, early_set, realtime_set
 from detectors.ctrla.steering import steer
 from detectors.errors import InputError
@@ -175,6 +176,31 @@ def test_the_confident_end_and_the_hallucination_score_have_the_papers_sign(tiny
     with plant_at_tokens(tiny_llm.model, {unsure[0]: -8.0 * u, sure[0]: 8.0 * u}):
         per_token = realtime_set(tiny_llm, directions, realtime, 1).token_scores([1], 0.0, 3.0)[0]
     assert per_token[0] > 1 and per_token[1] < 0
+
+
+def test_the_early_sets_new_content_is_the_loops_the_few_shot_examples_are_not_the_question(tiny_llm):
+    """CtrlA's trigger reads new content: words not in the question q nor earlier in the answer (the loop's
+    :func:`~detectors.ctrla.monitor.new_content`). The early set's prompt holds few-shot examples; an answer word that
+    only they hold ("Paris") is new, as it is in the loop, while a word of the question ("France") is not."""
+    tok = tiny_llm.tokenizer
+    directions = Directions(
+        "confidence",
+        torch.stack([_unit(1), _unit(2)]),
+        torch.tensor([0.5, 0.4]),
+        torch.tensor([3.0, 5.0]),
+        [1, 2],
+        tiny_llm.fingerprint,
+        {"llm": {"dtype": "float32"}},
+    )
+    prompt = PromptParams(template="The capital of France is Paris.\n{question}", chat=False)
+    early = pd.DataFrame(
+        {"question": ["The capital of Gaul is", "The language of France is"], "answer": ["Paris", "France"]}
+    )
+    monitored = early_set(tiny_llm, directions, early, prompt, 2)
+    for q, a, mask in zip(early["question"], early["answer"], monitored.masks):
+        answer_ids = tok(" " + a, add_special_tokens=False)["input_ids"]
+        assert mask == new_content(tok, q, "", answer_ids)  # the loop's rule, on the same tokens
+    assert all(monitored.masks[0]) and not any(monitored.masks[1])
 
 
 # ---- score columns, scorers and the registered range --------------------------------------------------

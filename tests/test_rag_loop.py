@@ -797,7 +797,8 @@ def test_every_online_score_equals_the_offline_score_of_the_same_tokens(tiny_llm
     assert any(len(t.stats["entities"]) for t in traces), "no entity to score"
     by = {t.name: t for t in loop.triggers}
     mlp = by["t-realtime"].calculators[0].detector
-    frame["rind"] = [r.rind.tolist() for r in rind_scores(tiny_llm, list(frame["prompt_ids"]), list(frame["gen_ids"]))]
+    rind = rind_scores(tiny_llm, list(frame["prompt_ids"]), list(frame["gen_ids"]), list(frame["entropy"]))
+    frame["rind"] = [r.rind.tolist() for r in rind]
     units = realtime_units(frame, realtime_token_stats(frame, mlp.record_scores(frame, hidden), ["rind"]))
     token_units = units[Level.TOKEN]
     for name in ("flare", "rind", "t-realtime"):

@@ -17,10 +17,10 @@ its entropy their mean; within each sentence the words' attentions are normalise
 of words, and a word scores normalised attention × mean entropy × ``s`` (each of its tokens carries that score).
 A one-word answer therefore scores its entropy.
 
-:func:`rind_scores` computes it from one teacher-forced pass with eager attention (the only kind that
-returns attention weights), batched with right padding. :func:`rind_on_states` scores a generated segment from the
-cached states of its prompt (only the generated tokens run again) and the entropies recorded while generating: the
-RAG loop's DRAGIN trigger, which judges each segment once it is generated.
+:func:`rind_on_states` scores a generated segment from the cached states of its prompt (only the generated tokens
+run again, with eager attention, the only kind that returns attention weights) and the entropies recorded while
+generating: the RAG loop's DRAGIN trigger, which judges each segment once it is generated. :func:`rind_scores` scores
+stored continuations (the real-time set) with the same function, after running their prompts as the loop does.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from detectors.evaluation.scorers import TokenStatScorer
-from detectors.llm.distribution import entropy as token_entropy
-from detectors.llm.kv import KV, as_cache, batches, forward_rows, stack_left
+from detectors.llm.kv import KV, as_cache, batches, stack_left
 from detectors.llm.layers import attention_implementation, decoder_layers
 from detectors.llm.loading import LLM
+from detectors.llm.states import prefill
 from detectors.llm.words import DEFAULT_STOPWORDS, sentence_of, spaced_words, word_mask
 
 NAME = "rind"
@@ -115,37 +115,51 @@ def rind_scores(
     llm: LLM,
     prompts: list[list[int]],
     continuations: list[list[int]],
+    entropies: list,
     stopwords: frozenset[str] = DEFAULT_STOPWORDS,
     batch_size: int = 8,
     progress=None,
 ) -> list[RindTrace]:
-    """RIND of every continuation token, from one teacher-forced eager pass over ``prompt + continuation``.
+    """RIND of every token of stored continuations, computed as the RAG loop's DRAGIN trigger computes it: each prompt
+    runs once, its states kept (:func:`~detectors.llm.states.prefill`, the loop's prefill), and its continuation runs
+    once more on them in one eager batch (:func:`rind_on_states`, the trigger's calculator). ``entropies[k]`` holds
+    ``H_i`` of each token of ``continuations[k]``, recorded when it was generated (the real-time set's ``entropy``).
 
-    ``prompts[k]`` and ``continuations[k]`` are token ids (the prompt non-empty: the first continuation
-    token's distribution is read at the prompt's last position). Rows of similar length are batched,
-    right-padded (causal attention keeps real tokens from seeing the padding; padded queries are ignored).
+    ``prompts[k]`` and ``continuations[k]`` are token ids (the prompt non-empty); rows of similar length run together.
     ``progress`` (a tqdm bar) is advanced by the number of rows done.
     """
-    if len(prompts) != len(continuations):
-        raise ValueError(f"rind_scores got {len(prompts)} prompts and {len(continuations)} continuations")
+    if not len(prompts) == len(continuations) == len(entropies):
+        raise ValueError(
+            f"rind_scores got {len(prompts)} prompts, {len(continuations)} continuations and {len(entropies)} entropy "
+            f"rows: give one of each per record"
+        )
     if any(len(p) == 0 for p in prompts):
         raise ValueError(
             "rind_scores needs a non-empty prompt for every continuation (its last token predicts the first)"
         )
-    rows = [list(p) + list(c) for p, c in zip(prompts, continuations)]
-    out: list[RindTrace | None] = [None] * len(rows)
-    with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:
-        for idx in batches(rows, batch_size):
-            lengths = torch.tensor([len(rows[i]) for i in idx])
-            logits = forward_rows(llm, None, [rows[i] for i in idx], logits=True).logits
-            a_max = later_attention_max(tap.weights, lengths).cpu().numpy()
-            for b, i in enumerate(idx):
-                start, n = len(prompts[i]), len(continuations[i])
-                logp = torch.log_softmax(logits[b, start - 1 : start - 1 + n].float(), dim=-1)
-                entropy = token_entropy(logp).cpu().numpy()
-                out[i] = rind_trace(llm, continuations[i], entropy, a_max[b, start : start + n], stopwords)
-            if progress is not None:
-                progress.update(len(idx))
+    for k, (c, e) in enumerate(zip(continuations, entropies)):
+        if len(c) != len(e):
+            raise ValueError(
+                f"rind_scores: continuation {k} has {len(c)} tokens but {len(e)} recorded entropies (one per token)"
+            )
+    out: list[RindTrace | None] = [None] * len(prompts)
+    for i, c in enumerate(continuations):
+        if not c:  # nothing generated: nothing to score
+            out[i] = rind_trace(llm, [], [], [], stopwords)
+    todo = [i for i, c in enumerate(continuations) if c]
+    rows = [list(prompts[i]) + list(continuations[i]) for i in todo]
+    for chunk in batches(rows, batch_size):
+        idx = [todo[b] for b in chunk]
+        states = prefill(llm, [list(prompts[i]) for i in idx], batch_size=batch_size, keep_states=True).states
+        traces = rind_on_states(
+            llm, states, [list(continuations[i]) for i in idx], [entropies[i] for i in idx], stopwords
+        )
+        for i, trace in zip(idx, traces):
+            out[i] = trace
+        if progress is not None:
+            progress.update(len(idx))
+    if progress is not None and len(todo) < len(prompts):
+        progress.update(len(prompts) - len(todo))
     return out  # type: ignore[return-value]
 
 
@@ -159,8 +173,8 @@ def rind_on_states(
     """RIND of each continuation while the LLM generates it (the RAG loop's trigger): the continuation runs once more,
     in
     one eager batch, on the cached states of everything before it (``contexts``: per row, its key/value states), so
-    only its own tokens are computed; ``H_i`` is the entropy recorded when each token was chosen, the distribution
-    :func:`rind_scores` recomputes by teacher forcing. The same Eq. 3 and content words, the same values."""
+    only its own tokens are computed; ``H_i`` is the entropy recorded when each token was chosen. The one computation of
+    RIND: the stored sets' scores (:func:`rind_scores`) come from it too."""
     lengths = [ctx[0][0].shape[2] for ctx in contexts]
     width, n = max(lengths), max(len(c) for c in continuations)
     pad = llm.tokenizer.pad_token_id or 0

@@ -189,6 +189,14 @@ def unconfident(scores) -> np.ndarray:
     return np.asarray(scores, dtype=np.float64) < 0
 
 
+def new_content(tokenizer, question: str, preceding: str, ids: list[int]) -> list[bool]:
+    """CtrlA's new content (§3.2.3, Eq. 3's ``w ∉ q ∪ y<t``), the one definition the trigger, the monitor and the
+    quality report read: the tokens of ``ids`` whose word is no stopword or punctuation and occurs neither in the
+    question ``question`` (q, the task's input) nor in the preceding generation ``preceding`` (y<t), whatever else the
+    prompt shows (a template's examples, retrieved passages) (:func:`~detectors.llm.words.content_mask`)."""
+    return content_mask(tokenizer, f"{question} {preceding}", ids)
+
+
 def trigger_position(scores, new_content) -> int | None:
     """CtrlA's retrieval trigger T on a generated segment: the first token that is new content (``new_content``: a
     new non-stopword word, :func:`~detectors.llm.words.content_mask`) and :func:`unconfident`; None when T does not
@@ -296,9 +304,7 @@ def generate_segment(
     if monitor is None or not gen:
         return Segment(text, gen, [], [], None, detect_refusal(text, list(refusal_patterns)), question)
     scores = monitor.scores()[0, prompt_ids.shape[1] :].cpu().numpy()
-    mask = content_mask(
-        llm.tokenizer, f"{question} {context_text}", gen
-    )  # new: not in q ∪ y<t (Eq. 3), whatever else the prompt shows
+    mask = new_content(llm.tokenizer, question, context_text, gen)
     return Segment(
         text=text,
         token_ids=gen,

@@ -20,8 +20,8 @@ from detectors.ctrla import RANGE_COLUMNS
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.layer_ranges import choose_window
 from detectors.ctrla.monitor import (
-    content_mask,
     hallucination_score,
+    new_content,
     pooled_scores,
     project_sequences,
     trigger_position,
@@ -143,32 +143,42 @@ class MonitoredSet:
 
 
 def monitored_set(
-    llm: LLM, directions: Directions, sequences: list[list[int]], starts: list[int], batch_size: int, desc: str
+    llm: LLM,
+    directions: Directions,
+    sequences: list[list[int]],
+    starts: list[int],
+    inputs: list[str],
+    batch_size: int,
+    desc: str,
 ) -> MonitoredSet:
-    """Projections at every layer of each sequence, and the new-content masks of its generated part."""
+    """Projections at every layer of each sequence, and the new-content masks of its generated part
+    (:func:`~detectors.ctrla.monitor.new_content`, the RAG loop's: words not in ``inputs[k]``, the task's input q, nor
+    earlier in the generation)."""
     layers = list(range(1, llm.fingerprint.num_layers + 1))
     with progress_bar(total=len(sequences), desc=desc, unit="seq") as bar:
         projections = project_sequences(llm, directions, sequences, layers, batch_size, progress=bar)
-    masks = [
-        content_mask(llm.tokenizer, llm.tokenizer.decode(seq[:start]), seq[start:])
-        for seq, start in zip(sequences, starts)
-    ]
+    masks = [new_content(llm.tokenizer, q, "", seq[start:]) for q, seq, start in zip(inputs, sequences, starts)]
     return MonitoredSet(projections, list(starts), masks)
 
 
 def early_set(
     llm: LLM, directions: Directions, frame: pd.DataFrame, prompt: PromptParams, batch_size: int
 ) -> MonitoredSet:
-    """The early set's prompt + answer sequences (the prompt build_early used), monitored at every layer."""
+    """The early set's prompt + answer sequences (the prompt build_early used), monitored at every layer; q is the
+    question (the prompt's few-shot examples are template, as the loop's passages and template are)."""
     sequences, starts, _ = early_sequences(llm, frame, prompt)
-    return monitored_set(llm, directions, sequences, starts, batch_size, "confidence (early set)")
+    questions = [str(q) for q in frame["question"]]
+    return monitored_set(llm, directions, sequences, starts, questions, batch_size, "confidence (early set)")
 
 
 def realtime_set(llm: LLM, directions: Directions, frame: pd.DataFrame, batch_size: int) -> MonitoredSet:
-    """The real-time set's prompt + generated continuation, monitored at every layer."""
-    sequences = [list(map(int, p)) + list(map(int, g)) for p, g in zip(frame["prompt_ids"], frame["gen_ids"])]
+    """The real-time set's prompt + generated continuation, monitored at every layer; q is the whole prompt (a
+    continuation task has no question: its input is the instruction with the article's opening)."""
+    prompts = [list(map(int, p)) for p in frame["prompt_ids"]]
+    sequences = [p + list(map(int, g)) for p, g in zip(prompts, frame["gen_ids"])]
+    inputs = [llm.tokenizer.decode(p) for p in prompts]
     return monitored_set(
-        llm, directions, sequences, [len(p) for p in frame["prompt_ids"]], batch_size, "confidence (real-time set)"
+        llm, directions, sequences, [len(p) for p in prompts], inputs, batch_size, "confidence (real-time set)"
     )
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from detectors.baselines.ctrla_confidence import CtrlAConfidence
-from detectors.ctrla.monitor import FIRING_THRESHOLD, ConfidenceMonitor, detect_refusal, pooled_scores
+from detectors.ctrla.monitor import FIRING_THRESHOLD, ConfidenceMonitor, detect_refusal, new_content, pooled_scores
 from detectors.ctrla.refusal import RefusalHandler
 from detectors.interfaces import Level
-from detectors.llm.words import content_mask
 from detectors.rag.controllers import RETRIEVE
 from detectors.rag.controllers.refusal import RefusalRetry
 from detectors.rag.stats import Calculator, SegmentView
@@ -34,10 +33,8 @@ class CtrlACalculator(Calculator):
                 len(v.context_ids) :
             ].astype(np.float64)
             v.stats["ctrla_eq2"], v.stats["ctrla_confidence"] = eq2, -eq2
-            # new: not in the question q or the preceding generation y<t (Eq. 3's w ∉ q ∪ y<t), whatever else the prompt
-            # shows
-            context = f"{v.question} {tok.decode(v.kept_ids, skip_special_tokens=True)}"
-            v.stats["new_content"] = np.asarray(content_mask(tok, context, v.gen_ids), dtype=bool)
+            preceding = tok.decode(v.kept_ids, skip_special_tokens=True)  # y<t
+            v.stats["new_content"] = np.asarray(new_content(tok, v.question, preceding, v.gen_ids), dtype=bool)
             v.stats["refusal"] = bool(detect_refusal(v.text, list(self.params.refusal_patterns)))
 
 

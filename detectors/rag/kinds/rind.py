@@ -16,8 +16,8 @@ from detectors.rag.triggers import Policy, Trigger
 class RindCalculator(Calculator):
     """``rind``: DRAGIN's RIND of each generated token (:func:`~detectors.baselines.rind.rind_on_states`): the segments
     run once more, in one eager batch, on the loop's cached states of their contexts, with the entropies the loop
-    recorded (the real-time set's RIND, :func:`~detectors.baselines.rind.rind_scores`, teacher-forces the whole
-    sequence; the values are the same)."""
+    recorded (the real-time set's RIND, :func:`~detectors.baselines.rind.rind_scores`, is the same function on the
+    stored continuations)."""
 
     key, provides = "rind", ("rind",)
 
