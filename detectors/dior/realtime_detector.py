@@ -36,7 +36,6 @@ from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets, words_and_tokens
 from detectors.registry.artifact import FrameInputs, llm_section, read_net, write_artifact
-from detectors.training import predict
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -183,10 +182,13 @@ class RealtimeDetector(Detector):
         )
 
     # ---- scoring --------------------------------------------------------------------------------
-    def predict_proba(self, features: np.ndarray) -> np.ndarray:
-        """P(hallucination) for rows of ``token_features``."""
-        z = torch.from_numpy(((features - self.mean) / self.std).astype(np.float32))
-        return predict(self.net, [{"x": x, "label": 0} for x in z], collate)
+    def predict_proba(self, features: np.ndarray, batch_size: int = 4096) -> np.ndarray:
+        """P(hallucination) for rows of ``token_features`` (the stored sets), on the CPU: the computation
+        :meth:`score_tokens` runs on each generated token (:meth:`_probabilities`)."""
+        rows = torch.from_numpy(np.require(features, np.float32, "C"))
+        scoring = self._scoring_parts(torch.device("cpu"))  # made afresh: the net may have been trained since
+        parts = [self._probabilities(*scoring, rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+        return torch.cat(parts).reshape(-1).numpy() if parts else np.zeros(0, np.float32)
 
     def record_scores(self, frame: pd.DataFrame, hidden: np.ndarray) -> dict[str, np.ndarray]:
         """P(hallucination) of every generated token of the set's ok records from the stored features, entity
@@ -200,18 +202,23 @@ class RealtimeDetector(Detector):
 
     def score_tokens(self, hidden: torch.Tensor, prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         """The recorder's scorer: one batch of freshly generated tokens, scored on their device while generation runs
-        (no host copy): ``predict_proba(token_features(hidden, prob, entropy))``, computed there."""
-        net, mean, std = self._scoring_net(hidden.device)
-        with torch.no_grad():
-            return torch.sigmoid(net({"x": (feature_rows(hidden, prob, entropy) - mean) / std}))
+        (no host copy): :meth:`predict_proba` of ``token_features(hidden, prob, entropy)``, computed there."""
+        if self._scoring is None or self._scoring[0] is not self.net or self._scoring[1] != hidden.device:
+            self._scoring = (self.net, hidden.device, *self._scoring_parts(hidden.device))
+        return self._probabilities(*self._scoring[2:], feature_rows(hidden, prob, entropy))
 
-    def _scoring_net(self, device: torch.device) -> tuple[TokenMLP, torch.Tensor, torch.Tensor]:
-        """The net (a copy in eval mode), mean and std on ``device``, made once and kept while ``net`` is the same."""
-        if self._scoring is None or self._scoring[0] is not self.net or self._scoring[1] != device:
-            net = copy.deepcopy(self.net).to(device).eval().requires_grad_(False)
-            mean, std = (torch.from_numpy(np.asarray(a, np.float32)).to(device) for a in (self.mean, self.std))
-            self._scoring = (self.net, device, net, mean, std)
-        return self._scoring[2:]
+    def _scoring_parts(self, device: torch.device) -> tuple[TokenMLP, torch.Tensor, torch.Tensor]:
+        """A copy of the net in eval mode, the mean and the std, on ``device``."""
+        net = copy.deepcopy(self.net).to(device).eval().requires_grad_(False)
+        mean, std = (torch.from_numpy(np.asarray(a, np.float32)).to(device) for a in (self.mean, self.std))
+        return net, mean, std
+
+    @staticmethod
+    def _probabilities(net: TokenMLP, mean: torch.Tensor, std: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """P(hallucination) of MLP input rows (:func:`~detectors.dior.recorder.feature_rows`): the one computation,
+        offline and online."""
+        with torch.no_grad():
+            return torch.sigmoid(net({"x": (rows - mean) / std}))
 
     def monitor(self, llm: LLM | None = None) -> GenerationRecorder:
         """A recorder that scores every generated token of ``model.generate``::
