@@ -3,6 +3,7 @@ fixture's facts; and operating thresholds chosen on validation questions only.""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -169,28 +170,37 @@ def labelled(reader, facts, features) -> pd.DataFrame:
     return joined(labels, early)
 
 
-def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_round_trips(
-    labelled, features, reader, tmp_path
-):
-    tiny_llm = reader
-    assert labelled["utility"].isin([HELPS, HURTS, NEITHER]).all() and len(labelled) == 48
-    for split in ("train", "val"):
-        part = labelled[labelled["split"] == split]
-        assert (part["utility"] == HELPS).any() and not (part["utility"] == HELPS).all(), (
-            split
-        )  # both classes to learn and choose from
-    detector = train_utility_detector(
-        labelled,
+@pytest.fixture(scope="module")
+def trained(labelled, features, reader) -> UtilityDetector:
+    """The utility trigger of the facts corpus trained on the labelled fixture questions (budget 0.5)."""
+    return train(labelled, features, reader)
+
+
+def train(rows: pd.DataFrame, features, reader) -> UtilityDetector:
+    return train_utility_detector(
+        rows,
         "facts",
         ["first_token", "hidden"],
         TRAINING,
         0.5,
         2,
         features,
-        tiny_llm.fingerprint,
+        reader.fingerprint,
         {"dtype": "float32"},
         "utility-facts",
     )
+
+
+def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_round_trips(
+    labelled, features, reader, trained, tmp_path
+):
+    assert labelled["utility"].isin([HELPS, HURTS, NEITHER]).all() and len(labelled) == 48
+    for split in ("train", "val"):
+        part = labelled[labelled["split"] == split]
+        assert (part["utility"] == HELPS).any() and not (part["utility"] == HELPS).all(), (
+            split
+        )  # both classes to learn and choose from
+    detector = trained
     val = labelled[labelled["split"] == "val"]
     scores = detector.predict_proba(val.to_dict("records"))
     c = curve("t", question_outcomes(scores, val["correct_without"], val["correct_with"]))
@@ -201,18 +211,7 @@ def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_roun
     test = flipped["split"] == "test"
     flipped.loc[test, "utility"] = np.where(flipped.loc[test, "utility"] == HELPS, NEITHER, HELPS)
     flipped.loc[test, "correct_with"] = ~flipped.loc[test, "correct_with"]
-    again = train_utility_detector(
-        flipped,
-        "facts",
-        ["first_token", "hidden"],
-        TRAINING,
-        0.5,
-        2,
-        features,
-        tiny_llm.fingerprint,
-        {"dtype": "float32"},
-        "utility-facts",
-    )
+    again = train(flipped, features, reader)
     assert (again.threshold, again.budget_threshold, again.gate_threshold) == (
         detector.threshold,
         detector.budget_threshold,
@@ -248,24 +247,13 @@ def test_a_corpus_without_both_labels_names_the_label_the_corpus_and_both_fixes(
 
 
 def test_the_gate_keeps_or_drops_the_passages_before_the_answer_is_generated(
-    labelled, features, reader, facts, tmp_path
+    labelled, reader, trained, facts, tmp_path
 ):
     """Registered and loaded like any detector, the utility trigger retrieves where P(helps) reaches its threshold; its
     gate judges the passages from what the prompt's pass gave, equal to what the labels recorded of the same prompt, and
     the loop answers without them where it rejects them: then the answer is the no-retrieval answer."""
     tiny_llm = reader
-    detector = train_utility_detector(
-        labelled,
-        "facts",
-        ["first_token", "hidden"],
-        TRAINING,
-        0.5,
-        2,
-        features,
-        tiny_llm.fingerprint,
-        {"dtype": "float32"},
-        "utility-facts",
-    )
+    detector = copy.deepcopy(trained)  # its thresholds are set below
     questions = list(labelled["question"][:16])
     rows = labelled[:16].to_dict("records")
     gate_scores = detector.gate_proba(rows, [as_post(r) for r in rows])
