@@ -178,12 +178,9 @@ def test_the_confident_end_and_the_hallucination_score_have_the_papers_sign(tiny
     assert per_token[0] > 1 and per_token[1] < 0
 
 
-def test_the_early_sets_new_content_is_the_loops_the_few_shot_examples_are_not_the_question(tiny_llm):
-    """CtrlA's trigger reads new content: words not in the question q nor earlier in the answer (the loop's
-    :func:`~detectors.ctrla.monitor.new_content`). The early set's prompt holds few-shot examples; an answer word that
-    only they hold ("Paris") is new, as it is in the loop, while a word of the question ("France") is not."""
-    tok = tiny_llm.tokenizer
-    directions = Directions(
+def two_layer_directions(tiny_llm) -> Directions:
+    """Confidence directions of the tiny Llama's two layers (random unit vectors), the paper's range both layers."""
+    return Directions(
         "confidence",
         torch.stack([_unit(1), _unit(2)]),
         torch.tensor([0.5, 0.4]),
@@ -192,6 +189,14 @@ def test_the_early_sets_new_content_is_the_loops_the_few_shot_examples_are_not_t
         tiny_llm.fingerprint,
         {"llm": {"dtype": "float32"}},
     )
+
+
+def test_the_early_sets_new_content_is_the_loops_the_few_shot_examples_are_not_the_question(tiny_llm):
+    """CtrlA's trigger reads new content: words not in the question q nor earlier in the answer (the loop's
+    :func:`~detectors.ctrla.monitor.new_content`). The early set's prompt holds few-shot examples; an answer word that
+    only they hold ("Paris") is new, as it is in the loop, while a word of the question ("France") is not."""
+    tok = tiny_llm.tokenizer
+    directions = two_layer_directions(tiny_llm)
     prompt = PromptParams(template="The capital of France is Paris.\n{question}", chat=False)
     early = pd.DataFrame(
         {"question": ["The capital of Gaul is", "The language of France is"], "answer": ["Paris", "France"]}
@@ -218,15 +223,7 @@ def test_one_scorer_per_ctrla_column_and_stat():
 
 
 def test_the_registered_range_is_recorded_in_the_artifact_and_a_missing_one_is_a_clear_error(tmp_path, tiny_llm):
-    paper = Directions(
-        "confidence",
-        torch.stack([_unit(1), _unit(2)]),
-        torch.tensor([0.5, 0.4]),
-        torch.tensor([3.0, 5.0]),
-        [1, 2],
-        tiny_llm.fingerprint,
-        {"llm": {"dtype": "float32"}},
-    )
+    paper = two_layer_directions(tiny_llm)
     chosen = Directions.load(paper.with_layers([2], "validation").save(tmp_path / "confidence"))
     assert chosen.layers == [2] and chosen.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
     assert chosen.with_layers([1, 2], "paper").config["layer_selection"]["paper_layers"] == [
