@@ -59,7 +59,8 @@ def load_statements(params: StatementParams, qa_table: str | Path) -> pd.DataFra
     """Statements with columns ``id, statement, label, split`` (``val`` and ``test`` are held out of extraction).
 
     ``source: qa`` makes true/false statements from the QA table (its splits); a file source
-    (``.csv``/``.jsonl``/``.json``/``.parquet``, e.g. ``../shared/data/ctrla/facts_true_false.csv``) is
+    (``.csv``/``.jsonl``/``.json``/``.parquet``, e.g. a true/false statement set such as
+    ``facts_true_false.csv`` of "The Internal State of an LLM Knows When It's Lying", arXiv 2304.13734) is
     split by id hash, ``heldout`` of it shared equally by ``val`` and ``test``.
     """
     if params.source == "qa":

@@ -62,7 +62,7 @@ def load_articles(source: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     else:
         raise SourceError(
             f"articles.source = {source!r}: neither {OVOS_PACKAGE!r} nor an existing .json file or directory "
-            "(e.g. ../shared/data/wiki for MIND's article set)"
+            "(e.g. data/raw/mind_wiki: the auto-labeled/wiki/ files of MIND's release, docs/pipeline.md)"
         )
     rows, rejected, seen = [], [], set()
     for rec in records:
