@@ -27,16 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detectors.llm.distribution import entropy
-from detectors.llm.kv import (
-    KV,
-    PrefixStore,
-    as_cache,
-    common_prefix,
-    crop_states,
-    join_states,
-    row_states,
-    stack_left,
-)
+from detectors.llm.kv import KV, PrefixStore, as_cache, common_prefix, crop_states, join_states, row_states, stack_left
 from detectors.llm.states import StateCache, run_rows, similar_lengths
 
 if TYPE_CHECKING:
