@@ -54,7 +54,7 @@ class QuestionFeatures:
     first_token_entropy: float
     first_token_margin: float  # p(top1) - p(top2)
     hidden: np.ndarray  # last prompt position, chosen layers concatenated
-    cache: Continuation  # key/value cache of the prompt (shared by the batch), to continue generation from
+    cache: Continuation  # what the batch's prompts leave (shared by the batch), to continue generation from
     row: int = 0  # this question's row in ``cache``
 
 
