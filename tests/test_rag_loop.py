@@ -186,6 +186,42 @@ def test_no_retrieval_gives_the_early_sets_greedy_answer(tiny_llm):
         assert [r.answer for r in results] == expected and not any(r.retrievals for r in results)
 
 
+def test_the_early_set_the_realtime_set_and_the_loop_decode_with_one_decoder(tiny_llm, monkeypatch):
+    """build_early's greedy answers, build_realtime's continuations and the loop's no-retrieval answers are decoded by
+    one decoder (:class:`detectors.llm.decoder.Decoder`): the same tokens, with the same probabilities and entropies
+    (1e-5: the prompts run in differently padded batches) and the same hidden states (one float16 rounding apart). The
+    real-time set has no stop string: its continuation is the loop's answer, then what comes after the stop."""
+    from detectors.dior.early import batch_question_features, decode_answers
+    from detectors.dior.recorder import generate_traced
+    from detectors.llm import decoder
+
+    used: list[type] = []
+    decode = decoder.Decoder.decode
+    monkeypatch.setattr(decoder.Decoder, "decode", lambda self, rows: used.append(type(self)) or decode(self, rows))
+    features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
+    features = dataclasses.replace(features, prompt=PROMPT, hidden_layers=[1, -1])
+    early = decode_answers(
+        tiny_llm, batch_question_features(tiny_llm, QUESTIONS, features, attribution=False), 8, ["."], [1, 2]
+    )
+    config = RagConfig("none", PROMPT, max_new_tokens=8, stop=(".",), batch_size=5)
+    loop = RagLoop(tiny_llm, None, config).trace(QUESTIONS)
+    prompts = [tiny_llm.render(q, PROMPT)[0] for q in QUESTIONS]
+    _, realtime = generate_traced(tiny_llm, prompts, [1, 2], 8, chat=False)
+    assert used[0] is used[-1] is decoder.Decoder and all(issubclass(t, decoder.Decoder) for t in used[1:-1])
+    for answer, trace, cont in zip(early, loop, realtime):
+        n = len(trace.gen_ids)
+        assert answer.ids == trace.gen_ids == cont.gen_ids[:n]
+        for got in (answer.prob, cont.prob[:n]):
+            np.testing.assert_allclose(got, trace.stats["prob"], atol=1e-5)
+        for got in (answer.entropy, cont.entropy[:n]):
+            np.testing.assert_allclose(got, trace.stats["entropy"], atol=1e-5)
+        if n:
+            np.testing.assert_allclose(
+                answer.hidden.astype(np.float32), cont.hidden[:n].astype(np.float32), rtol=1e-3, atol=1e-3
+            )
+    assert any(len(c.gen_ids) > len(t.gen_ids) for c, t in zip(realtime, loop))  # a stop the real-time set went past
+
+
 def test_the_early_sets_answer_tokens_are_what_the_loop_serves_the_realtime_detector(tiny_llm, retriever, registry):
     """build_early keeps every answer token's features while it decodes (the real-time detector's `answers` training
     candidate): scored offline they give the probabilities the registered detector gives the same tokens in the loop."""

@@ -19,7 +19,7 @@ from detectors.dior.entities import (
 )
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
-from detectors.dior.recorder import GenerationRecorder, generate_traced, token_features
+from detectors.dior.recorder import GenerationRecorder, eos_ids, generate_traced, token_features
 from detectors.errors import RecordError
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.offsets import entity_tokens, token_offsets
@@ -212,6 +212,28 @@ def test_recorder_batches_with_left_padding(tiny_llm):
         _, (single,) = generate_traced(tiny_llm, [prompt], [1], max_new_tokens=5, chat=False)
         assert trace.gen_ids == single.gen_ids
         assert np.allclose(trace.prob, single.prob, atol=1e-4)
+
+
+def test_the_serving_recorder_records_what_the_set_was_built_with(tiny_llm):
+    """GenerationRecorder under ``model.generate`` (serving) and generate_traced (build_realtime, the shared decoder)
+    record the same tokens with the same probabilities and entropies (1e-5) and hidden states (one float16 rounding
+    apart): no training/serving skew."""
+    prompts = ["The capital of Spain is", "The author of Hamlet is the famous"]
+    _, built = generate_traced(tiny_llm, prompts, [1, 2], max_new_tokens=6, chat=False)
+    assert max(len(t.gen_ids) for t in built) > 2
+    for prompt, trace in zip(prompts, built):
+        enc = tiny_llm.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad(), GenerationRecorder(tiny_llm.model, [1, 2]) as recorder:
+            tiny_llm.model.generate(
+                **enc, logits_processor=[recorder], max_new_tokens=7, do_sample=False, pad_token_id=0
+            )  # one token more: the last kept token's hidden state
+        (served,) = recorder.traces(eos_ids(tiny_llm), limit=6)
+        assert served.gen_ids == trace.gen_ids and trace.gen_ids
+        np.testing.assert_allclose(served.prob, trace.prob, atol=1e-5)
+        np.testing.assert_allclose(served.entropy, trace.entropy, atol=1e-5)
+        np.testing.assert_allclose(
+            served.hidden.astype(np.float32), trace.hidden.astype(np.float32), rtol=1e-3, atol=1e-3
+        )
 
 
 def test_hooks_are_removed_even_when_generation_raises(tiny_llm):

@@ -3,14 +3,13 @@
 Questions are processed in batches: the prompt before them runs once, their tokens run as one
 right-padded batch (causal attention keeps real positions from seeing the padding), IG runs over all
 their interpolation steps together (:func:`detectors.dior.attribution.batch_token_attributions`) and
-their greedy answers are decoded together. One question is a batch of one.
+their greedy answers are decoded together by the shared decoder (:mod:`detectors.llm.decoder`, the RAG loop's). One
+question is a batch of one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any
 
 import numpy as np
 import torch
@@ -24,8 +23,9 @@ from detectors.dior.attribution import (
     keyword_candidates,
 )
 from detectors.errors import RecordError
+from detectors.llm.decoder import Decoder, Row
 from detectors.llm.distribution import entropy
-from detectors.llm.kv import as_cache, prefix_states, shared_prefix_length
+from detectors.llm.kv import KV, as_cache, prefix_states, shared_prefix_length
 from detectors.llm.layers import StateTap, hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets
@@ -34,12 +34,13 @@ from detectors.sources.text import contains_reference
 
 @dataclasses.dataclass
 class Continuation:
-    """The key/value cache of a batch of prompts, right-padded: row ``r`` holds ``lengths[r]`` real positions
-    (prefix included); the rest of its ``width`` positions are padding that later tokens must not see."""
+    """What a batch of prompts leaves to continue from: each row's prompt ids (prefix included), its key/value states
+    (views of the batch's right-padded cache: a row's real positions never saw the padding) and its next-token logits
+    (float32)."""
 
-    cache: Any
-    lengths: list[int]
-    width: int
+    ids: list[list[int]]
+    states: list[KV]
+    logits: torch.Tensor  # [rows, vocab]
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ class QuestionFeatures:
     first_token_entropy: float
     first_token_margin: float  # p(top1) - p(top2)
     hidden: np.ndarray  # last prompt position, chosen layers concatenated
-    cache: Continuation  # key/value cache of the prompt (shared by the batch), to continue generation from
+    cache: Continuation  # what the batch's prompts leave (shared by the batch), to continue generation from
     row: int = 0  # this question's row in ``cache``
 
 
@@ -110,11 +111,20 @@ def batch_question_features(
         )
     last = torch.tensor([len(r) - 1 for r in rows], device=llm.device)
     at = torch.arange(len(rows), device=llm.device)
-    logp = torch.log_softmax(res.logits[at, last].float(), dim=-1)
+    logits = res.logits[at, last].float()
+    logp = torch.log_softmax(logits, dim=-1)
     top2 = torch.topk(logp.exp(), 2, dim=-1)
     first_entropy = entropy(logp)
     hidden = torch.cat([res.hidden_states[layer][at, last].float() for layer in layers], dim=-1).cpu().numpy()
-    continuation = Continuation(res.past_key_values, [common + len(r) for r in rows], common + width)
+    cache = res.past_key_values.layers
+    continuation = Continuation(
+        ids,
+        [
+            [(c.keys[b : b + 1, :, : common + len(r)], c.values[b : b + 1, :, : common + len(r)]) for c in cache]
+            for b, r in enumerate(rows)
+        ],
+        logits,
+    )
     items = [
         IGItem(encoded[i][0][common:], encoded[i][1][common:], int(top2.indices[b, 0])) for b, i in enumerate(keys)
     ]
@@ -173,86 +183,35 @@ def decode_answers(
     stop: list[str] = (),
     state_indices: list[int] | None = None,
 ) -> list[Answer]:
-    """Each question's greedy continuation up to the first stop string or end of sequence, decoded together.
+    """Each question's greedy continuation up to the first stop string or end of sequence, decoded together by the
+    shared decoder (:class:`~detectors.llm.decoder.Decoder`, the RAG loop's).
 
-    Continues from the prompts' shared cache and first tokens (``feats`` from one
-    :func:`batch_question_features` call), so no prompt runs again. Padding positions of the cache are
-    masked out; every row keeps its own positions. With ``state_indices`` (hidden-state indices, see
-    :mod:`detectors.llm.layers`) every kept token is run (a row that reaches ``max_new_tokens`` runs its last
-    token too) and its hidden states at those indices are captured on the way.
+    Continues from the prompts' states and logits (``feats`` from one :func:`batch_question_features` call), so no
+    prompt runs again. With ``state_indices`` (hidden-state indices, see :mod:`detectors.llm.layers`) every kept token
+    is run (the last one too) and its hidden states at those indices are captured on the way.
     """
     if not feats:
         return []
     cont = feats[0].cache
     if any(f.cache is not cont for f in feats):
         raise ValueError("decode_answers continues one batch: pass features from one batch_question_features call")
-    eos = llm.eos_token_ids
-    n_rows = len(cont.lengths)
-    said: list[list[int]] = [
-        [] for _ in range(n_rows)
-    ]  # every token generated before the end (the text is cut at the stop)
-    kept: list[list[tuple[int, float, float]]] = [
-        [] for _ in range(n_rows)
-    ]  # (token, prob, entropy) of the answer's tokens
-    hidden: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
-    current = {f.row: (f.first_token_id, f.first_token_prob, f.first_token_entropy) for f in feats}
-    live = set(current)
-    cache = cont.cache
-    mask = torch.zeros(n_rows, cont.width, dtype=torch.long, device=llm.device)
-    for r, n in enumerate(cont.lengths):
-        mask[r, :n] = 1
-    tap = StateTap(llm.model, state_indices) if state_indices else contextlib.nullcontext()
-    step = 0
-    with torch.no_grad(), tap:
-        while True:
-            for r in sorted(live):
-                token, prob, ent = current[r]
-                if token in eos:
-                    live.discard(r)
-                    continue
-                said[r].append(token)
-                if any(s in llm.tokenizer.decode(said[r], skip_special_tokens=True) for s in stop):
-                    live.discard(r)  # the token completing a stop string is not part of the answer
-                    continue
-                kept[r].append((token, prob, ent))
-            if not live or (not state_indices and all(len(kept[r]) >= max_new_tokens for r in live)):
-                break
-            feed = torch.tensor([[current[r][0] if r in live else 0] for r in range(n_rows)], device=llm.device)
-            mask = torch.cat([mask, torch.ones(n_rows, 1, dtype=torch.long, device=llm.device)], dim=1)
-            positions = torch.tensor([[n + step] for n in cont.lengths], device=llm.device)
-            out = llm.model(feed, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-            cache, step = out.past_key_values, step + 1
-            states = tap.take()[:, -1] if state_indices else None
-            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-            nxt, ent = logp.argmax(-1), entropy(logp)
-            prob = logp.gather(1, nxt[:, None])[:, 0].exp()
-            # every row's next token, its probability and entropy in one transfer (float64 holds the ids and the
-            # float32 values exactly)
-            chosen = torch.stack([nxt.double(), prob.double(), ent.double()], dim=1).tolist()
-            for r in sorted(live):
-                if states is not None:
-                    hidden[r].append(states[r])
-                if len(kept[r]) >= max_new_tokens:
-                    live.discard(r)
-                else:
-                    token, p, e = chosen[r]
-                    current[r] = (int(token), p, e)
-            if not live:
-                break
+    probes = {"states": StateTap(llm.model, state_indices)} if state_indices else {}
+    decoder = Decoder(llm, max_new_tokens, stop, probes)
+    rows = [Row(ran=list(cont.ids[f.row]), kv=cont.states[f.row], logits=cont.logits[f.row]) for f in feats]
+    decoder.decode(rows)
     answers = []
-    for f in feats:
-        text = llm.tokenizer.decode(said[f.row], skip_special_tokens=True)
-        for s in stop:  # the answer is what comes before the first stop string
-            text = text.split(s, 1)[0]
-        ids = [t for t, _, _ in kept[f.row]]
-        states = torch.stack(hidden[f.row]).cpu().numpy() if hidden[f.row] else None  # a token kept is a token run
+    for row in rows:
+        said = row.gen + ([row.stop_token] if row.stop_token is not None else [])  # the text is cut at the stop
+        hidden = None
+        if state_indices and row.gen:  # a token kept is a token run
+            hidden = torch.cat(row.values["states"])[: len(row.gen)].cpu().numpy()
         answers.append(
             Answer(
-                text.strip(),
-                ids,
-                np.array([p for _, p, _ in kept[f.row]], np.float32),
-                np.array([e for _, _, e in kept[f.row]], np.float32),
-                states,
+                decoder.final_text(said),
+                list(row.gen),
+                np.array(row.prob, np.float32),
+                np.array(row.entropy, np.float32),
+                hidden,
             )
         )
     return answers

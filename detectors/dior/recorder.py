@@ -1,8 +1,9 @@
 """Real-time detection (DioR §3.1.2, Alg. 2): what the LLM's generation looks like token by token.
 
-``GenerationRecorder`` is one object for building the set and for serving: a ``LogitsProcessor``
-with forward hooks that, while ``model.generate`` runs, captures each generated token's hidden
-states at the chosen layers and its probability and entropy — never a second pass over the text.
+``GenerationRecorder`` serves users who call ``model.generate``: a ``LogitsProcessor`` with forward hooks that, while
+``model.generate`` runs, captures each generated token's hidden states at the chosen layers and its probability and
+entropy — never a second pass over the text. The set itself is built by :func:`generate_traced`, with the shared
+decoder the RAG loop generates with (the same tokens, probabilities, entropies and hidden states).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 from transformers import LogitsProcessor
 
 from detectors.config.schema import RealtimePromptParams
+from detectors.llm.decoder import Decoder, Row
 from detectors.llm.distribution import entropy as token_entropy
-from detectors.llm.kv import GrowingCache
 from detectors.llm.layers import StateTap
 from detectors.llm.loading import LLM
+from detectors.llm.states import prefill
 
 
 @dataclasses.dataclass
@@ -144,30 +146,35 @@ def generate_traced(
     chat: bool,
     scorer: Callable | None = None,
 ) -> tuple[list[list[int]], list[TokenTrace]]:
-    """Greedy continuations of ``prompts`` (one left-padded batch) with every token's trace.
-
-    Generates one token past ``max_new_tokens`` so that the last kept token has its hidden state.
-    """
+    """Greedy continuations of ``prompts`` with every token's trace, up to the end of sequence or ``max_new_tokens``
+    tokens: the prompts run on their shared prefixes (:func:`~detectors.llm.states.prefill`), then the shared decoder
+    (:class:`~detectors.llm.decoder.Decoder`, the RAG loop's) generates them in lockstep, the hidden states of each
+    token caught at its own position as it runs (the last kept token runs too). What :class:`GenerationRecorder`
+    records of ``model.generate``; ``scorer`` scores each continuation's tokens once it is complete."""
     tok = llm.tokenizer
-    side, tok.padding_side = tok.padding_side, "left"
-    try:
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
-    finally:
-        tok.padding_side = side
-    enc = {k: v.to(llm.device) for k, v in enc.items()}
-    prompt_ids = [row[m.bool()].tolist() for row, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
-    recorder = GenerationRecorder(llm.model, state_indices, scorer)
-    eos = eos_ids(llm)
-    with torch.no_grad(), recorder:
-        llm.model.generate(
-            **enc,
-            logits_processor=[recorder],
-            max_new_tokens=max_new_tokens + 1,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else min(eos),
-            past_key_values=GrowingCache(config=llm.model.config),  # decoding appends in place
+    prompt_ids = [tok(p, add_special_tokens=not chat)["input_ids"] for p in prompts]
+    ran = prefill(llm, prompt_ids, batch_size=len(prompt_ids), keep_states=True)
+    decoder = Decoder(llm, max_new_tokens, probes={"states": StateTap(llm.model, state_indices)}, eos=eos_ids(llm))
+    rows = [Row(ran=list(ids), kv=kv, logits=x) for ids, kv, x in zip(prompt_ids, ran.states, ran.logits)]
+    del ran  # the rows hold the prompts' states, and the decoder lets them go once its batch holds them
+    decoder.decode(rows)
+    width = len(state_indices) * llm.fingerprint.hidden_size
+    traces = []
+    for row in rows:
+        n = len(row.gen)
+        hidden = torch.cat(row.values["states"])[:n] if n else torch.zeros(0, width, dtype=torch.float16)
+        prob, entropy = (torch.tensor(v, dtype=torch.float32, device=hidden.device) for v in (row.prob, row.entropy))
+        scores = None
+        if scorer is not None:
+            scores = (
+                torch.as_tensor(scorer(hidden, prob, entropy)).reshape(-1).float().cpu().numpy()
+                if n
+                else np.zeros(0, np.float32)
+            )
+        traces.append(
+            TokenTrace(list(row.gen), hidden.cpu().numpy(), prob.cpu().numpy(), entropy.cpu().numpy(), scores)
         )
-    return prompt_ids, recorder.traces(eos, limit=max_new_tokens)
+    return prompt_ids, traces
 
 
 def feature_rows(hidden: torch.Tensor, prob: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:

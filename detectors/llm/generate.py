@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from detectors.llm.decoder import Decoder, Row
 from detectors.llm.kv import batches
-from detectors.llm.states import StateCache, decode, prefill
+from detectors.llm.states import StateCache, prefill
 
 if TYPE_CHECKING:
     from detectors.llm.loading import LLM
@@ -63,7 +64,7 @@ def generate(
 ) -> list[Generation]:
     """Each prompt's continuation, ``batch_size`` prompts of similar length at a time: each prompt runs on its longest
     prefix in ``cache`` (and its states are kept there; without a cache, only the prefixes the batch's prompts share
-    run once), then the rows decode in lockstep (:func:`~detectors.llm.states.decode`): greedy, or sampled at
+    run once), then the rows decode in lockstep (:class:`~detectors.llm.decoder.Decoder`): greedy, or sampled at
     ``temperature`` from each row's own generator (``generators``, one per prompt). A row ends at the end of sequence,
     at a stop string or after ``max_new_tokens`` tokens. ``on_batch`` hears of each batched call (its rows, forward
     calls and seconds)."""
@@ -72,6 +73,7 @@ def generate(
     tok = llm.tokenizer
     rows = [tok(p, add_special_tokens=add_special_tokens)["input_ids"] for p in prompts]
     out: list[Generation | None] = [None] * len(rows)
+    decoder = Decoder(llm, max_new_tokens, stop, temperature=temperature)
     for idx in batches(rows, batch_size):
         start = time.perf_counter()
         calls = [0]
@@ -80,20 +82,15 @@ def generate(
             calls[0] += n
 
         done = prefill(llm, [rows[i] for i in idx], cache, batch_size=len(idx), keep_states=True, on_batch=count)
-        said, passes = decode(
-            llm,
-            done.states,
-            done.logits,
-            max_new_tokens,
-            stop,
-            [generators[i] for i in idx] if generators is not None else None,
-            temperature,
-        )
-        for b, i in enumerate(idx):
-            text = tok.decode(said[b], skip_special_tokens=True)
-            for s in stop:
-                text = text.split(s, 1)[0]
-            out[i] = Generation(said[b], text.strip())
+        decoded = [
+            Row(ran=list(rows[i]), kv=kv, logits=x, generator=generators[i] if generators is not None else None)
+            for i, kv, x in zip(idx, done.states, done.logits)
+        ]
+        decoder.decode(decoded)
+        passes = max(r.passes for r in decoded)
+        for row, i in zip(decoded, idx):
+            said = row.gen + ([row.stop_token] if row.stop_token is not None else [])
+            out[i] = Generation(said, decoder.final_text(said))
         if on_batch is not None:
             on_batch(list(idx), calls[0] + passes, time.perf_counter() - start)
     return out  # type: ignore[return-value]
