@@ -34,14 +34,12 @@ def load_detector(
 
     The store is ``tracking_uri`` (a relative sqlite path is relative to the working directory), else
     ``$MLFLOW_TRACKING_URI``; a team's ``mlflow server`` is named by its URL (``http(s)://host:port``) and must answer
-    its
-    health check, a sqlite store must exist and, if it was moved, be relocated first (see
-    :func:`detectors.registry.store.configure`).
-    ``llm``: an LLM already in memory (e.g. another detector's ``.llm``); it must be the detector's LLM, in the dtype
-    its features were computed in unless ``allow_dtype_mismatch``. Otherwise the detector's own LLM is loaded now, from
-    where its artifact says it came from (relative to the working directory: the project root), in the recorded dtype;
-    ``load_llm=False`` skips that (inspecting a detector, or calling ``det.load_llm(root=..., device=...)`` yourself).
-    """
+    its health check, a sqlite store must exist and, if it was moved, be relocated first (see
+    :func:`detectors.registry.store.configure`). ``llm``: an LLM already in memory (e.g. another detector's ``.llm``);
+    it must be the detector's LLM, in the dtype its features were computed in unless ``allow_dtype_mismatch``. Otherwise
+    the detector's own LLM is loaded now, from where its artifact says it came from (relative to the working directory:
+    the project root), in the recorded dtype; ``load_llm=False`` skips that (inspecting a detector, or calling
+    ``det.load_llm(root=..., device=...)`` yourself)."""
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         raise StoreNotNamedError(

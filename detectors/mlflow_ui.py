@@ -125,10 +125,9 @@ def screenshot(
     cwd: str | Path | None = None,
 ) -> Path:
     """A PNG at ``out`` of experiment ``experiment``'s comparison view (runs sorted by ``test_auroc``, metric columns
-    shown;
-    :func:`detectors.evaluation.tracking.view_url`) as the MLflow UI shows it: served by the tracking server itself when
-    ``tracking_uri`` names one, else by an ``mlflow server`` started on the store for the shot. A missing experiment or
-    Chromium is an :class:`InputError` saying what to do."""
+    shown; :func:`detectors.evaluation.tracking.view_url`) as the MLflow UI shows it: served by the tracking server
+    itself when ``tracking_uri`` names one, else by an ``mlflow server`` started on the store for the shot. A missing
+    experiment or Chromium is an :class:`InputError` saying what to do."""
     from mlflow import MlflowClient
 
     from detectors.evaluation.tracking import view_url

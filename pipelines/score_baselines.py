@@ -34,6 +34,7 @@ from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import load_llm
 from detectors.llm.words import spacy_stopwords
 from detectors.progress import progress
+from detectors.sources.ids import ok_records
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("score_baselines")
@@ -62,12 +63,14 @@ OUTS = (
 )
 
 
-def ok_records(path: str, columns: list[str]) -> pd.DataFrame:
+def read_ok(path: str, columns: list[str]) -> pd.DataFrame:
+    """The records of the set at ``path`` built without error (:func:`~detectors.sources.ids.ok_records`), every split;
+    a set without ``columns`` is an :class:`InputError` saying to rebuild it."""
     frame = pd.read_parquet(path)
     missing = [c for c in ["id", "status", *columns] if c not in frame.columns]
     if missing:
         raise InputError(f"{path} has no column(s) {missing}: rebuild it with the current build stage (dvc repro)")
-    return frame[frame["status"] == "ok"].reset_index(drop=True)
+    return ok_records(frame, None).reset_index(drop=True)
 
 
 def score_early(llm, frame: pd.DataFrame, params, retrorag, prompt) -> pd.DataFrame:
@@ -107,7 +110,7 @@ def pass_speeds(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_size:
     tokens = sum(len(p) + len(g) for p, g in zip(prompts, gens))
     start = time.perf_counter()
     rind_scores(llm, prompts, gens, list(rows["entropy"]), stopwords, batch_size)
-    eager = time.perf_counter() - start
+    rind = time.perf_counter() - start
     with attention_implementation(llm.model, "sdpa"):
         start = time.perf_counter()
         forward_rows(llm, None, [p + g for p, g in zip(prompts, gens)], logits=True)
@@ -115,17 +118,17 @@ def pass_speeds(llm, frame: pd.DataFrame, stopwords: frozenset[str], batch_size:
     return {
         "batch_rows": len(rows),
         "batch_tokens": tokens,
-        "rind_tokens_per_s": round(tokens / eager, 1),
+        "rind_tokens_per_s": round(tokens / rind, 1),
         "sdpa_forward_tokens_per_s": round(tokens / sdpa, 1),
-        "rind_over_sdpa_time": round(eager / sdpa, 2),
+        "rind_over_sdpa_time": round(rind / sdpa, 2),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     params = stage_params(__doc__, argv, READS, "score_baselines")
     llm_params, baselines = params["llm"], params["score_baselines"]
-    early = ok_records(params["paths.early"], ["question", "answer"])
-    realtime = ok_records(params["paths.realtime"], ["prompt_ids", "gen_ids", "entropy"])
+    early = read_ok(params["paths.early"], ["question", "answer"])
+    realtime = read_ok(params["paths.realtime"], ["prompt_ids", "gen_ids", "entropy"])
     stopwords = spacy_stopwords(params["build_realtime.spacy_model"], "build_realtime.spacy_model")
     llm = load_llm(params["paths.llm"], llm_params.dtype, llm_params.device)
     seconds = {}

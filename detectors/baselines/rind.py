@@ -171,8 +171,7 @@ def rind_on_states(
     stopwords: frozenset[str] = DEFAULT_STOPWORDS,
 ) -> list[RindTrace]:
     """RIND of each continuation while the LLM generates it (the RAG loop's trigger): the continuation runs once more,
-    in
-    one eager batch, on the cached states of everything before it (``contexts``: per row, its key/value states), so
+    in one eager batch, on the cached states of everything before it (``contexts``: per row, its key/value states), so
     only its own tokens are computed; ``H_i`` is the entropy recorded when each token was chosen. The one computation of
     RIND: the stored sets' scores (:func:`rind_scores`) come from it too."""
     lengths = [ctx[0][0].shape[2] for ctx in contexts]

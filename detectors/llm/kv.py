@@ -74,8 +74,7 @@ class GrowingCache(DynamicCache):
 
 def as_cache(prefix: KV | None, rows: int, config) -> DynamicCache | None:
     """A fresh cache holding ``prefix`` for ``rows`` sequences (copied into the cache's own buffers: the prefix itself
-    is
-    never changed), growing in place as tokens are appended (:class:`GrowingCache`)."""
+    is never changed), growing in place as tokens are appended (:class:`GrowingCache`)."""
     if not prefix:
         return None
     return GrowingCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=config)

@@ -103,6 +103,5 @@ def render_passages(hits, chunked: bool, query: str) -> str:
 
 def with_context(prompt: PromptParams, block: str) -> PromptParams:
     """The question prompt with ``block`` (passages, evidence) right before its ``{question}``: where every RAG prompt
-    of
-    the project puts what was retrieved."""
+    of the project puts what was retrieved."""
     return dataclasses.replace(prompt, template=prompt.template.replace("{question}", block + "{question}", 1))

@@ -105,8 +105,7 @@ def _locations():
 
 def _rewrite(uri: str, old: str, new: str) -> int:
     """Replace the prefix ``old`` of every location (a plain path or a ``file://`` URI) with ``new``, in one
-    transaction;
-    returns how many values changed."""
+    transaction; returns how many values changed."""
     from mlflow.store.db.utils import create_sqlalchemy_engine
     from sqlalchemy import func, literal, or_, update
     from sqlalchemy.orm import Session
@@ -132,9 +131,8 @@ def _rewrite(uri: str, old: str, new: str) -> int:
 
 def relocate(uri: str, old: str | Path | None = None) -> dict:
     """Anchor the sqlite store at ``uri`` at its current directory, rewriting the artifact locations under the directory
-    it
-    moved from (``old`` when given, e.g. for a store that records none; else the one it records):
-    ``{"store", "from", "to", "rewritten"}``.
+    it moved from (``old`` when given, e.g. for a store that records none; else the one it records): ``{"store", "from",
+    "to", "rewritten"}``.
 
     A store already in place is left alone; one that records no directory and gets no ``old`` is anchored where it
     is."""

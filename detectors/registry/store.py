@@ -69,8 +69,7 @@ def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
 def check_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
     """For an ``http(s)://`` tracking URI: GET its ``/health`` once (MLflow's HTTP client, so its TLS and auth settings
     apply; no retries, ``timeout`` seconds), and raise :class:`TrackingServerError` naming the URI unless an MLflow
-    server
-    answers. MLflow's own calls would retry for minutes and then fail with a bare 404 or connection traceback."""
+    server answers. MLflow's own calls would retry for minutes and then fail with a bare 404 or connection traceback."""
     if not uri.startswith(("http://", "https://")):
         return
     from mlflow.utils.credentials import get_default_host_creds
