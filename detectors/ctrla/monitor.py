@@ -7,7 +7,6 @@ captured by one hook class, whether the tokens are generated (serving) or teache
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 
@@ -16,7 +15,8 @@ import torch
 
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer
-from detectors.llm.kv import GrowingCache, batches, forward_rows, prefix_states, shared_prefix_length
+from detectors.llm.decoder import Decoder, Row
+from detectors.llm.kv import batches, forward_rows, prefix_states, shared_prefix_length
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
 from detectors.llm.words import content_mask, token_words
@@ -278,32 +278,23 @@ def generate_segment(
     context_text: str = "",
     refusal_patterns: list[str] = (),
 ) -> Segment:
-    """Greedy generation with honesty steering and the confidence monitor attached (CtrlA Alg. 1/3, lines 4-5).
-    ``question`` is q and ``context_text`` the preceding generation y<t: a word is new content when neither holds it.
-
-    The last generated token is run once more so that it, too, gets its own hidden state and score.
-    """
-    steer_ctx = steer(llm.model, steering) if steering else contextlib.nullcontext()
-    mon_ctx = monitor if monitor is not None else contextlib.nullcontext()
+    """Greedy generation with honesty steering and the confidence monitor attached (CtrlA Alg. 1/3, lines 4-5), by
+    the shared decoder the RAG loop generates with (:class:`~detectors.llm.decoder.Decoder`; the monitor is its probe,
+    so the last generated token runs too and gets its own hidden state and score). ``question`` is q and
+    ``context_text`` the preceding generation y<t: a word is new content when neither holds it."""
+    hooks = (lambda: steer(llm.model, steering)) if steering else None
+    decoder = Decoder(llm, max_new_tokens, probes={"ctrla": monitor} if monitor is not None else None, hooks=hooks)
     if monitor is not None:
         monitor.reset()
-    with torch.no_grad(), steer_ctx, mon_ctx:
-        out = llm.model.generate(
-            prompt_ids,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            return_dict_in_generate=True,
-            pad_token_id=llm.tokenizer.pad_token_id,
-            attention_mask=torch.ones_like(prompt_ids),
-            past_key_values=GrowingCache(config=llm.model.config),
-        )
-        gen = out.sequences[0, prompt_ids.shape[1] :].tolist()
-        if monitor is not None and gen:
-            llm.model(out.sequences[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+    row = Row(prompt=prompt_ids[0].tolist())
+    decoder.prefill([row])
+    decoder.decode([row])
+    gen = row.gen
     text = llm.tokenizer.decode(gen, skip_special_tokens=True)
     if monitor is None or not gen:
         return Segment(text, gen, [], [], None, detect_refusal(text, list(refusal_patterns)), question)
-    scores = monitor.scores()[0, prompt_ids.shape[1] :].cpu().numpy()
+    projections = torch.cat(row.values["ctrla"])[: len(row.prompt) + len(gen)].mean(-1)[None]
+    scores = running_scores(projections, monitor.tau, monitor.clip, monitor.skip)[0, len(row.prompt) :].cpu().numpy()
     mask = new_content(llm.tokenizer, question, context_text, gen)
     return Segment(
         text=text,
