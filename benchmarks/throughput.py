@@ -21,12 +21,17 @@ that tokenizer's vocabulary, 49,152 rows instead of Llama-2's 32,000), and repor
 * **Generation with a monitor attached vs plain**, at batch 1 and 16 (``--max-new-tokens``, no early
   stop): the real-time recorder with an MLP scorer (a random ``TokenMLP`` of the served shape) and
   CtrlA's honesty steering + confidence monitor (random unit directions). Ratios of total times.
+* **The RAG loop**, s/question: the questions advanced together (``batch_size`` 16) against one at a time
+  (batch 1), with DRAGIN's RIND trigger over a BM25 index of 16 one-sentence passages, its threshold the
+  median of the no-retrieval answers' positive RIND scores (RIND is 0 on stop words), at most 2 retrievals;
+  and how many answers and retrieval traces the two give alike (bf16 batches of other sizes may round apart).
 
 Calls alternate between the variants and each is timed ``--repeats`` times keeping the fastest; on a
 GPU every timing synchronises first. Timings are reported, never asserted.
 
 Run: ``python -m benchmarks.throughput [--shape smollm2-135m llama2-7b] [--device cuda] [--out PATH]``
-after the prepare stage (the tokenizer). On the CPU the default is the small shape only.
+after the prepare stage (the tokenizer; or ``--tokenizer DIR`` where only its files are at hand). On the CPU the
+default is the small shape only.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ from detectors.io import write_json
 from detectors.llm.kv import prefix_states, shared_prefix_length
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
+from detectors.rag.corpus import Passage
+from detectors.rag.kinds import make_trigger
+from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.retriever import BM25Retriever
 
 SHAPES = {  # config.json of HuggingFaceTB/SmolLM2-135M and meta-llama/Llama-2-7b-hf (vocabulary: the tokenizer's)
     "smollm2-135m": dict(
@@ -289,6 +298,46 @@ def monitor_section(llm: LLM, max_new_tokens: int, repeats: int) -> dict:
     return out
 
 
+def rag_section(llm: LLM, params: str, n_questions: int, max_new_tokens: int, repeats: int) -> dict:
+    rag, index = load_section("rag_eval", params), load_section("index_corpus", params)
+    spacy_model = load_section("build_realtime", params).spacy_model
+    prompt = load_section("build_early", params).features.prompt
+    questions = (QUESTIONS * (n_questions // len(QUESTIONS) + 1))[:n_questions]
+    passages = [Passage(f"p{i}", t, ARTICLE.format(t=t).split("\n\n")[1] + " trade.") for i, t in enumerate(TITLES)]
+    retriever = BM25Retriever.build(passages, index.bm25)
+    trigger = make_trigger("rind", llm, None, spacy_model)
+
+    def loop(batch: int) -> RagLoop:
+        config = RagConfig(
+            "rind", prompt, k=rag.k, max_retrievals=2, max_new_tokens=max_new_tokens, stop=(), batch_size=batch
+        )
+        return RagLoop(llm, retriever, config, [trigger])
+
+    traces = loop(n_questions).trace(questions)
+    scores = np.concatenate([t.token_scores["rind"] for t in traces])
+    trigger.threshold = float(np.median(scores[scores > 0]))  # RIND is 0 on stop words and punctuation
+    times, out = {}, {}
+    for batch in (n_questions, 1):
+        times[batch], out[batch] = timed(lambda b=batch: loop(b).answer_all(questions), llm.device, repeats)
+    batched, single = out[n_questions], out[1]
+
+    def retrievals(r) -> list:
+        return [(x.trigger, x.position, x.queries, x.passage_ids) for x in r.retrievals]
+
+    return {
+        "questions": n_questions,
+        "new_tokens": max_new_tokens,
+        "rind_threshold": round(trigger.threshold, 5),
+        "retrievals_per_question": round(float(np.mean([len(r.retrievals) for r in batched])), 2),
+        "s_per_question": {
+            k: round(v / n_questions, 5) for k, v in (("batched", times[n_questions]), ("one", times[1]))
+        },
+        "speedup_batched_vs_one": round(times[1] / times[n_questions], 2),
+        "same_answers": sum(a.answer == b.answer for a, b in zip(batched, single)),
+        "same_retrievals": sum(retrievals(a) == retrievals(b) for a, b in zip(batched, single)),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", default="params.yaml")
@@ -300,13 +349,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-steps", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: paths.llm)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     shapes = args.shape or (sorted(SHAPES) if gpu else ["smollm2-135m"])
     dtype = torch.bfloat16 if gpu else torch.float32
     paths, features = load_section("paths", args.params), load_section("build_early", args.params).features
-    tokenizer = AutoTokenizer.from_pretrained(paths.llm)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or paths.llm)
     name = torch.cuda.get_device_name(args.device) if gpu else platform.processor() or platform.machine()
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None) if gpu else None
     result = {
@@ -324,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         print(shape, json.dumps(section["ig"]), flush=True)
         section["workers"] = worker_section(llm, features, n_questions, args.max_new_tokens, args.repeats)
         section["monitors"] = monitor_section(llm, args.max_new_tokens, args.repeats)
+        section["rag_loop"] = rag_section(llm, args.params, 16, args.max_new_tokens, 1)
         result["shapes"][shape] = section
         print(shape, json.dumps(section), flush=True)
         del llm

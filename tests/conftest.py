@@ -1,10 +1,15 @@
 """Shared fixtures: a tiny Llama built in-process, with a byte-level BPE tokenizer trained on the
 hand-made QA fixture, and trained for a few seconds to memorise half of the facts (so its answers
-are right on those and wrong on the rest, giving both labels)."""
+are right on those and wrong on the rest, giving both labels).
+
+``DYNRAG_TEST_DEVICE=cuda`` (or ``cuda:N``) runs the tests marked ``gpu`` on that device and deselects the others:
+the tiny Llama is trained on the CPU as everywhere, then moved to the device, so results equal the CPU's within the
+tests' tolerances; the tiny pipeline's stages load it there and train there (``benchmarks/gpu_check.sh``)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,10 +21,32 @@ from detectors.llm.loading import LLM
 
 ROOT = Path(__file__).resolve().parents[1]
 QA_FIXTURE = ROOT / "data" / "fixtures" / "qa_small.jsonl"
+TEST_DEVICE = torch.device(os.environ.get("DYNRAG_TEST_DEVICE", "cpu"))
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: runs on $DYNRAG_TEST_DEVICE when it is set (only these tests then), on the CPU otherwise"
+    )
+    if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"DYNRAG_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device: unset it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if TEST_DEVICE.type == "cpu":
+        return
+    kept = [i for i in items if i.get_closest_marker("gpu")]
+    config.hook.pytest_deselected(items=[i for i in items if not i.get_closest_marker("gpu")])
+    items[:] = kept
+
+
+def training_accelerator() -> str:
+    """Lightning's accelerator for the test device."""
+    return "gpu" if TEST_DEVICE.type == "cuda" else "cpu"
 
 
 def qa_rows() -> list[dict]:
@@ -88,7 +115,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_llm(tokenizer) -> LLM:
-    return LLM.wrap(build_tiny_llama(tokenizer), tokenizer, "tiny-llama")
+    return LLM.wrap(build_tiny_llama(tokenizer).to(TEST_DEVICE), tokenizer, "tiny-llama")
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ computes what its docstring says, on small inputs."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from benchmarks.adaptations import ReleasedQfsQuery, TvqQuery, released_scale
@@ -14,6 +15,8 @@ from detectors.llm.layers import attention_implementation
 from detectors.llm.words import DEFAULT_STOPWORDS
 from detectors.rag.queries import QueryInput, qfs_query
 from detectors.rag.stats import SegmentView
+
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 
 def test_the_released_scale_is_not_centred_so_the_sign_of_the_projection_decides():

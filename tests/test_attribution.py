@@ -16,6 +16,8 @@ from detectors.dior.attribution import (
 from detectors.dior.early import question_features
 from detectors.llm.offsets import token_offsets
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 
 def naive_ig(model, ids, mask, target, n_steps):
     """Gauss-Legendre IG one step at a time, full forward pass, no captum: the definition itself."""

@@ -27,6 +27,8 @@ from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import prepare_llm
 from pipelines import score_baselines
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 PROMPT = "The capital of France is"
 WORDS = [
     " Paris",

@@ -24,6 +24,8 @@ from detectors.interfaces import Level
 from detectors.llm.layers import decoder_layers
 from pipelines.register_ctrla import chosen_range
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 STATEMENTS = [
     "The capital of France is Paris.",
     "The capital of Spain is Madrid.",

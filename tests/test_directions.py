@@ -21,6 +21,8 @@ from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import DtypeMismatchError, LLMMismatchError
 from detectors.llm.loading import LLM
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 STATEMENTS = [
     "The capital of France is Paris.",
     "The capital of Spain is Madrid.",

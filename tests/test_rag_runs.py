@@ -22,6 +22,8 @@ from pipelines import index_corpus, prepare, rag_eval
 from pipelines._provenance import PACKAGES
 from pipelines._rag_runtime import DISPATCH, run_modules, run_params
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 
 def closure(triggers) -> set[str]:
     return {

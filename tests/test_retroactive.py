@@ -21,6 +21,8 @@ from detectors.rag.corpus import Passage
 from detectors.rag.retriever import BM25Retriever, Hit
 from detectors.rag.retroactive import Evidence, RetroRag, keep_top, merge_evidence, split_candidates, truncate_words
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 PROMPT = PromptParams(template="{question}", chat=False, system=None)  # as the tiny Llama learnt its facts
 # the shipped prompts, with evidence blocks the tiny Llama can read, words it has as single tokens and short generations

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import training_accelerator
 
 from detectors.config import ParamsError, from_dict
 from detectors.config.realtime import TrainRealtimeParams
@@ -26,6 +27,8 @@ from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
 from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.store import validation_digest
+
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 PROMPT = RealtimePromptParams(template="{text}")
 
@@ -189,7 +192,7 @@ PARAMS = TrainingParams(
     patience=4,
     threshold="youden",
     seed=0,
-    accelerator="cpu",
+    accelerator=training_accelerator(),
 )
 
 

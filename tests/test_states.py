@@ -4,12 +4,15 @@ and decoding appends to a cache that grows in place."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 from detectors.llm.generate import generate, row_generator
 from detectors.llm.kv import GrowingCache, as_cache, cache_states, prefix_cache
 from detectors.llm.states import BLOCK, StateCache, prefill, shared_prefixes
+
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 PRIMER = "The capital of France is Paris.\nThe language of Germany is German.\n"
 

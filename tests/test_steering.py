@@ -32,6 +32,8 @@ from detectors.llm.layers import LayerTap, decoder_layers
 from detectors.rag.kinds.ctrla import build as ctrla_trigger
 from detectors.rag.triggers import TriggerSettings
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 
 def unit(seed: int, dim: int = 64) -> torch.Tensor:
     v = torch.randn(dim, generator=torch.Generator().manual_seed(seed))

@@ -10,12 +10,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import training_accelerator
 
 from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early_detector import PAPER_THRESHOLD, EarlyDetector, load_early_detectors, train_early_detector
 from detectors.evaluation.metrics import OneClassError, auroc
 from detectors.llm.fingerprint import Fingerprint
 from detectors.training import fit
+
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 FP = Fingerprint("synthetic", "0" * 16, 8, 2, 100)
 PARAMS = TrainingParams(
@@ -28,7 +31,7 @@ PARAMS = TrainingParams(
     patience=8,
     threshold="youden",
     seed=0,
-    accelerator="cpu",
+    accelerator=training_accelerator(),
 )
 
 

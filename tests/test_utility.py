@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, build_tiny_llama, known_facts, qa_rows
+from conftest import ROOT, TEST_DEVICE, build_tiny_llama, known_facts, qa_rows, training_accelerator
 
 from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, PromptParams, TrainingParams
@@ -43,6 +43,8 @@ from detectors.utility.labels import (
     utility_records,
 )
 
+pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
+
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 PROMPT = PromptParams(template="{question}", chat=False, system=None)  # as the tiny Llama learnt its facts
 CONFIG = RagConfig("labels", PROMPT, k=2, max_retrievals=1, max_new_tokens=6)
@@ -55,7 +57,7 @@ TRAINING = from_dict(
         "max_epochs": 6,
         "patience": 3,
         "batch_size": 8,
-        "accelerator": "cpu",
+        "accelerator": training_accelerator(),
         "hidden": 8,
     },
     "training",
@@ -84,7 +86,9 @@ def reader(tiny_llm, facts) -> LLM:
             if fact in prompt:
                 texts.append(prompt.replace(fact, f"{row['question']} {fake}.") + f" {fake}.</s>")
     return LLM.wrap(
-        build_tiny_llama(tiny_llm.tokenizer, seed=1, train_steps=200, texts=texts), tiny_llm.tokenizer, "tiny-reader"
+        build_tiny_llama(tiny_llm.tokenizer, seed=1, train_steps=200, texts=texts).to(TEST_DEVICE),
+        tiny_llm.tokenizer,
+        "tiny-reader",
     )
 
 
