@@ -88,6 +88,7 @@ SHAPES = {  # config.json of HuggingFaceTB/SmolLM2-135M and meta-llama/Llama-2-7
         max_position_embeddings=4096,
     ),
 }
+SECTIONS = ("ig", "workers", "monitors", "rag_loop")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 tensor-core peak (SXM)
 ARTICLE = (
     "Below is the opening sentence from a Wikipedia article titled {t}. Please continue the passage from where the "
@@ -349,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-steps", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to measure")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: paths.llm)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -370,11 +372,16 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         llm = random_llm(shape, tokenizer, args.device, dtype)
         n_questions = args.questions or (32 if gpu else 12)
-        section = {"ig": ig_section(llm, features.prompt, n_questions, args.n_steps, args.repeats, peak)}
-        print(shape, json.dumps(section["ig"]), flush=True)
-        section["workers"] = worker_section(llm, features, n_questions, args.max_new_tokens, args.repeats)
-        section["monitors"] = monitor_section(llm, args.max_new_tokens, args.repeats)
-        section["rag_loop"] = rag_section(llm, args.params, 16, args.max_new_tokens, 1)
+        runs = {
+            "ig": lambda llm: ig_section(llm, features.prompt, n_questions, args.n_steps, args.repeats, peak),
+            "workers": lambda llm: worker_section(llm, features, n_questions, args.max_new_tokens, args.repeats),
+            "monitors": lambda llm: monitor_section(llm, args.max_new_tokens, args.repeats),
+            "rag_loop": lambda llm: rag_section(llm, args.params, 16, args.max_new_tokens, 1),
+        }
+        section = {}
+        for name in args.sections:
+            section[name] = runs[name](llm)
+            print(shape, name, json.dumps(section[name]), flush=True)
         result["shapes"][shape] = section
         print(shape, json.dumps(section), flush=True)
         del llm
