@@ -47,12 +47,12 @@ def test_rind_of_the_segment_alone_reads_the_attention_of_a_pass_over_the_segmen
     states = prefix_cache(tiny_llm, context)
     alone = rind_on_states(tiny_llm, [crop_states(states, 0)], [segment], [entropy], DEFAULT_STOPWORDS)[0]
     with torch.no_grad(), attention_implementation(tiny_llm.model, "eager"):
-        weights = tiny_llm.model(torch.tensor([segment]), output_attentions=True).attentions[-1]
+        weights = tiny_llm.model(torch.tensor([segment], device=tiny_llm.device), output_attentions=True).attentions[-1]
     expected = rind_trace(
         tiny_llm,
         segment,
         entropy,
-        later_attention_max(weights, torch.tensor([len(segment)]))[0].numpy(),
+        later_attention_max(weights, torch.tensor([len(segment)]))[0].cpu().numpy(),
         DEFAULT_STOPWORDS,
     )
     np.testing.assert_allclose(alone.rind, expected.rind, rtol=1e-5, atol=1e-7)

@@ -31,7 +31,7 @@ def naive_ig(model, ids, mask, target, n_steps):
         prob = torch.softmax(model(inputs_embeds=point).logits[0, -1], -1)[target]
         (grad,) = torch.autograd.grad(prob, point)
         total += float(wt) * grad
-    return ((embeds - baseline) * total)[0].norm(dim=-1)[mask].numpy()
+    return ((embeds - baseline) * total)[0].norm(dim=-1)[mask].cpu().numpy()
 
 
 @pytest.mark.parametrize(

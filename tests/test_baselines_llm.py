@@ -60,7 +60,7 @@ def by_hand(model, prompt: list[int], cont: list[int]) -> tuple[np.ndarray, np.n
     """Entropy (Eq. 1) and a_max (last layer, per head max over the token's own and later query rows, mean over heads)
     with loops."""
     with torch.no_grad(), attention_implementation(model, "eager"):
-        out = model(torch.tensor([prompt + cont]), output_attentions=True)
+        out = model(torch.tensor([prompt + cont], device=model.device), output_attentions=True)
     att, logits, p = out.attentions[-1][0].double(), out.logits[0].double(), len(prompt)
     entropy, a_max = [], []
     for k in range(len(cont)):
@@ -185,7 +185,9 @@ def test_retrorag_score_is_the_two_way_softmax_of_yes_and_no(tiny_llm):
     for (q, a), score in zip(pairs, got):
         with torch.no_grad():
             logits = (
-                tiny_llm.model(torch.tensor([ids(tok, TEMPLATE.format(question=q, answer=a))])).logits[0, -1].double()
+                tiny_llm.model(torch.tensor([ids(tok, TEMPLATE.format(question=q, answer=a))], device=tiny_llm.device))
+                .logits[0, -1]
+                .double()
             )
         probs = torch.softmax(logits, -1)
         p_yes, p_no = float(probs[yes].sum()), float(probs[no].sum())
@@ -207,7 +209,7 @@ def test_retrorag_score_is_higher_for_a_right_answer_than_a_wrong_one(tiny_llm):
     texts = [TEMPLATE.format(question=q, answer=a) + "Y" for q, a in right] + [
         TEMPLATE.format(question=q, answer=a) + "N" for q, a in wrong
     ]
-    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(judge.device)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     torch.manual_seed(0)
     opt = torch.optim.AdamW(judge.model.parameters(), lr=3e-3)

@@ -119,7 +119,7 @@ def plant_at_tokens(model, shifts: dict[int, torch.Tensor]):
         h = output[0] if isinstance(output, tuple) else output
         h = h.clone()
         for token, shift in shifts.items():
-            h[current["ids"] == token] += shift
+            h[current["ids"] == token] += shift.to(h.device, h.dtype)
         return (h, *output[1:]) if isinstance(output, tuple) else h
 
     handles = [

@@ -22,7 +22,7 @@ from test_training import synthetic_rows, train
 from detectors.config.schema import EarlyFeatureParams, PromptParams
 from detectors.ctrla.directions import contrast_differences, fit_pca
 from detectors.dior.early import early_records
-from detectors.dior.recorder import generate_traced
+from detectors.dior.recorder import GenerationRecorder, feature_rows, generate_traced
 from detectors.evaluation.metrics import auroc
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
@@ -82,6 +82,23 @@ def test_continuations_on_cuda_equal_the_cpus(pair):
         np.testing.assert_allclose(a.prob, b.prob, atol=1e-5)
         np.testing.assert_allclose(a.entropy, b.entropy, atol=1e-4)
         np.testing.assert_allclose(a.hidden.astype(np.float32), b.hidden.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+def test_the_recorder_scores_on_the_llms_device_wherever_the_prompt_is(pair):
+    """model.generate gives the logits processors the logits on the prompt's device: a prompt on the host with the LLM
+    on the GPU is recorded and scored as one on the GPU (the features of every token on one device)."""
+    _, gpu = pair
+    traces = []
+    for device in ("cpu", "cuda"):
+        enc = gpu.tokenizer(ROWS[0]["question"], return_tensors="pt").to(device)
+        recorder = GenerationRecorder(gpu.model, [1, 2], scorer=lambda h, p, e: feature_rows(h, p, e).sum(1))
+        with torch.no_grad(), recorder:
+            gpu.model.generate(**enc, logits_processor=[recorder], max_new_tokens=5, do_sample=False)
+        traces.append(recorder.traces(set())[0])
+    host, device = traces
+    assert host.gen_ids == device.gen_ids and len(host.gen_ids) > 0
+    np.testing.assert_allclose(host.scores, device.scores, rtol=1e-6)
+    np.testing.assert_allclose(host.prob, device.prob, rtol=1e-6)
 
 
 def test_ctrla_directions_on_cuda_equal_the_cpus(pair):

@@ -71,7 +71,7 @@ def test_extraction_on_the_tiny_llama_finds_a_direction_planted_in_the_positive_
     # the directions separate the held-out contrast pairs at every layer: positive projects higher
     held = contrast_differences(tiny_llm, CONTRAST, STATEMENTS[8:], batch_size=4, positive_context=plant)
     for layer in range(2):
-        proj = (held.diffs[layer] @ vectors[layer]).numpy()
+        proj = (held.diffs[layer].cpu() @ vectors[layer].cpu()).numpy()
         assert (proj > 0).mean() > 0.9, layer
     assert (
         float(explained[0]) > 0.9
@@ -87,7 +87,7 @@ def test_extracted_directions_separate_positive_from_negative_representations(ti
     directions, _ = extract(tiny_llm, "honesty", params, frame, [1, 2], 4, 0, [2, 4], {"llm": {}})
     held = contrast_differences(tiny_llm, params, STATEMENTS[8:], batch_size=4)
     for layer in range(2):
-        proj = (held.diffs[layer] @ directions.vectors[layer]).numpy()
+        proj = (held.diffs[layer].cpu() @ directions.vectors[layer].cpu()).numpy()
         labels = np.r_[np.ones(len(proj)), np.zeros(len(proj))]
         assert auroc(labels, np.r_[proj, -proj]) > 0.9
     assert set(directions.curve) == {2, 4} and directions.config["n_statements"] == 8

@@ -570,7 +570,7 @@ def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm)
     store_ = PrefixStore(tiny_llm)
     shared = store_.get(rows)
     assert store_.ids == rows[0][:shared] and store_.passes == 1
-    expected = prefix_states(tiny_llm.model, torch.tensor([rows[0]]), shared)
+    expected = prefix_states(tiny_llm.model, torch.tensor([rows[0]], device=tiny_llm.device), shared)
     assert all(
         torch.allclose(k, ek, atol=1e-5) and torch.allclose(v, ev, atol=1e-5)
         for (k, v), (ek, ev) in zip(store_.kv, expected)
@@ -578,7 +578,7 @@ def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm)
     longer = [rows[1], rows[1] + ids(" a")]  # they share rows[1] but its last token (each row keeps one of its own)
     assert store_.get(longer) == len(rows[1]) - 1 and store_.passes == 2  # extends the kept prefix by one pass
     assert store_.get(rows) == shared and store_.passes == 2  # crops: nothing runs
-    expected = prefix_states(tiny_llm.model, torch.tensor([rows[1]]), len(rows[1]) - 1)
+    expected = prefix_states(tiny_llm.model, torch.tensor([rows[1]], device=tiny_llm.device), len(rows[1]) - 1)
     store_.get(longer)
     assert all(torch.allclose(k, ek, atol=1e-5) for (k, _), (ek, _) in zip(store_.kv, expected))
 

@@ -195,13 +195,13 @@ def test_recorder_captures_the_generation_itself(tiny_llm):
     trace = traces[0]
     n = len(trace.gen_ids)
     assert trace.gen_ids == plain[0, enc.input_ids.shape[1] :].tolist()[:n] and n > 0
-    full = torch.tensor([enc.input_ids[0].tolist() + trace.gen_ids])
+    full = torch.tensor([enc.input_ids[0].tolist() + trace.gen_ids], device=model.device)
     with torch.no_grad():
         ref = model(full, output_hidden_states=True)
     p0 = enc.input_ids.shape[1]
     expected = torch.cat([ref.hidden_states[p][0, p0 : p0 + n] for p in positions], -1)
-    assert np.allclose(trace.hidden.astype(np.float32), expected.to(torch.float16).float().numpy(), atol=2e-3)
-    probs = torch.softmax(ref.logits[0, p0 - 1 : p0 - 1 + n], -1)
+    assert np.allclose(trace.hidden.astype(np.float32), expected.to(torch.float16).float().cpu().numpy(), atol=2e-3)
+    probs = torch.softmax(ref.logits[0, p0 - 1 : p0 - 1 + n], -1).cpu()
     chosen = probs[torch.arange(n), torch.tensor(trace.gen_ids)].numpy()
     assert np.allclose(trace.prob, chosen, atol=1e-5)
     entropy = -(probs * probs.log()).sum(-1).numpy()

@@ -189,3 +189,29 @@ def test_the_index_files_are_byte_identical_whatever_the_hash_seed(tmp_path):
         assert out.returncode == 0, out.stderr
         digests.add(out.stdout.strip())
     assert len(digests) == 1
+
+
+def test_the_retriever_imports_bm25s_without_starting_jax(tmp_path):
+    """Where JAX is installed, bm25s runs a JAX top-k when imported, which starts JAX on the GPU and takes 75 % of
+    its memory (an H100 run of the tests ran out of memory that way). A package named jax stands in for it here,
+    recording that it was imported: building and searching an index never imports it, and it stays importable."""
+    fake = tmp_path / "jax"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        f"import pathlib\npathlib.Path({str(tmp_path / 'imported')!r}).write_text('jax')\n"
+    )
+    code = (
+        "import sys\n"
+        "from detectors.rag.corpus import Passage\n"
+        "from detectors.rag.retriever import BM25Retriever\n"
+        f"index = BM25Retriever.build([Passage('a', 'Toulouse', 'Toulouse is in Occitania.')], {BM25!r})\n"
+        "assert [h.passage.id for h in index.search('Occitania', 1)] == ['a']\n"
+        "import bm25s.selection\n"
+        "print(bm25s.selection.JAX_IS_AVAILABLE, 'jax' in sys.modules, flush=True)\n"
+        "import jax\n"
+    )
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]  # bm25s selects with numpy; JAX was not imported by it
+    assert (tmp_path / "imported").read_text() == "jax"  # the caller's own `import jax` still works

@@ -23,7 +23,7 @@ def ids(llm, text: str) -> list[int]:
 
 def whole_logits(llm, rows: list[list[int]]) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [llm.model(torch.tensor([r])).logits[0, -1].float() for r in rows]
+        return [llm.model(torch.tensor([r], device=llm.device)).logits[0, -1].float() for r in rows]
 
 
 def test_rows_continued_from_cached_prefixes_give_the_logits_of_the_whole_prompt(tiny_llm):
@@ -77,7 +77,10 @@ def test_generation_from_cached_states_is_the_models_greedy_continuation(tiny_ll
     for row in enc:
         with torch.no_grad():
             out = tiny_llm.model.generate(
-                torch.tensor([row]), max_new_tokens=6, do_sample=False, pad_token_id=tiny_llm.tokenizer.pad_token_id
+                torch.tensor([row], device=tiny_llm.device),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=tiny_llm.tokenizer.pad_token_id,
             )
         said = out[0, len(row) :].tolist()
         cut = next((i for i, t in enumerate(said) if t in tiny_llm.eos_token_ids), len(said))
@@ -114,15 +117,15 @@ def test_a_growing_cache_appends_in_place_and_answers_as_a_dynamic_one(tiny_llm)
         for step in range(4):
             with torch.no_grad():
                 out = tiny_llm.model(
-                    torch.tensor([[5 + step], [9 + step]]),
+                    torch.tensor([[5 + step], [9 + step]], device=tiny_llm.device),
                     past_key_values=cache,
                     use_cache=True,
-                    position_ids=torch.tensor([[len(prompt) + step]] * 2),
+                    position_ids=torch.tensor([[len(prompt) + step]] * 2, device=tiny_llm.device),
                 )
             cache = out.past_key_values
             logits.append(out.logits[:, -1])
             if step == 1:
-                cache.batch_select_indices(torch.tensor([0, 1]))
+                cache.batch_select_indices(torch.tensor([0, 1], device=tiny_llm.device))
         outs[name] = (torch.stack(logits), cache)
     assert isinstance(outs["growing"][1], GrowingCache)
     assert torch.allclose(outs["dynamic"][0], outs["growing"][0], atol=1e-5)

@@ -57,7 +57,7 @@ def residuals(llm, ids) -> list[torch.Tensor]:
     """The residual stream after each decoder layer (what steering and the monitor act on)."""
     captured = {}
     with LayerTap(llm.model, [1, 2], lambda layer, h: captured.__setitem__(layer, h.detach().clone())), torch.no_grad():
-        llm.model(ids)
+        llm.model(ids.to(llm.device))
     return [captured[1], captured[2]]
 
 
@@ -71,7 +71,7 @@ def block_changes(llm, ids, vectors) -> list[torch.Tensor]:
     handles = [block.register_forward_hook(record, with_kwargs=True) for block in decoder_layers(llm.model)]
     try:
         with steer(llm.model, vectors), torch.no_grad():
-            llm.model(ids, use_cache=False)
+            llm.model(ids.to(llm.device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -93,11 +93,13 @@ def test_steering_adds_exactly_lambda_v_at_the_chosen_layers_and_nowhere_else(ti
         steered = residuals(tiny_llm, ids)
     torch.testing.assert_close(steered[0], plain[0], rtol=0, atol=0)
     torch.testing.assert_close(
-        steered[1] - plain[1], (lam * directions.vectors[1]).expand_as(plain[1]), rtol=0, atol=1e-5
+        steered[1] - plain[1], (lam * directions.vectors[1]).to(plain[1].device).expand_as(plain[1]), rtol=0, atol=1e-5
     )
     # every block: its output differs from the unhooked block on the same input by lam * v_l where steered, 0 elsewhere
     changes = block_changes(tiny_llm, ids, steering_vectors(directions, lam, [1], relative=False))
-    torch.testing.assert_close(changes[0], (lam * directions.vectors[0]).expand_as(changes[0]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        changes[0], (lam * directions.vectors[0]).to(changes[0].device).expand_as(changes[0]), rtol=0, atol=1e-5
+    )
     torch.testing.assert_close(changes[1], torch.zeros_like(changes[1]), rtol=0, atol=1e-5)
     relative = steering_vectors(directions, lam, [1, 2], relative=True)
     torch.testing.assert_close(relative[2], lam * 5.0 * directions.vectors[1])
@@ -113,7 +115,7 @@ def test_steering_hooks_are_removed_on_exit_and_when_generation_raises(tiny_llm,
     assert [len(b._forward_hooks) for b in blocks] == before
     with pytest.raises(ValueError):
         with steer(tiny_llm.model, steering_vectors(directions, 1.0, [1, 2], relative=False)):
-            tiny_llm.model.generate(ids, max_new_tokens=-1)  # generation raises inside the block
+            tiny_llm.model.generate(ids.to(tiny_llm.device), max_new_tokens=-1)  # generation raises inside the block
     assert [len(b._forward_hooks) for b in blocks] == before
     with pytest.raises(RuntimeError), ConfidenceMonitor(tiny_llm.model, directions):
         raise RuntimeError("the RAG loop failed")
@@ -247,7 +249,9 @@ def test_truthfulqa_questions_batched_score_as_each_alone_under_steering(tiny_ll
                 scores = []
                 for answer in ex["target_scores"]:
                     a = tiny_llm.tokenizer(f" {answer}", add_special_tokens=False)["input_ids"]
-                    logp = torch.log_softmax(tiny_llm.model(torch.tensor([context + a])).logits[0].float(), -1)
+                    logp = torch.log_softmax(
+                        tiny_llm.model(torch.tensor([context + a], device=tiny_llm.device)).logits[0].float(), -1
+                    )
                     scores.append(float(sum(logp[len(context) - 1 + j, t] for j, t in enumerate(a))))
                 hits.append(bool(list(ex["target_scores"].values())[int(np.argmax(scores))]))
         return hits

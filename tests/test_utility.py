@@ -138,7 +138,7 @@ def test_labels_say_whether_retrieval_helps_hurts_or_neither(reader, facts, feat
     )
     ids = tiny_llm.tokenizer(result.prompts[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        probs = torch.softmax(tiny_llm.model(ids).logits[0, -1].float(), -1)
+        probs = torch.softmax(tiny_llm.model(ids.to(tiny_llm.device)).logits[0, -1].float(), -1)
     assert records[0]["post_first_token_prob"] == pytest.approx(float(probs.max()), abs=1e-5)
     entropy = float(-(probs * probs.clamp_min(1e-30).log()).sum())
     assert records[0]["post_first_token_entropy"] == pytest.approx(entropy, abs=1e-4)

@@ -30,9 +30,14 @@ def steer(model: torch.nn.Module, vectors: dict[int, torch.Tensor]) -> Iterator[
     handles = []
 
     def hook(vector: torch.Tensor):
+        cast: dict[tuple, torch.Tensor] = {}  # the vector on the stream's device and dtype, made once (not per pass)
+
         def add(module, args, output):
             h = layer_output(output)
-            h = h + vector.to(device=h.device, dtype=h.dtype)
+            key = (h.device, h.dtype)
+            if key not in cast:
+                cast[key] = vector.to(device=h.device, dtype=h.dtype)
+            h = h + cast[key]
             return (h, *output[1:]) if isinstance(output, tuple) else h
 
         return add

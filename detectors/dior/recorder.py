@@ -47,6 +47,8 @@ class GenerationRecorder(LogitsProcessor):
 
     def __init__(self, model: torch.nn.Module, state_indices: list[int], scorer: Callable | None = None):
         self.model, self.state_indices, self.scorer = model, state_indices, scorer
+        self.device = next(model.parameters()).device  # the hidden states' (model.generate gives the logits on
+        # input_ids' device, which may be the host's)
         self.tap = StateTap(model, state_indices)  # the hooks (the RAG loop's probe of the same states)
         self.reset()
 
@@ -70,7 +72,7 @@ class GenerationRecorder(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # everything stays on the LLM's device (no host copy, no sync): ``traces`` moves it to the host once
-        logp = torch.log_softmax(scores.float(), dim=-1)
+        logp = torch.log_softmax(scores.to(self.device, torch.float32), dim=-1)
         if self.calls > 0:  # not the prompt's prefill: the last position is the token just generated
             if not self.tap.caught:
                 raise RuntimeError("the recorder's hooks caught nothing: use it inside `with recorder:`")

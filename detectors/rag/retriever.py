@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -24,6 +25,23 @@ MANIFEST = "manifest.json"
 PASSAGES = "passages.jsonl"
 INDEX = "bm25s"
 DOCUMENT_FREQUENCY = "document_frequency.json"
+
+
+def _bm25s():
+    """bm25s, imported without JAX. Where JAX is installed, importing bm25s runs a JAX top-k, which starts JAX on the
+    GPU and takes 75 % of its memory (on an H100: 60 of 80 GiB, and the LLM beside it ran out of memory). The retriever
+    selects its top k itself, so bm25s needs no JAX: while bm25s is first imported, ``import jax`` fails and bm25s
+    falls back to numpy; JAX stays importable, untouched, for the rest of the process. A JAX the process imported
+    before is left as it is."""
+    if "bm25s" not in sys.modules and "jax" not in sys.modules:
+        sys.modules["jax"] = None  # `import jax` raises ImportError while bm25s is imported
+        try:
+            import bm25s
+        finally:
+            del sys.modules["jax"]
+    import bm25s
+
+    return bm25s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +88,7 @@ class BM25Retriever:
     @classmethod
     def build(cls, passages: list[Passage], params) -> BM25Retriever:
         """Index ``passages`` (``params``: a mapping or dataclass with method, k1, b, stopwords, stemmer)."""
-        import bm25s
+        bm25s = _bm25s()
 
         params = dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(params)
         if not passages:
@@ -121,7 +139,7 @@ class BM25Retriever:
     @classmethod
     def load(cls, directory: str | Path) -> BM25Retriever:
         """The index saved in ``directory``; refuses a missing directory or files that do not match the manifest."""
-        import bm25s
+        bm25s = _bm25s()
 
         directory = Path(directory)
         if not (directory / MANIFEST).is_file():
@@ -140,7 +158,7 @@ class BM25Retriever:
     # ---- searching -----------------------------------------------------------------------------------------
     def terms(self, text: str) -> list[str]:
         """The index's terms of ``text`` (lower-cased, stop words dropped, stemmed)."""
-        import bm25s
+        bm25s = _bm25s()
 
         return bm25s.tokenize(
             [text], stopwords=self.params["stopwords"], stemmer=self._stemmer, return_ids=False, show_progress=False
