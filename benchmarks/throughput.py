@@ -349,12 +349,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--n-steps", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timings per variant (default 5 on a GPU, 2 on a CPU)"
+    )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to measure")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: paths.llm)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
+    args.repeats = args.repeats or (5 if gpu else 2)
     shapes = args.shape or (sorted(SHAPES) if gpu else ["smollm2-135m"])
     dtype = torch.bfloat16 if gpu else torch.float32
     paths, features = load_section("paths", args.params), load_section("build_early", args.params).features

@@ -228,11 +228,12 @@ def check_command(cmd: list[str]) -> None:
         assert urls and all(re.match(r"https?://(127\.0\.0\.1|localhost)[:/]", u) for u in urls), (
             f"{' '.join(cmd)}: curl only asks a server the docs start on this machine (127.0.0.1 or localhost)"
         )
+    elif name.startswith(("benchmarks/", "scripts/")):
+        assert os.access(ROOT / name, os.X_OK), f"{name}: not an executable script of the repository"
     elif name != "pytest":
         raise AssertionError(
             f"{' '.join(cmd)}: not one of the project's commands (make, dvc, python -m, dynrag, mlflow, ray, pip, "
-            "pytest, "
-            "source .venv/bin/activate, export, curl to a local server)"
+            "pytest, a script in benchmarks/ or scripts/, source .venv/bin/activate, export, curl to a local server)"
         )
     outputs = stage_outputs()
     for path in repo_paths(cmd):
