@@ -35,7 +35,7 @@ from detectors.ctrla.quality import (
 )
 from detectors.ctrla.statements import load_statements
 from detectors.evaluation.plots import write_directions_plots
-from detectors.evaluation.report import directions_headline
+from detectors.evaluation.report import directions_headline, directions_markdown
 from detectors.evaluation.tracking import log_directions
 from detectors.io import write_json
 from detectors.llm.loading import load_llm
@@ -59,6 +59,7 @@ READS = (
     "paths.ctrla_realtime",
     "paths.evaluate_directions_metrics",
     "paths.evaluate_directions_headline",
+    "paths.directions_table",
     "paths.plots",
 )
 DEPS = (
@@ -80,6 +81,7 @@ OUTS = (
         {"cache": False},
         "at a glance: honesty and confidence test AUROC, TruthfulQA at λ = 0 and the best λ",
     ),
+    ("${paths.directions_table}", {"cache": False}, "the same as a results page under docs/results (git-tracked)"),
 )
 PLOTS = (
     ("${paths.plots}/ctrla_honesty.png", {"cache": False}),
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
 
     write_json(params["paths.evaluate_directions_metrics"], metrics)
     write_json(params["paths.evaluate_directions_headline"], directions_headline(metrics))
+    Path(params["paths.directions_table"]).parent.mkdir(parents=True, exist_ok=True)
+    Path(params["paths.directions_table"]).write_text(directions_markdown(metrics), encoding="utf-8")
     pngs = write_directions_plots(metrics, Path(params["paths.plots"]))
     log.info("honesty: %s", {k: v for k, v in metrics["honesty"].items() if "per_layer" not in k})
     log.info("confidence (early set): %s; TruthfulQA: %s", metrics["confidence_early"], accuracy)

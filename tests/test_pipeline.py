@@ -655,6 +655,9 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     for rates in (confidence["paper"], confidence["validation"], *metrics["confidence_realtime"]["ranges"].values()):
         assert all(0 <= v <= 1 for k, v in rates.items() if "trigger_rate" in k and v is not None)
     assert set(metrics["truthfulqa"]["accuracy"]) == {"0.0", "0.05"} and metrics["truthfulqa"]["n"] == 3
+    page = (pipeline / "docs/results/directions.md").read_text()  # the results page the README's CtrlA claims cite
+    assert "| honesty: true vs false statements (test statements) | paper | 1-1 | " in page
+    assert f"{honesty['ranges']['paper']['test_auroc']:.3f} |" in page and "| 0.05 |" in page
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     scores = pd.read_parquet(pipeline / "data/eval/ctrla_early.parquet")
     assert list(scores["id"]) == list(early.loc[early["status"] == "ok", "id"])

@@ -142,3 +142,40 @@ def directions_headline(metrics: dict) -> dict[str, float]:
         best = max(sorted(accuracy), key=lambda lam: accuracy[lam])
         out["truthfulqa.accuracy.best_lambda"], out["truthfulqa.best_lambda"] = headline_value(accuracy[best]), best
     return out
+
+
+def directions_markdown(metrics: dict) -> str:
+    """evaluate_directions' report as a results page: per concept and layer range the layers and the validation and
+    test AUROC (honesty: held-out true vs false statements; confidence: hallucinated answers of the early set, and
+    generated tokens of the real-time set), and TruthfulQA MC1 accuracy under honesty steering for each λ."""
+
+    def cell(value) -> str:
+        return "n/a" if headline_value(value) is None else f"{value:.3f}"
+
+    sections = (
+        ("honesty", "honesty: true vs false statements (test statements)"),
+        ("confidence_early", "confidence monitor: hallucinated answers of the early set (test questions)"),
+        ("confidence_realtime", "confidence monitor: hallucinated tokens of the real-time set (test tokens)"),
+    )
+    lines = [
+        "# CtrlA's directions",
+        "",
+        "Written by `evaluate_directions` ([../detectors.md](../detectors.md) says how the directions are built and",
+        "scored). `paper`: CtrlA's layer range scaled to the LLM's depth; `validation`: the window chosen on",
+        "validation.",
+        "",
+        "| what | range | layers | validation AUROC | test AUROC |",
+        "| --- | --- | --- | ---: | ---: |",
+    ]
+    for key, what in sections:
+        for name, r in metrics.get(key, {}).get("ranges", {}).items():
+            layers = r.get("layers") or []
+            span = f"{min(layers)}-{max(layers)}" if layers else ""
+            lines.append(f"| {what} | {name} | {span} | {cell(r.get('val_auroc'))} | {cell(r.get('test_auroc'))} |")
+    accuracy = metrics.get("truthfulqa", {}).get("accuracy", {})
+    if accuracy:
+        n = metrics["truthfulqa"].get("n")
+        lines += ["", f"TruthfulQA MC1 accuracy under honesty steering ({n} questions):", ""]
+        lines += ["| λ | accuracy |", "| ---: | ---: |"]
+        lines += [f"| {float(lam):g} | {cell(value)} |" for lam, value in accuracy.items()]
+    return "\n".join(lines) + "\n"
