@@ -21,6 +21,7 @@ from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import DtypeMismatchError, LLMMismatchError
 from detectors.llm.loading import LLM
 
+STATEMENTS_FIXTURE = ROOT / "data" / "fixtures" / "statements_small.csv"
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 STATEMENTS = [
@@ -114,16 +115,17 @@ def test_statements_from_qa_pair_each_fact_with_a_wrong_answer_of_its_relation()
     assert wrong != "The language of Peru is Spanish." and wrong.startswith("The language of Peru is ")
 
 
-def test_the_papers_statement_files_load_through_the_same_params():
-    shared = ROOT.parent / "shared/data/ctrla"
-    if not shared.exists():
-        pytest.skip(f"the paper's statement files are not on this machine ({shared})")
-    facts = load_statements(StatementParams(source=str(shared / "facts_true_false.csv")), "unused")
-    assert len(facts) > 550 and set(facts["label"]) == {0, 1}  # 612 rows, a few duplicates
-    for split in ("val", "test"):  # held out by id hash, 10 % each
-        assert 0.05 < (facts["split"] == split).mean() < 0.15
-    confident = load_statements(StatementParams(source=str(shared / "confidence_statements.csv")), "unused")
-    assert len(confident) > 500 and confident["statement"].str.len().min() > 0
+def test_a_statement_file_in_the_papers_format_loads_through_the_same_params():
+    """A ``statement,label`` CSV as CtrlA's statement sets are (quoted statements with commas, a repeated row): a
+    hand-made one of the repository's fixtures, read as ``extract_directions.*.statements.source`` reads a file."""
+    facts = load_statements(StatementParams(source=str(STATEMENTS_FIXTURE)), "unused")
+    assert len(facts) == 48 and (facts.groupby("label").size() == 24).all()  # 49 rows, one repeated
+    assert "Iron, when exposed to water and oxygen, rusts." in set(facts["statement"])
+    assert set(facts["split"]) == {"train", "val", "test"} and (facts["split"] == "train").mean() > 0.6
+    again = load_statements(StatementParams(source=str(STATEMENTS_FIXTURE)), "unused")
+    assert again.equals(facts)  # ids and splits by hash: the same every time
+    unlabelled = load_statements(StatementParams(source=str(STATEMENTS_FIXTURE), label_field=None), "unused")
+    assert unlabelled["label"].isna().all() and len(unlabelled) == 48
 
 
 def test_bad_statement_sources_fail_with_the_value_and_what_to_do(tmp_path, tiny_llm):
