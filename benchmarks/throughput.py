@@ -20,7 +20,9 @@ that tokenizer's vocabulary, 49,152 rows instead of Llama-2's 32,000), and repor
   with every token's hidden states captured; the spaCy labelling is CPU work outside the LLM).
 * **Generation with a monitor attached vs plain**, at batch 1 and 16 (``--max-new-tokens``, no early
   stop): the real-time recorder with an MLP scorer (a random ``TokenMLP`` of the served shape) and
-  CtrlA's honesty steering + confidence monitor (random unit directions). Ratios of total times.
+  CtrlA's honesty steering + confidence monitor (random unit directions). Ratios of total times, and the tensor
+  operations each dispatches per generated token (what bounds a step at batch 1 on a GPU, counted the same on any
+  device).
 * **The RAG loop**, s/question: the questions advanced together (``batch_size`` 16) against one at a time
   (batch 1), with DRAGIN's RIND trigger over a BM25 index of 16 one-sentence passages, its threshold the
   median of the no-retrieval answers' positive RIND scores (RIND is 0 on stop words), at most 2 retrievals;
@@ -45,6 +47,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from captum.attr import IntegratedGradients
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from benchmarks.ig_speed import QUESTIONS, reference_token_attributions
@@ -286,6 +289,10 @@ def monitor_section(llm: LLM, max_new_tokens: int, repeats: int) -> dict:
             return monitor.scores().cpu()
 
         plain()
+        ops = {
+            name: operations(fn) / max_new_tokens
+            for name, fn in (("plain", plain), ("realtime", realtime), ("ctrla", ctrla))
+        }
         times = {"plain": [], "realtime": [], "ctrla": []}
         for _ in range(repeats):  # interleaved so drifts in machine load hit all three alike
             for name, fn in (("plain", plain), ("realtime", realtime), ("ctrla", ctrla)):
@@ -295,8 +302,27 @@ def monitor_section(llm: LLM, max_new_tokens: int, repeats: int) -> dict:
             "plain_s": round(best["plain"], 4),
             "realtime_over_plain": round(best["realtime"] / best["plain"], 3),
             "ctrla_over_plain": round(best["ctrla"] / best["plain"], 3),
+            "operations_per_token": {k: round(v, 1) for k, v in ops.items()},
         }
     return out
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations(fn: Callable[[], object]) -> int:
+    """How many tensor operations ``fn`` dispatches (views included): where a step's few kernels cost less than their
+    launches (batch 1 on a GPU), a monitor's overhead is about its share of these."""
+    with _Count() as count:
+        fn()
+    return count.n
 
 
 def rag_section(llm: LLM, params: str, n_questions: int, max_new_tokens: int, repeats: int) -> dict:

@@ -66,17 +66,36 @@ class ConfidenceMonitor:
         self.model, self.layers = model, list(layers or directions.layers)
         self.tau, self.clip, self.skip = tau, clip, skip
         self.vectors = {layer: directions.vectors[layer - 1].float() for layer in self.layers}
+        self._stacked = torch.stack([self.vectors[layer] for layer in self.layers])  # [n_layers, H]
         self._tap = LayerTap(model, self.layers, self._record)
         self.reset()
 
     def reset(self) -> None:
         self._chunks: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+        self._step: list[torch.Tensor] = []
 
     def _record(self, layer: int, hidden: torch.Tensor) -> None:
+        if hidden.shape[1] == 1:  # a decoding step: every monitored layer is projected at once, after the last one
+            self._step.append(hidden.detach())
+            if len(self._step) == len(self.layers):
+                self._project_step()
+            return
         v = self.vectors[layer]
         if v.device != hidden.device:
             v = self.vectors[layer] = v.to(hidden.device)
         self._chunks[layer].append(hidden.detach().float() @ v)
+
+    def _project_step(self) -> None:
+        """One decoding step's projections at every monitored layer in three operations (stack, cast, batched
+        product) instead of two per layer: at batch 1 on a GPU a step is bound by launches, not arithmetic. Long
+        passes (prompts) are projected layer by layer as they run, so no pass's states are kept beyond its layer."""
+        states = torch.stack(self._step).float()  # [n_layers, B, 1, H]
+        if self._stacked.device != states.device:
+            self._stacked = self._stacked.to(states.device)
+        projections = torch.einsum("lbth,lh->lbt", states, self._stacked)
+        for layer, projection in zip(self.layers, projections):
+            self._chunks[layer].append(projection)
+        self._step = []
 
     def __enter__(self) -> ConfidenceMonitor:
         self._tap.__enter__()
