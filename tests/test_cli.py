@@ -227,10 +227,10 @@ def test_a_plain_path_is_refused_as_a_tracking_uri_with_the_sqlite_form_to_use(t
     ):
         status, _, err = run(capsys, "assess", "x", "--tracking-uri", str(given))
         assert status == 1 and (
-            f"TrackingURIError: tracking URI '{given}' is a plain path, not a store: name a sqlite store as "
-            f"sqlite:///{store} "
+            f"TrackingURIError: tracking URI '{given}' is a plain path, which MLflow reads as its deprecated file "
+            f"store: name a sqlite store as sqlite:///{store} "
         ) in one_line(err)
-    with pytest.raises(InputError, match=r"is a plain path, not a store: name a sqlite store as sqlite:///"):
+    with pytest.raises(InputError, match=r"'data/mlflow' is a plain path, .*: name a sqlite store as sqlite:///"):
         load_detector("dior-early", tracking_uri="data/mlflow")
     assert not (tmp_path / "nowhere").exists()
 

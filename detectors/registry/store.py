@@ -23,6 +23,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from detectors.config.common import store_uri_problem
 from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.artifact import ArtifactIntegrityError, read_config
@@ -56,7 +57,7 @@ class NotRegisteredError(InputError, LookupError):
 
 
 class TrackingURIError(InputError):
-    """A tracking URI that names no store the project uses (a plain path)."""
+    """A tracking URI that names no store the project uses (a plain path, a ``file:`` URI)."""
 
 
 REREGISTER = "re-register it with `dvc repro`, or promote another version (`dynrag promote {name} VERSION`)"
@@ -64,15 +65,12 @@ REREGISTER = "re-register it with `dvc repro`, or promote another version (`dynr
 
 def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
     """The tracking URI with a relative sqlite path made absolute (stages and the UI then agree); ``mkdir``: create the
-    database's directory (a writer's first run). A plain path (no scheme), which MLflow would take for its deprecated
-    file store, is a :class:`TrackingURIError` that gives the ``sqlite:///`` form to use."""
-    if not re.match(r"[A-Za-z][\w+.-]*:", uri):
-        path = (Path(root) / uri).resolve()
-        db = path if path.suffix == ".db" else path / "mlflow.db"
-        raise TrackingURIError(
-            f"tracking URI {uri!r} is a plain path, not a store: name a sqlite store as sqlite:///{db} (the project's "
-            "is sqlite:///data/mlflow/mlflow.db, relative to the project root), or a tracking server as http://host:port"
-        )
+    database's directory (a writer's first run). A URI that names no store the project uses (a plain path, which MLflow
+    would take for its deprecated file store: :func:`~detectors.config.common.store_uri_problem`) is a
+    :class:`TrackingURIError` that gives the ``sqlite:///`` form to use."""
+    problem = store_uri_problem(uri, root)
+    if problem is not None:
+        raise TrackingURIError(f"tracking URI {uri!r} is {problem}")
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         db = (Path(root) / uri[len("sqlite:///") :]).resolve()
         if mkdir:
