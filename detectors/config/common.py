@@ -50,6 +50,7 @@ class LLMParams:
 
 
 STORE_URIS = ("sqlite:///", "http://", "https://", "postgresql", "mysql")  # the stores the project reads and writes
+URI_SCHEME = re.compile(r"([A-Za-z][\w+.-]*):")  # what a URI starts with, and a plain path does not
 
 
 def store_uri_problem(uri: str, root: str | Path = ".") -> str | None:
@@ -58,7 +59,7 @@ def store_uri_problem(uri: str, root: str | Path = ".") -> str | None:
     place (relative to ``root``)."""
     if uri.startswith(STORE_URIS):
         return None
-    scheme = re.match(r"([A-Za-z][\w+.-]*):", uri)
+    scheme = URI_SCHEME.match(uri)
     server = "a tracking server as http://host:port"
     if scheme is not None and scheme.group(1).lower() != "file":
         return f"not a store the project uses: name a sqlite, postgresql or mysql database, or {server}"

@@ -23,7 +23,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from detectors.config.common import store_uri_problem
+from detectors.config.common import URI_SCHEME, store_uri_problem
 from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.artifact import ArtifactIntegrityError, read_config
@@ -352,7 +352,7 @@ def local_artifacts(name: str, version: int | str) -> Path | None:
     location = MlflowClient().get_model_version_download_uri(name, str(version))
     if location.startswith("file:"):
         return Path(local_file_uri_to_path(location))
-    return None if "://" in location else Path(location)
+    return None if URI_SCHEME.match(location) else Path(location)  # mlflow-artifacts:, s3:, ...: not local
 
 
 def load_version(version: Any, alias: str | None = None) -> Any:
