@@ -630,7 +630,10 @@ def test_a_corrupted_registered_detector_is_refused_naming_the_file_model_and_ve
     config = weights.with_name("detector.json")
     good = {path: path.read_bytes() for path in (weights, config)}
     expected = load_detector("dior-early", tracking_uri=uri, llm=tiny_llm).assess("The capital of France is")
-    fix = r"re-register it with `dvc repro`, or promote another version \(`dynrag promote dior-early VERSION`\)"
+    fix = (
+        r"re-register it \(`dvc repro -f -s register`\), or promote another version "
+        r"\(`dynrag promote dior-early VERSION`\)"
+    )
     damages = {
         weights: lambda: _flip(weights),
         weights.with_suffix(".truncated"): lambda: weights.write_bytes(good[weights][: len(good[weights]) // 2]),
@@ -686,7 +689,8 @@ def test_missing_artifacts_are_named_by_their_path(tmp_path, artifacts, tiny_llm
     with pytest.raises(
         ArtifactIntegrityError,
         match=rf"^the artifacts of ctrla-honesty v1 \(ctrla-honesty@champion\) are missing: "
-        rf"{re.escape(str(tmp_path / 'project/data/mlflow/artifacts'))} does not exist .*: restore it, or re-register",
+        rf"{re.escape(str(tmp_path / 'project/data/mlflow/artifacts'))} does not exist .*: restore it, or re-register "
+        r"it \(`dvc repro -f -s register_ctrla`\)",
     ):
         load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm)
 

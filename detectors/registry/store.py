@@ -60,7 +60,9 @@ class TrackingURIError(InputError):
     """A tracking URI that names no store the project uses (a plain path, a ``file:`` URI)."""
 
 
-REREGISTER = "re-register it with `dvc repro`, or promote another version (`dynrag promote {name} VERSION`)"
+# what to do about a registered version that cannot be served: the stage that registers it (forced: the store is not a
+# DVC output, so nothing else makes it run), or another version
+REREGISTER = "re-register it (`dvc repro -f -s {stage}`), or promote another version (`dynrag promote {name} VERSION`)"
 
 
 def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
@@ -363,7 +365,7 @@ def load_version(version: Any, alias: str | None = None) -> Any:
     do."""
     name = version.name
     what = f"{name} v{version.version}" + (f" ({name}@{alias})" if alias else "")
-    fix = REREGISTER.format(name=name)
+    fix = REREGISTER.format(name=name, stage="register_ctrla" if name.startswith("ctrla-") else "register")
     local = local_artifacts(name, version.version)
     if local is not None and not local.is_dir():
         gone = next(p for p in reversed([local, *local.parents]) if not p.exists())  # the first missing directory
