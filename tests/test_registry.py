@@ -689,8 +689,8 @@ def test_missing_artifacts_are_named_by_their_path(tmp_path, artifacts, tiny_llm
     with pytest.raises(
         ArtifactIntegrityError,
         match=rf"^the artifacts of ctrla-honesty v1 \(ctrla-honesty@champion\) are missing: "
-        rf"{re.escape(str(tmp_path / 'project/data/mlflow/artifacts'))} does not exist .*: restore it, or re-register "
-        r"it \(`dvc repro -f -s register_ctrla`\)",
+        rf"{re.escape(str(tmp_path / 'project/data/mlflow/artifacts'))} is not a directory .*: restore it, or "
+        r"re-register it \(`dvc repro -f -s register_ctrla`\)",
     ):
         load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm)
 

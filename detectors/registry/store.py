@@ -368,10 +368,10 @@ def load_version(version: Any, alias: str | None = None) -> Any:
     fix = REREGISTER.format(name=name, stage="register_ctrla" if name.startswith("ctrla-") else "register")
     local = local_artifacts(name, version.version)
     if local is not None and not local.is_dir():
-        gone = next(p for p in reversed([local, *local.parents]) if not p.exists())  # the first missing directory
+        gone = next((p for p in reversed([local, *local.parents]) if not p.exists()), local)  # the first missing one
         raise ArtifactIntegrityError(
-            f"the artifacts of {what} are missing: {gone} does not exist (they were in {local}; a store copied or "
-            "moved without its artifact root?)",
+            f"the artifacts of {what} are missing: {gone} is not a directory (they were in {local}; a store copied "
+            "or moved without its artifact root?)",
             f"restore it, or {fix}",
         )
     try:
