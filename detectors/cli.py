@@ -26,10 +26,23 @@ from detectors.errors import InputError, one_line, traceback_wanted
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (``prog: error: ... (see prog --help)``), exit status 2."""
+    """argparse with a one-line error (``prog: error: ... (see prog --help)``), exit status 2; an argument that is not
+    valid UTF-8 text (Python passes its bytes on as surrogates) is one too, before anything loads."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        for position, arg in enumerate(sys.argv[1:] if args is None else args, 1):
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:
+                try:
+                    shown = repr(arg.encode("utf-8", "surrogateescape"))  # the bytes as given
+                except UnicodeEncodeError:
+                    shown = ascii(arg)
+                self.error(f"argument {position} ({shown}) is not valid UTF-8 text: pass it encoded in UTF-8")
+        return super().parse_known_args(args, namespace)
 
 
 # ---- values checked where they are parsed (a malformed one: exit status 2, before anything loads) ----------------

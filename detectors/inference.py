@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import os
 
-import mlflow
-
 from detectors.interfaces import Detector
 from detectors.llm.loading import LLM
-from detectors.registry.store import NotRegisteredError, StoreNotNamedError, configure, resolve
+from detectors.registry.store import NotRegisteredError, StoreNotNamedError, configure, load_version, resolve
 
 
 def load_detector(
@@ -39,7 +37,8 @@ def load_detector(
     it must be the detector's LLM, in the dtype its features were computed in unless ``allow_dtype_mismatch``. Otherwise
     the detector's own LLM is loaded now, from where its artifact says it came from (relative to the working directory:
     the project root), in the recorded dtype; ``load_llm=False`` skips that (inspecting a detector, or calling
-    ``det.load_llm(root=..., device=...)`` yourself)."""
+    ``det.load_llm(root=..., device=...)`` yourself). The detector's files are checked against the sha256 recorded when
+    it was written before anything is read from them (:func:`detectors.registry.store.load_version`)."""
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         raise StoreNotNamedError(
@@ -52,8 +51,7 @@ def load_detector(
         version = resolve(name, alias=alias)
     except NotRegisteredError as err:  # the name or alias is wrong: say which, and what the store holds
         raise NotRegisteredError(f"cannot load {name}@{alias}: {err}") from None
-    model = mlflow.pyfunc.load_model(f"models:/{name}/{version.version}")
-    detector = model.unwrap_python_model().detector
+    detector = load_version(version, alias).unwrap_python_model().detector  # its files verified
     if llm is not None:
         detector.attach(llm, allow_dtype_mismatch)
     elif load_llm:

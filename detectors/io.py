@@ -1,10 +1,13 @@
-"""Small file helpers shared by the stages and the library."""
+"""Small file helpers shared by the stages and the library: atomic JSON, and the sha256 digests that identify a file
+(in shard keys and MLflow tags) and verify one (a BM25 index, a detector artifact, a shard: :func:`file_digests` when
+written, :func:`changed_file` when read)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,32 @@ def write_json(path: str | Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def file_digest(path: str | Path, length: int = 16) -> str:
-    """SHA-256 of a file's bytes, shortened: identifies an input table in shard keys and MLflow tags."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:length]
+def file_digest(path: str | Path, length: int | None = 16) -> str:
+    """SHA-256 of a file's bytes (read in blocks), shortened to ``length`` hex digits (None: all 64): identifies an
+    input table in shard keys and MLflow tags."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:length]
+
+
+def file_digests(directory: str | Path, names: Iterable[str]) -> dict[str, str]:
+    """The full SHA-256 of each file ``names`` (paths relative to ``directory``), to record when they are written."""
+    return {name: file_digest(Path(directory) / name, None) for name in names}
+
+
+def changed_file(directory: str | Path, recorded: Mapping[str, str]) -> str | None:
+    """What is wrong with the first file of ``recorded`` (:func:`file_digests`) that is missing, unreadable or not what
+    was written, naming its path (None: every file matches)."""
+    for name, digest in recorded.items():
+        path = Path(directory) / name
+        try:
+            actual = file_digest(path, None)
+        except FileNotFoundError:
+            return f"{path} is missing"
+        except OSError as err:
+            return f"{path} cannot be read ({err.strerror or err})"
+        if actual != digest:
+            return (
+                f"{path} is not the file that was written: its sha256 is {actual[:12]}…, the recorded one "
+                f"{str(digest)[:12]}… (corrupted, truncated or replaced)"
+            )
+    return None

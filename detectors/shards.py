@@ -1,7 +1,11 @@
 """Resumable work in fixed-size shards: finished shards survive a crash and are skipped on restart.
 
 The directory remembers the configuration it was built with (the stage's key: params, LLM, inputs,
-code); a different configuration clears it, so stale shards are never mixed in.
+code); a different configuration clears it, so stale shards are never mixed in. Each shard has a manifest entry,
+``shard-NNNNN.manifest.json``, written after it: the sha256 of the shard and of its sidecars, and the key's hash. A
+shard is finished only when its entry is readable, was written under the same key and matches its files; any other
+shard on disk (truncated, corrupted, its sidecar unreadable, killed before its entry) is logged by name and computed
+again, alone. (One entry per shard, not one file for all: parallel workers never write the same file.)
 
 Every record has an ``id`` and a ``status``: ``ok``; ``skipped: <why>`` when the record cannot be used
 (a :class:`RecordError`: deterministic, final, reported); or ``error: <what>`` for anything else (a
@@ -27,7 +31,7 @@ from safetensors.numpy import load_file, save_file
 from detectors.config.common import ExecutionParams
 from detectors.errors import RecordError
 from detectors.execution import map_units
-from detectors.io import write_json
+from detectors.io import changed_file, file_digests, write_json
 from detectors.progress import progress
 
 log = logging.getLogger(__name__)
@@ -96,15 +100,25 @@ class FailureBudget:
             )
 
 
+ENTRY = ".manifest.json"  # shard-NNNNN.manifest.json: the shard's manifest entry
+
+
 class ShardStore:
     """Shards ``shard-NNNNN.parquet`` of a table processed ``size`` rows at a time, under one configuration."""
 
     def __init__(self, directory: str | Path, config: dict[str, Any]):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        digest = config_hash(config)
+        self.config_hash = digest = config_hash(config)
         manifest = self.dir / "manifest.json"
-        previous = json.loads(manifest.read_text()) if manifest.exists() else {}
+        try:
+            previous = json.loads(manifest.read_text()) if manifest.exists() else {}
+        except (OSError, ValueError) as err:  # each shard's entry names its key: the finished ones are kept
+            log.warning(
+                "%s cannot be read (%s): written again; the shard entries say which shards are finished", manifest, err
+            )
+            write_json(manifest, {"config_hash": digest, "config": config})
+            previous = {"config_hash": digest}
         if previous.get("config_hash") != digest:
             stale = list(self.dir.glob("shard-*"))
             if stale:
@@ -124,19 +138,57 @@ class ShardStore:
         return self.dir / f"shard-{index:05d}.parquet"
 
     def sidecar(self, index: int, suffix: str) -> Path:
-        """A file that belongs to shard ``index``; write it before the shard, which marks it done."""
+        """A file that belongs to shard ``index``; write it before the shard (whose entry then records it too)."""
         return self.dir / f"shard-{index:05d}{suffix}"
 
+    def entry(self, index: int) -> Path:
+        """Shard ``index``'s manifest entry: the sha256 of its files and the key's hash, written after them."""
+        return self.sidecar(index, ENTRY)
+
+    def _seal(self, index: int) -> None:
+        """Write shard ``index``'s entry: its parquet and every sidecar (``shard-NNNNN.*``) as they are now."""
+        prefix = self.path(index).stem
+        names = sorted(p.name for p in self.dir.glob(f"{prefix}.*") if p != self.entry(index))
+        write_json(self.entry(index), {"config_hash": self.config_hash, "files": file_digests(self.dir, names)})
+
+    def problem(self, index: int) -> str | None:
+        """Why shard ``index`` is not finished though it is on disk (its entry missing, unreadable or of another key, a
+        file missing, unreadable or not what was written); None when it is finished, or when nothing of it was
+        written."""
+        entry = self.entry(index)
+        try:
+            recorded = json.loads(entry.read_text())
+            files = recorded["files"]
+        except FileNotFoundError:
+            return (
+                f"{self.path(index)} has no manifest entry (killed before it was written?)"
+                if self.path(index).exists()
+                else None
+            )
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return f"its manifest entry {entry} cannot be read ({type(err).__name__}: {err})"
+        if recorded.get("config_hash") != self.config_hash:
+            return f"its manifest entry {entry} was written under another key"
+        if self.path(index).name not in files:
+            return f"its manifest entry {entry} lists no {self.path(index).name}"
+        return changed_file(self.dir, files)
+
     def done(self, index: int) -> bool:
-        return self.path(index).exists()
+        """Whether shard ``index`` is finished: written, with its entry, and its files are what was written."""
+        return self.entry(index).exists() and self.problem(index) is None
 
     def write_arrays(self, index: int, suffix: str, arrays: dict[str, np.ndarray]) -> None:
         """Per-record arrays of shard ``index`` (by record id, e.g. hidden states of generated tokens) in its sidecar
-        ``suffix``: write them before the shard. A retry of a finished shard's errors adds to what its finished
-        records stored."""
+        ``suffix`` (written atomically): write them before the shard. A retry of a finished shard's errors adds to what
+        its finished records stored, and its entry records the new sidecar."""
         sidecar = self.sidecar(index, suffix)
-        kept = load_file(str(sidecar)) if self.done(index) and sidecar.exists() else {}
-        save_file(kept | arrays, str(sidecar))
+        finished = self.done(index)
+        kept = load_file(str(sidecar)) if finished and sidecar.exists() else {}
+        tmp = sidecar.with_name(f".{sidecar.name}.part")
+        save_file(kept | arrays, str(tmp))
+        os.replace(tmp, sidecar)
+        if finished:
+            self._seal(index)
 
     def read_with_arrays(self, n_items: int, size: int, suffix: str, column: str) -> tuple[pd.DataFrame, np.ndarray]:
         """Every shard in order (as :meth:`read_all`) and the arrays of its ok records (:meth:`write_arrays`) stacked
@@ -169,6 +221,7 @@ class ShardStore:
         tmp = self.dir / f".shard-{index:05d}.parquet.part"
         frame.to_parquet(tmp, index=False)
         os.replace(tmp, self.path(index))
+        self._seal(index)
 
     def read(self, indices: range) -> pd.DataFrame:
         frames = [pd.read_parquet(self.path(i)) for i in indices]
@@ -179,8 +232,12 @@ class ShardStore:
         return (n_items + size - 1) // size
 
     def _todo(self, index: int, chunk: pd.DataFrame) -> pd.DataFrame:
-        """The rows of shard ``index`` to compute: all of an unfinished shard, the errors of a finished one."""
-        if not self.done(index):
+        """The rows of shard ``index`` to compute: all of an unfinished shard (logged by name when it is on disk), the
+        errors of a finished one."""
+        problem = self.problem(index)
+        if problem is not None:
+            log.warning("%s: shard %d is not finished, computing it again: %s", self.dir, index, problem)
+        if problem is not None or not self.entry(index).exists():
             return chunk
         stored = pd.read_parquet(self.path(index), columns=["id", "status"])
         return chunk[chunk["id"].isin(stored.loc[is_error(stored["status"]), "id"])]

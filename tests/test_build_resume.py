@@ -4,6 +4,7 @@ on the next run; too many failures stop the stage, keeping what is finished."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -155,6 +156,27 @@ def test_failed_early_records_are_retried_and_too_many_stop_the_stage(project, m
     calls = [i for batch in batches if len(batch) == 1 for i in batch]
     assert len(calls) < len(ids)  # stopped early, with the finished shard kept for the next run
     assert pd.read_parquet(project / "data/early/shards/shard-00000.parquet")["status"].eq("ok").all()
+
+
+def test_a_truncated_shard_and_sidecar_are_named_and_computed_again_alone(project, monkeypatch, caplog):
+    """A shard that no longer reads (truncated by a disk, a copy or a sync) and another's truncated sidecar: the next
+    run logs both by name and computes those two shards and nothing else, to the same outputs."""
+    first = early(project)
+    hidden = load_file(project / "data/early/answer_hidden.safetensors")["hidden"]
+    shards = project / "data/early/shards"
+    for path in (shards / "shard-00001.parquet", shards / f"shard-00002{build_early.HIDDEN}"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    ids, qs = first["id"].tolist(), first["question"].tolist()
+    batches = inject_errors(
+        monkeypatch, build_early, "early_records", set(), lambda args: [ids[qs.index(q)] for q in args[1]]
+    )
+    caplog.set_level(logging.WARNING, "detectors.shards")
+    again = early(project)
+    assert sorted(i for batch in batches for i in batch) == sorted(ids[8:24])  # shards 1 and 2 (8 questions each)
+    named = [r.getMessage() for r in caplog.records if "computing it again" in r.getMessage()]
+    assert len(named) == 2 and "shard-00001.parquet" in named[0] and f"shard-00002{build_early.HIDDEN}" in named[1]
+    pd.testing.assert_frame_equal(again, first)
+    assert np.array_equal(load_file(project / "data/early/answer_hidden.safetensors")["hidden"], hidden)
 
 
 def test_failed_realtime_records_are_retried_with_their_hidden_states(project, monkeypatch):

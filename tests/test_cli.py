@@ -18,6 +18,7 @@ from test_registry import artifacts, logged, registered  # noqa: F401  (module-s
 
 from detectors import load_detector
 from detectors.cli import main
+from detectors.errors import InputError
 
 DYNRAG = Path(sys.executable).with_name("dynrag")
 QUESTIONS = ["The capital of France is", "The river of Paris is"]
@@ -51,6 +52,8 @@ def test_the_console_script_is_installed(registered):  # noqa: F811
     assert one_line(done.stderr).startswith(
         "dynrag promote: NotRegisteredError: model 'dior-early' has no version 9 in sqlite:///"
     )
+    done = subprocess.run([str(DYNRAG), "assess", b"\xff\xfe"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "argument 2 (b'\\xff\\xfe') is not valid UTF-8 text" in one_line(done.stderr)
     done = subprocess.run([str(DYNRAG), "promote", "dior-early"], capture_output=True, text=True, timeout=60)
     assert (
         done.returncode == 2
@@ -103,9 +106,13 @@ def test_assess_and_monitor_refuse_the_other_kind(registered, capsys):  # noqa: 
         (["monitor", "x", "--alias", ""], "argument --alias: '' is not an alias: use letters, digits, '_' or '-'"),
         (["promote", "dior-early", "1", "--alias", ""], "argument --alias: '' is not an alias"),
         (["promote", "dior-early", "1", "--alias", "v2"], "argument --alias: 'v2' is reserved by MLflow for versions"),
+        (  # bytes that are not UTF-8, as Python passes them on (surrogates): refused before any store or model is read
+            ["assess", os.fsdecode(b"\xff\xfe"), "--tracking-uri", "sqlite:////nowhere/mlflow.db"],
+            "dynrag: error: argument 2 (b'\\xff\\xfe') is not valid UTF-8 text: pass it encoded in UTF-8",
+        ),
     ],
 )
-def test_a_bad_device_or_alias_is_refused_where_it_is_parsed(argv, message, capsys):
+def test_a_bad_argument_is_refused_where_it_is_parsed(argv, message, capsys):
     status, out, err = run(capsys, *argv)
     assert status == 2 and out == "" and message in one_line(err)
 
@@ -211,6 +218,21 @@ def test_the_store_comes_from_the_option_the_environment_or_the_params_file(regi
         and f"StoreNotFoundError: no MLflow store at {tmp_path / 'empty.db'}: check the tracking URI" in one_line(err)
     )
     assert not (tmp_path / "empty.db").exists()  # a reader creates no store
+
+
+def test_a_plain_path_is_refused_as_a_tracking_uri_with_the_sqlite_form_to_use(tmp_path, capsys):
+    for given, store in (
+        (tmp_path / "nowhere", tmp_path / "nowhere/mlflow.db"),
+        (tmp_path / "x.db", tmp_path / "x.db"),
+    ):
+        status, _, err = run(capsys, "assess", "x", "--tracking-uri", str(given))
+        assert status == 1 and (
+            f"TrackingURIError: tracking URI '{given}' is a plain path, which MLflow reads as its deprecated file "
+            f"store: name a sqlite store as sqlite:///{store} "
+        ) in one_line(err)
+    with pytest.raises(InputError, match=r"'data/mlflow' is a plain path, .*: name a sqlite store as sqlite:///"):
+        load_detector("dior-early", tracking_uri="data/mlflow")
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_relocate_refuses_a_store_that_does_not_move(capsys):

@@ -20,6 +20,7 @@ from detectors.ctrla.steering import steer
 from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import DtypeMismatchError, LLMMismatchError
 from detectors.llm.loading import LLM
+from detectors.registry.artifact import seal
 
 STATEMENTS_FIXTURE = ROOT / "data" / "fixtures" / "statements_small.csv"
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
@@ -182,6 +183,7 @@ def test_directions_for_a_different_layer_count_are_refused(tmp_path, tiny_llm, 
     meta = json.loads((saved / "detector.json").read_text())
     meta["llm"]["fingerprint"]["num_layers"] = 3  # a file claiming another depth than its vectors have
     (saved / "detector.json").write_text(json.dumps(meta))
+    seal(saved)  # as its writer would have recorded it
     with pytest.raises(DirectionsError, match=r"shape \(2, 64\).*3 layers"):
         Directions.load(saved)
     deeper = build_tiny_llama(tokenizer, train_steps=0)

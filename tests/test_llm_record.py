@@ -22,6 +22,7 @@ from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.llm.fingerprint import DtypeMismatchError
 from detectors.llm.loading import LLM, prepare_llm, prepared_reference
+from detectors.registry.artifact import seal
 
 FEATURES = EarlyFeatureParams(
     prompt=PromptParams(template="{question}", chat=False), n_steps=4, ig_batch_size=4, hidden_layers=[1, -1]
@@ -88,6 +89,7 @@ def test_an_artifact_without_a_recorded_dtype_is_served_with_a_warning(early, ti
     config = json.loads((tmp_path / "old" / "detector.json").read_text())
     del config["llm"]["dtype"]  # as written before dtypes were recorded
     (tmp_path / "old" / "detector.json").write_text(json.dumps(config))
+    seal(tmp_path / "old")  # its files' digests, as its writer records them
     old = EarlyDetector.load(tmp_path / "old")
     assert old.feature_dtype is None
     with pytest.warns(UserWarning, match="records no feature dtype .* served with bfloat16 features"):

@@ -666,10 +666,8 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
     assert lines[0]["prompts"] == ["prompt of question 0"] and lines[2]["prompts"] == []  # prompts of the first 2 only
     assert sorted(p.name for p in run.glob("shard-*")) == [
-        "shard-00000.parquet",
-        "shard-00001.parquet",
-        "shard-00002.parquet",
-    ]
+        name for k in range(3) for name in (f"shard-0000{k}.manifest.json", f"shard-0000{k}.parquet")
+    ]  # each shard with its manifest entry
     m = summarise(lines, [[f"a{i}"] for i in range(5)])
     assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (
         0.2,

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.metadata
 import json
 import math
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -35,7 +36,7 @@ from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.registry import relocate, store
-from detectors.registry.artifact import FrameInputError
+from detectors.registry.artifact import ArtifactIntegrityError, FrameInputError
 from detectors.registry.kinds import KINDS, load_artifact
 from detectors.utility.detector import Standardised, UtilityDetector, UtilityNets
 
@@ -535,14 +536,15 @@ def test_readme_ctrla_snippet_shares_one_llm(registered, monkeypatch):
 # ---- the store moves with its project ---------------------------------------------------------------------
 
 
-def _project(root: Path, artifacts: dict[str, Path]) -> str:
-    """A project at ``root`` whose store (the params' mlflow section) holds a registered ``ctrla-honesty``; its URI."""
+def _project(root: Path, artifacts: dict[str, Path], kind: str = "ctrla-honesty") -> str:
+    """A project at ``root`` whose store (the params' mlflow section) holds a registered ``kind`` (ctrla-honesty); its
+    URI."""
     root.mkdir()
     uri = store.configure(PARAMS["mlflow"]["tracking_uri"], root)
     exp = store.experiment("detector-registry", PARAMS["mlflow"]["artifact_root"], root)
-    directory = artifacts["ctrla-honesty"]
+    directory = artifacts[kind]
     result = store.log_and_register(
-        load_artifact(directory), directory, "ctrla-honesty", "champion", exp, 0.7, "val-a", {}, {}, {}
+        load_artifact(directory), directory, NAMES[kind], "champion", exp, 0.7, "val-a", {}, {}, {}
     )
     assert result["decision"] == "champion"
     return uri
@@ -605,3 +607,115 @@ def test_a_store_that_records_no_directory_is_relocated_from_a_named_one(tmp_pat
     assert "4 artifact locations moved" in capsys.readouterr().out
     assert relocate.recorded_dir(clone_uri) == str(clone / "data/mlflow")
     assert isinstance(load_detector("ctrla-honesty", tracking_uri=clone_uri, llm=tiny_llm), HonestySteering)
+
+
+# ---- integrity: a corrupted artifact or store is named, never served --------------------------------------------
+
+
+def _flip(path: Path, offset: int | None = None) -> None:
+    """Overwrite one byte of ``path`` (the middle one by default) as a disk or a copy would: the size stays."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if offset is None else offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupted_registered_detector_is_refused_naming_the_file_model_and_version(
+    tmp_path, artifacts, tiny_llm, capsys
+):
+    """One byte of the registered weights, the weights truncated, the scalers edited: loading refuses each before
+    anything is served (load_detector, the pyfunc, dynrag), naming the file, the model and version and what to do; the
+    original bytes load again."""
+    uri = _project(tmp_path / "project", artifacts, "dior-early")
+    [weights] = (tmp_path / "project/data/mlflow/artifacts").rglob("weights.safetensors")
+    config = weights.with_name("detector.json")
+    good = {path: path.read_bytes() for path in (weights, config)}
+    expected = load_detector("dior-early", tracking_uri=uri, llm=tiny_llm).assess("The capital of France is")
+    fix = (
+        r"re-register it \(`dvc repro -f -s register`\), or promote another version "
+        r"\(`dynrag promote dior-early VERSION`\)"
+    )
+    damages = {
+        weights: lambda: _flip(weights),
+        weights.with_suffix(".truncated"): lambda: weights.write_bytes(good[weights][: len(good[weights]) // 2]),
+        config: lambda: config.write_text(good[config].decode().replace('"threshold": 0.5', '"threshold": 0.9')),
+    }
+    for damaged, damage in damages.items():
+        damage()
+        named = re.escape(str(weights if damaged.suffix == ".truncated" else damaged))
+        with pytest.raises(
+            ArtifactIntegrityError,
+            match=rf"^dior-early v1 \(dior-early@champion\) cannot be served: {named} is not the file that was "
+            rf"written: its sha256 is .*: {fix}$",
+        ):
+            load_detector("dior-early", tracking_uri=uri, llm=tiny_llm)
+        with pytest.raises(ArtifactIntegrityError, match=rf"{named} is not the file that was written"):
+            mlflow.pyfunc.load_model("models:/dior-early@champion")  # the pyfunc MLflow serves checks them too
+        capsys.readouterr()  # what loading printed (MLflow's progress bars)
+        assert cli.main(["assess", "The capital of France is", "--tracking-uri", uri]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and "dynrag assess: ArtifactIntegrityError: " in err
+        for path, data in good.items():
+            path.write_bytes(data)
+    again = load_detector("dior-early", tracking_uri=uri, llm=tiny_llm).assess("The capital of France is")
+    assert again.probability == expected.probability
+
+
+def test_a_corrupted_artifact_read_by_a_stage_is_refused_naming_the_file(tmp_path, artifacts):
+    """The DVC-tracked models the stages read (DVC checks none of them when a stage reads them): directions, weights,
+    and an artifact written before artifacts recorded their files' digests."""
+    honesty = Path(shutil.copytree(artifacts["ctrla-honesty"], tmp_path / "honesty"))
+    _flip(honesty / "directions.safetensors", -1)
+    with pytest.raises(
+        ArtifactIntegrityError,
+        match=rf"^{re.escape(str(honesty / 'directions.safetensors'))} is not the file that was written: .*: restore "
+        r"it \(`dvc checkout`\) or rebuild it \(`dvc repro`\)$",
+    ):
+        HonestySteering.load(honesty)
+    early = Path(shutil.copytree(artifacts["dior-early"], tmp_path / "early"))
+    (early / "weights.safetensors").unlink()
+    with pytest.raises(ArtifactIntegrityError, match=rf"{re.escape(str(early / 'weights.safetensors'))} is missing"):
+        EarlyDetector.load(early)
+    old = Path(shutil.copytree(artifacts["utility"], tmp_path / "utility"))
+    (old / "manifest.json").unlink()
+    with pytest.raises(ArtifactIntegrityError, match=rf"{re.escape(str(old))} records no file digests"):
+        load_artifact(old)
+
+
+def test_missing_artifacts_are_named_by_their_path(tmp_path, artifacts, tiny_llm):
+    """A checkout moved or copied without its artifact root: the first missing directory is named, not MLflow's "No such
+    artifact: ''"."""
+    uri = _project(tmp_path / "project", artifacts)
+    shutil.rmtree(tmp_path / "project/data/mlflow/artifacts")
+    with pytest.raises(
+        ArtifactIntegrityError,
+        match=rf"^the artifacts of ctrla-honesty v1 \(ctrla-honesty@champion\) are missing: "
+        rf"{re.escape(str(tmp_path / 'project/data/mlflow/artifacts'))} is not a directory .*: restore it, or "
+        r"re-register it \(`dvc repro -f -s register_ctrla`\)",
+    ):
+        load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm)
+
+
+def test_a_truncated_or_empty_store_is_refused_in_one_line_and_never_written(tmp_path, artifacts, capsys):
+    uri = _project(tmp_path / "project", artifacts)
+    db = store.sqlite_path(uri)
+    db.write_bytes(db.read_bytes()[: db.stat().st_size // 2])
+    damaged = {
+        "truncated": (lambda: None, rf"the MLflow store {re.escape(str(db))} is malformed \(sqlite: .*\)"),
+        "empty": (lambda: db.write_bytes(b""), rf"the MLflow store {re.escape(str(db))} is an empty file \(0 bytes\)"),
+    }
+    for what, (damage, message) in damaged.items():
+        damage()
+        before = _state(db)
+        with pytest.raises(relocate.StoreDamagedError, match=rf"^{message}.*register the detectors again"):
+            load_detector("ctrla-honesty", tracking_uri=uri)
+        with pytest.raises(relocate.StoreDamagedError, match=message):
+            store.configure(uri)  # a writer neither initialises it
+        for argv in (["promote", "ctrla-honesty", "1"], ["relocate"], ["assess", "x"]):
+            capsys.readouterr()
+            assert cli.main([*argv, "--tracking-uri", uri]) == 1, what
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and "StoreDamagedError: the MLflow store" in err, (what, err)
+        assert _state(db) == before, what  # reading never writes, an empty file stays empty
+    sqlite3.connect(tmp_path / "other.db").execute("CREATE TABLE t (x)").connection.close()  # sqlite, not MLflow
+    with pytest.raises(relocate.StoreDamagedError, match=r"other.db is a sqlite database but holds no MLflow store"):
+        load_detector("ctrla-honesty", tracking_uri=f"sqlite:///{tmp_path / 'other.db'}")

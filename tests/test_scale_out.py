@@ -199,7 +199,7 @@ def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
 
     def kill_one_worker_after_the_first_shard():
         deadline = time.time() + 120
-        while not list(shards.glob("shard-*.parquet")) and time.time() < deadline:
+        while not list(shards.glob("shard-*.manifest.json")) and time.time() < deadline:  # a shard is finished
             time.sleep(0.02)
         finished_before.update(shard_times(shards))
         for proc in psutil.Process().children(recursive=True):  # this session's cluster only, never another Ray's

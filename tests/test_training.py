@@ -16,6 +16,7 @@ from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early_detector import PAPER_THRESHOLD, EarlyDetector, load_early_detectors, train_early_detector
 from detectors.evaluation.metrics import OneClassError, auroc
 from detectors.llm.fingerprint import Fingerprint
+from detectors.registry.artifact import seal
 from detectors.training import fit
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
@@ -195,6 +196,7 @@ def test_an_artifact_written_before_names_loads_as_dior_early(tmp_path):
     config = json.loads((directory / "detector.json").read_text())
     del config["name"]
     (directory / "detector.json").write_text(json.dumps(config))
+    seal(directory)  # its files' digests, as its writer records them
     assert EarlyDetector.load(directory).name == "dior-early"
 
 

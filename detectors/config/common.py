@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 from typing import Literal
 
 from detectors.config.core import check_splits, fail, positive
@@ -48,6 +49,29 @@ class LLMParams:
             fail(f"{where}.device", self.device, "use auto, cpu or cuda[:N]")
 
 
+STORE_URIS = ("sqlite:///", "http://", "https://", "postgresql", "mysql")  # the stores the project reads and writes
+URI_SCHEME = re.compile(r"([A-Za-z][\w+.-]*):")  # what a URI starts with, and a plain path does not
+
+
+def store_uri_problem(uri: str, root: str | Path = ".") -> str | None:
+    """What is wrong with tracking URI ``uri`` as a store of the project, and what to give instead (None: nothing). A
+    plain path or a ``file:`` URI is MLflow's deprecated file store: refused with the ``sqlite:///`` form of the same
+    place (relative to ``root``)."""
+    if uri.startswith(STORE_URIS):
+        return None
+    scheme = URI_SCHEME.match(uri)
+    server = "a tracking server as http://host:port"
+    if scheme is not None and scheme.group(1).lower() != "file":
+        return f"not a store the project uses: name a sqlite, postgresql or mysql database, or {server}"
+    path = (Path(root) / re.sub(r"^file:(//)?", "", uri)).resolve()
+    db = path if path.suffix == ".db" else path / "mlflow.db"
+    kind = "a file: URI" if scheme else "a plain path"
+    return (
+        f"{kind}, which MLflow reads as its deprecated file store: name a sqlite store as sqlite:///{db} (the "
+        f"project's is sqlite:///data/mlflow/mlflow.db, relative to the project root), or {server}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class MLflowParams:
     """The tracking store and registry: a sqlite file of the project, a team's database, or a shared ``mlflow
@@ -59,15 +83,9 @@ class MLflowParams:
     )  # where new experiments keep their artifacts: a directory, or an object-store URI (s3://...)
 
     def check(self, where: str) -> None:
-        if not self.tracking_uri.startswith(("sqlite:///", "http://", "https://", "postgresql", "mysql")):
-            fail(
-                f"{where}.tracking_uri",
-                self.tracking_uri,
-                (
-                    "use a database or server URI such as sqlite:///data/mlflow/mlflow.db (the ./mlruns file store is "
-                    "refused)"
-                ),
-            )
+        problem = store_uri_problem(self.tracking_uri)
+        if problem is not None:
+            fail(f"{where}.tracking_uri", self.tracking_uri, problem)
         server = self.tracking_uri.startswith(("http://", "https://"))
         if self.artifact_root is None and not server:
             fail(

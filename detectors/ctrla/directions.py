@@ -35,7 +35,7 @@ from detectors.llm.kv import batches, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
 from detectors.progress import progress
-from detectors.registry.artifact import llm_section, read_llm_section
+from detectors.registry.artifact import llm_section, read_config, read_llm_section, seal
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class Directions:
             **{k: v for k, v in self.config.items() if k != "llm"},
         }
         (directory / CONFIG).write_text(json.dumps(meta, indent=2))
-        return directory
+        return seal(directory)
 
     @classmethod
     def load(cls, directory: str | Path) -> Directions:
@@ -228,7 +228,7 @@ class Directions:
                 raise FileNotFoundError(
                     f"{directory} holds no {name}: not a CtrlA directions artifact (run extract_directions)"
                 )
-        meta = json.loads((directory / CONFIG).read_text())
+        meta = read_config(directory)  # its files verified first
         tensors = load_file(directory / TENSORS)
         missing = {"vectors", "explained_variance", "norms"} - set(tensors)
         if missing:

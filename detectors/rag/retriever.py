@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from detectors.errors import InputError
+from detectors.io import changed_file, file_digests
 from detectors.rag.corpus import Passage, read_passages, write_passages
 
 MANIFEST = "manifest.json"
@@ -62,10 +63,6 @@ class Retriever(Protocol):
 
 class IndexError_(InputError):
     """An index directory that is missing, incomplete or does not match its manifest."""
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class BM25Retriever:
@@ -120,11 +117,10 @@ class BM25Retriever:
         write_passages(self.passages, directory / PASSAGES)
         self.index.save(str(directory / INDEX))
         (directory / DOCUMENT_FREQUENCY).write_text(json.dumps(self.df, sort_keys=True))
-        files = {
-            str(p.relative_to(directory)): _digest(p)
-            for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != MANIFEST
-        }
+        files = file_digests(
+            directory,
+            [str(p.relative_to(directory)) for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST],
+        )
         self.digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
         manifest = {
             "passages": len(self.passages),
@@ -145,12 +141,9 @@ class BM25Retriever:
         if not (directory / MANIFEST).is_file():
             raise IndexError_(f"no bm25s index in {str(directory)!r} (no {MANIFEST}): run `dvc repro index_corpus`")
         manifest = json.loads((directory / MANIFEST).read_text())
-        for name, digest in manifest["files"].items():
-            path = directory / name
-            if not path.is_file() or _digest(path) != digest:
-                raise IndexError_(
-                    f"{path} is missing or changed since the index was built: rerun `dvc repro index_corpus`"
-                )
+        problem = changed_file(directory, manifest["files"])
+        if problem is not None:
+            raise IndexError_(f"{problem}: rerun `dvc repro index_corpus` to rebuild the index")
         index = bm25s.BM25.load(str(directory / INDEX))
         df = json.loads((directory / DOCUMENT_FREQUENCY).read_text())
         return cls(read_passages(directory / PASSAGES), index, manifest["params"], df, manifest["digest"])

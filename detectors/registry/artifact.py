@@ -1,6 +1,8 @@
 """The files of a trained detector: ``weights.safetensors`` (no pickle) and ``detector.json`` (its kind,
-everything needed to rebuild and serve it, the fingerprint of its LLM and the dtype its features were
-computed in); and the input columns its ``predict_frame`` (the pyfunc) takes (:class:`FrameInputs`)."""
+everything needed to rebuild and serve it, its scalers, the fingerprint of its LLM and the dtype its features were
+computed in), and ``manifest.json``, the sha256 of each of its files, written last (:func:`seal`) and checked before
+anything is read from it (:func:`verify`: a corrupted, truncated or missing file is an :class:`ArtifactIntegrityError`
+naming it); and the input columns its ``predict_frame`` (the pyfunc) takes (:class:`FrameInputs`)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from detectors.errors import InputError
+from detectors.io import changed_file, file_digests, write_json
 from detectors.llm.fingerprint import Fingerprint
 
 CONFIG = "detector.json"
 WEIGHTS = "weights.safetensors"
+MANIFEST = "manifest.json"
+REBUILD = "restore it (`dvc checkout`) or rebuild it (`dvc repro`)"
+
+
+class ArtifactIntegrityError(InputError):
+    """A file of a detector artifact is missing, unreadable or not the one that was written (its sha256 is not the one
+    its manifest records), or the artifact records no digests: ``problem`` says which file and what, the message adds
+    the ``fix``."""
+
+    def __init__(self, problem: str, fix: str = REBUILD):
+        self.problem = problem
+        super().__init__(f"{problem}: {fix}")
 
 
 class FrameInputError(InputError, ValueError):
@@ -100,18 +115,47 @@ def _problem(value: Any, kind: str) -> str | None:
     return None if math.isfinite(value) else f"{value!r}"
 
 
+def seal(directory: str | Path) -> Path:
+    """Record the sha256 of every file of the artifact in ``directory`` in its :data:`MANIFEST`; write it last, once
+    the artifact is complete (every writer of an artifact calls it)."""
+    directory = Path(directory)
+    names = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+    write_json(directory / MANIFEST, {"files": file_digests(directory, [n for n in names if n != MANIFEST])})
+    return directory
+
+
+def verify(directory: str | Path) -> None:
+    """Raise :class:`ArtifactIntegrityError` unless every file the artifact in ``directory`` recorded (:func:`seal`) is
+    there with the sha256 it was written with."""
+    manifest = Path(directory) / MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except FileNotFoundError:
+        raise ArtifactIntegrityError(
+            f"{directory} records no file digests (no {MANIFEST}: written before artifacts recorded them, or not "
+            "completely), so its files cannot be verified"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ArtifactIntegrityError(f"{manifest} cannot be read ({type(err).__name__}: {err})") from None
+    problem = changed_file(directory, files)
+    if problem is not None:
+        raise ArtifactIntegrityError(problem)
+
+
 def write_artifact(directory: str | Path, kind: str, net: torch.nn.Module, config: dict[str, Any]) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, directory / WEIGHTS)
     (directory / CONFIG).write_text(json.dumps({"kind": kind, **config}, indent=2))
-    return directory
+    return seal(directory)
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
+    """The ``detector.json`` of the artifact in ``directory``, once its files are verified (:func:`verify`)."""
     path = Path(directory) / CONFIG
     if not path.exists():
         raise FileNotFoundError(f"{directory} holds no {CONFIG}: not a detector artifact")
+    verify(directory)
     return json.loads(path.read_text())
 
 

@@ -7,7 +7,9 @@ directory (the one holding the ``.db`` file, ``data/mlflow`` here; the artifact 
 recorded in the store itself, as the tag :data:`ANCHOR_TAG` of MLflow's ``Default`` experiment, by the first stage
 that creates an experiment there (:func:`anchor`).
 
-- Reading never writes: :func:`require_in_place` compares the recorded directory with the one the database is in
+- Reading never writes: :func:`require_sound` refuses a database file that is empty, malformed or holds no MLflow
+  store (MLflow would write a new schema into an empty file, or fail with a long traceback), reading it read-only;
+  :func:`require_in_place` compares the recorded directory with the one the database is in
   now and raises :class:`StoreMovedError` (one line: run the relocate command) when they differ.
 - :func:`relocate` (``dynrag relocate``) rewrites every location under the recorded directory to the same path under
   the current one and records the new directory. Locations outside the store directory are left as they are (they
@@ -22,6 +24,8 @@ old directory, so a location column MLflow adds is caught there.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from pathlib import Path
 
 from detectors.errors import InputError
@@ -36,6 +40,10 @@ class StoreMovedError(InputError):
     one."""
 
 
+class StoreDamagedError(InputError):
+    """A sqlite store's database file is empty, malformed (truncated, corrupted) or holds no MLflow store."""
+
+
 class StoreRelocationError(InputError):
     """A moved store could not be relocated (e.g. it is read-only)."""
 
@@ -45,6 +53,43 @@ def sqlite_path(uri: str) -> Path | None:
     if not uri.startswith("sqlite:///"):
         return None
     return Path(uri[len("sqlite:///") :].split("?", 1)[0]).resolve()
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+RESTORE = (
+    "restore it from a backup, or move it aside and register the detectors again in a new one (`dvc repro -f -s "
+    "register`, `dvc repro -f -s register_ctrla`; evaluate, evaluate_directions and rag_eval log their runs there too)"
+)
+
+
+def require_sound(db: Path) -> None:
+    """Raise :class:`StoreDamagedError` naming ``db`` unless it is a sqlite database that passes sqlite's quick check
+    and holds MLflow's tables. Opened read-only: checking never writes, and an empty file is refused, not
+    initialised."""
+    if db.stat().st_size == 0:
+        raise StoreDamagedError(
+            f"the MLflow store {db} is an empty file (0 bytes), not a store (it is left as it is: reading never "
+            f"writes): {RESTORE}"
+        )
+    with open(db, "rb") as f:
+        if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+            raise StoreDamagedError(f"the MLflow store {db} is not a sqlite database (no sqlite header): {RESTORE}")
+    try:
+        with contextlib.closing(sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, timeout=30)) as con:
+            found = [row[0] for row in con.execute("PRAGMA quick_check")]
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.OperationalError:  # locked, or not readable: not the file's fault, sqlite's message says what
+        raise
+    except sqlite3.DatabaseError as err:
+        found, tables = [str(err)], set()
+    if found != ["ok"]:
+        raise StoreDamagedError(
+            f"the MLflow store {db} is malformed (sqlite: {'; '.join(found[:3])}), e.g. truncated: {RESTORE}"
+        )
+    if not {"alembic_version", "experiments"} <= tables:
+        raise StoreDamagedError(
+            f"{db} is a sqlite database but holds no MLflow store (no MLflow tables): check the tracking URI"
+        )
 
 
 def _client(uri: str):
@@ -148,6 +193,7 @@ def relocate(uri: str, old: str | Path | None = None) -> dict:
         raise StoreRelocationError(
             f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project root)"
         )
+    require_sound(db)
     here = str(db.parent)
     source = str(Path(old).resolve()) if old is not None else recorded_dir(uri)
     result = {"store": str(db), "from": source, "to": here, "rewritten": 0}

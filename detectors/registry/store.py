@@ -23,10 +23,11 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from detectors.config.common import URI_SCHEME, store_uri_problem
 from detectors.errors import InputError
 from detectors.llm.fingerprint import Fingerprint
-from detectors.registry.artifact import read_config
-from detectors.registry.relocate import anchor, require_in_place, sqlite_path
+from detectors.registry.artifact import ArtifactIntegrityError, read_config
+from detectors.registry.relocate import anchor, require_in_place, require_sound, sqlite_path
 from detectors.registry.requirements import pip_requirements
 
 PYFUNC_MODEL = Path(__file__).with_name("pyfunc.py")
@@ -55,9 +56,23 @@ class NotRegisteredError(InputError, LookupError):
     """No registered model, version or alias of that name in the store."""
 
 
+class TrackingURIError(InputError):
+    """A tracking URI that names no store the project uses (a plain path, a ``file:`` URI)."""
+
+
+# what to do about a registered version that cannot be served: the stage that registers it (forced: the store is not a
+# DVC output, so nothing else makes it run), or another version
+REREGISTER = "re-register it (`dvc repro -f -s {stage}`), or promote another version (`dynrag promote {name} VERSION`)"
+
+
 def tracking_uri(uri: str, root: str | Path = ".", mkdir: bool = True) -> str:
     """The tracking URI with a relative sqlite path made absolute (stages and the UI then agree); ``mkdir``: create the
-    database's directory (a writer's first run)."""
+    database's directory (a writer's first run). A URI that names no store the project uses (a plain path, which MLflow
+    would take for its deprecated file store: :func:`~detectors.config.common.store_uri_problem`) is a
+    :class:`TrackingURIError` that gives the ``sqlite:///`` form to use."""
+    problem = store_uri_problem(uri, root)
+    if problem is not None:
+        raise TrackingURIError(f"tracking URI {uri!r} is {problem}")
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         db = (Path(root) / uri[len("sqlite:///") :]).resolve()
         if mkdir:
@@ -99,11 +114,12 @@ def configure(uri: str, root: str | Path = ".", *, existing: bool = False) -> st
     """Point MLflow's tracking and registry at ``uri`` (relative sqlite paths resolved against ``root``); returns the
     URI.
 
-    Never writes to the store. A tracking server must answer its health check (:func:`check_server`); a sqlite store
-    opened from another directory than the one it records (moved or cloned) is refused with the command that relocates
-    it (see :mod:`detectors.registry.relocate`), since its artifact locations still point to the old directory.
-    ``existing`` (readers): a sqlite database that does not exist is an error, not a new empty store MLflow would
-    create.
+    Never writes to the store. A tracking server must answer its health check (:func:`check_server`); a sqlite file
+    that is empty, malformed or holds no MLflow store is refused (:func:`~detectors.registry.relocate.require_sound`),
+    never initialised; a sqlite store opened from another directory than the one it records (moved or cloned) is
+    refused with the command that relocates it (see :mod:`detectors.registry.relocate`), since its artifact locations
+    still point to the old directory. ``existing`` (readers): a sqlite database that does not exist is an error, not a
+    new empty store MLflow would create.
     """
     uri = tracking_uri(uri, root, mkdir=not existing)
     check_server(uri)
@@ -113,6 +129,8 @@ def configure(uri: str, root: str | Path = ".", *, existing: bool = False) -> st
             f"no MLflow store at {db}: check the tracking URI (a relative sqlite path is relative to the project "
             "root), or run `dvc repro` to create and fill it"
         )
+    if db is not None and db.exists():
+        require_sound(db)
     require_in_place(uri)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
@@ -326,6 +344,40 @@ def resolve(name: str, alias: str | None = None, version: int | str | None = Non
         raise NotRegisteredError(
             f"model {name!r} has no version {version} in {mlflow.get_tracking_uri()} (versions: {versions})"
         ) from None
+
+
+def local_artifacts(name: str, version: int | str) -> Path | None:
+    """The local directory that holds the artifacts of ``version`` of model ``name`` (None: they are not in a local
+    directory, e.g. behind a tracking server)."""
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    location = MlflowClient().get_model_version_download_uri(name, str(version))
+    if location.startswith("file:"):
+        return Path(local_file_uri_to_path(location))
+    return None if URI_SCHEME.match(location) else Path(location)  # mlflow-artifacts:, s3:, ...: not local
+
+
+def load_version(version: Any, alias: str | None = None) -> Any:
+    """The pyfunc of the registered ``version`` (a ModelVersion, reached through ``alias`` if given), its detector's
+    files verified before anything is read from them. A local artifact directory that is gone, or a file of the
+    detector that is missing, unreadable or not the one registered, is an
+    :class:`~detectors.registry.artifact.ArtifactIntegrityError` naming the path, the model and version, and what to
+    do."""
+    name = version.name
+    what = f"{name} v{version.version}" + (f" ({name}@{alias})" if alias else "")
+    fix = REREGISTER.format(name=name, stage="register_ctrla" if name.startswith("ctrla-") else "register")
+    local = local_artifacts(name, version.version)
+    if local is not None and not local.is_dir():
+        gone = next((p for p in reversed([local, *local.parents]) if not p.exists()), local)  # the first missing one
+        raise ArtifactIntegrityError(
+            f"the artifacts of {what} are missing: {gone} is not a directory (they were in {local}; a store copied "
+            "or moved without its artifact root?)",
+            f"restore it, or {fix}",
+        )
+    try:
+        return mlflow.pyfunc.load_model(f"models:/{name}/{version.version}")
+    except ArtifactIntegrityError as err:
+        raise ArtifactIntegrityError(f"{what} cannot be served: {err.problem}", fix) from None
 
 
 def promote(name: str, version: int | str, alias: str = "champion") -> dict[str, Any]:

@@ -6,7 +6,6 @@ anything is unpacked from it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from detectors.errors import SourceError
+from detectors.io import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +26,9 @@ ARCHIVE = f"bigbench-{BIGBENCH_VERSION}.tar.gz"
 BIGBENCH_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify_archive(path: Path) -> None:
     """Refuse an archive whose sha256 is not the pinned one (a truncated download, another release, tampering)."""
-    actual = sha256_of(path)
+    actual = file_digest(path, None)
     if actual != BIGBENCH_SHA256:
         raise SourceError(
             f"bigbench archive {path}: sha256 is {actual}, expected {BIGBENCH_SHA256} (bigbench=={BIGBENCH_VERSION} "
