@@ -177,14 +177,14 @@ def run_early_shards(project: Path, worker_class) -> None:
 
 
 class RecordingWorker(build_early.ShardWorker):
-    """build_early's worker, leaving a mark ``writers/<shard file>.<pid>`` for every shard it writes."""
+    """build_early's worker, leaving a mark ``writers/<shard file>.<pid>`` for every shard it starts to write (before
+    writing, so that a worker killed between writing a shard and reporting it is still known as its writer)."""
 
     def __call__(self, shard):
-        out = super().__call__(shard)
         marks = Path("writers")
         marks.mkdir(exist_ok=True)
         (marks / f"{self.store.path(shard[0]).name}.{os.getpid()}").touch()
-        return out
+        return super().__call__(shard)
 
 
 def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
