@@ -17,6 +17,7 @@ import yaml
 from conftest import QA_FIXTURE, ROOT
 
 from detectors.errors import InputError, SourceError
+from detectors.rag import bm25_search
 from detectors.rag.bm25_build import import_bm25s
 from detectors.rag.corpus import JsonlPassages, Passage, PassageList, ovos_passages, qa_fact_passages, split_words
 from detectors.rag.retriever import BM25Retriever, IndexError_, Retriever, TermStatistics, open_index
@@ -351,10 +352,11 @@ def test_the_facts_corpus_gives_todays_index_and_hits_for_every_bm25_variant(met
         assert _hits(built, queries, k) == todays_hits(tmp_path / "idx", params, queries, k)
 
 
-def test_the_wiki_corpus_gives_todays_index_and_hits(tmp_path):
+def test_the_wiki_corpus_gives_todays_index_and_hits(tmp_path, monkeypatch):
     """The default `wiki` corpus (12,372 passages of the ovos summaries), in one chunk and in chunks of 1000: the
     digest the pipeline recorded before, and the hits of a full sort for the QA fixture's questions and 1,768
     DRAGIN-length queries, at k = 3 and 10, searched one by one and in batches on 1 and 2 threads."""
+    monkeypatch.setattr(bm25_search, "PARALLEL_MIN_PASSAGES", 0)  # batches on threads even for 12,372 passages
     passages = ovos_passages()
     whole = BM25Retriever.build(passages, BM25, tmp_path / "whole")
     chunked = BM25Retriever.build(PassageList(passages), BM25, tmp_path / "chunked", chunk=1000)

@@ -433,10 +433,8 @@ def _write_postings(
     np.cumsum(df, out=indptr[1:])
     nnz = int(indptr[-1])
     folder = directory / INDEX
-    data = np.lib.format.open_memmap(folder / "data.csc.index.npy", mode="w+", dtype=model.dtype, shape=(nnz,))
-    indices = np.lib.format.open_memmap(
-        folder / "indices.csc.index.npy", mode="w+", dtype=model.int_dtype, shape=(nnz,)
-    )
+    for name, dtype in (("data", model.dtype), ("indices", model.int_dtype)):  # the files, at their full size
+        np.lib.format.open_memmap(folder / f"{name}.csc.index.npy", mode="w+", dtype=dtype, shape=(nnz,)).flush()
     heads = indptr[:-1].copy()
     first_doc = 0
     for path in progress(chunks, desc=f"{desc}: postings", unit="chunk", disable=not desc):
@@ -463,13 +461,14 @@ def _write_postings(
         counts = np.diff(np.r_[starts, len(term)])
         rank = np.arange(len(term)) - np.repeat(starts, counts)
         where = heads[term] + rank
-        data[where] = scores[order]
-        indices[where] = (doc[order] + first_doc).astype(model.int_dtype)
+        for name, values in (("data", scores[order]), ("indices", doc[order] + first_doc)):
+            # mapped for one chunk: its pages leave the process's memory when unmapped (the page cache has them)
+            array = np.load(folder / f"{name}.csc.index.npy", mmap_mode="r+")
+            array[where] = values
+            array.flush()
+            del array
         heads[term[starts]] += counts
         first_doc += len(lengths)
-    data.flush()
-    indices.flush()
-    del data, indices
     np.save(folder / "indptr.csc.index.npy", indptr)
     if nonoccurrence is not None:
         np.save(folder / "nonoccurrence_array.index.npy", nonoccurrence)

@@ -1,20 +1,23 @@
 """Top-k BM25 search over a bm25s CSC index, compiled with numba, a batch in parallel threads.
 
 A query's scores are summed into a dense float32 accumulator, term by term in the query's order and posting by posting
-(the float32 sums of ``bm25s.BM25.get_scores``); only the passages its postings reach are then ranked, by a heap of
-k: score descending, then passage order, as a full sort would. Each thread owns one accumulator, reset after each
-query by the list of passages it reached, so a search costs its postings, not the corpus's size. The kernel releases
-the GIL: ``batch_search`` runs a batch's queries on as many threads as the process may use (its CPU affinity).
+(the float32 sums of ``bm25s.BM25.get_scores``); one pass over the accumulator then keeps the best k in a heap: score
+descending, then passage order, as a full sort would, without sorting (a passage enters only if it beats the heap's
+worst, one comparison each). Each thread owns one accumulator, kept between queries. The kernel releases the GIL:
+``batch_search`` runs a batch's queries on as many threads as the process may use (its CPU affinity).
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+
+PARALLEL_MIN_PASSAGES = 100_000  # a smaller corpus is searched on one thread (a query takes ~0.1 ms there)
 
 
 def cpu_threads() -> int:
@@ -64,42 +67,27 @@ def _offer(scores, docs, size, k, score, doc) -> int:
 
 
 @numba.njit(nogil=True, cache=True)
-def top_k(data, indices, indptr, terms, k, constant, acc, seen):
-    """The best ``k`` passages for the query ``terms`` (term ids, repeats counted): their ids and float32 scores, best
-    first. ``constant`` is added to every passage's sum (bm25l/bm25+'s non-occurrence scores; 0 otherwise), so a
-    passage no posting reaches scores ``constant``. ``acc`` (float32) and ``seen`` (bool), one entry a passage, are
-    zero on entry and left zero."""
+def top_k(data, indices, indptr, terms, k, constant, acc):
+    """The best ``k`` passages for the query ``terms`` (term ids, repeats counted) with a positive score: their ids
+    and float32 scores, best first. A passage's score is its postings' data summed in float32, term by term in the
+    query's order, plus ``constant`` (bm25l/bm25+'s non-occurrence scores; 0 otherwise), as bm25s sums it. ``acc``
+    (float32, one entry a passage) is zero on entry and left zero."""
     n_docs = acc.shape[0]
-    total = 0
-    for t in terms:
-        total += indptr[t + 1] - indptr[t]
-    reached = np.empty(min(total, n_docs), dtype=np.int64)
-    n = 0
     for t in terms:
         for j in range(indptr[t], indptr[t + 1]):
-            d = indices[j]
-            if not seen[d]:
-                seen[d] = True
-                reached[n] = d
-                n += 1
-            acc[d] += data[j]
+            acc[indices[j]] += data[j]
     k = min(k, n_docs)
     scores = np.empty(k, dtype=np.float32)
     docs = np.empty(k, dtype=np.int64)
     size = 0
-    for i in range(n):
-        d = reached[i]
-        size = _offer(scores, docs, size, k, acc[d] + constant, d)
-    if constant > 0:  # the passages no posting reached score `constant`: the first k of them compete
-        taken, d = 0, 0
-        while taken < k and d < n_docs:
-            if not seen[d]:
-                size = _offer(scores, docs, size, k, np.float32(0) + constant, d)
-                taken += 1
-            d += 1
-    for i in range(n):
-        acc[reached[i]] = 0
-        seen[reached[i]] = False
+    floor = np.float32(0)  # what a passage must beat: 0 until the heap is full, then its worst score
+    for d in range(n_docs):  # in passage order, so a later passage never wins a tie
+        score = acc[d] + constant
+        if score > floor:
+            size = _offer(scores, docs, size, k, score, d)
+            if size == k:
+                floor = scores[0]
+    acc[:] = 0
     out_scores = np.empty(size, dtype=np.float32)
     out_docs = np.empty(size, dtype=np.int64)
     for i in range(size - 1, -1, -1):  # the heap's root is the worst: pop it to the end
@@ -111,26 +99,36 @@ def top_k(data, indices, indptr, terms, k, constant, acc, seen):
 
 
 class Searcher:
-    """Runs :func:`top_k` for queries, a batch on up to ``threads`` threads, each with an accumulator of its own
-    (kept for the next query)."""
+    """Runs :func:`top_k` for queries, a batch on up to ``threads`` threads (kept between batches), each with an
+    accumulator of its own (kept for the next query). A corpus under :data:`PARALLEL_MIN_PASSAGES` is searched on the
+    calling thread: there a query takes less time than handing it to another thread."""
 
     def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, n_docs: int, threads: int):
         self.data, self.indices, self.indptr, self.n_docs, self.threads = data, indices, indptr, n_docs, threads
         self._buffers: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_threads = 0
+        self._lock = threading.Lock()
 
     def one(self, terms: np.ndarray, k: int, constant: float) -> tuple[np.ndarray, np.ndarray]:
         try:
-            acc, seen = self._buffers.get_nowait()
+            acc = self._buffers.get_nowait()
         except queue.Empty:
-            acc, seen = np.zeros(self.n_docs, dtype=np.float32), np.zeros(self.n_docs, dtype=np.bool_)
+            acc = np.zeros(self.n_docs, dtype=np.float32)
         try:
-            return top_k(self.data, self.indices, self.indptr, terms, k, np.float32(constant), acc, seen)
+            return top_k(self.data, self.indices, self.indptr, terms, k, np.float32(constant), acc)
         finally:
-            self._buffers.put((acc, seen))
+            self._buffers.put(acc)
 
     def many(self, queries: list[tuple[np.ndarray, float]], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         threads = min(self.threads, len(queries))
-        if threads <= 1:
+        if threads <= 1 or self.n_docs < PARALLEL_MIN_PASSAGES:
             return [self.one(terms, k, constant) for terms, constant in queries]
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bm25") as pool:
-            return list(pool.map(lambda query: self.one(query[0], k, query[1]), queries))
+        with self._lock:
+            if self._pool is None or self._pool_threads != self.threads:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="bm25")
+                self._pool_threads = self.threads
+            pool = self._pool
+        return list(pool.map(lambda query: self.one(query[0], k, query[1]), queries))

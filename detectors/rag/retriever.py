@@ -46,6 +46,7 @@ from detectors.rag.bm25_build import (
 from detectors.rag.corpus import Passage, PassageFile, PassageList, PassageSource
 
 _bm25s = import_bm25s  # bm25s, imported without JAX
+TERMS_REMEMBERED = 100_000  # query terms whose ids a retriever keeps (a dict, cleared when full)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +127,7 @@ class BM25Retriever:
         with open(self.directory / VOCABULARY, "rb") as f:
             self._vocabulary = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._term_offsets = _mapped(self.directory / VOCABULARY_OFFSETS)
+        self._term_ids: dict[str, int | None] = {}
 
     @property
     def threads(self) -> int:
@@ -210,7 +212,16 @@ class BM25Retriever:
 
     def term_id(self, term: str) -> int | None:
         """The id of an index term (its rank in the sorted vocabulary), None for a term the index does not hold: a
-        binary search over the memory-mapped vocabulary (UTF-8 orders bytes as Python orders strings)."""
+        binary search over the memory-mapped vocabulary (UTF-8 orders bytes as Python orders strings), remembered."""
+        found = self._term_ids.get(term, -1)
+        if found == -1:
+            found = self._find_term(term)
+            if len(self._term_ids) >= TERMS_REMEMBERED:
+                self._term_ids.clear()
+            self._term_ids[term] = found
+        return found
+
+    def _find_term(self, term: str) -> int | None:
         key, offsets, words = term.encode("utf-8"), self._term_offsets, self._vocabulary
         lo, hi = 0, len(offsets) - 1
         while lo < hi:
