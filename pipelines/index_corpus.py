@@ -3,7 +3,9 @@
 Each directory holds the passages (``passages.jsonl``), the index and ``manifest.json`` with the hashes of both
 (``rag_eval`` records the digest with its results). Only the corpora whose passages or params changed are built again
 (the manifest keeps the key they were built with); a build is streamed in chunks and resumes where a killed run
-stopped (its work under ``paths.rag_index/.building/<name>/``). Malformed or empty records of a JSONL corpus are
+stopped (its work under ``paths.rag_index/.building/<name>/``). A directory there that is no corpus of
+``index_corpus.corpora`` is removed, unless its manifest names another engine (an index served elsewhere, put there by
+hand: :func:`detectors.rag.retriever.open_index`). Malformed or empty records of a JSONL corpus are
 skipped and counted. ``paths.index_report`` gives per corpus the passages, skipped records, vocabulary, digest, build
 time and whether it was built in this run, and the retriever's **answer recall@k**: how often one of the top k
 passages for a QA test question (the question as the query) holds a reference answer. It tells a weak corpus from a
@@ -62,12 +64,22 @@ def recall_at_k(
     }
 
 
+def _manifest(directory: Path) -> dict:
+    try:
+        return read_manifest(directory)
+    except (IndexError_, ValueError):  # no manifest (an interrupted build), or a broken one
+        return {}
+
+
 def built_with(directory: Path) -> str | None:
     """The build key of the complete index in ``directory``, None when there is none."""
-    try:
-        return read_manifest(directory).get("build", {}).get("key")
-    except (IndexError_, ValueError):  # no manifest (an interrupted build), or a broken one
-        return None
+    return _manifest(directory).get("build", {}).get("key")
+
+
+def engine(directory: Path) -> str | None:
+    """The engine of the index in ``directory`` (None without a manifest)."""
+    manifest = _manifest(directory)
+    return manifest.get("engine", "bm25s") if manifest else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(params["paths.rag_index"])
     root.mkdir(parents=True, exist_ok=True)
     for stale in sorted(p for p in root.iterdir() if p.name not in index.corpora and p.name != BUILDING):
+        if engine(stale) not in (None, "bm25s"):  # an index of another engine, put there by hand: kept
+            continue
         log.info("removing %s: not a corpus of index_corpus.corpora", stale)
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     for stale in sorted((root / BUILDING).glob("*")):

@@ -236,12 +236,15 @@ def test_the_index_corpus_stage_writes_each_index_and_the_answer_recall_and_rebu
     assert report["facts"]["built"] and report["facts"]["passages"] == len(qa) - 1 and not report["mine"]["built"]
 
     del params["index_corpus"]["corpora"]["facts"]  # a corpus no longer configured is removed
+    served = tmp_path / "data/rag/index/served"  # an index of another engine, put there by hand, is kept
+    served.mkdir()
+    (served / "manifest.json").write_text(json.dumps({"engine": "elasticsearch", "digest": "x"}))
     params["index_corpus"]["corpora"]["mine"]["text_field"] = "body"
     bad = _index_corpus(tmp_path, params)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "holds no passage; records skipped (no field 'body': 4), the first:" in bad.stderr
     assert "line 1 has no field 'body' (fields: ['pid', 'text'])" in bad.stderr
-    assert sorted(p.name for p in (tmp_path / "data/rag/index").iterdir()) == [".building", "mine"]
+    assert sorted(p.name for p in (tmp_path / "data/rag/index").iterdir()) == [".building", "mine", "served"]
 
 
 def test_the_index_files_are_byte_identical_whatever_the_hash_seed(tmp_path):
