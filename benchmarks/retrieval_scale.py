@@ -22,8 +22,12 @@ The reference is ``--reference`` (default ``e223b63``, the retriever before issu
 into a temporary directory and run in child processes, as this checkout is. Timings are reported, never asserted;
 run nothing heavy beside it.
 
+The batches also report their CPU time a query and the CPUs they kept busy: on a shared machine, what a query costs
+whatever else runs, and how much parallelism the threads got.
+
 Run: ``python -m benchmarks.retrieval_scale [--sizes 1000000 5000000] [--qa data/prepared/qa.parquet] [--workdir DIR]
-[--out benchmarks/results/retrieval_scale_cpu.json]``.
+[--out benchmarks/results/retrieval_scale_cpu.json]``; ``--search-only INDEX`` measures only this checkout's loading and
+search of an index built before.
 """
 
 from __future__ import annotations
@@ -169,10 +173,13 @@ def child_search(side: str, index: str, query_file: str, hits_out: str) -> dict:
             continue
         for threads in (1, 2):
             retriever.threads = threads
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             batched = [found for batch in batches for found in retriever.batch_search(batch, K)]
-            elapsed = time.perf_counter() - t
+            elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
             report[name][f"batch{BATCH}_queries_per_s_{threads}_threads"] = round(len(batches) * BATCH / elapsed, 1)
+            # CPU time: what a query costs whatever else runs on the machine; busy CPUs: the parallelism it got
+            report[name][f"batch{BATCH}_cpu_ms_per_query_{threads}_threads"] = round(1000 * cpu / len(batched), 2)
+            report[name][f"batch{BATCH}_busy_cpus_{threads}_threads"] = round(cpu / elapsed, 2)
             report[name][f"batch_hits_as_one_by_one_{threads}_threads"] = batched == found[: len(batched)]
     report["memory_after_search"] = _memory()
     Path(hits_out).write_text(json.dumps(hits))
@@ -211,6 +218,10 @@ def run_child(side: str, code: Path, *args: str) -> dict:
     answer["peak_rss_gib"] = round(usage.ru_maxrss / 2**20, 3)
     answer["peak_anon_gib"] = round(peak["RssAnon"] / 2**20, 3)
     return answer
+
+
+def read_manifest_passages(directory: Path) -> int:
+    return json.loads((directory / "manifest.json").read_text())["passages"]
 
 
 def compare(ours: dict, reference: dict) -> dict:
@@ -273,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--qa", type=Path, default=ROOT / "data" / "prepared" / "qa.parquet")
     parser.add_argument("--workdir", type=Path, default=None, help="where the corpora and indexes go (default: /tmp)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "retrieval_scale_cpu.json")
+    parser.add_argument("--search-only", type=Path, help="only search this index (built before) with this checkout")
     args = parser.parse_args(argv)
     if args.child:
         side, what, *rest = args.child
@@ -280,6 +292,20 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(answer))
         return
     work = Path(tempfile.mkdtemp(prefix="retrieval_scale-", dir=args.workdir))
+    if args.search_only:
+        try:
+            (work / "queries.json").write_text(json.dumps(queries(args.qa)))
+            start = os.getloadavg()
+            found = run_child(
+                "ours", ROOT, "search", str(args.search_only), str(work / "queries.json"), str(work / "h")
+            )
+            found["passages"] = read_manifest_passages(args.search_only)
+            out = {"date": time.strftime("%Y-%m-%d"), "load_average_at_start": start, "search_ours": found}
+            args.out.write_text(json.dumps({**out, "load_average_at_end": os.getloadavg()}, indent=2) + "\n")
+            print(f"wrote {args.out}")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     try:
         reference = work / "reference"
         reference.mkdir()

@@ -398,6 +398,7 @@ def test_an_interrupted_build_resumes_after_its_last_chunk_and_gives_the_same_in
         BM25Retriever.build(crashing, BM25, tmp_path / "idx", tmp_path / "work", chunk=5)
     assert not (tmp_path / "idx" / "manifest.json").exists()  # no index until it is complete
     (tmp_path / "idx" / "passages.jsonl").open("ab").write(b'{"half": "a line')  # a crash mid-write
+    (tmp_path / "idx" / "manifest.json.part").write_text("{")  # or while writing the manifest
     again = Interrupted(passages)
     resumed = BM25Retriever.build(again, BM25, tmp_path / "idx", tmp_path / "work", chunk=5)
     assert again.starts == [(15, 15)]  # three chunks of 5 were done: read on from the 16th passage

@@ -100,15 +100,14 @@ def tokenize(texts: list[str], params: dict, stem=None) -> tuple[list[list[int]]
 def build_key(source: PassageSource, params: dict) -> str:
     """What an index is a function of: the source's passages, the BM25 params, this build and the tokenizer's
     versions. An index (or an interrupted build) with the same key is reused."""
-    import Stemmer
+    from importlib.metadata import version
 
-    bm25s = import_bm25s()
     parts = {
         "source": source.fingerprint(),
         "params": params,
         "format": FORMAT,
-        "bm25s": bm25s.__version__,
-        "PyStemmer": Stemmer.__version__ if hasattr(Stemmer, "__version__") else "",
+        "bm25s": version("bm25s"),
+        "PyStemmer": version("PyStemmer"),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -153,6 +152,8 @@ def build_index(
     ``work`` holds the resumable work (default: ``<directory>.work``), removed when the index is complete: a rerun
     with the same source and params after a crash goes on from the last finished chunk. ``desc`` names the progress
     bars and log lines (none without)."""
+    if chunk < 1:
+        raise InputError(f"chunk = {chunk}: a chunk holds at least one passage")
     start = time.perf_counter()
     directory = Path(directory)
     work = Path(work) if work is not None else directory.with_name(directory.name + ".work")
@@ -168,7 +169,9 @@ def build_index(
         state = _State(key)
     else:
         log.info("%s: resuming after %d passages (%d chunks done)", desc or directory, state.passages, state.chunks)
-        (directory / MANIFEST).unlink(missing_ok=True)
+        for path in directory.iterdir():  # what the crashed run wrote after its passages is written again
+            if path.name != PASSAGES:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     _tokenize_chunks(source, params, directory, work, state, chunk, desc)
     if not state.passages:
         raise SourceError(f"{source.label}: the corpus holds no passage{_skipped_summary(state)}")
@@ -180,9 +183,13 @@ def build_index(
     terms, ids, df = _vocabulary(chunks)
     if not terms:
         raise InputError("the corpus has no indexable word (only stop words or punctuation): check its text field")
+    if desc:
+        log.info("%s: %d passages, %d terms; writing the postings", desc, state.passages, len(terms))
     _write_vocabulary(directory, terms, df)
     _write_postings(chunks, params, directory, ids, df, state, desc)
     del ids
+    if desc:
+        log.info("%s: hashing the files", desc)
     manifest = {
         "passages": state.passages,
         "vocabulary": len(terms),
