@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import mmap
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -163,8 +164,6 @@ class BM25Retriever:
 
     def save(self, directory: str | Path) -> dict:
         """Copy the index into ``directory``; returns its manifest (counts, params, hashes, ``digest``)."""
-        import shutil
-
         directory = Path(directory)
         if directory.resolve() != self.directory.resolve():
             for name in [*self.manifest["files"], *self.manifest["derived"], MANIFEST]:
