@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +29,37 @@ def file_digest(path: str | Path, length: int | None = 16) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()[:length]
 
 
+def _threads(n: int) -> int:
+    return max(1, min(n, len(os.sched_getaffinity(0))))
+
+
 def file_digests(directory: str | Path, names: Iterable[str]) -> dict[str, str]:
-    """The full SHA-256 of each file ``names`` (paths relative to ``directory``), to record when they are written."""
-    return {name: file_digest(Path(directory) / name, None) for name in names}
+    """The full SHA-256 of each file ``names`` (paths relative to ``directory``), to record when they are written;
+    several files are read at once (hashlib releases the GIL), so a large index is hashed at the disk's speed."""
+    names = list(names)
+    with ThreadPoolExecutor(_threads(len(names))) as pool:
+        return dict(zip(names, pool.map(lambda name: file_digest(Path(directory) / name, None), names)))
+
+
+def _problem(path: Path, digest: str) -> str | None:
+    try:
+        actual = file_digest(path, None)
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror or err})"
+    if actual != digest:
+        return (
+            f"{path} is not the file that was written: its sha256 is {actual[:12]}…, the recorded one "
+            f"{str(digest)[:12]}… (corrupted, truncated or replaced)"
+        )
+    return None
 
 
 def changed_file(directory: str | Path, recorded: Mapping[str, str]) -> str | None:
     """What is wrong with the first file of ``recorded`` (:func:`file_digests`) that is missing, unreadable or not what
-    was written, naming its path (None: every file matches)."""
-    for name, digest in recorded.items():
-        path = Path(directory) / name
-        try:
-            actual = file_digest(path, None)
-        except FileNotFoundError:
-            return f"{path} is missing"
-        except OSError as err:
-            return f"{path} cannot be read ({err.strerror or err})"
-        if actual != digest:
-            return (
-                f"{path} is not the file that was written: its sha256 is {actual[:12]}…, the recorded one "
-                f"{str(digest)[:12]}… (corrupted, truncated or replaced)"
-            )
-    return None
+    was written, naming its path (None: every file matches); the files are read several at once."""
+    items = list(recorded.items())
+    with ThreadPoolExecutor(_threads(len(items))) as pool:
+        problems = pool.map(lambda item: _problem(Path(directory) / item[0], item[1]), items)
+        return next((p for p in problems if p is not None), None)

@@ -28,7 +28,7 @@ from detectors.progress import progress
 from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.results import RagResult, result
-from detectors.rag.retriever import BM25Retriever
+from detectors.rag.retriever import BM25Retriever, open_index
 from detectors.rag.triggers import TriggerSettings, check_threshold
 from detectors.registry import store
 from detectors.shards import ERROR, OK, ShardStore
@@ -132,7 +132,7 @@ class RagRuntime:
 
     def retriever(self, corpus: str) -> BM25Retriever:
         if corpus not in self._retrievers:
-            self._retrievers[corpus] = BM25Retriever.load(Path(self.stage_params["paths.rag_index"]) / corpus)
+            self._retrievers[corpus] = open_index(Path(self.stage_params["paths.rag_index"]) / corpus)
         return self._retrievers[corpus]
 
     def corpus_digest(self, corpus: str) -> str:
@@ -186,7 +186,7 @@ class RagRuntime:
         """Formulation ``name`` with the ``rag_eval.query`` settings, the FLARE trigger's threshold (FLARE's query
         masks words under 1 - it) and the retriever's idf."""
         flare = next((t.threshold for t in triggers if t.name == "flare"), None)
-        return make_query(name, self.params.query, flare, retriever.idf if retriever else None)
+        return make_query(name, self.params.query, flare, getattr(retriever, "idf", None))
 
     def loop(self, name: str, config, corpus: str, thresholds: dict[str, float]) -> tuple[Answer, str]:
         """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus``, its triggers at ``thresholds``,

@@ -22,7 +22,7 @@ from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.recording import recording_loop
-from detectors.rag.retriever import BM25Retriever
+from detectors.rag.retriever import open_index
 from detectors.shards import OK, ShardStore, run_shards, status_counts
 from detectors.utility.labels import RecordingGate, balance, utility_records
 from pipelines._provenance import open_shards
@@ -86,7 +86,7 @@ class ShardWorker:
     def loop(self, corpus: str) -> tuple[RagLoop, RecordingGate]:
         """The corpus's recording loop and its gate (:func:`~detectors.rag.recording.recording_loop`)."""
         if corpus not in self.loops:
-            retriever = BM25Retriever.load(Path(self.p["paths.rag_index"]) / corpus)
+            retriever = open_index(Path(self.p["paths.rag_index"]) / corpus)
             self.loops[corpus] = recording_loop(self.llm, retriever, self.config, self.layers)
         return self.loops[corpus]
 

@@ -29,6 +29,7 @@ DPR_TSV = (
     "\tKiss and Tell (1945 film)\n"
     '3\t"Shirley Temple Black was an American actress who later served as Chief of Protocol of the United States."'
     "\tShirley Temple\n"
+    '4\t""\tAn empty row\n'  # DioR's instructions warn that psgs_w100 has some: skipped and counted
 )
 
 
@@ -113,7 +114,7 @@ def test_preset_corpus_reads_psgs_w100_converted_as_the_docs_convert_it(applied,
     """DPR's TSV through the conversion block of docs/paper-setting.md, then the preset's corpus entry through
     index_corpus's reading and a BM25 index."""
     from detectors.rag.retriever import BM25Retriever
-    from pipelines.index_corpus import corpus_passages, recall_at_k
+    from pipelines.index_corpus import corpus_source, recall_at_k
 
     sections = load_all(applied)
     corpus = sections["index_corpus"].corpora["psgs_w100"]
@@ -124,14 +125,16 @@ def test_preset_corpus_reads_psgs_w100_converted_as_the_docs_convert_it(applied,
     with gzip.open(tmp_path / "psgs_w100.tsv.gz", "wt", encoding="utf-8") as f:
         f.write(DPR_TSV)
     exec(compile(conversion, "docs/paper-setting.md", "exec"), {})  # noqa: S102 - the documentation's own code
-    passages = corpus_passages("psgs_w100", corpus, pd.DataFrame(columns=["id", "question", "answers"]))
+    source = corpus_source("psgs_w100", corpus, pd.DataFrame(columns=["id", "question", "answers"]))
+    retriever = BM25Retriever.build(source, sections["index_corpus"].bm25)
+    passages = retriever.passages
     assert [(p.id, p.title) for p in passages] == [
         ("1", "Aaron"),
         ("2", "Kiss and Tell (1945 film)"),
         ("3", "Shirley Temple"),
     ]
     assert passages[0].text == 'Aaron Aaron ( or ; "Ahärôn") is a prophet, high priest, and the brother of Moses.'
-    retriever = BM25Retriever.build(passages, sections["index_corpus"].bm25)
+    assert retriever.manifest["build"]["skipped"] == {"empty text": 1}
     question = HOTPOTQA["distractor"][1][
         "question"
     ]  # ... the woman who portrayed Corliss Archer in the film Kiss and Tell?

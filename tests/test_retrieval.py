@@ -1,4 +1,8 @@
-"""Corpora and the bm25s retriever on hand-made passages, and the index_corpus stage on the QA fixture."""
+"""Corpora and the bm25s retriever on hand-made passages, and the index_corpus stage on the QA fixture.
+
+Today's results are the reference: the digests below were written by the retriever before the streaming build (the
+whole corpus tokenized and indexed by ``bm25s.BM25.index`` at once, at 183626a), and :func:`todays_hits` is its search
+(bm25s's ``get_scores`` over every passage, a full sort)."""
 
 from __future__ import annotations
 
@@ -6,14 +10,17 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
 from conftest import QA_FIXTURE, ROOT
 
 from detectors.errors import InputError, SourceError
-from detectors.rag.corpus import Passage, check_passages, jsonl_passages, qa_fact_passages, split_words
-from detectors.rag.retriever import BM25Retriever, Retriever
+from detectors.rag import bm25_search
+from detectors.rag.bm25_build import import_bm25s
+from detectors.rag.corpus import JsonlPassages, Passage, PassageList, ovos_passages, qa_fact_passages, split_words
+from detectors.rag.retriever import BM25Retriever, IndexError_, Retriever, TermStatistics, open_index
 from detectors.sources.text import contains_reference
 
 BM25 = {"method": "lucene", "k1": 1.5, "b": 0.75, "stopwords": "en", "stemmer": "english"}
@@ -80,39 +87,87 @@ def test_save_and_load_give_the_same_hits_and_a_tampered_index_is_refused(retrie
     for q in ["capital of Kenya", "Isar", "southern France"]:
         assert loaded.search(q, 3) == retriever.search(q, 3)
     assert loaded.digest == retriever.digest
+    assert list(loaded.passages) == PASSAGES and loaded.passages[-1] == PASSAGES[-1]  # read back by offset
+    assert loaded.passages[1:] == PASSAGES[1:]
     (tmp_path / "idx" / "passages.jsonl").write_text(
         (tmp_path / "idx" / "passages.jsonl").read_text().replace("Kenya", "Chile")
     )
     with pytest.raises(InputError, match=r"passages.jsonl is not the file that was written.*dvc repro index_corpus"):
         BM25Retriever.load(tmp_path / "idx")
-    with pytest.raises(InputError, match="no bm25s index"):
+    with pytest.raises(InputError, match="no index"):
         BM25Retriever.load(tmp_path / "nowhere")
+
+
+def test_an_index_opens_through_the_engine_its_manifest_names(retriever, tmp_path):
+    retriever.save(tmp_path / "idx")
+    opened = open_index(tmp_path / "idx")
+    assert isinstance(opened, BM25Retriever) and isinstance(opened, Retriever) and isinstance(opened, TermStatistics)
+    assert opened.search("Isar", 1) == retriever.search("Isar", 1)
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    (tmp_path / "idx" / "manifest.json").write_text(json.dumps({**manifest, "engine": "elasticsearch"}))
+    with pytest.raises(IndexError_, match="no retrieval engine named 'elasticsearch'; known: bm25s"):
+        open_index(tmp_path / "idx")
+    del manifest["derived"]  # an index written before the derived files: rebuilt, not misread
+    (tmp_path / "idx" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IndexError_, match="built by an earlier version.*dvc repro index_corpus"):
+        open_index(tmp_path / "idx")
+
+
+def test_malformed_and_empty_passages_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "p.jsonl"
+    lines = [
+        '{"id": 1, "text": "Toulouse is in Occitania."}',
+        "not json",
+        "",
+        '{"id": 2, "body": "no text field"}',
+        '{"id": 3, "text": "   "}',
+        '{"id": 4, "text": null}',
+        '["a", "list"]',
+        '{"id": 5, "text": "Munich lies \u2028on the Isar."}',
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    index = BM25Retriever.build(JsonlPassages(path, None, None, "text"), BM25)
+    assert [(p.id, p.text) for p in index.passages] == [
+        ("1", "Toulouse is in Occitania."),
+        ("8", "Munich lies \u2028on the Isar."),  # ids: line numbers; a line is cut at "\n" only
+    ]
+    assert index.manifest["build"]["skipped"] == {
+        "not JSON": 1,
+        "no field 'text'": 1,
+        "empty text": 2,
+        "not a JSON object": 1,
+    }
+    assert "line 2 is not JSON" in index.manifest["build"]["skipped_examples"]["not JSON"]
+    assert index.search("Isar", 1)[0].passage.id == "8"
 
 
 @pytest.mark.parametrize(
     "lines, match",
     [
-        (['{"id": 1, "text": "ok"}', "not json"], "line 2 is not JSON"),
-        (['{"id": 1, "body": "no text field"}'], "line 1 has no field 'text'"),
-        (['{"id": 1, "text": "   "}'], "line 1: field 'text' is empty"),
-        (['["a", "list"]'], "line 1 is not a JSON object"),
+        (
+            ['{"id": 1, "body": "no text field"}'],
+            r"no passage.*line 1 has no field 'text' \(fields: \['body', 'id'\]\)",
+        ),
+        (['{"id": 1, "text": "   "}', "not json"], r"no passage; records skipped \(empty text: 1, not JSON: 1\)"),
+        (["", "  "], "holds no passage$"),
     ],
 )
-def test_bad_passage_files_are_refused_naming_the_line_and_field(tmp_path, lines, match):
+def test_a_source_without_a_passage_is_refused_naming_why(tmp_path, lines, match):
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(SourceError, match=match):
-        jsonl_passages(path, "id", None, "text")
+        BM25Retriever.build(JsonlPassages(path, "id", None, "text"), BM25)
 
 
-def test_empty_corpora_and_duplicate_ids_are_refused(tmp_path):
-    (tmp_path / "empty.jsonl").write_text("\n")
+def test_empty_corpora_duplicate_ids_and_wordless_corpora_are_refused(tmp_path):
     with pytest.raises(SourceError, match="holds no passage"):
-        check_passages(jsonl_passages(tmp_path / "empty.jsonl", None, None, "text"), "corpus x")
-    with pytest.raises(SourceError, match="'a' occurs twice"):
-        check_passages([PASSAGES[0], PASSAGES[0]], "corpus x")
-    with pytest.raises(InputError, match="empty corpus"):
         BM25Retriever.build([], BM25)
+    with pytest.raises(SourceError, match="'a' occurs twice"):
+        BM25Retriever.build([PASSAGES[0], PASSAGES[1], PASSAGES[0]], BM25, chunk=2)  # across chunks too
+    with pytest.raises(InputError, match="no indexable word"):
+        BM25Retriever.build([Passage("x", "", "the of and")], BM25)
+    with pytest.raises(SourceError, match="does not exist"):
+        JsonlPassages(tmp_path / "nowhere.jsonl", "id", None, "text")
 
 
 def _fixture_qa() -> pd.DataFrame:
@@ -134,40 +189,62 @@ def test_every_question_retrieves_its_own_fact_from_the_facts_corpus():
         assert top.id == str(row.id) and contains_reference(top.text, list(row.answers)), (row.question, top)
 
 
-def test_the_index_corpus_stage_writes_each_index_and_the_answer_recall(tmp_path):
+def _index_corpus(tmp_path, params: dict) -> subprocess.CompletedProcess:
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_index_corpus_stage_writes_each_index_and_the_answer_recall_and_rebuilds_only_what_changed(tmp_path):
     qa = _fixture_qa()
     data = tmp_path / "data"
     (data / "prepared").mkdir(parents=True)
     qa.to_parquet(data / "prepared" / "qa.parquet")
     passages = tmp_path / "passages.jsonl"
-    passages.write_text("".join(json.dumps({"pid": p.id, "text": p.text}) + "\n" for p in PASSAGES))
+    passages.write_text("".join(json.dumps({"pid": p.id, "text": p.text}) + "\n" for p in PASSAGES) + '{"pid": 9}\n')
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["paths"] = {k: str(tmp_path / v) for k, v in params["paths"].items()}
     params["index_corpus"]["corpora"] = {
         "facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None},
         "mine": {"source": str(passages), "id_field": "pid", "title_field": None, "text_field": "text"},
     }
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    done = subprocess.run(
-        [sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    done = _index_corpus(tmp_path, params)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "data/metrics/index_corpus.json").read_text())
     assert report["facts"]["passages"] == len(qa) and report["mine"]["passages"] == 3
+    assert report["mine"]["skipped"] == {"no field 'text'": 1} and report["facts"]["skipped"] == {}
     assert report["facts"]["answer_recall@1"] >= 0.9 and report["mine"]["answer_recall@10"] < 0.5
-    assert BM25Retriever.load(tmp_path / "data/rag/index/mine").search("Isar", 1)[0].passage.id == "b"
+    assert report["facts"]["built"] and report["mine"]["built"]
+    assert report["facts"]["digest"] == TODAYS_DIGESTS["facts"]["lucene"]
+    assert open_index(tmp_path / "data/rag/index/mine").search("Isar", 1)[0].passage.id == "b"
+
+    again = _index_corpus(tmp_path, params)  # nothing changed: nothing is built
+    assert again.returncode == 0, again.stderr
+    kept = json.loads((tmp_path / "data/metrics/index_corpus.json").read_text())
+    assert not kept["facts"]["built"] and not kept["mine"]["built"]
+    for name in ("facts", "mine"):  # the same index, report and recall
+        assert {**kept[name], "built": True} == report[name]
+
+    qa.iloc[:-1].to_parquet(data / "prepared" / "qa.parquet")  # new QA facts: `facts` is built again, `mine` kept
+    changed = _index_corpus(tmp_path, params)
+    assert changed.returncode == 0, changed.stderr
+    report = json.loads((tmp_path / "data/metrics/index_corpus.json").read_text())
+    assert report["facts"]["built"] and report["facts"]["passages"] == len(qa) - 1 and not report["mine"]["built"]
+
+    del params["index_corpus"]["corpora"]["facts"]  # a corpus no longer configured is removed
+    served = tmp_path / "data/rag/index/served"  # an index of another engine, put there by hand, is kept
+    served.mkdir()
+    (served / "manifest.json").write_text(json.dumps({"engine": "elasticsearch", "digest": "x"}))
     params["index_corpus"]["corpora"]["mine"]["text_field"] = "body"
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    bad = subprocess.run(
-        [sys.executable, "-m", "pipelines.index_corpus", "--params", str(tmp_path / "params.yaml")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 1 and "has no field 'body'" in bad.stderr and "Traceback" not in bad.stderr
+    bad = _index_corpus(tmp_path, params)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "holds no passage; records skipped (no field 'body': 4), the first:" in bad.stderr
+    assert "line 1 has no field 'body' (fields: ['pid', 'text'])" in bad.stderr
+    assert sorted(p.name for p in (tmp_path / "data/rag/index").iterdir()) == [".building", "mine", "served"]
 
 
 def test_the_index_files_are_byte_identical_whatever_the_hash_seed(tmp_path):
@@ -215,3 +292,119 @@ def test_the_retriever_imports_bm25s_without_starting_jax(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]  # bm25s selects with numpy; JAX was not imported by it
     assert (tmp_path / "imported").read_text() == "jax"  # the caller's own `import jax` still works
+
+
+# ---- today's results, exactly ----------------------------------------------------------------------------------
+# the digests the retriever before the streaming build wrote (183626a; data/rag/index in dvc.lock for `wiki`)
+TODAYS_DIGESTS = {
+    "wiki": "1cf9cc10ad6bc479",
+    "facts": {
+        "lucene": "d46833749279c70e",
+        "robertson": "cee66d6118dbe3c5",
+        "atire": "414d17ecd687e472",
+        "bm25l": "4f7a79e559cdea44",
+        "bm25+": "f47a529eac4aa15e",
+    },
+}
+
+
+def todays_hits(directory, params: dict, queries: list[str], k: int) -> list[list[tuple[str, float, int]]]:
+    """The search of the retriever before this one, over the index files in ``directory``: bm25s's scores of every
+    passage (``BM25.get_scores``), in float64, fully sorted by score descending, then passage order."""
+    bm25s = import_bm25s()
+    index = bm25s.BM25.load(str(directory / "bm25s"))
+    ids = [json.loads(line)["id"] for line in (directory / "passages.jsonl").read_bytes().split(b"\n") if line]
+    df = json.loads((directory / "document_frequency.json").read_text())
+    stem = __import__("Stemmer").Stemmer(params["stemmer"])
+    out = []
+    for query in queries:
+        terms = bm25s.tokenize([query], stopwords=params["stopwords"], stemmer=stem, return_ids=False)[0]
+        terms = [t for t in terms if t in df]
+        if not terms:
+            out.append([])
+            continue
+        scores = np.asarray(index.get_scores(terms), dtype=np.float64)
+        order = np.lexsort((np.arange(len(scores)), -scores))[:k]
+        out.append([(ids[i], float(scores[i]), r + 1) for r, i in enumerate(order) if scores[i] > 0])
+    return out
+
+
+def _hits(retriever: BM25Retriever, queries: list[str], k: int) -> list[list[tuple[str, float, int]]]:
+    return [[(h.passage.id, h.score, h.rank) for h in found] for found in retriever.batch_search(queries, k)]
+
+
+def _queries(passages: list[Passage], questions: list[str]) -> list[str]:
+    """The questions, DRAGIN-length queries (the first 35 words of every 7th passage), repeated words (a term counts
+    twice), words of no passage and stop words only."""
+    long = [" ".join(p.text.split()[:35]) for p in passages[::7]]
+    return [*questions, *long, "capital capital of France", "zebra quantum", "the of and", ""]
+
+
+@pytest.mark.parametrize("method", list(TODAYS_DIGESTS["facts"]))
+def test_the_facts_corpus_gives_todays_index_and_hits_for_every_bm25_variant(method, tmp_path):
+    """The QA facts as the default `facts` corpus is built, in chunks of 7 passages: the same bytes as the build
+    that tokenized and indexed them at once, and the same hits as a full sort of every passage's score (bm25l and
+    bm25+ give every passage a score, so passages no query term reaches rank too)."""
+    qa = _fixture_qa()
+    passages = qa_fact_passages(qa)
+    params = {**BM25, "method": method}
+    built = BM25Retriever.build(passages, params, tmp_path / "idx", chunk=7)
+    assert built.digest == TODAYS_DIGESTS["facts"][method]
+    queries = _queries(passages, list(qa["question"]))
+    for k in (1, 3, len(passages) + 5):
+        assert _hits(built, queries, k) == todays_hits(tmp_path / "idx", params, queries, k)
+
+
+def test_the_wiki_corpus_gives_todays_index_and_hits(tmp_path, monkeypatch):
+    """The default `wiki` corpus (12,372 passages of the ovos summaries), in one chunk and in chunks of 1000: the
+    digest the pipeline recorded before, and the hits of a full sort for the QA fixture's questions and 1,768
+    DRAGIN-length queries, at k = 3 and 10, searched one by one and in batches on 1 and 2 threads."""
+    monkeypatch.setattr(bm25_search, "PARALLEL_MIN_PASSAGES", 0)  # batches on threads even for 12,372 passages
+    passages = ovos_passages()
+    whole = BM25Retriever.build(passages, BM25, tmp_path / "whole")
+    chunked = BM25Retriever.build(PassageList(passages), BM25, tmp_path / "chunked", chunk=1000)
+    assert whole.digest == chunked.digest == TODAYS_DIGESTS["wiki"]
+    queries = _queries(passages, list(_fixture_qa()["question"]))
+    for k in (3, 10):
+        today = todays_hits(tmp_path / "whole", BM25, queries, k)
+        chunked.threads = 1
+        assert _hits(chunked, queries, k) == today
+        chunked.threads = 2
+        assert _hits(chunked, queries, k) == today
+    assert [[(h.passage.id, h.score, h.rank) for h in chunked.search(q, 3)] for q in queries[:40]] == todays_hits(
+        tmp_path / "whole", BM25, queries[:40], 3
+    )
+
+
+class Interrupted(PassageList):
+    """A source that fails after ``fail_after`` records (a crash), and records where each read started."""
+
+    def __init__(self, passages, fail_after=None):
+        super().__init__(passages)
+        self.fail_after, self.starts = fail_after, []
+
+    def read(self, start=(0, 0)):
+        self.starts.append(start)
+        for n, item in enumerate(super().read(start)):
+            if self.fail_after is not None and n == self.fail_after:
+                raise RuntimeError("killed")
+            yield item
+
+
+def test_an_interrupted_build_resumes_after_its_last_chunk_and_gives_the_same_index(tmp_path):
+    passages = qa_fact_passages(_fixture_qa())
+    crashing = Interrupted(passages, fail_after=17)
+    with pytest.raises(RuntimeError, match="killed"):
+        BM25Retriever.build(crashing, BM25, tmp_path / "idx", tmp_path / "work", chunk=5)
+    assert not (tmp_path / "idx" / "manifest.json").exists()  # no index until it is complete
+    (tmp_path / "idx" / "passages.jsonl").open("ab").write(b'{"half": "a line')  # a crash mid-write
+    (tmp_path / "idx" / "manifest.json.part").write_text("{")  # or while writing the manifest
+    again = Interrupted(passages)
+    resumed = BM25Retriever.build(again, BM25, tmp_path / "idx", tmp_path / "work", chunk=5)
+    assert again.starts == [(15, 15)]  # three chunks of 5 were done: read on from the 16th passage
+    assert resumed.digest == TODAYS_DIGESTS["facts"]["lucene"] and not (tmp_path / "work").exists()
+    with pytest.raises(RuntimeError, match="killed"):
+        BM25Retriever.build(Interrupted(passages, fail_after=12), BM25, tmp_path / "idx2", tmp_path / "work2", chunk=5)
+    other = Interrupted(passages[:-1])  # another source in the same place: its work is not reused
+    assert BM25Retriever.build(other, BM25, tmp_path / "idx2", tmp_path / "work2", chunk=5).manifest["passages"] == 47
+    assert other.starts == [(0, 0)]

@@ -7,7 +7,8 @@ questions at once.
     from detectors.extensions import make_query
     from detectors.rag.kinds import make_trigger
 
-Modules: ``corpus`` (passages), ``retriever`` (``Retriever``, ``BM25Retriever``), ``stats`` (what the loop measures
+Modules: ``corpus`` (passages and their sources), ``retriever`` (``Retriever``, ``open_index``, ``BM25Retriever``),
+``bm25_build`` (the streaming index build), ``bm25_search`` (the top-k kernel), ``stats`` (what the loop measures
 while the LLM generates, under the stored sets' names), ``triggers`` (a scorer, a threshold and a policy: when to
 retrieve), ``kinds`` (one module per trigger family, with the calculators of what it reads; ``make_trigger``),
 ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:

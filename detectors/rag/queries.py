@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from detectors.errors import InputError
 from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import LLM
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
@@ -174,6 +175,9 @@ class _Formulation:
     """Formulates one query per :class:`QueryInput` (``formulate``); ``formulate_all`` does a batch of them (the loop
     calls it with every row that retrieves in a round), by default one after another."""
 
+    # the index's term statistics it reads besides the hits (detectors.rag.retriever.TermStatistics: "idf")
+    index_statistics: ClassVar[tuple[str, ...]] = ()
+
     def formulate(self, llm: LLM, q: QueryInput) -> str:
         raise NotImplementedError
 
@@ -258,9 +262,18 @@ class DiorQuery(_Attending):
     idf: Callable[[str], float] | None = None
     name: str = "dior"
     needs: tuple[str, ...] = ()
+    index_statistics: ClassVar[tuple[str, ...]] = ("idf",)  # TF-IDF weighs the candidates by the index's idf
 
     def settings(self) -> dict[str, Any]:
         return {"dior": {"top": self.top, "weights": dataclasses.asdict(self.weights)}}
+
+    def _idf(self) -> Callable[[str], float]:
+        if self.idf is None:
+            raise InputError(
+                "query 'dior' weighs its keywords by the index's idf, and its retriever gives none: open the index "
+                "with an engine that has term statistics (detectors.rag.retriever.TermStatistics), or use another query"
+            )
+        return self.idf
 
     def candidates(self, llm: LLM, q: QueryInput) -> list[str]:
         out = list(q.question_stats.get("keywords", []))
@@ -279,7 +292,7 @@ class DiorQuery(_Attending):
             context,
             self.candidates(llm, q),
             self.weights,
-            self.idf or (lambda w: 1.0),
+            self._idf(),
             self.top,
             attention,
         )

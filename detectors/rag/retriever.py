@@ -1,48 +1,53 @@
-"""What the RAG loop retrieves from: the :class:`Retriever` interface and a bm25s index over local passages.
+"""What the RAG loop retrieves from: the :class:`Retriever` interface, :func:`open_index` and a bm25s index over local
+passages (:class:`BM25Retriever`).
 
-The loop only calls ``search``/``batch_search``, so an Elasticsearch client or a dense index that returns
-:class:`Hit` lists replaces :class:`BM25Retriever` without touching it. The index is built once (stage
-``index_corpus``) into a directory whose ``manifest.json`` holds the hashes of the corpus and of every index file;
-loading refuses files that do not match it.
+The loop only calls ``search``/``batch_search`` (and reads ``digest``), so another engine that returns :class:`Hit`
+lists replaces :class:`BM25Retriever` without touching it: the stages open every index with :func:`open_index`, which
+reads the directory's ``manifest.json`` and hands it to the class :data:`ENGINES` registers under its ``engine``
+(``bm25s`` here; an Elasticsearch or Lucene index would be a manifest naming its engine, server and index, and one
+module). A query formulation that weighs words by the index's term statistics (DioR's idf) needs a retriever that is
+also :class:`TermStatistics`.
+
+The bm25s index is built once (stage ``index_corpus``, streaming: :mod:`detectors.rag.bm25_build`) into a directory
+whose manifest holds the hashes of the corpus and of every index file; loading refuses files that do not match it,
+then maps the index into memory and reads passages from the passages file by offset, so a 21M-passage index loads in
+seconds and holds little memory of its own. A search ranks only the passages its terms reach
+(:mod:`detectors.rag.bm25_search`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import sys
+import mmap
+import shutil
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from detectors.errors import InputError
-from detectors.io import changed_file, file_digests
-from detectors.rag.corpus import Passage, read_passages, write_passages
+from detectors.io import changed_file
+from detectors.lazy import LazyRegistry
+from detectors.rag.bm25_build import (
+    CHUNK,
+    INDEX,
+    MANIFEST,
+    PASSAGE_OFFSETS,
+    PASSAGES,
+    VOCABULARY,
+    VOCABULARY_OFFSETS,
+    build_index,
+    import_bm25s,
+    stemmer,
+)
+from detectors.rag.corpus import Passage, PassageFile, PassageList, PassageSource
 
-MANIFEST = "manifest.json"
-PASSAGES = "passages.jsonl"
-INDEX = "bm25s"
-DOCUMENT_FREQUENCY = "document_frequency.json"
-
-
-def _bm25s():
-    """bm25s, imported without JAX. Where JAX is installed, importing bm25s runs a JAX top-k, which starts JAX on the
-    GPU and takes 75 % of its memory (on an H100: 60 of 80 GiB, and the LLM beside it ran out of memory). The retriever
-    selects its top k itself, so bm25s needs no JAX: while bm25s is first imported, ``import jax`` fails and bm25s
-    falls back to numpy; JAX stays importable, untouched, for the rest of the process. A JAX the process imported
-    before is left as it is."""
-    if "bm25s" not in sys.modules and "jax" not in sys.modules:
-        sys.modules["jax"] = None  # `import jax` raises ImportError while bm25s is imported
-        try:
-            import bm25s
-        finally:
-            del sys.modules["jax"]
-    import bm25s
-
-    return bm25s
+_bm25s = import_bm25s  # bm25s, imported without JAX
+TERMS_REMEMBERED = 100_000  # query terms whose ids a retriever keeps (a dict, cleared when full)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,8 @@ class Hit:
 
 @runtime_checkable
 class Retriever(Protocol):
+    digest: str  # the index's identity, recorded with every result that used it
+
     def search(self, query: str, k: int) -> list[Hit]:
         """The ``k`` best passages for ``query``, best first; [] when nothing matches."""
         ...
@@ -61,129 +68,195 @@ class Retriever(Protocol):
     def batch_search(self, queries: list[str], k: int) -> list[list[Hit]]: ...
 
 
+@runtime_checkable
+class TermStatistics(Protocol):
+    """A retriever that knows its corpus's term statistics (what DioR's query weighs keywords by)."""
+
+    def idf(self, term: str) -> float:
+        """BM25's idf of a word as the index sees it; 0 for a word it does not hold."""
+        ...
+
+
 class IndexError_(InputError):
     """An index directory that is missing, incomplete or does not match its manifest."""
 
 
+# engine name (a manifest's "engine") -> the class that opens such an index: ``open(directory, manifest)``
+ENGINES = LazyRegistry("retrieval engine", {"bm25s": "detectors.rag.retriever:BM25Retriever"}, IndexError_)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise IndexError_(f"no index in {str(directory)!r} (no {MANIFEST}): run `dvc repro index_corpus`")
+    return json.loads(path.read_text())
+
+
+def open_index(directory: str | Path) -> Retriever:
+    """The index in ``directory``, opened by the engine its manifest names (bm25s when it names none)."""
+    manifest = read_manifest(directory)
+    return ENGINES.load(manifest.get("engine", "bm25s")).open(directory, manifest)
+
+
+def _mapped(path: Path) -> np.ndarray:
+    """A ``.npy`` file memory-mapped read-only, as a plain array (np.memmap's own indexing is slow)."""
+    return np.load(path, mmap_mode="r").view(np.ndarray)
+
+
 class BM25Retriever:
     """BM25 (bm25s: ``method``, ``k1``, ``b``) over passages tokenised with bm25s's tokenizer, English stop words and
-    the Snowball stemmer. Ties are broken by passage order, so a search is deterministic."""
+    the Snowball stemmer. Ties are broken by passage order, so a search is deterministic. ``threads``: how many
+    queries of a batch are scored at once (default: the CPUs the process may use)."""
 
-    def __init__(
-        self, passages: list[Passage], index, params: dict, document_frequency: dict[str, int], digest: str = ""
-    ):
-        self.passages, self.index, self.params, self.df, self.digest = (
-            passages,
-            index,
-            dict(params),
-            document_frequency,
-            digest,
+    def __init__(self, directory: str | Path, manifest: dict, threads: int | None = None, owner=None):
+        from detectors.rag.bm25_search import Searcher, cpu_threads
+
+        self.directory, self.manifest, self._owner = Path(directory), manifest, owner  # owner: a temporary dir
+        self.params, self.digest = dict(manifest["params"]), manifest["digest"]
+        self._stemmer = stemmer(self.params.get("stemmer"))
+        folder = self.directory / INDEX
+        nonoccurrence = folder / "nonoccurrence_array.index.npy"
+        self._nonoccurrence = np.load(nonoccurrence) if nonoccurrence.is_file() else None
+        self.passages = PassageFile(self.directory / PASSAGES, _mapped(self.directory / PASSAGE_OFFSETS))
+        self._searcher = Searcher(
+            _mapped(folder / "data.csc.index.npy"),
+            _mapped(folder / "indices.csc.index.npy"),
+            _mapped(folder / "indptr.csc.index.npy"),
+            len(self.passages),
+            threads or cpu_threads(),
         )
-        self._stemmer = _stemmer(self.params.get("stemmer"))
+        with open(self.directory / VOCABULARY, "rb") as f:
+            self._vocabulary = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._term_offsets = _mapped(self.directory / VOCABULARY_OFFSETS)
+        self._term_ids: dict[str, int | None] = {}
 
-    # ---- building and storing ------------------------------------------------------------------------------
+    @property
+    def threads(self) -> int:
+        return self._searcher.threads
+
+    @threads.setter
+    def threads(self, n: int) -> None:
+        self._searcher.threads = n
+
+    # ---- building, storing, opening -----------------------------------------------------------------------
     @classmethod
-    def build(cls, passages: list[Passage], params) -> BM25Retriever:
-        """Index ``passages`` (``params``: a mapping or dataclass with method, k1, b, stopwords, stemmer)."""
-        bm25s = _bm25s()
-
+    def build(
+        cls,
+        passages: Iterable[Passage] | PassageSource,
+        params,
+        directory: str | Path | None = None,
+        work: str | Path | None = None,
+        chunk: int = CHUNK,
+        desc: str | None = None,
+    ) -> BM25Retriever:
+        """Index ``passages`` (a list, or a :class:`~detectors.rag.corpus.PassageSource` read as a stream;
+        ``params``: a mapping or dataclass with method, k1, b, stopwords, stemmer) into ``directory`` (a temporary
+        one by default, removed with the retriever), resuming an interrupted build there
+        (:func:`~detectors.rag.bm25_build.build_index`); ``desc`` names the progress bars (none without)."""
         params = dataclasses.asdict(params) if dataclasses.is_dataclass(params) else dict(params)
-        if not passages:
-            raise InputError("cannot index an empty corpus: give at least one passage")
-        tokens = bm25s.tokenize(
-            [_indexed_text(p) for p in passages],
-            stopwords=params["stopwords"],
-            stemmer=_stemmer(params["stemmer"]),
-            return_ids=False,
-            show_progress=False,
-        )
-        index = bm25s.BM25(method=params["method"], k1=params["k1"], b=params["b"])
-        # bm25s numbers its vocabulary in set order, which changes with PYTHONHASHSEED; sorted, the index files are
-        # byte-identical on every run
-        vocab = {term: i for i, term in enumerate(sorted({t for doc in tokens for t in doc}))}
-        if not vocab:
-            raise InputError("the corpus has no indexable word (only stop words or punctuation): check its text field")
-        index.index(([[vocab[t] for t in doc] for doc in tokens], vocab), create_empty_token=False, show_progress=False)
-        df: dict[str, int] = {}
-        for doc in tokens:
-            for term in set(doc):
-                df[term] = df.get(term, 0) + 1
-        return cls(passages, index, params, df)
+        source = passages if hasattr(passages, "read") else PassageList(list(passages))
+        owner = None
+        if directory is None:
+            owner = tempfile.TemporaryDirectory(prefix="bm25s-")
+            directory, work = Path(owner.name) / "index", Path(owner.name) / "work"
+        manifest = build_index(source, params, directory, work, chunk, desc)
+        return cls(directory, manifest, owner=owner)
 
     def save(self, directory: str | Path) -> dict:
-        """Write passages, index and manifest; returns the manifest (counts, params, hashes, ``digest``)."""
+        """Copy the index into ``directory``; returns its manifest (counts, params, hashes, ``digest``)."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        write_passages(self.passages, directory / PASSAGES)
-        self.index.save(str(directory / INDEX))
-        (directory / DOCUMENT_FREQUENCY).write_text(json.dumps(self.df, sort_keys=True))
-        files = file_digests(
-            directory,
-            [str(p.relative_to(directory)) for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST],
-        )
-        self.digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
-        manifest = {
-            "passages": len(self.passages),
-            "vocabulary": len(self.df),
-            "params": self.params,
-            "files": files,
-            "digest": self.digest,
-        }
-        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        return manifest
+        if directory.resolve() != self.directory.resolve():
+            for name in [*self.manifest["files"], *self.manifest["derived"], MANIFEST]:
+                (directory / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self.directory / name, directory / name)
+        return dict(self.manifest)
 
     @classmethod
     def load(cls, directory: str | Path) -> BM25Retriever:
-        """The index saved in ``directory``; refuses a missing directory or files that do not match the manifest."""
-        bm25s = _bm25s()
+        """The bm25s index saved in ``directory`` (:meth:`open` with its manifest)."""
+        return cls.open(directory, read_manifest(directory))
 
+    @classmethod
+    def open(cls, directory: str | Path, manifest: dict) -> BM25Retriever:
+        """The index in ``directory`` described by ``manifest``; refuses files that do not match the manifest's
+        hashes (each file read as a stream, several at once) and an index built before the derived files existed."""
         directory = Path(directory)
-        if not (directory / MANIFEST).is_file():
-            raise IndexError_(f"no bm25s index in {str(directory)!r} (no {MANIFEST}): run `dvc repro index_corpus`")
-        manifest = json.loads((directory / MANIFEST).read_text())
-        problem = changed_file(directory, manifest["files"])
+        if "derived" not in manifest:
+            raise IndexError_(
+                f"the index in {str(directory)!r} was built by an earlier version (it lacks {PASSAGE_OFFSETS}): "
+                "rerun `dvc repro index_corpus`"
+            )
+        problem = changed_file(directory, {**manifest["files"], **manifest["derived"]})
         if problem is not None:
             raise IndexError_(f"{problem}: rerun `dvc repro index_corpus` to rebuild the index")
-        index = bm25s.BM25.load(str(directory / INDEX))
-        df = json.loads((directory / DOCUMENT_FREQUENCY).read_text())
-        return cls(read_passages(directory / PASSAGES), index, manifest["params"], df, manifest["digest"])
+        return cls(directory, manifest)
 
     # ---- searching -----------------------------------------------------------------------------------------
     def terms(self, text: str) -> list[str]:
         """The index's terms of ``text`` (lower-cased, stop words dropped, stemmed)."""
+        return self._terms([text])[0]
+
+    def _terms(self, texts: list[str]) -> list[list[str]]:
         bm25s = _bm25s()
 
         return bm25s.tokenize(
-            [text], stopwords=self.params["stopwords"], stemmer=self._stemmer, return_ids=False, show_progress=False
-        )[0]
+            texts, stopwords=self.params["stopwords"], stemmer=self._stemmer, return_ids=False, show_progress=False
+        )
+
+    def term_id(self, term: str) -> int | None:
+        """The id of an index term (its rank in the sorted vocabulary), None for a term the index does not hold: a
+        binary search over the memory-mapped vocabulary (UTF-8 orders bytes as Python orders strings), remembered."""
+        found = self._term_ids.get(term, -1)
+        if found == -1:
+            found = self._find_term(term)
+            if len(self._term_ids) >= TERMS_REMEMBERED:
+                self._term_ids.clear()
+            self._term_ids[term] = found
+        return found
+
+    def _find_term(self, term: str) -> int | None:
+        key, offsets, words = term.encode("utf-8"), self._term_offsets, self._vocabulary
+        lo, hi = 0, len(offsets) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if words[offsets[mid] : offsets[mid + 1] - 1] < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(offsets) - 1 and words[offsets[lo] : offsets[lo + 1] - 1] == key:
+            return lo
+        return None
 
     def search(self, query: str, k: int) -> list[Hit]:
-        terms = [t for t in self.terms(query) if t in self.df]
-        if not terms or k <= 0:
-            return []
-        scores = np.asarray(self.index.get_scores(terms), dtype=np.float64)
-        order = np.lexsort((np.arange(len(scores)), -scores))[:k]
-        return [Hit(self.passages[i], float(scores[i]), r + 1) for r, i in enumerate(order) if scores[i] > 0]
+        return self.batch_search([query], k)[0]
 
     def batch_search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        return [self.search(q, k) for q in queries]
+        """Each query's hits; the queries are scored on :attr:`threads` threads at once."""
+        if k <= 0 or not queries:
+            return [[] for _ in queries]
+        plans = []
+        for terms in self._terms(list(queries)):
+            ids = [i for i in map(self.term_id, terms) if i is not None]
+            constant = 0.0
+            if ids and self._nonoccurrence is not None:  # as bm25s adds it to every passage's score
+                constant = self._nonoccurrence[np.asarray(ids, dtype=np.int32)].sum()
+            plans.append((np.asarray(ids, dtype=np.int64), constant))
+        asked = [i for i, (ids, _) in enumerate(plans) if len(ids)]
+        found = dict(zip(asked, self._searcher.many([plans[i] for i in asked], k)))
+        out: list[list[Hit]] = []
+        for i in range(len(plans)):
+            docs, scores = found.get(i, ((), ()))
+            out.append(
+                [Hit(self.passages[int(d)], float(s), r + 1) for r, (d, s) in enumerate(zip(docs, scores)) if s > 0]
+            )
+        return out
 
     def idf(self, term: str) -> float:
         """BM25's idf of a word (as the index sees it: lower-cased and stemmed); 0 for a stop word or unknown term."""
         terms = self.terms(term)
-        if not terms or terms[0] not in self.df:
+        t = self.term_id(terms[0]) if terms else None
+        if t is None:
             return 0.0
-        n, df = len(self.passages), self.df[terms[0]]
+        indptr = self._searcher.indptr
+        n, df = len(self.passages), int(indptr[t + 1] - indptr[t])
         return math.log(1 + (n - df + 0.5) / (df + 0.5))
-
-
-def _indexed_text(p: Passage) -> str:
-    return f"{p.title}\n{p.text}" if p.title else p.text
-
-
-def _stemmer(name: str | None):
-    if not name:
-        return None
-    import Stemmer
-
-    return Stemmer.Stemmer(name)
