@@ -1,4 +1,5 @@
-"""Lightning training of a binary detector: BCE, AUROC per split, early stopping on validation AUROC.
+"""Lightning training of a binary detector: BCE, AUROC per split, early stopping on validation AUROC, and the same
+training repeated with several seeds (:func:`fit_seeds`: a :class:`~detectors.ensemble.SeedEnsemble` of the nets).
 
 Seeded and deterministic (only while training: the process's torch flags are restored afterwards);
 ``accelerator="auto"`` takes the GPU when there is one; ``devices`` > 1 trains data-parallel (``ddp_spawn`` unless
@@ -10,6 +11,7 @@ once), and the best epoch's weights come back to the calling process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -25,6 +27,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import BinaryAUROC
 
 from detectors.config.schema import TrainingParams
+from detectors.ensemble import SeedEnsemble
+from detectors.evaluation.metrics import auroc
 
 
 class ListDataset(Dataset):
@@ -190,6 +194,47 @@ def fit(
         }
 
 
+def seed_list(params: TrainingParams) -> list[int]:
+    """The seeds a detector is trained with: ``params.seeds`` of them from ``params.seed`` on (one param moves them
+    all, so a stage is retrained with other seeds by changing ``seed``)."""
+    return list(range(params.seed, params.seed + params.seeds))
+
+
+def fit_seeds(
+    make_net: Callable[[], nn.Module],
+    train: list[dict],
+    val: list[dict],
+    collate: Callable[[list[dict]], dict],
+    params: TrainingParams,
+    *,
+    fast_dev_run: bool = False,
+) -> tuple[nn.Module, dict]:
+    """:func:`fit` once per seed of :func:`seed_list` (each its own initial weights, batch order, dropout and early
+    stopping): the net itself for one seed, else the :class:`~detectors.ensemble.SeedEnsemble` of the nets (their
+    mean probability). The summary is :func:`fit`'s, with ``best_val_auroc`` the validation AUROC of what is returned,
+    and per seed (``seeds``, in order) its own ``seed_val_auroc`` and ``seed_epochs``."""
+    seeds = seed_list(params)
+    nets, summaries = [], []
+    for seed in seeds:
+        net, summary = fit(
+            make_net, train, val, collate, dataclasses.replace(params, seed=seed), fast_dev_run=fast_dev_run
+        )
+        nets.append(net)
+        summaries.append(summary)
+    per_seed = {
+        "seeds": seeds,
+        "seed_val_auroc": [s["best_val_auroc"] for s in summaries],
+        "seed_epochs": [s["epochs"] for s in summaries],
+    }
+    if len(nets) == 1:
+        return nets[0], {**summaries[0], **per_seed}
+    ensemble = SeedEnsemble(nets)
+    labels = np.array([int(item["label"]) for item in val])
+    value = auroc(labels, predict(ensemble, val, collate)) if len(set(labels)) == 2 else float("nan")
+    epochs = int(np.median(per_seed["seed_epochs"]))
+    return ensemble, {**summaries[0], "best_val_auroc": value, "epochs": epochs, **per_seed}
+
+
 @torch.no_grad()
 def predict(
     net: nn.Module, items: list[dict], collate: Callable[[list[dict]], dict], batch_size: int = 256
@@ -201,5 +246,11 @@ def predict(
 
 
 def training_info(summary: dict, params: TrainingParams, **counts) -> dict:
-    """What a trained detector records about its training: the fit summary, the threshold rule, counts."""
-    return {**summary, "threshold_strategy": params.threshold, **counts, "seed": params.seed}
+    """What a trained detector records about its training: the fit summary, the threshold rule, counts, the seeds."""
+    return {
+        "seeds": seed_list(params),
+        **summary,
+        "threshold_strategy": params.threshold,
+        **counts,
+        "seed": params.seed,
+    }

@@ -1,7 +1,10 @@
-"""Stage train_realtime: the MLP real-time detector (Lightning, GPU when present), trained on each candidate
-training set of ``train_realtime.tokens`` (the continuations' entity tokens or all their tokens, the early set's QA
-answer tokens, or several); the one whose served score has the best validation AUROC on ``train_realtime.choose_on``
-is saved, and the metrics record every candidate's served AUROC on both sets' validation and test records."""
+"""Stage train_realtime: the MLP real-time detector (Lightning, GPU when present; a seed ensemble of
+``train_realtime.training.seeds`` nets), trained on each candidate training set of ``train_realtime.tokens`` (the
+continuations' entity tokens or all their tokens, the early set's QA answer tokens, or several). The candidate
+``train_realtime.default`` is saved unless another beats its served validation AUROC on ``train_realtime.choose_on``
+by a paired 95 % bootstrap interval above 0 (records no candidate early-stopped on); the metrics record the choice
+(``choice``: every candidate's difference, the ties) and every candidate's served AUROC on both sets' validation and
+test records."""
 
 from __future__ import annotations
 
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         train.training,
         train.tokens,
         train.choose_on,
+        train.default,
+        train.stop_share,
         hidden_layers=params["build_realtime.hidden_layers"],
         prompt=params["build_realtime.prompt"],
         spacy_model=params["build_realtime.spacy_model"],

@@ -53,7 +53,7 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     params["build_early"].update(max_new_tokens=4, shard_size=8, answer_hidden_layers=[1, -1])
     params["train_early"].update(ablation=[["attribution"]])
     params["train_early"]["training"].update(
-        max_epochs=15, patience=5, batch_size=8, accelerator=training_accelerator()
+        max_epochs=15, patience=5, batch_size=8, accelerator=training_accelerator(), seeds=2
     )
     params["articles"].update(
         source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25}
@@ -67,7 +67,7 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
         prompt={"template": "{text}", "chat": False},
     )
     params["train_realtime"]["training"].update(
-        hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator=training_accelerator()
+        hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator=training_accelerator(), seeds=2
     )
     params["build_utility"][
         "corpora"
@@ -431,22 +431,37 @@ def test_detector_refuses_a_different_llm(pipeline, tokenizer):
         load_detector("dior-early", tracking_uri=uri, llm=other)
 
 
-def test_champion_alias_moves_only_when_not_worse(pipeline):
+def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_validation_units(pipeline):
+    """Registering the same detectors again: each new version is level with its champion on the same validation
+    questions (or answers), so it is registered as the challenger and the champion stays; the runs carry the choices
+    training made and the seeds."""
     os.chdir(pipeline)
-    register_stage.main(["--params", "params.yaml"])  # same detector again: equal AUROC → alias moves
+    register_stage.main(["--params", "params.yaml"])
     second = json.loads((pipeline / "data/registry/early.json").read_text())["dior-early"]
-    assert second["version"] == 2 and second["alias_moved"] and second["champion_version"] == 2
-    worse = register(
+    early = pd.read_parquet(pipeline / "data/early/early.parquet")
+    n_val = int(((early["status"] == "ok") & (early["split"] == "val")).sum())
+    assert second["version"] == 2 and second["decision"] == "challenger" and second["champion_version"] == 1
+    assert second["choice"]["ties"] == ["new"] and second["choice"]["deltas"]["new"][0] == 0
+    assert second["choice"]["units"] == n_val and "is level with champion v1's" in second["reason"]
+    client = mlflow.MlflowClient()
+    assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 1
+    assert int(client.get_model_version_by_alias("dior-early", "challenger").version) == 2
+    assert mlflow.get_run(second["run_id"]).data.tags["seeds"] == "0,1"  # the seeds of its ensemble
+    realtime = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
+    assert realtime["decision"] == "challenger" and realtime["choice"]["ties"] == ["new"]
+    tags = mlflow.get_run(realtime["run_id"]).data.tags
+    trained = json.loads((pipeline / "data/metrics/train_realtime.json").read_text())["mlp"]
+    assert tags["choice.tokens.default"] == "all+answers" == trained["choice"]["default"]
+    assert tags["choice.tokens.chosen"] == trained["tokens"] and tags["decision"] == "challenger"
+    worse = register(  # a version without validation scores to pair is never compared: challenger too
         second["model_uri"],
         "dior-early",
         "champion",
-        second["val_auroc"] - 0.1,
+        second["val_auroc"] + 0.1,
         second["val_digest"],
         second["llm_digest"],
     )
-    assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 2
-    client = mlflow.MlflowClient()
-    assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 2
+    assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 1
 
 
 def test_register_compares_the_realtime_detector_on_the_validation_records_training_scored(pipeline):
@@ -644,14 +659,19 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     honesty = metrics["honesty"]
     assert len(honesty["auroc_per_layer"]) == 2 and honesty["ranges"]["paper"]["layers"] == [1]
     assert honesty["ranges"]["paper"]["test_auroc"] == honesty["auroc_per_layer"][0]  # the paper's range is layer 1
-    chosen = honesty["ranges"]["validation"]["layers"]  # the layer with the higher val AUROC (the earlier on ties)
-    assert len(chosen) == 1 and honesty["val_auroc_per_layer"][chosen[0] - 1] == max(honesty["val_auroc_per_layer"])
+    # the rule: the paper's range unless the other layer is surely better on the val statements (a tie keeps it)
+    chosen, choice = honesty["ranges"]["validation"]["layers"], honesty["ranges"]["validation"]["choice"]
+    assert choice["default"] == "1-1" and choice["chosen"] == f"{chosen[0]}-{chosen[-1]}" and len(chosen) == 1
+    assert choice["units"] == honesty["n_val"] and (chosen == [1]) == (choice["better"] == [])
     assert honesty["ranges"]["validation"]["test_auroc"] == honesty["auroc_per_layer"][chosen[0] - 1]
     confidence = metrics["confidence_early"]["ranges"]
-    assert confidence["paper"]["layers"] == [1, 2] and len(confidence["validation"]["layers"]) == 1
-    assert confidence["validation"]["val_auroc"] >= confidence["paper"]["val_auroc"] or confidence["validation"][
-        "layers"
-    ] == [1]
+    choice = confidence["validation"]["choice"]  # windows of one layer against the paper's two
+    assert confidence["paper"]["layers"] == [1, 2] and choice["default"] == "1-2"
+    assert set(choice["ties"] + choice["better"] + choice["worse"]) == {"1-1", "2-2"}
+    moved = confidence["validation"]["layers"] != [1, 2]
+    assert moved == (choice["chosen"] != "1-2") == bool(choice["better"])
+    for name in ("paper", "validation"):  # each range keeps its val scores for the registry's champion rule
+        assert len(confidence[name]["validation"]["scores"]) == choice["units"]
     for rates in (confidence["paper"], confidence["validation"], *metrics["confidence_realtime"]["ranges"].values()):
         assert all(0 <= v <= 1 for k, v in rates.items() if "trigger_rate" in k and v is not None)
     assert set(metrics["truthfulqa"]["accuracy"]) == {"0.0", "0.05"} and metrics["truthfulqa"]["n"] == 3
@@ -682,7 +702,8 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     confidence = load_detector("ctrla-confidence", tracking_uri=uri, llm=tiny_llm)
     assert isinstance(honesty, HonestySteering) and isinstance(confidence, ConfidenceDetector)
     assert confidence.directions.layers == registered["confidence"]["layers"] and honesty.directions.layers == chosen
-    assert confidence.directions.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
+    if moved:  # an artifact at other layers than the paper's records where they came from
+        assert confidence.directions.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
     segment = confidence.generate("The capital of Spain is", steering=honesty, max_new_tokens=4)
     assert len(segment.scores) == len(segment.token_ids) and segment.query.startswith("The capital of Spain is")
     ids = tiny_llm.tokenizer("The capital of Spain is", return_tensors="pt")["input_ids"]
