@@ -32,16 +32,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@contextlib.contextmanager
-def inside(directory: Path):
-    previous = Path.cwd()
-    os.chdir(directory)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
 def utility_rows(early: pd.DataFrame) -> pd.DataFrame:
     """The early set's ok rows with planted utility labels and post-retrieval columns (the early ones, shifted for the
     questions retrieval helps), in the shape :func:`~detectors.utility.detector.joined` gives."""
@@ -81,16 +71,24 @@ def main(argv: list[str] | None = None) -> None:
 
     seconds: dict[str, list[float]] = {"train_early": [], "train_realtime": [], "train_utility": []}
     cpu: dict[str, list[float]] = {name: [] for name in seconds}
-    with tempfile.TemporaryDirectory() as tmp, inside(Path(tmp)):
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
         tokenizer = build_tokenizer()
         checkpoint = Path(tmp) / "tiny-llama"
         build_tiny_llama(tokenizer).save_pretrained(checkpoint, safe_serialization=True)
         tokenizer.save_pretrained(checkpoint)
         write_params(Path(tmp), checkpoint)
+        shipped = yaml.safe_load((ROOT / "params.yaml").read_text())
+        raw = yaml.safe_load(Path("params.yaml").read_text())
+        for section in ("train_early", "train_realtime", "train_utility"):  # the shipped seeds, not the tests' fewer
+            if "seeds" in shipped[section]["training"]:
+                raw[section]["training"]["seeds"] = shipped[section]["training"]["seeds"]
+        Path("params.yaml").write_text(yaml.safe_dump(raw))
         for stage in (prepare, prepare_articles, build_early, build_realtime):
             stage.main(["--params", "params.yaml"])
-        raw = yaml.safe_load(Path("params.yaml").read_text())
-        training = from_dict(TrainingParams, raw["train_early"]["training"], "train_early.training")
+        utility = dict(raw["train_early"]["training"])  # the tests' sizes, with the utility trigger's own seeds
+        utility.pop("seeds", None)
+        utility |= {k: v for k, v in raw["train_utility"]["training"].items() if k == "seeds"}
+        training = from_dict(TrainingParams, utility, "train_utility.training")
         features = from_dict(EarlyFeatureParams, raw["build_early"]["features"], "build_early.features")
         rows = utility_rows(pd.read_parquet("data/early/early.parquet"))
         fingerprint, llm_ref = prepared_reference("data/llm")
@@ -115,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             seconds["train_utility"].append(time.perf_counter() - start)
             cpu["train_utility"].append(time.process_time() - start_cpu)
-        seeds = {section: raw[section]["training"].get("seeds", 1) for section in ("train_early", "train_realtime")}
+        seeds = {s: raw[s]["training"].get("seeds", 1) for s in ("train_early", "train_realtime", "train_utility")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     result = {
         "commit": commit.stdout.strip(),

@@ -1,7 +1,7 @@
 """A seed ensemble: the nets of one detector trained with several seeds, served as one net whose probability is the
 mean of theirs.
 
-Every trained detector is trained with ``training.seeds`` seeds (:func:`detectors.training.fit_seeds`); one seed's net
+Every trained detector is trained with ``training.seeds`` seeds (:func:`detectors.training.fit`); one seed's net
 moves with the seed (its initial weights, the order of its batches, its dropout), the mean of several moves much less,
 so the ensemble is what is registered. :class:`SeedEnsemble` returns the logit of the members' mean probability, so
 every caller that takes ``sigmoid(net(batch))`` (training's ``predict``, the real-time monitor, the MLflow pyfunc)

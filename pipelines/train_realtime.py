@@ -18,6 +18,7 @@ from detectors.dior.realtime_training import TokenSets, train_and_choose
 from detectors.errors import InputError
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
+from detectors.training import reported
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("train_realtime")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         llm_ref=llm_ref,
     )
     detector.save(params["paths.realtime_model"])
-    metrics = {"mlp": {"threshold": detector.threshold, **detector.info}}
+    metrics = {"mlp": {"threshold": detector.threshold, **reported(detector.info)}}
     write_json(params["paths.train_realtime_metrics"], metrics)
     log.info("%s", metrics)
 

@@ -23,6 +23,7 @@ from detectors.evaluation.bootstrap import bootstrap_auroc, paired_bootstrap_del
 from detectors.evaluation.metrics import auroc
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
+from detectors.training import reported
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
 from detectors.utility.labels import HELPS, as_post
 from pipelines._stage import run, stage_params
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                 "threshold": detector.threshold,
                 "budget_threshold": detector.budget_threshold,
                 "gate_threshold": detector.gate_threshold,
-                **detector.info,
+                **reported(detector.info),
                 "test": test,
             }
             log.info("%s: %s", corpus, metrics[corpus])

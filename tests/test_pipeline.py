@@ -255,6 +255,37 @@ def test_comparison_table_holds_every_scorer_dataset_and_level(pipeline):
     assert (tokens["group"] == tokens["id"].str.split(":").str[0]).all()
 
 
+def test_each_trained_detector_shows_its_single_seeds_beside_its_row(pipeline):
+    """Every trained detector is a seed ensemble (two seeds here); the comparison reports the test AUROC of each seed's
+    net alone beside the ensemble's row: in the metrics, on the results page and in the MLflow runs."""
+    from detectors.dior.early_detector import load_early_detectors
+
+    early = json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())["question"]
+    frame = pd.read_parquet(pipeline / "data/early/early.parquet")
+    test = frame[(frame["status"] == "ok") & (frame["split"] == "test")]
+    for name, detector in load_early_detectors(pipeline / "data/models/early").items():
+        singles = [auroc(test["label"], d.predict_proba(test)) for d in detector.per_seed()]
+        m = early[name]
+        assert m["seeds"] == len(singles) == 2 and detector.info["seeds"] == [0, 1]
+        assert (m["seed_auroc_min"], m["seed_auroc_max"]) == pytest.approx((min(singles), max(singles)))
+        assert m["seed_auroc_sd"] == pytest.approx(np.std(singles, ddof=1))
+    assert all("seeds" not in m for m in early.values() if m["kind"] != "detector")
+    assert early["logreg[attribution+first_token]"]["kind"] == "trained baseline"  # fitted on train: listed apart
+    realtime = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())
+    for level, scorer in (
+        ("token", "mlp"),
+        ("entity", "mlp"),
+        ("continuation", "mlp"),
+        ("continuation", "mlp[served]"),
+    ):
+        assert realtime[level][scorer]["seeds"] == 2, (level, scorer)
+    text = (pipeline / "docs/results/comparison.md").read_text()
+    m = early["dior-early"]
+    assert f"| {m['seed_auroc_min']:.3f}–{m['seed_auroc_max']:.3f} (sd {m['seed_auroc_sd']:.3f}, 2 seeds) |" in text
+    runs = evaluation_runs(pipeline, "early").set_index("tags.detector")
+    assert runs.loc["dior-early", "metrics.seed_auroc_max"] == pytest.approx(m["seed_auroc_max"])
+
+
 def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pipeline):
     """CtrlA score tables with several columns join by id; every early detector directory is a scorer."""
     os.chdir(pipeline)
@@ -431,13 +462,17 @@ def test_detector_refuses_a_different_llm(pipeline, tokenizer):
         load_detector("dior-early", tracking_uri=uri, llm=other)
 
 
-def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_validation_units(pipeline):
+def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_validation_units(pipeline, tmp_path):
     """Registering the same detectors again: each new version is level with its champion on the same validation
     questions (or answers), so it is registered as the challenger and the champion stays; the runs carry the choices
     training made and the seeds."""
     os.chdir(pipeline)
-    register_stage.main(["--params", "params.yaml"])
-    second = json.loads((pipeline / "data/registry/early.json").read_text())["dior-early"]
+    params = yaml.safe_load((pipeline / "params.yaml").read_text())
+    for key in ("registry_early", "registry_realtime", "registry_utility"):  # the first registration's files stay
+        params["paths"][key] = str(tmp_path / Path(params["paths"][key]).name)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    register_stage.main(["--params", str(tmp_path / "params.yaml")])
+    second = json.loads((tmp_path / "early.json").read_text())["dior-early"]
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     n_val = int(((early["status"] == "ok") & (early["split"] == "val")).sum())
     assert second["version"] == 2 and second["decision"] == "challenger" and second["champion_version"] == 1
@@ -447,7 +482,7 @@ def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_valida
     assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 1
     assert int(client.get_model_version_by_alias("dior-early", "challenger").version) == 2
     assert mlflow.get_run(second["run_id"]).data.tags["seeds"] == "0,1"  # the seeds of its ensemble
-    realtime = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
+    realtime = json.loads((tmp_path / "dior-realtime.json").read_text())
     assert realtime["decision"] == "challenger" and realtime["choice"]["ties"] == ["new"]
     tags = mlflow.get_run(realtime["run_id"]).data.tags
     trained = json.loads((pipeline / "data/metrics/train_realtime.json").read_text())["mlp"]

@@ -48,7 +48,7 @@ from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.registry.artifact import FrameInputs, frame_dtype, llm_section, read_net, write_artifact
 from detectors.sources.ids import ok_records
-from detectors.training import fit_seeds, predict, training_info
+from detectors.training import fit, predict, training_info
 
 PAPER_THRESHOLD = 0.5  # DioR Eq. 2: retrieve when the softmax (here: sigmoid) output exceeds 0.5
 
@@ -195,7 +195,7 @@ def train_early_detector(
     name: str = EarlyDetector.KIND,
 ) -> EarlyDetector:
     """Train detector ``name`` on the ``train`` split with ``params.seeds`` seeds (their mean probability,
-    :func:`~detectors.training.fit_seeds`), early-stop and choose the threshold on ``val`` (never on test).
+    :func:`~detectors.training.fit`), early-stop and choose the threshold on ``val`` (never on test).
 
     The detector records the dtype the set's features were computed in (its ``feature_dtype`` column) in
     ``llm_ref``, so that serving in another dtype is refused, and its validation scores (``info["validation"]``,
@@ -209,7 +209,7 @@ def train_early_detector(
     raw = np.stack([per_question(r, groups) for r in train])
     mean, std = raw.mean(axis=0), raw.std(axis=0) + 1e-6
     n_scalars = len(scalar_features(train[0], groups))
-    net, summary = fit_seeds(
+    net, summary = fit(
         lambda: EarlyGRU(
             SEQUENCE_DIM if "attribution" in groups else 0,
             n_scalars,

@@ -32,7 +32,7 @@ from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import frame_dtype
 from detectors.registry.store import validation_digest
 from detectors.sources.ids import in_fold, ok_records
-from detectors.training import fit_seeds, training_info
+from detectors.training import fit, training_info
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def train_realtime_detector(
     mean, std = x[train].mean(0), x[train].std(0) + 1e-4
     z = torch.from_numpy(((x - mean) / std).astype(np.float32))
     items = [{"x": z[i], "label": int(y[i])} for i in range(len(y))]
-    net, summary = fit_seeds(
+    net, summary = fit(
         lambda: TokenMLP(x.shape[1], params.hidden, params.dropout),
         [items[i] for i in np.flatnonzero(train)],
         [items[i] for i in np.flatnonzero(val)],

@@ -67,6 +67,9 @@ VIEW_COLUMNS = (
             "test_ece",
             "trigger_rate",
             "test_n",
+            "seed_auroc_min",
+            "seed_auroc_max",
+            "seed_auroc_sd",
         )
     )
     + ("tags.`delta_vs`",)
@@ -83,7 +86,8 @@ DESCRIPTION = (
     "`delta_ci_low`/`_high`) "
     "a trained detector's AUROC minus the best training-free baseline's (`delta_vs`) on the same examples, "
     "`trigger_rate` "
-    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = "
+    "the share of test units at or above the threshold chosen on validation, `seed_auroc_min`/`_max`/`_sd` the test "
+    "AUROC of a trained detector's single seeds (each net of its seed ensemble alone). Filter e.g. `tags.level = "
     "'continuation'`. "
     "The comparison view shows these columns: add `?viewStateShareKey=comparison` to this page's address."
 )

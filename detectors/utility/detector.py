@@ -45,7 +45,7 @@ from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import FrameInputs, frame_dtype, llm_section, read_net, write_artifact
-from detectors.training import fit_seeds, predict, training_info
+from detectors.training import fit, predict, training_info
 from detectors.utility.labels import HELPS, HURTS, NEITHER, as_post, post_features
 
 PRE_STAGE, GATE_STAGE = "pre", "gate"
@@ -338,7 +338,7 @@ def train_utility_detector(
             )
         inputs[stage] = Standardised.fit(raw["train"], n_scalars)
         width = raw["train"].shape[1] - n_scalars
-        nets[stage], summaries[stage] = fit_seeds(
+        nets[stage], summaries[stage] = fit(
             lambda: EarlyGRU(0, n_scalars, width, params.hidden, params.dropout),
             inputs[stage].items(raw["train"], y["train"]),
             inputs[stage].items(raw["val"], y["val"]),
