@@ -109,7 +109,7 @@ class Scorer(Protocol):
     """A hallucination score per unit of ``level``; the comparison treats every scorer the same way."""
 
     name: str
-    kind: str  # "detector" | "baseline"
+    kind: str  # "detector" | "trained baseline" (fitted by the comparison, e.g. a probe) | "baseline" (training-free)
     level: Level
     is_probability: bool  # False: the evaluation maps scores to probabilities by a Platt fit on validation
     threshold: float | None  # its own decision threshold; None: chosen on validation by the evaluation

@@ -1,4 +1,5 @@
-"""Lightning training of a binary detector: BCE, AUROC per split, early stopping on validation AUROC.
+"""Lightning training of a binary detector: BCE, AUROC per split, early stopping on validation AUROC, and the same
+training repeated with several seeds (:func:`fit`: a :class:`~detectors.ensemble.SeedEnsemble` of the nets).
 
 Seeded and deterministic (only while training: the process's torch flags are restored afterwards);
 ``accelerator="auto"`` takes the GPU when there is one; ``devices`` > 1 trains data-parallel (``ddp_spawn`` unless
@@ -10,6 +11,7 @@ once), and the best epoch's weights come back to the calling process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -25,6 +27,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import BinaryAUROC
 
 from detectors.config.schema import TrainingParams
+from detectors.ensemble import SeedEnsemble
+from detectors.evaluation.metrics import auroc
 
 
 class ListDataset(Dataset):
@@ -146,20 +150,19 @@ def host_tensors_by_file(enabled: bool) -> Iterator[None]:
         torch.multiprocessing.set_sharing_strategy(before)
 
 
-def fit(
-    make_net: Callable[[], nn.Module],
-    train: list[dict],
-    val: list[dict],
-    collate: Callable[[list[dict]], dict],
-    params: TrainingParams,
-    *,
-    fast_dev_run: bool = False,
+def seed_list(params: TrainingParams) -> list[int]:
+    """The seeds a detector is trained with: ``params.seeds`` of them from ``params.seed`` on (one param moves them
+    all, so a stage is retrained with other seeds by changing ``seed``)."""
+    return list(range(params.seed, params.seed + params.seeds))
+
+
+def _fit_one(
+    make_net: Callable[[], nn.Module], data: Loaders, params: TrainingParams, fast_dev_run: bool
 ) -> tuple[nn.Module, dict]:
-    """Build the net after seeding (so its initial weights are seeded too) and train it; keeps the
-    weights of the best validation-AUROC epoch. Returns the net and a summary."""
-    seed, batch_size = params.seed, params.batch_size
+    """One seed's training (``params.seed``): build the net after seeding (so its initial weights are seeded too) and
+    train it; keeps the weights of the best validation-AUROC epoch. Returns the net and a summary."""
     logging.getLogger("pytorch_lightning").setLevel(logging.WARNING)  # no banner per trained variant
-    pl.seed_everything(seed, workers=True, verbose=False)
+    pl.seed_everything(params.seed, workers=True, verbose=False)
     net = make_net()
     module = BinaryDetector(net, params.lr, params.weight_decay)
     with deterministic_training(), host_tensors_by_file(params.devices > 1), tempfile.TemporaryDirectory() as tmp:
@@ -177,7 +180,7 @@ def fit(
             fast_dev_run=fast_dev_run,
             default_root_dir=tmp,
         )
-        trainer.fit(module, datamodule=Loaders(train, val, collate, batch_size, seed))
+        trainer.fit(module, datamodule=data)
         if best.best_model_path:
             state = torch.load(best.best_model_path, map_location="cpu", weights_only=True)["state_dict"]
             module.load_state_dict(state)
@@ -188,6 +191,41 @@ def fit(
             "device": str(trainer.strategy.root_device),
             "devices": int(trainer.world_size),
         }
+
+
+def fit(
+    make_net: Callable[[], nn.Module],
+    train: list[dict],
+    val: list[dict],
+    collate: Callable[[list[dict]], dict],
+    params: TrainingParams,
+    *,
+    fast_dev_run: bool = False,
+) -> tuple[nn.Module, dict]:
+    """Train ``make_net()`` once per seed of :func:`seed_list` (each its own initial weights, batch order, dropout and
+    early stopping on the validation AUROC, the best epoch's weights kept): the net itself for one seed, else the
+    :class:`~detectors.ensemble.SeedEnsemble` of the nets (their mean probability). The summary is the first seed's,
+    with ``best_val_auroc`` the validation AUROC of what is returned, and per seed (``seeds``, in order) its own
+    ``seed_val_auroc`` and ``seed_epochs``."""
+    nets, summaries, seeds = [], [], seed_list(params)
+    for seed in seeds:
+        one = dataclasses.replace(params, seed=seed)
+        data = Loaders(train, val, collate, params.batch_size, seed)
+        net, summary = _fit_one(make_net, data, one, fast_dev_run)
+        nets.append(net)
+        summaries.append(summary)
+    per_seed = {
+        "seeds": seeds,
+        "seed_val_auroc": [s["best_val_auroc"] for s in summaries],
+        "seed_epochs": [s["epochs"] for s in summaries],
+    }
+    if len(nets) == 1:
+        return nets[0], {**summaries[0], **per_seed}
+    ensemble = SeedEnsemble(nets)
+    labels = np.array([int(item["label"]) for item in val])
+    value = auroc(labels, predict(ensemble, val, collate)) if len(set(labels)) == 2 else float("nan")
+    epochs = int(np.median(per_seed["seed_epochs"]))
+    return ensemble, {**summaries[0], "best_val_auroc": value, "epochs": epochs, **per_seed}
 
 
 @torch.no_grad()
@@ -201,5 +239,17 @@ def predict(
 
 
 def training_info(summary: dict, params: TrainingParams, **counts) -> dict:
-    """What a trained detector records about its training: the fit summary, the threshold rule, counts."""
-    return {**summary, "threshold_strategy": params.threshold, **counts, "seed": params.seed}
+    """What a trained detector records about its training: the fit summary, the threshold rule, counts, the seeds."""
+    return {
+        "seeds": seed_list(params),
+        **summary,
+        "threshold_strategy": params.threshold,
+        **counts,
+        "seed": params.seed,
+    }
+
+
+def reported(info: dict) -> dict:
+    """A trained detector's ``info`` as its stage's metrics file reports it: without its validation scores (one per
+    validation unit, kept in the artifact for the registry)."""
+    return {k: v for k, v in info.items() if k != "validation"}

@@ -1,11 +1,13 @@
 """Stage evaluate: one comparison of every scorer on the test splits, the same way.
 
 Early set (question level): every trained early detector (one directory each under ``paths.early_model``)
-beside the training-free question baselines. Real-time set: the MLP beside the training-free token baselines
-at token, entity and continuation level. Other stages' per-id score tables (CtrlA's confidence, RIND,
-RetroRAG's evaluator on the LLM's own answer) are joined by id when they exist. Every score is a
+beside the question baselines (the logistic probe, fitted on the train split, listed apart as a trained baseline).
+Real-time set: the MLP beside the training-free token baselines at token, entity and continuation level. Other
+stages' per-id score tables (CtrlA's confidence, RIND, RetroRAG's evaluator on the LLM's own answer) are joined by id
+when they exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
-bootstrap intervals and, for trained detectors, the paired difference from the best baseline. Writes the detailed
+bootstrap intervals and, for trained detectors, the paired difference from the best training-free baseline and the
+spread of their single seeds' test AUROC (a seed ensemble's members scored alone). Writes the detailed
 reports (``{level: {scorer: metrics}}`` per dataset), their headline (``dvc metrics``: one file per dataset x level,
 the best trained detector's and the best baseline's test AUROC), the long table (parquet) and its Markdown, the
 figures (``dvc plots``: ROC, precision-recall, reliability, score ECDFs, DioR Fig. 7; their curves as CSVs) and one
@@ -28,7 +30,7 @@ from detectors.evaluation.compare import DATASETS, compare_levels, long_table
 from detectors.evaluation.inputs import join_score_tables
 from detectors.evaluation.plots import write_comparison_plots
 from detectors.evaluation.report import headline, markdown_table, nested_metrics, write_headline
-from detectors.evaluation.scorers import DetectorScorer, realtime_detector_scorer
+from detectors.evaluation.scorers import DetectorScorer, realtime_detector_scorer, seed_stat
 from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
@@ -117,7 +119,9 @@ def early_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     )
     # every trained early detector under paths.early_model (dior-early, dior-early-extended, ablations), named after its
     # directory
-    trained = [DetectorScorer(name, det) for name, det in load_early_detectors(params["paths.early_model"]).items()]
+    trained = [
+        DetectorScorer.with_seeds(name, det) for name, det in load_early_detectors(params["paths.early_model"]).items()
+    ]
     scorers = trained + question_baselines(set(frame.columns))
     return frame, {Level.QUESTION: frame}, {Level.QUESTION: scorers}
 
@@ -128,13 +132,18 @@ def realtime_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     tables = {"CtrlA": params["paths.ctrla_realtime"], "baselines": params["paths.baselines_realtime"]}
     frame, joined = join_score_tables(pd.read_parquet(params["paths.realtime"]), tables)
     detector = RealtimeDetector.load(params["paths.realtime_model"])
-    mlp = detector.record_scores(frame, load_file(params["paths.realtime_hidden"])["hidden"])
-    stats = realtime_token_stats(frame, mlp, joined)
+    hidden = load_file(params["paths.realtime_hidden"])["hidden"]
+    mlp = detector.record_scores(frame, hidden)
+    seeds = tuple(detector.info.get("seeds", [])) if detector.per_seed() else ()
+    single = {seed_stat("mlp", s): d.record_scores(frame, hidden) for s, d in zip(seeds, detector.per_seed())}
+    stats = realtime_token_stats(frame, mlp, joined, single)
     units = realtime_units(frame, stats)
-    names = set().union(*(s.keys() for s in stats.values()))
-    scorers = {level: [realtime_detector_scorer(level)] + realtime_baselines(level, names) for level in units}
+    names = set().union(*(s.keys() for s in stats.values())) - set(single)
+    scorers = {
+        level: [realtime_detector_scorer(level, seeds=seeds)] + realtime_baselines(level, names) for level in units
+    }
     scorers[Level.CONTINUATION].insert(
-        1, served_scorer(detector.threshold)
+        1, served_scorer(detector.threshold, seeds)
     )  # what monitor() does: the max over every token
     served = served_behaviour(frame, mlp, detector.threshold) | {"tokens": detector.info.get("tokens")}
     write_json(params["paths.served_metrics"], served)

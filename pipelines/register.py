@@ -1,12 +1,16 @@
 """Stage register: log each DioR detector to MLflow, register it, and apply the champion rule.
 
-The early detectors of ``register_early.names`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``:
-the stronger feature set), each from ``paths.early_model/<name>/`` under its own registered name, their results
-in one JSON keyed by detector; ``dior-realtime`` (the MLP; its test metrics are the continuation level's); and the
-retrieval-utility trigger of each corpus (``utility-<corpus>``; its test metrics are train_utility's).
-Each version is tagged with the digest of the validation records its AUROC was computed on (the ok records of
-the set's val split; for the real-time detector those of the set it was chosen on, the QA answers with a token or the
-continuations, as training recorded it in the detector's ``info``), so only comparable versions compete.
+The early detectors of ``register_early.names`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``: the
+stronger feature set), each from ``paths.early_model/<name>/`` under its own registered name, their results in one JSON
+keyed by detector; ``dior-realtime`` (the MLP; its test metrics are the continuation level's); and the retrieval-utility
+trigger of each corpus (``utility-<corpus>``; its test metrics are train_utility's). Each version is tagged with the
+digest of the validation records its AUROC was computed on (the ok records of the set's val split; for the real-time
+detector those of the set it was chosen on, the QA answers with a token or the continuations, as training recorded it in
+the detector's ``info``), so only comparable versions compete, and keeps its validation scores (``info["validation"]``):
+a version takes the champion alias only when it beats the champion's validation AUROC on the same units by a paired 95 %
+bootstrap interval above 0 (:func:`detectors.evaluation.choice.versus`); otherwise it is registered as the challenger.
+The run carries the choices training made (the real-time candidate, the utility thresholds) as tags, and the spread of
+the single seeds' test AUROC beside the registered detector's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from detectors.config import ParamsError
 from detectors.dior.realtime_training import CONTINUATIONS
 from detectors.dior.served import SERVED
 from detectors.errors import InputError
+from detectors.evaluation.choice import choice_tags, versus
 from detectors.interfaces import Level
 from detectors.io import write_json
 from detectors.registry import store
@@ -106,11 +111,22 @@ def register_detector(
     ``val_key``: the artifact's validation AUROC the champion rule compares (the real-time detector's served one: its
     token AUROC is over entity or all tokens, whichever set it was trained on, so not comparable across versions)."""
     detector = load_artifact(artifact_dir)
-    value = detector.info.get(val_key)
+    info = detector.info
+    value = info.get(val_key)
     val_auroc = float("nan") if value is None else float(value)  # no validation score: never the champion
+    seeds = info.get("seeds", [info.get("seed")])
     metadata = {"llm": detector.fingerprint.to_dict(), "threshold": detector.threshold, **extra_params}
-    run_params = {"threshold": detector.threshold, "llm": detector.fingerprint.name, **extra_params}
+    run_params = {
+        "threshold": detector.threshold,
+        "llm": detector.fingerprint.name,
+        "seeds": len(seeds),
+        **extra_params,
+    }
     test_metrics = {f"test_{k}": v for k, v in test.items() if isinstance(v, (int, float))}  # not kind, delta_vs
+    seed_val = {f"seed_val_auroc_{s}": v for s, v in zip(seeds, info.get("seed_val_auroc", [])) if v is not None}
+    tags = {"seeds": ",".join(map(str, seeds))} | choice_tags("choice.tokens", info.get("choice"))
+    for threshold, record in (info.get("choices") or {}).items():
+        tags |= choice_tags(f"choice.{threshold}", record)
     result = store.log_and_register(
         detector,
         artifact_dir,
@@ -119,10 +135,13 @@ def register_detector(
         experiment_id,
         val_auroc,
         val_digest,
-        test_metrics,
+        test_metrics | seed_val,
         run_params,
         metadata,
         features,
+        info.get("validation"),
+        versus,
+        tags,
     )
     result["test_auroc"] = test["auroc"]
     log.info("%s", result)

@@ -2,12 +2,14 @@
 register them, and apply the champion rule.
 
 Each artifact uses the layer range ``honesty_layers`` / ``confidence_layers`` names: ``paper`` (CtrlA's range
-scaled to the LLM, as extracted) or ``validation`` (the window evaluate_directions chose on validation; the
-artifact's ``detector.json`` then records ``layer_selection``). Validation AUROC at those layers: the val
+scaled to the LLM, as extracted) or ``validation`` (the window evaluate_directions kept on validation by the rule: the
+paper's range unless a window beats it by a paired 95 % bootstrap interval above 0; the artifact's ``detector.json``
+then records ``layer_selection``, the run the choice as tags). Validation AUROC at those layers: the val
 split's true-vs-false statements for honesty (never the test split); the early set's validation split (the
 monitor as a hallucination scorer) for confidence. evaluate_directions records the digest of the ids of each
-(``val_digest``), so only versions evaluated on the same validation set compete. A range chosen on validation
-has an optimistic validation AUROC; its test AUROC is logged beside it.
+(``val_digest``), so only versions evaluated on the same validation set compete, and the version keeps the val
+scores at its layers: it becomes champion only when it beats the champion on them by the same rule. A range chosen on
+validation has an optimistic validation AUROC; its test AUROC is logged beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
 from detectors.errors import InputError
+from detectors.evaluation.choice import choice_tags, versus
 from detectors.io import write_json
 from detectors.registry import store
 from pipelines._stage import run, stage_params
@@ -32,10 +35,19 @@ DEPS = (
 OUTS = (("${paths.registry_ctrla}", {"cache": False}),)
 
 
+def _section(metrics: dict, concept: str) -> dict:
+    return metrics.get("honesty" if concept == "honesty" else "confidence_early") or {}
+
+
+def window_choice(metrics: dict, concept: str) -> dict | None:
+    """The rule's record of the layer window evaluate_directions kept for ``concept`` on validation (None: none)."""
+    return _section(metrics, concept).get("ranges", {}).get("validation", {}).get("choice")
+
+
 def chosen_range(metrics: dict, concept: str, selection: str) -> dict:
-    """The layers, val and test AUROC that evaluate_directions reported for ``concept`` at the ``selection`` range."""
-    section = metrics.get("honesty" if concept == "honesty" else "confidence_early") or {}
-    found = section.get("ranges", {}).get(selection)
+    """The layers, val and test AUROC (and val scores) that evaluate_directions reported for ``concept`` at the
+    ``selection`` range."""
+    found = _section(metrics, concept).get("ranges", {}).get(selection)
     if found is None and selection == "validation":
         raise InputError(
             f"register_ctrla.{concept}_layers = 'validation', but {concept} has no layer range chosen on validation "
@@ -92,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
                 {} if test is None else {"test_auroc": test},
                 run_params,
                 metadata,
+                validation=chosen.get("validation"),
+                rule=versus,
+                tags=choice_tags("choice.layers", window_choice(metrics, concept)),
             )
         results[concept]["layers"], results[concept]["layer_range"] = d.layers, selection
         log.info("%s", results[concept])

@@ -1,9 +1,11 @@
 """Stage train_early: the early detectors and their feature ablation (Lightning, GPU when present).
 
-Each detector of ``train_early.detectors`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``: the
-stronger feature set) and each ablation (``gru[<groups>]``) is written to ``paths.early_model/<name>/`` with one
-entry in ``paths.train_early_metrics``. The directory is rebuilt beside the old one and swapped in at the end, so
-it holds exactly this run's detectors (evaluate loads every sub-directory) and a failed run leaves the last one.
+Each detector of ``train_early.detectors`` (``dior-early``: DioR's RNN over IG(Q); ``dior-early-extended``: the stronger
+feature set) and each ablation (``gru[<groups>]``) is a seed ensemble (``train_early.training.seeds`` GRUs, their mean
+probability), written to ``paths.early_model/<name>/`` with one entry in ``paths.train_early_metrics`` (each seed's
+validation AUROC beside the ensemble's, the threshold at the validation prevalence). The directory is rebuilt beside the
+old one and swapped in at the end, so it holds exactly this run's detectors (evaluate loads every sub-directory) and a
+failed run leaves the last one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pandas as pd
 from detectors.dior.early_detector import train_early_detector
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
+from detectors.training import reported
 from pipelines._stage import run, stage_params
 from pipelines._swap import swapped_in
 
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, groups in variants.items():
             detector = train_early_detector(frame, groups, train.training, features, fingerprint, llm_ref, name=name)
             detector.save(partial / name)
-            metrics[name] = {"features": groups, "threshold": detector.threshold, **detector.info}
+            metrics[name] = {"features": groups, "threshold": detector.threshold, **reported(detector.info)}
             log.info("%s: %s", name, metrics[name])
     write_json(params["paths.train_early_metrics"], metrics)
 

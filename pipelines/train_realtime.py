@@ -1,7 +1,10 @@
-"""Stage train_realtime: the MLP real-time detector (Lightning, GPU when present), trained on each candidate
-training set of ``train_realtime.tokens`` (the continuations' entity tokens or all their tokens, the early set's QA
-answer tokens, or several); the one whose served score has the best validation AUROC on ``train_realtime.choose_on``
-is saved, and the metrics record every candidate's served AUROC on both sets' validation and test records."""
+"""Stage train_realtime: the MLP real-time detector (Lightning, GPU when present; a seed ensemble of
+``train_realtime.training.seeds`` nets), trained on each candidate training set of ``train_realtime.tokens`` (the
+continuations' entity tokens or all their tokens, the early set's QA answer tokens, or several). The candidate
+``train_realtime.default`` is saved unless another beats its served validation AUROC on ``train_realtime.choose_on``
+by a paired 95 % bootstrap interval above 0 (records no candidate early-stopped on); the metrics record the choice
+(``choice``: every candidate's difference, the ties) and every candidate's served AUROC on both sets' validation and
+test records."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from detectors.dior.realtime_training import TokenSets, train_and_choose
 from detectors.errors import InputError
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
+from detectors.training import reported
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("train_realtime")
@@ -68,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         train.training,
         train.tokens,
         train.choose_on,
+        train.default,
+        train.stop_share,
         hidden_layers=params["build_realtime.hidden_layers"],
         prompt=params["build_realtime.prompt"],
         spacy_model=params["build_realtime.spacy_model"],
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         llm_ref=llm_ref,
     )
     detector.save(params["paths.realtime_model"])
-    metrics = {"mlp": {"threshold": detector.threshold, **detector.info}}
+    metrics = {"mlp": {"threshold": detector.threshold, **reported(detector.info)}}
     write_json(params["paths.train_realtime_metrics"], metrics)
     log.info("%s", metrics)
 

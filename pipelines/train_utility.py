@@ -4,7 +4,8 @@ For each corpus of ``build_utility.corpora``, :func:`~detectors.utility.detector
 retrieval decision (P(helps)) and the post-retrieval gate on the train split of the labels, with every operating
 point chosen on validation, and writes ``paths.utility_model/<corpus>/``. ``paths.train_utility_metrics`` holds per
 corpus the thresholds, the training summaries and what the test split says: the AUROC of P(helps) for ``helps`` and
-its paired difference with the first-token probability's (the signal left after the LLM's confidence), the gate's
+its paired difference with the first-token probability's (the signal left after the LLM's confidence) and the
+spread of the single seeds' AUROC (each net of the seed ensemble alone), the gate's
 AUROC for ``helps`` against ``hurts``, the same AUROC and difference for the trained early detectors (they learnt
 "the unaided answer is wrong", not "retrieval fixes it"), and the test accuracy and retrieval rate at each operating
 point.
@@ -22,6 +23,7 @@ from detectors.evaluation.bootstrap import bootstrap_auroc, paired_bootstrap_del
 from detectors.evaluation.metrics import auroc
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
+from detectors.training import reported
 from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
 from detectors.utility.labels import HELPS, as_post
 from pipelines._stage import run, stage_params
@@ -80,10 +82,15 @@ def test_report(detector: UtilityDetector, early: dict, test: pd.DataFrame, n: i
         used = retrieve if keep is None else retrieve & keep
         return {"accuracy": float(np.where(used, with_, without).mean()), "retrieval_rate": float(retrieve.mean())}
 
+    singles = [auroc(helps, d.predict_proba(rows)) for d in detector.per_seed()]  # each seed's net alone
     return {
         "n": len(test),
         "helps_rate": float(helps.mean()),
         **helps_auroc(pre, helps, confidence, n, seed),
+        "seed_auroc": singles,
+        "seed_auroc_min": min(singles, default=None),
+        "seed_auroc_max": max(singles, default=None),
+        "seed_auroc_sd": float(np.std(singles, ddof=1)) if len(singles) > 1 else None,
         "first_token_auroc": auroc(helps, confidence),
         "early_detectors": {
             name: helps_auroc(d.predict_proba(rows), helps, confidence, n, seed) for name, d in early.items()
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                 "threshold": detector.threshold,
                 "budget_threshold": detector.budget_threshold,
                 "gate_threshold": detector.gate_threshold,
-                **detector.info,
+                **reported(detector.info),
                 "test": test,
             }
             log.info("%s: %s", corpus, metrics[corpus])

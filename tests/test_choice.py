@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from detectors.evaluation.choice import auroc_deltas, choose, mean_deltas
+from detectors.evaluation.choice import (
+    auroc_deltas,
+    choice_tags,
+    choose,
+    family_level,
+    mean_deltas,
+    scored_units,
+    versus,
+)
 
 
 def scorers(n: int = 400, seed: int = 3):
@@ -58,3 +66,37 @@ def test_outcomes_per_question_decide_the_same_way():
     assert deltas["one more"][0] == pytest.approx(1 / 300)
     choice = choose("never", deltas, units=300)
     assert choice.chosen == "always" and choice.ties == ("one more",)
+
+
+def test_among_many_candidates_each_interval_is_wider_so_one_margin_that_would_pass_alone_does_not():
+    """Bonferroni: with twenty candidates (every layer window, say) each interval is at 1 - 0.05/20, so a margin that
+    clears 0 at 95 % for one candidate stays a tie among twenty."""
+    assert family_level(1) == 0.95 and family_level(3) == pytest.approx(1 - 0.05 / 3)
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, 2, 300)
+    scores = {"default": labels + rng.normal(0, 1.5, 300), "better": labels + rng.normal(0, 1.0, 300)}
+    alone = choose("default", auroc_deltas(labels, scores, "default"), 300)
+    level = family_level(20)
+    among = choose("default", auroc_deltas(labels, scores, "default", level=level), 300, level)
+    (delta, low, high), (same, wide_low, wide_high) = alone.deltas["better"], among.deltas["better"]
+    assert delta == same and wide_low < low and high < wide_high  # the same difference, a wider interval
+    assert alone.chosen == "better" and among.chosen == "default" and among.ties == ("better",)
+    assert among.as_dict()["level"] == level and "99.8 % bootstrap interval" in among.as_dict()["rule"]
+
+
+def test_two_records_of_the_same_units_are_compared_unit_by_unit():
+    labels = np.random.default_rng(2).integers(0, 2, 300)
+    noise = np.random.default_rng(3).normal(0, 1, 300)
+    ids = [f"q{i}" for i in range(300)]
+    old, new = scored_units(ids, labels, labels * 0.3 + noise), scored_units(ids, labels, labels * 3.0 + noise)
+    reordered = {k: v[::-1] for k, v in new.items()}  # the order of the units does not matter, their ids do
+    choice = versus(old, reordered, ("champion", "new"))
+    assert choice.chosen == "new" and choice.units == 300 and choice.deltas["new"][1] > 0
+    assert versus(new, old, ("champion", "new")).chosen == "champion"  # the worse one does not move it
+    assert versus(old, scored_units([f"x{i}" for i in range(300)], labels, noise)) is None  # other units
+    assert versus(old, scored_units(ids, 1 - labels, noise)) is None  # other labels: not the same units
+    with pytest.raises(ValueError, match="300 ids, 299 labels and 300 scores"):
+        scored_units(ids, labels[:-1], noise)
+    tags = choice_tags("rule", choice.as_dict())
+    assert tags["rule.chosen"] == "new" and tags["rule.ties"] == "none" and tags["rule.units"] == "300"
+    assert choice_tags("rule", None) == {}

@@ -1,9 +1,10 @@
 """The comparison's statistics and outputs on hand-made data: clustered and paired bootstrap intervals,
-trigger rates, the detector-vs-best-baseline difference, the long table, its Markdown, score-table joins and
-the scorers' stable colours."""
+trigger rates, the detector-vs-best-baseline difference, trained baselines apart, a seed ensemble's spread, inverted
+scorers, the long table, its Markdown, score-table joins and the scorers' stable colours."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -160,10 +161,10 @@ def test_markdown_table_sorts_by_auroc_and_gives_intervals_and_paired_difference
     assert "## early · question (test: 6 units, 50% hallucinated)" in text
     lines = [line for line in text.splitlines() if line.startswith("| ") and "AUROC" not in line and "---" not in line]
     assert [line.split(" | ")[0] for line in lines[:3]] == [
-        "| good",
         "| detector",
+        "| good",
         "| noisy_baseline",
-    ]  # by AUROC, ties keep order
+    ]  # the trained detectors first, then the baselines by AUROC
     assert "| good | baseline | 1.000 [1.00, 1.00] | 1.000 |" in text
     d = results["detector"]
     assert (
@@ -173,6 +174,49 @@ def test_markdown_table_sorts_by_auroc_and_gives_intervals_and_paired_difference
     assert set(nested) == {"question"} and set(nested["question"]) == {"detector", "good", "noisy_baseline"}
     assert "delta_vs" not in nested["question"]["good"] and nested["question"]["detector"]["delta_vs"] == "good"
     json.dumps(nested, allow_nan=False)  # no NaN in the dvc metrics file
+
+
+@dataclasses.dataclass(frozen=True)
+class Ensemble(ColumnScorer):
+    """A column scorer with single seeds of its own, as a seed ensemble's scorer carries them."""
+
+    seeds: tuple[ColumnScorer, ...] = ()
+
+
+def test_trained_baselines_are_apart_and_a_seed_ensemble_shows_its_single_seeds():
+    """A probe fitted on train is no training-free baseline: the detector's difference is measured against the best
+    training-free one, and the table lists it apart. A seed ensemble's row carries its single seeds' test AUROCs."""
+    seeds = (ColumnScorer("seed 0", "good", kind="detector"), ColumnScorer("seed 1", "noisy", kind="detector"))
+    detector = Ensemble("detector", "noisy", kind="detector", is_probability=True, threshold=0.5, seeds=seeds)
+    probe = ColumnScorer("probe", "good", kind="trained baseline")
+    scorers = [detector, probe, BASELINES[1]]
+    results, _, _ = compare(question_units(), scorers, "youden", 5, n_bootstrap=200)
+    assert results["probe"]["auroc"] == 1.0 and "delta_vs" not in results["probe"]
+    assert results["detector"]["delta_vs"] == "noisy_baseline"  # the best training-free one, not the probe
+    spread = {k: v for k, v in results["detector"].items() if k.startswith("seed")}
+    assert spread == {
+        "seeds": 2,
+        "seed_auroc_min": pytest.approx(4 / 9),  # test AUROCs 1 and 4/9 (see the test above)
+        "seed_auroc_max": 1.0,
+        "seed_auroc_sd": pytest.approx(np.std([1, 4 / 9], ddof=1)),
+    }
+    assert not any(k.startswith("seed") for k in results["probe"])
+    table = long_table({"question": results}, scorers, "early")
+    text = markdown_table(table)
+    rows = [line.split(" | ")[:2] for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:4] == [["| detector", "detector"], ["| probe", "trained baseline"], ["| noisy_baseline", "baseline"]]
+    assert f"| 0.444–1.000 (sd {np.std([1, 4 / 9], ddof=1):.3f}, 2 seeds) |" in text
+    assert "| detector | vs best training-free baseline |" in text
+    assert nested_metrics(table, "early")["question"]["detector"]["seeds"] == 2
+
+
+def test_a_scorer_whose_interval_lies_below_half_is_shown_inverted():
+    inverse = ColumnScorer("inverse", "good", higher_is_hallucinated=False)  # low score = hallucinated: AUROC 0
+    results, _, _ = compare(question_units(), [inverse, *BASELINES], "youden", 5, n_bootstrap=200)
+    text = markdown_table(long_table({"question": results}, [inverse, *BASELINES], "early"))
+    assert "**Inverted:** `inverse` scores correct units above hallucinated ones (AUROC 0.000 [0.00, 0.00]" in text
+    assert "read the other way it separates them with AUROC 1.000" in text
+    assert "`noisy_baseline`" not in text  # 4/9, its interval reaches above 0.5: not called inverted
 
 
 def test_colours_depend_on_the_set_of_scorers_not_on_drawing_order():

@@ -41,21 +41,27 @@ STATEMENTS = [
 # ---- choosing a window on validation ----------------------------------------------------------------
 
 
-def test_the_window_with_the_best_validation_auroc_of_the_pooled_score_is_chosen():
+def test_a_window_replaces_the_papers_range_only_when_surely_better_on_validation():
     gen = np.random.default_rng(0)
-    labels = np.r_[np.ones(40), np.zeros(40)]
+    labels = np.r_[np.ones(150), np.zeros(150)]
     signal = np.array([0.0, 0.0, 0.2, 1.0, 1.0, 0.0])  # the label shows in layers 4 and 5 (and weakly in 3)
-    per_layer = labels[:, None] * signal + gen.normal(size=(80, 6))
-    val_auroc = lambda w: auroc(labels, per_layer[:, [l - 1 for l in w]].mean(1))  # noqa: E731, E741
-    choice = choose_window(val_auroc, 6, 2)
-    assert choice.layers == [4, 5] and choice.val_auroc == pytest.approx(val_auroc([4, 5]))
+    per_layer = labels[:, None] * signal + gen.normal(size=(300, 6))
+    scores = lambda w: per_layer[:, [l - 1 for l in w]].mean(1)  # noqa: E731, E741
+    choice = choose_window(scores, labels, [1, 2], 6, 2)  # a paper range without the signal: the rule leaves it
+    assert choice.layers == [4, 5] and choice.val_auroc == pytest.approx(auroc(labels, scores([4, 5])))
+    assert choice.choice["default"] == "1-2" and choice.choice["better"][0] == "4-5" and choice.choice["units"] == 300
+    assert choice.choice["level"] == pytest.approx(1 - 0.05 / 5)  # five windows compete
     assert set(choice.by_first_layer) == {1, 2, 3, 4, 5} and choice.val_auroc == max(choice.by_first_layer.values())
-    assert choose_window(val_auroc, 6, 6).layers == [1, 2, 3, 4, 5, 6]  # one window only
-    assert choose_window(lambda w: 0.7, 6, 3).layers == [1, 2, 3]  # ties: the earliest window
-    undefined = choose_window(lambda w: None, 6, 3)  # one class only: nothing to choose on
-    assert undefined.val_auroc is None and undefined.layers == [1, 2, 3]
+    kept = choose_window(scores, labels, [3, 4, 5], 6, 2)  # the paper's range holds the signal: no window beats it
+    assert kept.layers == [3, 4, 5] and kept.choice["chosen"] == "3-5" and "4-5" in kept.choice["ties"]
+    few = np.r_[0:15, 150:165]  # 30 examples: the window with the signal is higher, but not surely
+    tie = choose_window(lambda w: scores(w)[few], labels[few], [1, 2], 6, 2)
+    assert tie.layers == [1, 2] and tie.choice["deltas"]["4-5"][0] > 0 and "4-5" in tie.choice["ties"]
+    assert choose_window(scores, labels, [1, 2], 6, 6).layers == [1, 2, 3, 4, 5, 6]  # one window only, surely better
+    undefined = choose_window(scores, np.ones(300), [1, 2, 3], 6, 3)  # one class only: nothing to choose on
+    assert undefined.val_auroc is None and undefined.layers == [1, 2, 3] and undefined.choice is None
     with pytest.raises(InputError, match="evaluate_directions.layer_window = 7, but the LLM has 6 layers"):
-        choose_window(val_auroc, 6, 7, "evaluate_directions.layer_window")
+        choose_window(scores, labels, [1, 2], 6, 7, "evaluate_directions.layer_window")
 
 
 # ---- Eq. 2 per range, the hallucination score and the trigger rates at τ ----------------------------

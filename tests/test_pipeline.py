@@ -53,7 +53,7 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     params["build_early"].update(max_new_tokens=4, shard_size=8, answer_hidden_layers=[1, -1])
     params["train_early"].update(ablation=[["attribution"]])
     params["train_early"]["training"].update(
-        max_epochs=15, patience=5, batch_size=8, accelerator=training_accelerator()
+        max_epochs=15, patience=5, batch_size=8, accelerator=training_accelerator(), seeds=2
     )
     params["articles"].update(
         source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25}
@@ -67,7 +67,7 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
         prompt={"template": "{text}", "chat": False},
     )
     params["train_realtime"]["training"].update(
-        hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator=training_accelerator()
+        hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator=training_accelerator(), seeds=2
     )
     params["build_utility"][
         "corpora"
@@ -255,6 +255,37 @@ def test_comparison_table_holds_every_scorer_dataset_and_level(pipeline):
     assert (tokens["group"] == tokens["id"].str.split(":").str[0]).all()
 
 
+def test_each_trained_detector_shows_its_single_seeds_beside_its_row(pipeline):
+    """Every trained detector is a seed ensemble (two seeds here); the comparison reports the test AUROC of each seed's
+    net alone beside the ensemble's row: in the metrics, on the results page and in the MLflow runs."""
+    from detectors.dior.early_detector import load_early_detectors
+
+    early = json.loads((pipeline / "data/metrics/evaluate_early.json").read_text())["question"]
+    frame = pd.read_parquet(pipeline / "data/early/early.parquet")
+    test = frame[(frame["status"] == "ok") & (frame["split"] == "test")]
+    for name, detector in load_early_detectors(pipeline / "data/models/early").items():
+        singles = [auroc(test["label"], d.predict_proba(test)) for d in detector.per_seed()]
+        m = early[name]
+        assert m["seeds"] == len(singles) == 2 and detector.info["seeds"] == [0, 1]
+        assert (m["seed_auroc_min"], m["seed_auroc_max"]) == pytest.approx((min(singles), max(singles)))
+        assert m["seed_auroc_sd"] == pytest.approx(np.std(singles, ddof=1))
+    assert all("seeds" not in m for m in early.values() if m["kind"] != "detector")
+    assert early["logreg[attribution+first_token]"]["kind"] == "trained baseline"  # fitted on train: listed apart
+    realtime = json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text())
+    for level, scorer in (
+        ("token", "mlp"),
+        ("entity", "mlp"),
+        ("continuation", "mlp"),
+        ("continuation", "mlp[served]"),
+    ):
+        assert realtime[level][scorer]["seeds"] == 2, (level, scorer)
+    text = (pipeline / "docs/results/comparison.md").read_text()
+    m = early["dior-early"]
+    assert f"| {m['seed_auroc_min']:.3f}–{m['seed_auroc_max']:.3f} (sd {m['seed_auroc_sd']:.3f}, 2 seeds) |" in text
+    runs = evaluation_runs(pipeline, "early").set_index("tags.detector")
+    assert runs.loc["dior-early", "metrics.seed_auroc_max"] == pytest.approx(m["seed_auroc_max"])
+
+
 def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pipeline):
     """CtrlA score tables with several columns join by id; every early detector directory is a scorer."""
     os.chdir(pipeline)
@@ -431,22 +462,41 @@ def test_detector_refuses_a_different_llm(pipeline, tokenizer):
         load_detector("dior-early", tracking_uri=uri, llm=other)
 
 
-def test_champion_alias_moves_only_when_not_worse(pipeline):
+def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_validation_units(pipeline, tmp_path):
+    """Registering the same detectors again: each new version is level with its champion on the same validation
+    questions (or answers), so it is registered as the challenger and the champion stays; the runs carry the choices
+    training made and the seeds."""
     os.chdir(pipeline)
-    register_stage.main(["--params", "params.yaml"])  # same detector again: equal AUROC → alias moves
-    second = json.loads((pipeline / "data/registry/early.json").read_text())["dior-early"]
-    assert second["version"] == 2 and second["alias_moved"] and second["champion_version"] == 2
-    worse = register(
+    params = yaml.safe_load((pipeline / "params.yaml").read_text())
+    for key in ("registry_early", "registry_realtime", "registry_utility"):  # the first registration's files stay
+        params["paths"][key] = str(tmp_path / Path(params["paths"][key]).name)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    register_stage.main(["--params", str(tmp_path / "params.yaml")])
+    second = json.loads((tmp_path / "early.json").read_text())["dior-early"]
+    early = pd.read_parquet(pipeline / "data/early/early.parquet")
+    n_val = int(((early["status"] == "ok") & (early["split"] == "val")).sum())
+    assert second["version"] == 2 and second["decision"] == "challenger" and second["champion_version"] == 1
+    assert second["choice"]["ties"] == ["new"] and second["choice"]["deltas"]["new"][0] == 0
+    assert second["choice"]["units"] == n_val and "is level with champion v1's" in second["reason"]
+    client = mlflow.MlflowClient()
+    assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 1
+    assert int(client.get_model_version_by_alias("dior-early", "challenger").version) == 2
+    assert mlflow.get_run(second["run_id"]).data.tags["seeds"] == "0,1"  # the seeds of its ensemble
+    realtime = json.loads((tmp_path / "dior-realtime.json").read_text())
+    assert realtime["decision"] == "challenger" and realtime["choice"]["ties"] == ["new"]
+    tags = mlflow.get_run(realtime["run_id"]).data.tags
+    trained = json.loads((pipeline / "data/metrics/train_realtime.json").read_text())["mlp"]
+    assert tags["choice.tokens.default"] == "all+answers" == trained["choice"]["default"]
+    assert tags["choice.tokens.chosen"] == trained["tokens"] and tags["decision"] == "challenger"
+    worse = register(  # a version without validation scores to pair is never compared: challenger too
         second["model_uri"],
         "dior-early",
         "champion",
-        second["val_auroc"] - 0.1,
+        second["val_auroc"] + 0.1,
         second["val_digest"],
         second["llm_digest"],
     )
-    assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 2
-    client = mlflow.MlflowClient()
-    assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 2
+    assert worse["version"] == 3 and not worse["alias_moved"] and worse["champion_version"] == 1
 
 
 def test_register_compares_the_realtime_detector_on_the_validation_records_training_scored(pipeline):
@@ -644,14 +694,19 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     honesty = metrics["honesty"]
     assert len(honesty["auroc_per_layer"]) == 2 and honesty["ranges"]["paper"]["layers"] == [1]
     assert honesty["ranges"]["paper"]["test_auroc"] == honesty["auroc_per_layer"][0]  # the paper's range is layer 1
-    chosen = honesty["ranges"]["validation"]["layers"]  # the layer with the higher val AUROC (the earlier on ties)
-    assert len(chosen) == 1 and honesty["val_auroc_per_layer"][chosen[0] - 1] == max(honesty["val_auroc_per_layer"])
+    # the rule: the paper's range unless the other layer is surely better on the val statements (a tie keeps it)
+    chosen, choice = honesty["ranges"]["validation"]["layers"], honesty["ranges"]["validation"]["choice"]
+    assert choice["default"] == "1-1" and choice["chosen"] == f"{chosen[0]}-{chosen[-1]}" and len(chosen) == 1
+    assert choice["units"] == honesty["n_val"] and (chosen == [1]) == (choice["better"] == [])
     assert honesty["ranges"]["validation"]["test_auroc"] == honesty["auroc_per_layer"][chosen[0] - 1]
     confidence = metrics["confidence_early"]["ranges"]
-    assert confidence["paper"]["layers"] == [1, 2] and len(confidence["validation"]["layers"]) == 1
-    assert confidence["validation"]["val_auroc"] >= confidence["paper"]["val_auroc"] or confidence["validation"][
-        "layers"
-    ] == [1]
+    choice = confidence["validation"]["choice"]  # windows of one layer against the paper's two
+    assert confidence["paper"]["layers"] == [1, 2] and choice["default"] == "1-2"
+    assert set(choice["ties"] + choice["better"] + choice["worse"]) == {"1-1", "2-2"}
+    moved = confidence["validation"]["layers"] != [1, 2]
+    assert moved == (choice["chosen"] != "1-2") == bool(choice["better"])
+    for name in ("paper", "validation"):  # each range keeps its val scores for the registry's champion rule
+        assert len(confidence[name]["validation"]["scores"]) == choice["units"]
     for rates in (confidence["paper"], confidence["validation"], *metrics["confidence_realtime"]["ranges"].values()):
         assert all(0 <= v <= 1 for k, v in rates.items() if "trigger_rate" in k and v is not None)
     assert set(metrics["truthfulqa"]["accuracy"]) == {"0.0", "0.05"} and metrics["truthfulqa"]["n"] == 3
@@ -685,7 +740,8 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
     confidence = load_detector("ctrla-confidence", tracking_uri=uri, llm=tiny_llm)
     assert isinstance(honesty, HonestySteering) and isinstance(confidence, ConfidenceDetector)
     assert confidence.directions.layers == registered["confidence"]["layers"] and honesty.directions.layers == chosen
-    assert confidence.directions.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
+    if moved:  # an artifact at other layers than the paper's records where they came from
+        assert confidence.directions.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
     segment = confidence.generate("The capital of Spain is", steering=honesty, max_new_tokens=4)
     assert len(segment.scores) == len(segment.token_ids) and segment.query.startswith("The capital of Spain is")
     ids = tiny_llm.tokenizer("The capital of Spain is", return_tensors="pt")["input_ids"]

@@ -34,7 +34,10 @@ from detectors.dior.early import SEQUENCE_DIM
 from detectors.dior.early_detector import EarlyDetector
 from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
+from detectors.ensemble import SeedEnsemble
 from detectors.errors import InputError
+from detectors.evaluation.choice import scored_units, versus
+from detectors.evaluation.metrics import auroc
 from detectors.registry import relocate, store
 from detectors.registry.artifact import ArtifactIntegrityError, FrameInputError
 from detectors.registry.kinds import KINDS, load_artifact
@@ -98,8 +101,8 @@ def artifacts(tmp_path_factory, tiny_llm, tiny_checkpoint) -> dict[str, Path]:
     features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
     features = dataclasses.replace(features, hidden_layers=[1, -1])  # the tiny Llama has 2 layers
     torch.manual_seed(0)
-    early = EarlyDetector(
-        EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4),
+    early = EarlyDetector(  # a seed ensemble, as train_early writes it: served by the same code as one net
+        SeedEnsemble([EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4) for _ in range(2)]),
         ["attribution", "entropy"],
         np.zeros(3, np.float32),
         np.ones(3, np.float32),
@@ -111,7 +114,7 @@ def artifacts(tmp_path_factory, tiny_llm, tiny_checkpoint) -> dict[str, Path]:
     )
     dim = fp.hidden_size + 3
     realtime = RealtimeDetector(
-        TokenMLP(dim, 8, 0.0),
+        SeedEnsemble([TokenMLP(dim, 8, 0.0) for _ in range(3)]),
         np.zeros(dim, np.float32),
         np.ones(dim, np.float32),
         0.5,
@@ -165,6 +168,18 @@ def _alias(name: str, alias: str = "champion") -> int | None:
 # ---- item 4: the champion rule ------------------------------------------------------------------------
 
 
+def units(signal: float, seed: int, n: int = 300) -> dict:
+    """Validation scores of ``n`` units whose labels are the same for every version (seeded by 0): ``signal`` sets how
+    well the scores separate them (``seed``: the version's own noise)."""
+    labels = np.random.default_rng(0).integers(0, 2, n)
+    scores = labels * signal + np.random.default_rng(seed).normal(0, 1, n)
+    return scored_units([f"u{i}" for i in range(n)], labels, scores)
+
+
+def auroc_of(record: dict) -> float:
+    return auroc(record["labels"], record["scores"])
+
+
 def test_nan_never_becomes_champion_and_does_not_block_a_finite_one(logged):
     store.configure(logged["tracking_uri"])
     uri, name = logged["ctrla-honesty"], "nan-first"
@@ -177,41 +192,58 @@ def test_nan_never_becomes_champion_and_does_not_block_a_finite_one(logged):
     assert second["decision"] == "champion" and second["champion_version"] == 2 and _alias(name) == 2
     third = store.register(uri, name, "champion", math.nan, "val-a", "llm-a")  # nor does it replace a finite champion
     assert third["decision"] == "challenger" and _alias(name) == 2
-    fourth = store.register(uri, name, "champion", 0.55, "val-a", "llm-a")  # compared with v2, not with the NaN
-    assert fourth["decision"] == "rejected" and fourth["previous_champion_val_auroc"] == 0.6 and _alias(name) == 2
+    # compared with v2, not with the NaN: without validation scores to pair there is no rule to pass
+    fourth = store.register(uri, name, "champion", 0.9, "val-a", "llm-a", validation=units(1.0, 4), rule=versus)
+    assert fourth["decision"] == "challenger" and fourth["previous_champion_val_auroc"] == 0.6 and _alias(name) == 2
+    assert "no validation scores of the same units to pair with champion v2's" in fourth["reason"]
 
 
-def test_better_comparable_version_moves_champion_and_worse_does_not(logged):
+def test_a_version_takes_the_champion_alias_only_when_surely_better_on_the_same_units(logged):
+    """The rule of every validation choice: a worse or level version becomes the challenger; only a version whose
+    paired interval of the AUROC difference on the champion's own validation units lies above 0 moves the alias."""
     store.configure(logged["tracking_uri"])
     uri, name = logged["ctrla-honesty"], "comparable"
-    assert store.register(uri, name, "champion", 0.7, "val-a", "llm-a")["decision"] == "champion"
-    worse = store.register(uri, name, "champion", 0.65, "val-a", "llm-a")
-    assert (
-        worse["decision"] == "rejected"
-        and worse["champion_version"] == 1
-        and "0.6500 < champion v1's 0.7000" in worse["reason"]
+    first = units(1.0, 1)
+    register = lambda record: store.register(  # noqa: E731
+        uri, name, "champion", auroc_of(record), "val-a", "llm-a", validation=record, rule=versus
     )
-    better = store.register(uri, name, "champion", 0.8, "val-a", "llm-a")
-    assert better["decision"] == "champion" and better["champion_version"] == 3 and _alias(name) == 3
-    tags = mlflow.MlflowClient().get_model_version(name, "3").tags
-    assert tags["val_digest"] == "val-a" and tags["llm_digest"] == "llm-a" and float(tags["val_auroc"]) == 0.8
+    assert register(first)["decision"] == "champion"
+    worse = register(units(0.3, 2))
+    assert worse["decision"] == "challenger" and worse["champion_version"] == 1 and worse["choice"]["worse"] == ["new"]
+    assert "is below champion v1's" in worse["reason"] and "on 300 validation units" in worse["reason"]
+    level = register(units(1.0, 3))  # as good, its own noise: a higher or lower AUROC by chance, never a move
+    assert level["decision"] == "challenger" and level["choice"]["ties"] == ["new"] and _alias(name) == 1
+    assert "is level with champion v1's" in level["reason"]
+    assert _alias(name, store.CHALLENGER) == 3
+    better = register(units(3.0, 4))
+    assert better["decision"] == "champion" and better["champion_version"] == 4 and _alias(name) == 4
+    delta, low, _ = better["choice"]["deltas"]["new"]
+    assert low > 0 and delta == pytest.approx(auroc_of(units(3.0, 4)) - auroc_of(first), abs=1e-5)
+    tags = mlflow.MlflowClient().get_model_version(name, "4").tags
+    assert tags["val_digest"] == "val-a" and tags["llm_digest"] == "llm-a" and tags["decision"] == "champion"
+    assert float(tags["val_auroc"]) == pytest.approx(auroc_of(units(3.0, 4))) and tags["rule.units"] == "300"
+    version = mlflow.MlflowClient().get_model_version(name, "4")  # its scores are kept for the next version
+    assert store.validation_scores(mlflow.MlflowClient(), version) == units(3.0, 4)
+    other = register(units(9.0, 5) | {"ids": [f"w{i}" for i in range(300)]})  # other units: nothing to pair
+    assert other["decision"] == "challenger" and "no validation scores of the same units" in other["reason"]
 
 
 def test_incomparable_versions_become_challengers_until_promoted(logged):
     store.configure(logged["tracking_uri"])
     uri, name = logged["ctrla-honesty"], "incomparable"
-    store.register(uri, name, "champion", 0.6, "val-a", "llm-a")
+    store.register(uri, name, "champion", 0.6, "val-a", "llm-a", validation=units(0.5, 1), rule=versus)
     other_set = store.register(uri, name, "champion", 0.9, "val-b", "llm-a")  # better, but on another validation set
     assert other_set["decision"] == "challenger" and "validation set val-b differs" in other_set["reason"]
-    other_llm = store.register(uri, name, "champion", 0.9, "val-a", "llm-b")
+    other_llm = store.register(uri, name, "champion", 0.9, "val-a", "llm-b", validation=units(0.5, 2), rule=versus)
     assert other_llm["decision"] == "challenger" and "LLM llm-b differs" in other_llm["reason"]
     assert _alias(name) == 1
     assert _alias(name, store.CHALLENGER) == 3
     promoted = store.promote(name, 3)
     assert promoted == {"name": name, "version": 3, "alias": "champion", "previous_version": 1}
     assert _alias(name) == 3 and _alias(name, store.CHALLENGER) is None
-    # later versions now compete with the promoted one, on its validation set and LLM
-    assert store.register(uri, name, "champion", 0.95, "val-a", "llm-b")["decision"] == "champion"
+    # later versions now compete with the promoted one, on its validation set, LLM and units
+    better = store.register(uri, name, "champion", 0.95, "val-a", "llm-b", validation=units(3.0, 4), rule=versus)
+    assert better["decision"] == "champion"
     with pytest.raises(
         store.NotRegisteredError, match=r"model 'incomparable' has no version 99 .*\(versions: \[1, 2, 3, 4\]\)"
     ):
@@ -224,31 +256,27 @@ def test_incomparable_versions_become_challengers_until_promoted(logged):
 
 def test_a_champion_with_another_feature_set_is_not_compared(logged):
     """dior-early's champion from before it became DioR's RNN over IG(Q) (all feature groups, no features tag) does not
-    reject the paper's detector for a lower AUROC: it becomes a challenger, and among equal feature sets the rule is as
-    before."""
+    keep the paper's detector out for a lower AUROC: it becomes a challenger, and among equal feature sets the rule is
+    as before."""
     store.configure(logged["tracking_uri"])
     uri, name = logged["dior-early"], "feature-sets"
     store.register(
         uri, name, "champion", 0.73, "val-a", "llm-a"
     )  # registered before versions were tagged with features
-    paper = store.register(uri, name, "champion", 0.56, "val-a", "llm-a", features="attribution,entropy")
+    paper = units(0.3, 1)
+    register = lambda record, features="attribution,entropy": store.register(  # noqa: E731
+        uri, name, "champion", auroc_of(record), "val-a", "llm-a", features, record, versus
+    )
+    first = register(paper)
     assert (
-        paper["decision"] == "challenger"
-        and "feature set attribution,entropy differs from champion v1's None" in paper["reason"]
+        first["decision"] == "challenger"
+        and "feature set attribution,entropy differs from champion v1's None" in first["reason"]
     )
     assert mlflow.MlflowClient().get_model_version(name, "2").tags["features"] == "attribution,entropy"
     store.promote(name, 2)
-    assert (
-        store.register(uri, name, "champion", 0.55, "val-a", "llm-a", features="attribution,entropy")["decision"]
-        == "rejected"
-    )
-    assert (
-        store.register(uri, name, "champion", 0.60, "val-a", "llm-a", features="attribution,entropy")["decision"]
-        == "champion"
-    )
-    other = store.register(
-        uri, name, "champion", 0.9, "val-a", "llm-a", features="attribution,entropy,first_token,hidden"
-    )
+    assert register(units(0.2, 3))["decision"] == "challenger"
+    assert register(units(2.0, 4))["decision"] == "champion"
+    other = register(units(4.0, 5), "attribution,entropy,first_token,hidden")
     assert other["decision"] == "challenger" and _alias(name) == 4
 
 
@@ -516,6 +544,28 @@ def test_readme_realtime_snippet_runs_as_written(registered, tiny_llm):
     r = rt.result(mon)
     assert 0 < len(r.probabilities) == len(r.tokens) <= 6
     assert r.trigger == next((i for i, p in enumerate(r.probabilities) if p >= rt.threshold), None)
+
+
+def test_a_seed_ensemble_is_one_artifact_served_as_the_mean_of_its_seeds(registered, tiny_llm):
+    """The registered real-time detector is three seeds' nets in one artifact: loaded by name it scores the stored
+    features and the tokens it monitors while the LLM generates with the mean of its seeds' probabilities."""
+    rt = load_detector("dior-realtime", tracking_uri=registered, llm=tiny_llm)
+    singles = rt.per_seed()
+    assert isinstance(rt.net, SeedEnsemble) and len(singles) == 3 and rt.net.config["members"] == 3
+    x = np.random.default_rng(0).normal(size=(6, len(rt.mean))).astype(np.float32)
+    np.testing.assert_allclose(rt.predict_proba(x), np.mean([d.predict_proba(x) for d in singles], 0), atol=1e-6)
+    ids = tiny_llm.tokenizer("The capital of France is", return_tensors="pt")
+
+    def monitored(detector) -> np.ndarray:
+        with detector.monitor() as mon:
+            tiny_llm.model.generate(
+                **ids.to(tiny_llm.device), logits_processor=[mon], max_new_tokens=4, do_sample=False
+            )
+        return np.asarray(detector.result(mon).probabilities)
+
+    np.testing.assert_allclose(monitored(rt), np.mean([monitored(d) for d in singles], 0), atol=1e-5)
+    early = load_detector("dior-early", tracking_uri=registered, load_llm=False)
+    assert isinstance(early.net, SeedEnsemble) and len(early.per_seed()) == 2
 
 
 def test_readme_ctrla_snippet_shares_one_llm(registered, monkeypatch):

@@ -4,6 +4,7 @@ by validation (synthetic frames where one candidate must win)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -18,15 +19,17 @@ from detectors.config.realtime import TrainRealtimeParams
 from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector, token_table
-from detectors.dior.realtime_training import TokenSets, train_and_choose
+from detectors.dior.realtime_training import STOP_FOLD, TokenSets, train_and_choose
 from detectors.dior.recorder import generate_traced
 from detectors.dior.served import SERVED, ServedMax, served_auroc, served_behaviour, served_scorer
+from detectors.ensemble import SeedEnsemble
 from detectors.errors import InputError
 from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
 from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.store import validation_digest
+from detectors.sources.ids import in_fold
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
@@ -236,13 +239,20 @@ def synthetic_answers(n: int, seed: int, offset: int) -> tuple[pd.DataFrame, np.
 
 
 def choose(
-    frame: pd.DataFrame, hidden: np.ndarray, candidates: list[str], answers=None, choose_on: str = "continuations"
+    frame: pd.DataFrame,
+    hidden: np.ndarray,
+    candidates: list[str],
+    answers=None,
+    choose_on: str = "continuations",
+    default: str | None = None,
+    params: TrainingParams = PARAMS,
 ) -> RealtimeDetector:
     return train_and_choose(
         TokenSets((frame, hidden), answers),
-        PARAMS,
+        params,
         candidates,
         choose_on,
+        default,
         hidden_layers=[1],
         prompt=PROMPT,
         spacy_model="x",
@@ -263,18 +273,20 @@ def test_all_tokens_training_labels_non_entity_tokens_supported():
         token_table(frame, hidden, "some")
 
 
-def test_the_kept_training_tokens_are_the_ones_that_serve_best_on_validation():
+def test_a_candidate_replaces_the_default_only_when_it_serves_surely_better_on_validation():
     # non-entity tokens look like hallucinated entity tokens: trained on entity tokens only, the MLP fires on them in
     # every continuation; trained on all tokens it learns that marked tokens are mostly supported
     frame, hidden = synthetic_set(160, 1, False)
-    det = choose(frame, hidden, ["entity", "all"])
-    cands = det.info["candidates"]
-    assert (
-        det.info["tokens"] == "all"
-        and cands["all"]["val_served_auroc"] > 0.85 > 0.75 > cands["entity"]["val_served_auroc"]
+    det = choose(frame, hidden, ["entity", "all"])  # the default: the first listed
+    cands, choice = det.info["candidates"], det.info["choice"]
+    assert det.info["tokens"] == "all" and choice["default"] == "entity" and choice["better"] == ["all"]
+    assert cands["all"]["val_served_auroc"] > 0.85 > 0.75 > cands["entity"]["val_served_auroc"]
+    delta, low, _ = choice["deltas"]["all"]  # the paired interval on the 40 validation continuations is above 0
+    assert low > 0 and delta == pytest.approx(
+        cands["all"]["val_served_auroc"] - cands["entity"]["val_served_auroc"], abs=1e-5
     )
+    assert choice["units"] == (frame["split"] == "val").sum() == 40
     assert det.info["val_served_auroc"] == cands["all"]["val_served_auroc"]
-    assert det.info["n_train_tokens"] == 6 * (frame["split"] == "train").sum()  # every generated token of train
     test = frame[frame["split"] == "test"]
     assert served_auroc(test, det.record_scores(test, hidden), "test") > 0.85
     # the served threshold is the best Youden J of the validation continuations' max over tokens, not the token-level
@@ -284,53 +296,73 @@ def test_the_kept_training_tokens_are_the_ones_that_serve_best_on_validation():
     youden = lambda t: (maxima[val["label"] == 1] >= t).mean() - (maxima[val["label"] == 0] >= t).mean()  # noqa: E731
     assert det.threshold in maxima and youden(det.threshold) == max(youden(t) for t in maxima)
     assert det.info["token_threshold"] == cands["all"]["threshold"] != det.threshold
+    assert det.info["validation"]["scores"] == pytest.approx(maxima.tolist())  # what the registry compares
+    assert det.info["validation"]["ids"] == val["id"].tolist()
 
-    # non-entity tokens carry their continuation's (weak) signal too: trained on entity tokens only, the MLP reads it
-    # from all six tokens; trained on all tokens it learns to call the marked ones supported and keeps two
+    # non-entity tokens carry their continuation's (weak) signal too: the entity candidate serves better on these 60
+    # validation continuations, but by a margin the paired interval does not separate from 0: the default stays
     frame, hidden = synthetic_set(240, 1, True, signal=0.5, noise=1.0)
     det = choose(frame, hidden, ["all", "entity"])
-    cands = det.info["candidates"]
-    assert det.info["tokens"] == "entity" and cands["entity"]["val_served_auroc"] > cands["all"]["val_served_auroc"]
-    assert det.info["n_train_tokens"] == 2 * (frame["split"] == "train").sum()
+    cands, choice = det.info["candidates"], det.info["choice"]
+    assert cands["entity"]["val_served_auroc"] > cands["all"]["val_served_auroc"]
+    assert det.info["tokens"] == "all" and choice["ties"] == ["entity"] and choice["chosen"] == "all"
+    assert choice["deltas"]["entity"][1] < 0 < choice["deltas"]["entity"][0]
     assert set(cands) == {"entity", "all"} and all(c["threshold"] is not None for c in cands.values())
 
 
-def test_the_qa_answers_are_a_candidate_chosen_on_the_task_it_serves():
+def test_the_qa_answers_are_a_candidate_judged_on_answers_none_of_them_trained_or_early_stopped_on():
     # the continuations' signal (feature 0) says nothing about the answers, whose label sits in feature 2: judged on
-    # the validation answers, a candidate that saw answers wins; judged on the continuations, one that did not
+    # the validation answers, a candidate that saw answers serves surely better than one that did not
     frame, hidden = synthetic_set(160, 1, True)
     answers, answer_hidden = synthetic_answers(160, 2, 0)
     candidates = ["all", "answers", "all+answers"]
-    det = choose(frame, hidden, candidates, (answers, answer_hidden), "answers")
-    cands = det.info["candidates"]
-    assert det.info["tokens"] in ("answers", "all+answers") and det.info["chosen_on"] == "answers"
-    assert (
-        min(cands["answers"]["val_served_auroc"], cands["all+answers"]["val_served_auroc"])
-        > 0.9
-        > 0.7
-        > cands["all"]["val_served_auroc"]
-    )
+    det = choose(frame, hidden, candidates, (answers, answer_hidden), "answers", default="all+answers")
+    cands, choice = det.info["candidates"], det.info["choice"]
+    assert det.info["tokens"] == "all+answers" and det.info["chosen_on"] == "answers"  # the default, a superset
+    assert choice["worse"] == ["all"] and choice["ties"] == ["answers"]  # level with it: no reason to move
+    assert min(cands["answers"]["val_served_auroc"], cands["all+answers"]["val_served_auroc"]) > 0.9
+    assert 0.7 > cands["all"]["val_served_auroc"]
     assert cands["all+answers"]["served_auroc"]["continuations"]["test"] > 0.85  # both sets learnt at once
     for c in candidates:  # every candidate reported on both sets' validation and test records
         assert set(cands[c]["served_auroc"]) == {"continuations", "answers"} and set(
             cands[c]["served_auroc"]["answers"]
         ) == {"val", "test"}
         assert cands[c]["served_auroc"]["answers"]["val"] == cands[c]["val_served_auroc"]
-    n_train = {"all": 6 * (frame["split"] == "train").sum(), "answers": 3 * (answers["split"] == "train").sum()}
-    assert det.info["n_train_tokens"] == sum(n_train[p] for p in det.info["tokens"].split("+"))
+    # a fifth of the train answers (by id hash) early-stops instead of training; the validation answers only judge
+    fold = [in_fold(i, 0.2, STOP_FOLD) for i in answers.loc[answers["split"] == "train", "id"]]
+    assert 0 < sum(fold) < len(fold)
+    n_train = {"all": 6 * (frame["split"] == "train").sum(), "answers": 3 * (len(fold) - sum(fold))}
+    n_stop = {"all": 6 * (frame["split"] == "val").sum(), "answers": 3 * sum(fold)}
+    assert det.info["n_train_tokens"] == n_train["all"] + n_train["answers"]
+    assert det.info["n_val_tokens"] == n_stop["all"] + n_stop["answers"]
     # the served threshold is chosen on the validation answers
     val = answers[answers["split"] == "val"]
     maxima = [s.max() for s in (det.record_scores(val, answer_hidden)[i] for i in val["id"])]
     assert det.threshold in maxima
+    # so the validation answers' labels change no candidate's training: flipped, the nets are the same
+    flipped = answers.assign(label=np.where(answers["split"] == "val", 1 - answers["label"], answers["label"]))
+    flipped["token_label"] = [[int(y)] * 3 for y in flipped["label"]]
+    again = choose(frame, hidden, ["all+answers"], (flipped, answer_hidden), "answers")
+    assert all(torch.equal(a, b) for a, b in zip(det.net.state_dict().values(), again.net.state_dict().values()))
+    flipped_auroc = again.info["val_served_auroc"]  # the same scores judged against the flipped labels
+    assert flipped_auroc == pytest.approx(1 - cands["all+answers"]["val_served_auroc"])
     on_continuations = choose(frame, hidden, candidates, (answers, answer_hidden), "continuations")
-    assert (
-        on_continuations.info["tokens"] in ("all", "all+answers")
-        and on_continuations.info["chosen_on"] == "continuations"
-    )
+    assert on_continuations.info["tokens"] == "all" and on_continuations.info["chosen_on"] == "continuations"
     with pytest.raises(InputError, match="no QA answer tokens"):
         choose(frame, hidden, ["all"], None, "answers")
     with pytest.raises(InputError, match=r"answer_hidden_layers = build_realtime.hidden_layers"):
         TokenSets((frame, hidden), (answers, answer_hidden[:, :3]))
+
+
+def test_seeds_train_one_net_each_and_the_detector_serves_their_mean():
+    frame, hidden = synthetic_set(80, 5, False)
+    det = choose(frame, hidden, ["all"], params=dataclasses.replace(PARAMS, seeds=3, seed=4, max_epochs=3))
+    assert det.info["seeds"] == [4, 5, 6] and len(det.info["seed_val_auroc"]) == 3
+    singles = det.per_seed()
+    assert len(singles) == 3 and isinstance(det.net, SeedEnsemble)
+    x, _, _ = token_table(frame, hidden, "all")
+    np.testing.assert_allclose(det.predict_proba(x), np.mean([d.predict_proba(x) for d in singles], 0), atol=1e-6)
+    assert not np.allclose(singles[0].predict_proba(x), singles[1].predict_proba(x))  # seeds differ
 
 
 def test_the_kept_detector_records_the_digest_of_the_validation_records_it_was_chosen_on():
@@ -362,7 +394,13 @@ def test_one_candidate_with_a_one_class_validation_split_is_kept_but_two_cannot_
 
 def test_training_tokens_are_validated():
     training = {k: getattr(PARAMS, k) for k in PARAMS.__dataclass_fields__}
-    ok = {"tokens": ["entity", "all", "answers", "entity+answers"], "choose_on": "answers", "training": training}
+    ok = {
+        "tokens": ["entity", "all", "answers", "entity+answers"],
+        "default": "entity+answers",
+        "choose_on": "answers",
+        "stop_share": 0.2,
+        "training": training,
+    }
     assert from_dict(TrainRealtimeParams, ok, "train_realtime").tokens == ok["tokens"]
     for bad in ("every", "entity+all", "answers+answers"):
         with pytest.raises(ParamsError, match=f"train_realtime.tokens = '{re.escape(bad)}'"):
@@ -372,3 +410,10 @@ def test_training_tokens_are_validated():
             from_dict(TrainRealtimeParams, {**ok, "tokens": tokens}, "train_realtime")
     with pytest.raises(ParamsError, match="train_realtime.choose_on"):
         from_dict(TrainRealtimeParams, {**ok, "choose_on": "test"}, "train_realtime")
+    with pytest.raises(
+        ParamsError, match=r"train_realtime.default = 'all\+answers'.*name one of train_realtime.tokens"
+    ):
+        from_dict(TrainRealtimeParams, {**ok, "default": "all+answers"}, "train_realtime")
+    for share in (0.0, 1.0):
+        with pytest.raises(ParamsError, match=f"train_realtime.stop_share = {share}: a share of the train records"):
+            from_dict(TrainRealtimeParams, {**ok, "stop_share": share}, "train_realtime")

@@ -1,4 +1,5 @@
-"""Training the early detector on synthetic feature rows: learning, determinism, refusal, artifact."""
+"""Training the early detector on synthetic feature rows: learning, determinism, refusal, artifact, seeds and the
+seed ensemble, the prevalence threshold."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from conftest import training_accelerator
 
 from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early_detector import PAPER_THRESHOLD, EarlyDetector, load_early_detectors, train_early_detector
-from detectors.evaluation.metrics import OneClassError, auroc
+from detectors.ensemble import SeedEnsemble
+from detectors.ensemble import members as members_of
+from detectors.evaluation.metrics import OneClassError, auroc, choose_threshold
 from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.artifact import seal
 from detectors.training import fit
@@ -218,3 +221,69 @@ def test_register_digests_the_validation_records_the_trainer_validates_on(tmp_pa
     p, y = det.predict_proba(chosen.to_dict("records")), chosen["label"].to_numpy()
     youden = lambda t: ((p >= t) & (y == 1)).sum() / (y == 1).sum() - ((p >= t) & (y == 0)).sum() / (y == 0).sum()  # noqa: E731
     assert det.threshold in p and youden(det.threshold) == max(youden(t) for t in p)
+
+
+# ---- seeds ---------------------------------------------------------------------------------------------------------
+
+
+class Fixed(torch.nn.Module):
+    """A "net" that returns given logits, to check the ensemble's arithmetic."""
+
+    def __init__(self, logits: list[float]):
+        super().__init__()
+        self.logits = torch.tensor(logits, dtype=torch.float64)
+        self.config = {"n": len(logits)}
+
+    def forward(self, batch):
+        return self.logits
+
+
+def test_a_seed_ensembles_probability_is_the_mean_of_its_nets_even_where_one_saturates():
+    members = [Fixed([0.0, 60.0, -60.0, 2.0]), Fixed([0.0, -60.0, -70.0, -1.0]), Fixed([0.0, 1.0, -65.0, 0.5])]
+    ensemble = SeedEnsemble(members)
+    probs = torch.sigmoid(torch.stack([m(None) for m in members]))
+    logit = ensemble(None)
+    torch.testing.assert_close(torch.sigmoid(logit), probs.mean(0), rtol=1e-12, atol=1e-15)
+    assert torch.isfinite(logit).all() and logit[2] < -59  # no log(0): the three probabilities are tiny but not 0
+    assert ensemble.config == {"n": 4, "members": 3} and members_of(ensemble) == members
+    assert members_of(members[0]) == [members[0]]
+
+
+def test_seeds_train_one_net_each_and_the_detector_is_their_mean(tmp_path):
+    frame = synthetic_rows(120)
+    params = dataclasses.replace(PARAMS, seeds=3, seed=5, max_epochs=6)
+    det = train(frame, ["attribution", "hidden"], params)
+    singles = det.per_seed()
+    assert isinstance(det.net, SeedEnsemble) and len(singles) == 3
+    assert det.info["seeds"] == [5, 6, 7] and len(det.info["seed_val_auroc"]) == len(det.info["seed_epochs"]) == 3
+    rows = frame.to_dict("records")
+    mean = np.mean([d.predict_proba(rows) for d in singles], axis=0)
+    np.testing.assert_allclose(det.predict_proba(rows), mean, atol=1e-6)
+    assert not np.allclose(singles[0].predict_proba(rows), singles[1].predict_proba(rows))  # the seeds differ
+    # each seed's net is the one a single-seed training with that seed gives
+    alone = train(frame, ["attribution", "hidden"], dataclasses.replace(params, seeds=1, seed=6))
+    np.testing.assert_allclose(singles[1].predict_proba(rows), alone.predict_proba(rows), atol=1e-6)
+    # the validation AUROC and validation scores recorded are the ensemble's
+    val = frame[frame["split"] == "val"]
+    p = det.predict_proba(val.to_dict("records"))
+    assert det.info["best_val_auroc"] == pytest.approx(auroc(val["label"], p))
+    assert det.info["validation"] == {"ids": list(val["id"]), "labels": list(val["label"]), "scores": p.tolist()}
+    loaded = EarlyDetector.load(det.save(tmp_path / "det"))  # one artifact, loaded as the same ensemble
+    assert isinstance(loaded.net, SeedEnsemble) and len(loaded.per_seed()) == 3
+    np.testing.assert_array_equal(loaded.predict_proba(rows), det.predict_proba(rows))
+    assert alone.per_seed() == [] and not isinstance(alone.net, SeedEnsemble)
+
+
+def test_the_prevalence_threshold_fires_on_the_validation_share_of_hallucinated_questions():
+    frame = synthetic_rows(240)
+    det = train(frame, ["attribution"], dataclasses.replace(PARAMS, threshold="prevalence"))
+    val = frame[frame["split"] == "val"]
+    p = det.predict_proba(val.to_dict("records"))
+    assert det.threshold in p and det.info["threshold_strategy"] == "prevalence"
+    share = lambda t: np.mean(p >= t)  # noqa: E731
+    assert abs(share(det.threshold) - val["label"].mean()) == min(abs(share(t) - val["label"].mean()) for t in p)
+    # tied scores: the share moves in steps, and the nearest step is taken (the higher threshold of equally near)
+    assert choose_threshold([0, 1, 0, 1], [0.1, 0.2, 0.2, 0.2], "prevalence") == 0.2
+    assert choose_threshold([0, 0, 0, 1], [0.1, 0.2, 0.2, 0.9], "prevalence") == 0.9
+    with pytest.raises(ValueError, match="use youden, f1 or prevalence"):
+        choose_threshold([0, 1], [0.1, 0.2], "median")

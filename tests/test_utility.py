@@ -30,7 +30,7 @@ from detectors.rag.recording import recording_loop
 from detectors.rag.retriever import BM25Retriever
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
-from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
+from detectors.utility.detector import UtilityDetector, joined, operating_threshold, train_utility_detector
 from detectors.utility.labels import (
     HELPS,
     HURTS,
@@ -59,6 +59,7 @@ TRAINING = from_dict(
         "batch_size": 8,
         "accelerator": training_accelerator(),
         "hidden": 8,
+        "seeds": 2,  # a seed ensemble, as the pipeline trains (params: 5), at a test's cost
     },
     "training",
 )
@@ -207,9 +208,19 @@ def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_roun
     detector = trained
     val = labelled[labelled["split"] == "val"]
     scores = detector.predict_proba(val.to_dict("records"))
+    # the rule's point: the retrieval rate nearest the share of validation questions the passages help, unless
+    # another rate answers more of them right by a paired interval above 0 (on 12 questions none does)
+    choice = detector.info["choices"]["threshold"]
+    assert choice["chosen"] == "target" and choice["units"] == len(val) and not choice["better"]
+    helps = (val["utility"] == HELPS).mean()
     c = curve("t", question_outcomes(scores, val["correct_without"], val["correct_with"]))
-    assert detector.threshold == operating_point(c)
+    nearest = c.threshold[np.argmin(np.abs(c.retrieval_rate - helps))]
+    assert detector.threshold == nearest and choice["target_rate"] == pytest.approx(helps, abs=1e-4)
     assert detector.info["val_retrieval_rate_at_budget"] <= 0.5
+    assert set(detector.info["choices"]) == {"threshold", "budget_threshold", "gate_threshold"}
+    # a seed ensemble of two nets per network, its validation scores kept for the registry's champion rule
+    assert detector.info["seeds"] == [0, 1] and len(detector.per_seed()) == 2
+    assert detector.info["validation"]["scores"] == pytest.approx(scores.tolist())
     # test questions choose nothing: flipping their labels leaves every threshold where it was
     flipped = labelled.copy()
     test = flipped["split"] == "test"
@@ -332,3 +343,22 @@ def test_an_operating_point_can_be_held_to_a_retrieval_budget():
     c = curve("t", question_outcomes([0.9, 0.7, 0.2], [False, False, True], [True, True, False]))
     assert operating_point(c) == 0.7  # retrieve the two that it helps, not the third
     assert operating_point(c, budget=0.4) == 0.9  # at most 40% of the questions: only the first
+
+
+def test_the_operating_threshold_is_a_fixed_target_unless_another_rate_is_surely_more_accurate():
+    """300 hand-made questions scored 0 to 1: retrieval helps the top third and hurts the bottom third."""
+    scores = np.arange(300) / 300
+    helps, hurts = scores >= 2 / 3, scores < 1 / 3
+    rows = pd.DataFrame({"correct_without": ~helps, "correct_with": ~hurts})
+    threshold, record = operating_threshold(scores, rows, 1 / 3)  # the target: retrieve for the third it helps
+    assert threshold == pytest.approx(0.67, abs=0.01) and record["chosen"] == "target" and not record["better"]
+    assert record["units"] == 300 and record["retrieval_rates"]["target"] == pytest.approx(1 / 3, abs=0.01)
+    assert "100%" in record["worse"] and "40%" in record["ties"]  # retrieving a little more changes nothing here
+    threshold, record = operating_threshold(scores, rows, 1.0)  # a target that retrieves for every question...
+    assert record["chosen"] != "target" and 1 / 3 <= threshold <= 2 / 3  # ...is beaten surely: the hurt third spared
+    assert record["better"][0] == record["chosen"] == "40%"  # of the equally sure, the one retrieving least
+    threshold, record = operating_threshold(scores, rows, 1 / 3, budget=0.2)  # at most a fifth: the target moves down
+    assert (
+        record["retrieval_rates"]["target"] == pytest.approx(0.2, abs=0.01)
+        and max(rate for name, rate in record["retrieval_rates"].items()) <= 0.2 + 1e-9
+    )

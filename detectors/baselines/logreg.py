@@ -26,9 +26,12 @@ def summary_features(frame: pd.DataFrame) -> np.ndarray:
 
 @dataclasses.dataclass
 class LogisticScorer:
+    """Fitted on the train split, so a trained baseline: listed apart from the training-free ones, never the baseline
+    a detector's paired difference is measured against."""
+
     name: str = "logreg[attribution+first_token]"
     level: Level = Level.QUESTION
-    kind: str = "baseline"
+    kind: str = "trained baseline"
     is_probability: bool = True
     threshold: float | None = None
     features: str = "attribution summary, first_token"

@@ -67,12 +67,16 @@ class TrainRealtimeParams:
     """``tokens``: the candidate training sets, each a token set or several joined by ``+``: ``entity`` (the
     Wikipedia continuations' entity tokens), ``all`` (every token of those continuations, non-entity tokens labelled
     supported), ``answers`` (every token of the early set's QA answers, labelled by the answer's label).
-    ``choose_on``: the validation records whose served AUROC (max over all their tokens) chooses the candidate and
-    its served threshold: ``answers`` (the QA validation answers, the task the RAG loop serves it on) or
-    ``continuations``."""
+    ``default``: the candidate kept unless another beats its served AUROC by a paired 95 % bootstrap interval above 0
+    on the validation records of ``choose_on`` (``answers``, the QA validation answers, the task the RAG loop serves it
+    on, or ``continuations``), which also give the served threshold. ``stop_share``: the share of ``choose_on``'s train
+    records that early-stops the candidates instead of training them, so that no candidate is judged on records it
+    early-stopped on."""
 
     tokens: list[str]
+    default: str
     choose_on: Literal["answers", "continuations"]
+    stop_share: float
     training: TrainingParams
 
     def check(self, where: str) -> None:
@@ -90,6 +94,10 @@ class TrainRealtimeParams:
                     name,
                     f"a candidate is one of {list(TOKEN_SETS)} or several joined by '+' (not entity with all)",
                 )
+        if self.default not in self.tokens:
+            fail(f"{where}.default", self.default, f"name one of train_realtime.tokens {self.tokens}, e.g. all+answers")
+        if not 0 < self.stop_share < 1:
+            fail(f"{where}.stop_share", self.stop_share, "a share of the train records in (0, 1), e.g. 0.2")
 
 
 TOKEN_SETS = ("entity", "all", "answers")  # what the real-time detector's candidates train on (TrainRealtimeParams)

@@ -93,7 +93,7 @@ class TrainingParams:
     batch_size: int
     max_epochs: int
     patience: int
-    threshold: Literal["youden", "f1"]
+    threshold: Literal["youden", "f1", "prevalence"]
     seed: int
     accelerator: str
     devices: int = (
@@ -102,9 +102,12 @@ class TrainingParams:
     strategy: str = (
         "auto"  # Lightning strategy; auto = ddp_spawn with several devices (fit returns the net to its caller)
     )
+    seeds: int = (
+        1  # nets trained with the seeds seed, seed + 1, ...; more than one are served as their mean probability
+    )
 
     def check(self, where: str) -> None:
-        for key in ("hidden", "lr", "batch_size", "max_epochs", "patience", "devices"):
+        for key in ("hidden", "lr", "batch_size", "max_epochs", "patience", "devices", "seeds"):
             positive(f"{where}.{key}", getattr(self, key))
         if self.strategy not in STRATEGIES:
             fail(

@@ -29,6 +29,7 @@ from detectors.ctrla.monitor import (
 )
 from detectors.ctrla.statements import instruction_prefix, statement_ids
 from detectors.ctrla.steering import steer, steering_vectors
+from detectors.evaluation.choice import scored_units
 from detectors.evaluation.metrics import auroc
 from detectors.llm.kv import as_cache, batches, cache_states, forward_rows, prefix_cache
 from detectors.llm.layers import LayerTap
@@ -293,8 +294,10 @@ def _pooled(per_layer: np.ndarray, layers: list[int]) -> np.ndarray:
 def honesty_metrics(
     llm, honesty: Directions, confidence: Directions, statements: pd.DataFrame, params, max_tokens
 ) -> dict:
-    """Held-out (test) true-vs-false AUROC per layer, for the paper's range and for the window chosen on the val
-    statements (whose val AUROC the registry's alias rule uses), and per number of extraction statements."""
+    """Held-out (test) true-vs-false AUROC per layer, for the paper's range and for the window the rule keeps on the
+    val statements (:func:`~detectors.ctrla.layer_ranges.choose_window`: the paper's range unless a window is surely
+    better; ``choice`` records it), each with its val statements' scores (``validation``, which the registry's champion
+    rule compares versions on), and per number of extraction statements."""
     held = statements[(statements["split"] == "test") & statements["label"].notna()]
     if held.empty or held["label"].nunique() < 2:
         log.warning("no held-out statements with both labels: the honesty AUROC is skipped")
@@ -322,16 +325,21 @@ def honesty_metrics(
         ranges["paper"]["val_auroc"] = _auroc(val_labels, _pooled(val_proj, honesty.layers))
         width = params.layer_window or len(honesty.layers)
         choice = choose_window(
-            lambda w: _auroc(val_labels, _pooled(val_proj, w)),
+            lambda w: _pooled(val_proj, w),
+            val_labels,
+            honesty.layers,
             per_layer.shape[1],
             width,
             "evaluate_directions.layer_window",
         )
         ranges["validation"] = {
             "layers": choice.layers,
-            "val_auroc": choice.val_auroc,
+            "val_auroc": _auroc(val_labels, _pooled(val_proj, choice.layers)),
             "test_auroc": _auroc(labels, _pooled(per_layer, choice.layers)),
+            "choice": choice.choice,
         }
+        for r in ranges.values():  # what the registry compares a later version on
+            r["validation"] = scored_units(val["id"], val_labels, _pooled(val_proj, r["layers"]))
     else:
         log.warning("the val statements lack one of the labels: no honesty layer range is chosen on validation")
     curve = {
@@ -356,12 +364,16 @@ def honesty_metrics(
 def confidence_metrics(
     monitored: MonitoredSet, frame: pd.DataFrame, confidence: Directions, tau: float, clip: float, width: int | None
 ) -> tuple[dict, dict[str, np.ndarray]]:
-    """The monitor's score columns of the early set per range (the window chosen on its val split), their val/test
-    AUROC and how often the monitor fires at τ on the test split."""
+    """The monitor's score columns of the early set per range (``validation``: the window the rule keeps on its val
+    split, the paper's range unless a window is surely better; ``choice`` records it), their val/test AUROC, their val
+    scores (``validation``, which the registry compares versions on) and how often the monitor fires at τ on the test
+    split."""
     split, labels = frame["split"].to_numpy(), frame["label"].to_numpy()
     val, test = split == "val", split == "test"
     choice = choose_window(
-        lambda w: _auroc(labels[val], monitored.answer_scores(w, tau, clip)[val]),
+        lambda w: monitored.answer_scores(w, tau, clip)[val],
+        labels[val],
+        confidence.layers,
         confidence.fingerprint.num_layers,
         width or len(confidence.layers),
         "evaluate_directions.layer_window",
@@ -388,7 +400,10 @@ def confidence_metrics(
             "test_auroc": _auroc(labels[test], scores[test]),
             "test_trigger_rate": rates["sequence"],
             "test_token_trigger_rate": rates["token"],
+            "validation": scored_units(frame.loc[val, "id"], labels[val], scores[val]),
         }
+    if "validation" in metrics["ranges"]:
+        metrics["ranges"]["validation"]["choice"] = choice.choice
     return metrics, columns
 
 

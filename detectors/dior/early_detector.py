@@ -40,6 +40,8 @@ from detectors.dior.early import (
     vector_features,
 )
 from detectors.dior.nets import EarlyGRU
+from detectors.ensemble import per_seed
+from detectors.evaluation.choice import scored_units
 from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
@@ -146,6 +148,10 @@ class EarlyDetector(Detector):
             name=config.get("name", cls.KIND),
         )
 
+    def per_seed(self) -> list[EarlyDetector]:
+        """The detector once per seed of its seed ensemble (none when trained with one seed)."""
+        return per_seed(self)
+
     # ---- scoring --------------------------------------------------------------------------------
     def predict_proba(self, rows: list[dict] | pd.DataFrame) -> np.ndarray:
         """P(hallucination) for stored feature rows (the early-detection set's schema)."""
@@ -188,10 +194,12 @@ def train_early_detector(
     fast_dev_run: bool = False,
     name: str = EarlyDetector.KIND,
 ) -> EarlyDetector:
-    """Train detector ``name`` on the ``train`` split, early-stop and choose the threshold on ``val`` (never on test).
+    """Train detector ``name`` on the ``train`` split with ``params.seeds`` seeds (their mean probability,
+    :func:`~detectors.training.fit`), early-stop and choose the threshold on ``val`` (never on test).
 
     The detector records the dtype the set's features were computed in (its ``feature_dtype`` column) in
-    ``llm_ref``, so that serving in another dtype is refused.
+    ``llm_ref``, so that serving in another dtype is refused, and its validation scores (``info["validation"]``,
+    :func:`~detectors.evaluation.choice.scored_units`), which the registry's champion rule compares versions on.
     """
     llm_ref = {**llm_ref, "dtype": frame_dtype(frame, "the early-detection set")}
     train, val = (ok_records(frame, split).to_dict("records") for split in ("train", "val"))
@@ -229,6 +237,7 @@ def train_early_detector(
         paper_threshold=PAPER_THRESHOLD,
         val_trigger_rate=float(np.mean(val_scores >= detector.threshold)),
         val_trigger_rate_at_paper_threshold=float(np.mean(val_scores > PAPER_THRESHOLD)),
+        validation=scored_units([r["id"] for r in val], val_labels, val_scores),
     )
     return detector
 

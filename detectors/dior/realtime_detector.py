@@ -31,6 +31,7 @@ from detectors.dior.recorder import (
     render_prompt,
     token_features,
 )
+from detectors.ensemble import per_seed
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
@@ -180,6 +181,10 @@ class RealtimeDetector(Detector):
             llm_ref=llm_ref,
             info=config["info"],
         )
+
+    def per_seed(self) -> list[RealtimeDetector]:
+        """The detector once per seed of its seed ensemble (none when trained with one seed)."""
+        return per_seed(self)
 
     # ---- scoring --------------------------------------------------------------------------------
     def predict_proba(self, features: np.ndarray, batch_size: int = 4096) -> np.ndarray:

@@ -21,7 +21,7 @@ import pandas as pd
 
 from detectors.errors import InputError
 from detectors.evaluation.metrics import auroc, choose_threshold, require_both_classes
-from detectors.evaluation.scorers import TokenStatScorer
+from detectors.evaluation.scorers import TokenStatScorer, seed_stat
 from detectors.interfaces import Level
 from detectors.sources.ids import ok_records
 
@@ -43,9 +43,11 @@ class ServedMax(TokenStatScorer):
         return float(np.max(stats[self.stat]))
 
 
-def served_scorer(threshold: float) -> ServedMax:
-    """``mlp[served]`` with the detector's own threshold (the one ``monitor``/``stop_on_trigger`` apply)."""
-    return ServedMax(threshold=threshold)
+def served_scorer(threshold: float, seeds: tuple[int, ...] = ()) -> ServedMax:
+    """``mlp[served]`` with the detector's own threshold (the one ``monitor``/``stop_on_trigger`` apply); ``seeds``:
+    those of its ensemble, each served alone from its own stat (:func:`~detectors.evaluation.scorers.seed_stat`)."""
+    members = tuple(ServedMax(name=seed_stat(SERVED, s), stat=seed_stat("mlp", s)) for s in seeds)
+    return ServedMax(threshold=threshold, seeds=members)
 
 
 def record_tokens(

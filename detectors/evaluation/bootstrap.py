@@ -55,11 +55,13 @@ def clustered_auroc(labels, scores, index: np.ndarray, counts: np.ndarray) -> np
     return _auroc_from_blocks(per_block(y), per_block(~y))
 
 
-def _interval(values: np.ndarray) -> tuple[float, float]:
+def _interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The central ``level`` percentile interval of the finite ``values``."""
     values = values[np.isfinite(values)]
     if not len(values):
         return float("nan"), float("nan")
-    low, high = np.percentile(values, [2.5, 97.5])
+    tail = 50 * (1 - level)
+    low, high = np.percentile(values, [tail, 100 - tail])
     return float(low), float(high)
 
 
@@ -71,24 +73,27 @@ def bootstrap_auroc(labels, scores, groups=None, n: int = 1000, seed: int = 0) -
 
 
 def paired_bootstrap_delta(
-    labels, scores, reference, groups=None, n: int = 1000, seed: int = 0, reference_labels=None
+    labels, scores, reference, groups=None, n: int = 1000, seed: int = 0, reference_labels=None, level: float = 0.95
 ) -> tuple[float, float, float]:
-    """AUROC(``scores``) - AUROC(``reference``) on the same units and its paired 95% bootstrap interval: both
-    scorers are measured on the same resampled clusters, so what they share cancels out of the difference.
-    ``reference_labels`` (default ``labels``): the reference's own labels of the same units (another run that labelled
-    them, say)."""
+    """AUROC(``scores``) - AUROC(``reference``) on the same units and its paired bootstrap interval (95% unless
+    ``level``): both scorers are measured on the same resampled clusters, so what they share cancels out of the
+    difference. ``reference_labels`` (default ``labels``): the reference's own labels of the same units (another run
+    that labelled them, say)."""
     groups = np.arange(len(labels)) if groups is None else groups
     reference_labels = labels if reference_labels is None else reference_labels
     index, counts = _cluster_counts(groups, n, seed)
     delta = clustered_auroc(labels, scores, index, counts) - clustered_auroc(reference_labels, reference, index, counts)
-    return (auroc(labels, scores) - auroc(reference_labels, reference), *_interval(delta))
+    return (auroc(labels, scores) - auroc(reference_labels, reference), *_interval(delta, level))
 
 
-def paired_mean_delta(values, reference, n: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+def paired_mean_delta(
+    values, reference, n: int = 1000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
     """mean(``values``) - mean(``reference``) over the same units (e.g. one configuration's correctness per question
-    and no retrieval's) and its paired 95% bootstrap interval: both means are taken on the same resampled units."""
+    and no retrieval's) and its paired bootstrap interval (95% unless ``level``): both means are taken on the same
+    resampled units."""
     diff = np.asarray(values, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
     if not len(diff):
         return float("nan"), float("nan"), float("nan")
     _, counts = _cluster_counts(np.arange(len(diff)), n, seed)
-    return (float(diff.mean()), *_interval(counts @ diff / len(diff)))
+    return (float(diff.mean()), *_interval(counts @ diff / len(diff), level))

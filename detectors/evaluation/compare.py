@@ -1,6 +1,8 @@
 """The comparison: every scorer of one level on the same units, thresholds and calibration from the
-validation split, metrics on the test split (the only place the test split is read), and for each trained
-detector the paired bootstrap difference of its AUROC from the best training-free baseline's.
+validation split, metrics on the test split (the only place the test split is read), for each trained
+detector the paired bootstrap difference of its AUROC from the best training-free baseline's (trained baselines, kind
+:data:`TRAINED_BASELINE`, such as the logistic probe, are listed apart and never the reference), and for a seed
+ensemble the spread of its single seeds' test AUROC (``seeds``, ``seed_auroc_min``/``_max``/``_sd``) beside its own.
 
 Bootstrap intervals resample the units' ``group`` (a continuation's tokens and entities share its record id;
 a question or a continuation is its own group), with one seed, so every scorer of a level is measured on the
@@ -14,7 +16,7 @@ import pandas as pd
 
 from detectors.errors import InputError
 from detectors.evaluation.bootstrap import bootstrap_auroc, paired_bootstrap_delta
-from detectors.evaluation.metrics import binary_metrics, choose_threshold, platt
+from detectors.evaluation.metrics import auroc, binary_metrics, choose_threshold, platt
 from detectors.interfaces import Level, Scorer
 
 # The long comparison table: one row per scorer x dataset x level (the shared interface of issue 10).
@@ -39,8 +41,18 @@ COLUMNS = (
     "delta_ci_low",
     "delta_ci_high",
     "delta_vs",
+    "seeds",
+    "seed_auroc_min",
+    "seed_auroc_max",
+    "seed_auroc_sd",
 )
 DELTA = ("delta_auroc", "delta_ci_low", "delta_ci_high", "delta_vs")
+KINDS = (
+    "detector",
+    "trained baseline",
+    "baseline",
+)  # ours, trained on the train split by the comparison, training-free
+TRAINED_BASELINE = KINDS[1]
 DATASETS = ("early", "realtime")  # the test sets compared (the table's ``dataset`` values)
 
 
@@ -65,8 +77,10 @@ def compare(
 
     A scorer without its own ``threshold`` gets one chosen on validation by ``strategy``; a scorer whose
     scores are not probabilities gets a Platt map fitted on validation for the ECE. A detector's metrics
-    also hold ``delta_auroc``/``delta_ci_low``/``delta_ci_high`` against ``delta_vs``, the baseline of the
-    highest test AUROC (the strongest competitor: conservative for the detector's claim).
+    also hold ``delta_auroc``/``delta_ci_low``/``delta_ci_high`` against ``delta_vs``, the training-free baseline of
+    the highest test AUROC (the strongest competitor: conservative for the detector's claim). A scorer with ``seeds``
+    (one scorer per seed of its seed ensemble) also holds the spread of their test AUROCs: ``seeds`` (how many),
+    ``seed_auroc_min``, ``seed_auroc_max`` and ``seed_auroc_sd`` (their standard deviation, n - 1).
     """
     levels = {s.level for s in scorers}
     if len(levels) > 1:
@@ -95,7 +109,7 @@ def compare(
             "auroc_ci_low": low,
             "auroc_ci_high": high,
         }
-        results[scorer.name] |= metrics
+        results[scorer.name] |= metrics | seed_spread(scorer, ok, test.index)
     baselines = {s.name: results[s.name]["auroc"] for s in scorers if s.kind == "baseline"}
     if baselines:
         best = max(baselines, key=lambda name: baselines[name])
@@ -105,6 +119,22 @@ def compare(
                 delta = paired_bootstrap_delta(test["label"], *pair, test["group"], n_bootstrap, seed)
                 results[scorer.name] |= dict(zip(DELTA, (*delta, best)))
     return results, scores, probabilities
+
+
+def seed_spread(scorer: Scorer, units: pd.DataFrame, test: pd.Index) -> dict[str, float]:
+    """The test AUROC of each of ``scorer``'s single seeds (its ``seeds``: one scorer each) summarised: how many, the
+    lowest, the highest and their standard deviation; nothing for a scorer without seeds."""
+    members = getattr(scorer, "seeds", ())
+    if not members:
+        return {}
+    labels = units.loc[test, "label"].to_numpy()
+    values = np.array([auroc(labels, np.asarray(m.score(units), dtype=np.float64)[test]) for m in members])
+    return {
+        "seeds": len(values),
+        "seed_auroc_min": float(values.min()),
+        "seed_auroc_max": float(values.max()),
+        "seed_auroc_sd": float(values.std(ddof=1)) if len(values) > 1 else 0.0,
+    }
 
 
 def _test_scores(scores: pd.DataFrame, name: str) -> np.ndarray:

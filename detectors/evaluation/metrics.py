@@ -77,9 +77,17 @@ def auprc(labels, scores) -> float:
 
 
 def choose_threshold(labels, scores, strategy: str = "youden") -> float:
-    """Threshold on validation scores: Youden's J (tpr - fpr) or best F1."""
+    """Threshold on validation scores: Youden's J (tpr - fpr), best F1, or ``prevalence``, the fixed target: the score
+    at which the share of validation units at or above it is nearest the share of hallucinated ones (ties: the higher
+    score). Youden's J and F1 take the best of every threshold, and on a few hundred units their flat maxima let the
+    choice jump between runs; the prevalence target moves only as far as the scores' own quantile does."""
     labels, scores = np.asarray(labels), np.asarray(scores, dtype=np.float64)
     require_both_classes(labels, "the validation split")
+    if strategy == "prevalence":
+        candidates = np.unique(scores)[::-1]  # descending: the share at or above each grows
+        shares = np.searchsorted(np.sort(scores), candidates, side="left")
+        shares = (len(scores) - shares) / len(scores)
+        return float(candidates[int(np.argmin(np.abs(shares - labels.mean())))])
     if strategy == "youden":
         fpr, tpr, thr = roc(labels, scores)
         return float(thr[1:][int(np.argmax((tpr - fpr)[1:]))])
@@ -87,7 +95,7 @@ def choose_threshold(labels, scores, strategy: str = "youden") -> float:
         candidates = np.unique(scores)
         f1s = [f1_at(labels, scores, t) for t in candidates]
         return float(candidates[int(np.argmax(f1s))])
-    raise ValueError(f"threshold strategy {strategy!r}: use youden or f1")
+    raise ValueError(f"threshold strategy {strategy!r}: use youden, f1 or prevalence")
 
 
 def f1_at(labels, scores, threshold: float) -> float:

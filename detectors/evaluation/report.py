@@ -1,8 +1,10 @@
 """The comparison as Markdown (the README includes it), as detailed JSON (``{level: {scorer: metrics}}`` per
 dataset, which ``register`` reads) and as headline ``dvc metrics`` (a few numbers per dataset x level, read at a
-glance): one section per dataset x level with the scorers sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC
-and its 95% bootstrap interval, then the paired differences of each trained detector from the best training-free
-baseline. The headline of evaluate_directions' report (:func:`directions_headline`) is here too."""
+glance): one section per dataset x level with the trained detectors, the trained baselines and the training-free
+baselines apart, each sorted by test AUROC, ``0.734 [0.68, 0.79]`` for an AUROC and its 95% bootstrap interval and,
+for a seed ensemble, the spread of its single seeds; a sentence for each scorer whose interval lies below 0.5
+(inverted); then the paired differences of each trained detector from the best training-free baseline. The headline
+of evaluate_directions' report (:func:`directions_headline`) is here too."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from detectors.evaluation.compare import COLUMNS
+from detectors.evaluation.compare import COLUMNS, KINDS
 from detectors.interfaces import Level
 from detectors.io import write_json
 
@@ -26,6 +28,25 @@ def _interval(value: float, low: float, high: float, signed: bool = False) -> st
     return f"{head} [{low:+.2f}, {high:+.2f}]" if signed else f"{head} [{low:.2f}, {high:.2f}]"
 
 
+def _seeds(row) -> str:
+    """A seed ensemble's single seeds: ``0.71–0.76 (sd 0.02, 5 seeds)``; empty for any other scorer."""
+    if not isinstance(row.seeds, (int, float)) or math.isnan(row.seeds):
+        return ""
+    return f"{row.seed_auroc_min:.3f}–{row.seed_auroc_max:.3f} (sd {row.seed_auroc_sd:.3f}, {int(row.seeds)} seeds)"
+
+
+def inverted(part: pd.DataFrame) -> list[str]:
+    """A sentence for each scorer of ``part`` whose whole AUROC interval lies below 0.5: it ranks the correct units
+    above the hallucinated ones, a sign the comparison does not choose for it."""
+    return [
+        f"**Inverted:** `{r.scorer}` scores correct units above hallucinated ones (AUROC "
+        f"{_interval(r.auroc, r.auroc_ci_low, r.auroc_ci_high)}, wholly below 0.5): its sign was not chosen on "
+        f"validation, and read the other way it separates them with AUROC {1 - r.auroc:.3f}."
+        for r in part.itertuples(index=False)
+        if isinstance(r.auroc_ci_high, float) and r.auroc_ci_high < 0.5
+    ]
+
+
 def markdown_table(table: pd.DataFrame) -> str:
     """Markdown of the long comparison table (:data:`~detectors.evaluation.compare.COLUMNS`)."""
     table = table.reindex(columns=list(COLUMNS))
@@ -35,28 +56,35 @@ def markdown_table(table: pd.DataFrame) -> str:
         "AUROC with its 95% bootstrap interval (clusters = questions, or continuations at token and entity level); "
         "accuracy, F1 and trigger rate at the threshold chosen on validation; ECE after a Platt map fitted on "
         "validation "
-        "for scores that are not probabilities. Δ AUROC: paired bootstrap interval of a trained detector's AUROC minus "
-        "that of the best training-free baseline at the same dataset and level, on the same resampled examples.",
+        "for scores that are not probabilities. Trained detectors come first, then trained baselines (fitted on the "
+        "train split by the comparison), then the training-free baselines, each sorted by AUROC. A trained detector is "
+        "the mean probability of nets trained with several seeds; single seeds: the test AUROC of each seed's net "
+        "alone (lowest–highest, standard deviation). Δ AUROC: paired bootstrap interval of a trained detector's AUROC "
+        "minus that of the best training-free baseline at the same dataset and level, on the same resampled examples.",
         "",
     ]
     keys = table[["dataset", "level"]].drop_duplicates()
     keys = keys.assign(order=keys["level"].map(LEVEL_ORDER)).sort_values(["dataset", "order"])
     for dataset, level in keys[["dataset", "level"]].itertuples(index=False):
-        part = table[(table["dataset"] == dataset) & (table["level"] == level)].sort_values("auroc", ascending=False)
+        part = table[(table["dataset"] == dataset) & (table["level"] == level)]
+        part = part.assign(group=part["kind"].map({k: i for i, k in enumerate(KINDS)}).fillna(len(KINDS)))
+        part = part.sort_values(["group", "auroc"], ascending=[True, False], kind="stable")
         first = part.iloc[0]
         out += [
             f"## {dataset} · {level} (test: {int(first['n'])} units, {first['positive_rate']:.0%} hallucinated)",
             "",
-            "| scorer | kind | AUROC [95% CI] | AUPRC | accuracy | F1 | ECE | trigger rate |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| scorer | kind | AUROC [95% CI] | AUPRC | accuracy | F1 | ECE | trigger rate | single seeds: AUROC |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in part.itertuples(index=False):
             auroc = _interval(r.auroc, r.auroc_ci_low, r.auroc_ci_high)
             rest = f"{r.auprc:.3f} | {r.accuracy:.3f} | {r.f1:.3f} | {r.ece:.3f} | {r.trigger_rate:.2f}"
-            out.append(f"| {r.scorer} | {r.kind} | {auroc} | {rest} |")
+            out.append(f"| {r.scorer} | {r.kind} | {auroc} | {rest} | {_seeds(r)} |")
+        if notes := inverted(part):
+            out += ["", *notes]
         deltas = part[part["delta_vs"].notna()]
         if len(deltas):
-            out += ["", "| detector | vs best baseline | Δ AUROC [95% CI] |", "| --- | --- | --- |"]
+            out += ["", "| detector | vs best training-free baseline | Δ AUROC [95% CI] |", "| --- | --- | --- |"]
             for r in deltas.itertuples(index=False):
                 out.append(
                     f"| {r.scorer} | {r.delta_vs} | "

@@ -36,13 +36,22 @@ class ColumnScorer:
 
 @dataclasses.dataclass
 class DetectorScorer:
-    """A trained question-level detector scoring stored feature rows, with its own threshold."""
+    """A trained question-level detector scoring stored feature rows, with its own threshold; ``seeds``: one scorer
+    per seed of its seed ensemble (the comparison reports their spread)."""
 
     name: str
     detector: Any  # anything with predict_proba(frame), threshold and groups (EarlyDetector)
     level: Level = Level.QUESTION
     kind: str = "detector"
     is_probability: bool = True
+    seeds: list[DetectorScorer] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def with_seeds(cls, name: str, detector: Any) -> DetectorScorer:
+        """The detector's scorer with one scorer per seed (``detector.per_seed()``: none for a single net)."""
+        seeds = detector.info.get("seeds", [])
+        members = [cls(f"{name}[seed {s}]", d) for s, d in zip(seeds, detector.per_seed())]
+        return cls(name, detector, seeds=members)
 
     @property
     def features(self) -> str:
@@ -73,6 +82,7 @@ class TokenStatScorer:
     is_probability: bool = False
     threshold: float | None = None
     spans: str = "entities"  # online: the segment statistic holding each entity's token indices
+    seeds: tuple[TokenStatScorer, ...] = ()  # a trained detector's single seeds, one scorer each (their spread)
 
     def __post_init__(self) -> None:
         if self.level not in self.levels:
@@ -128,10 +138,19 @@ class TokenStatScorer:
         return out
 
 
-def realtime_detector_scorer(level: Level, name: str = "mlp") -> TokenStatScorer:
+def seed_stat(stat: str, seed: int) -> str:
+    """The per-token statistic of one seed of a detector whose ensemble's statistic is ``stat``."""
+    return f"{stat}[seed {seed}]"
+
+
+def realtime_detector_scorer(
+    level: Level, name: str = "mlp", stat: str = "mlp", seeds: tuple[int, ...] = ()
+) -> TokenStatScorer:
     """The real-time detector's probabilities (stat ``mlp``) at ``level``: probabilities at the token level, where it
     was trained; entities take the max over their tokens, continuations the max over their entities. Thresholds
     are chosen on validation at each level (the detector's own threshold is the served one, see
-    :func:`detectors.dior.served.served_scorer`)."""
+    :func:`detectors.dior.served.served_scorer`). ``seeds``: those of its ensemble, each scored from its own stat
+    (:func:`seed_stat`) for the spread across seeds."""
     token = level is Level.TOKEN
-    return TokenStatScorer(level, name=name, stat="mlp", kind="detector", is_probability=token)
+    members = tuple(realtime_detector_scorer(level, seed_stat(name, s), seed_stat(stat, s)) for s in seeds)
+    return TokenStatScorer(level, name=name, stat=stat, kind="detector", is_probability=token, seeds=members)

@@ -4,10 +4,10 @@ The table (built by the evaluate stage) has one row per scorer × dataset × lev
 level, features, auroc, auroc_ci_low, auroc_ci_high, auprc, accuracy, f1, ece, threshold, trigger_rate, n,
 positive_rate`` and, for trained detectors, ``delta_auroc, delta_ci_low, delta_ci_high, delta_vs``.
 
-Every run is named ``"<scorer> · <level>"``, tagged ``detector`` (the scorer), ``kind`` (detector | baseline),
-``level``, ``dataset``, ``llm`` (+ the caller's base tags, ``delta_vs`` for trained detectors and ``comparison``, the
-id of one logging), has params ``scorer`` and ``features``, and metrics with the same names in every run
-(:data:`METRICS`; a value the row lacks, e.g. a baseline's ``delta_auroc``, is left out rather than logged as NaN).
+Every run is named ``"<scorer> · <level>"``, tagged ``detector`` (the scorer), ``kind`` (detector | trained baseline |
+baseline), ``level``, ``dataset``, ``llm`` (+ the caller's base tags, ``delta_vs`` for trained detectors and
+``comparison``, the id of one logging), has params ``scorer`` and ``features``, and metrics with the same names in every
+run (:data:`METRICS`; a value the row lacks, e.g. a baseline's ``delta_auroc``, is left out rather than logged as NaN).
 
 Plots: each run carries, under ``plots/``, the figures it appears in: ``plots[dataset]`` (figures of the whole set)
 and ``plots[f"{dataset}_{level}"]`` (its level's ROC, precision-recall, ECDF and reliability figures). A user who
@@ -30,14 +30,14 @@ import pandas as pd
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from detectors.evaluation.compare import DATASETS
+from detectors.evaluation.choice import choice_tags
+from detectors.evaluation.compare import DATASETS, KINDS
 from detectors.interfaces import Level
 from detectors.registry import store
 
 TEXT = ("scorer", "kind", "dataset", "level", "features", "delta_vs")
 REQUIRED = (*TEXT[:-1], "auroc")
 LEVELS = tuple(level.value for level in Level)
-KINDS = ("detector", "baseline")
 # table column → metric name; test-split metrics carry ``test_``, the validation threshold, the trigger rate at it and
 # the paired difference to the best baseline keep their names. Other numeric columns are logged under their own name.
 METRICS = {
@@ -67,6 +67,9 @@ VIEW_COLUMNS = (
             "test_ece",
             "trigger_rate",
             "test_n",
+            "seed_auroc_min",
+            "seed_auroc_max",
+            "seed_auroc_sd",
         )
     )
     + ("tags.`delta_vs`",)
@@ -83,7 +86,8 @@ DESCRIPTION = (
     "`delta_ci_low`/`_high`) "
     "a trained detector's AUROC minus the best training-free baseline's (`delta_vs`) on the same examples, "
     "`trigger_rate` "
-    "the share of test units at or above the threshold chosen on validation. Filter e.g. `tags.level = "
+    "the share of test units at or above the threshold chosen on validation, `seed_auroc_min`/`_max`/`_sd` the test "
+    "AUROC of a trained detector's single seeds (each net of its seed ensemble alone). Filter e.g. `tags.level = "
     "'continuation'`. "
     "The comparison view shows these columns: add `?viewStateShareKey=comparison` to this page's address."
 )
@@ -207,9 +211,13 @@ def log_directions(
     artifact_root: str | None,
 ) -> str:
     """One MLflow run for the CtrlA directions (evaluate_directions): ``params`` and the chosen layer ranges as params,
+    the rule's choice of each validation window as tags (``<concept>_layers.choice.*``: chosen, default, ties, ...),
     every range's metrics (:func:`flat_metrics`), the honesty AUROC per layer and the TruthfulQA accuracy per λ as
     steps, the plots as artifacts. Returns the run's id."""
     exp = store.experiment(experiment, artifact_root)
+    for concept, section in (("honesty", metrics.get("honesty", {})), ("confidence", metrics["confidence_early"])):
+        record = section.get("ranges", {}).get("validation", {}).get("choice")
+        tags = {**tags, **choice_tags(f"{concept}_layers.choice", record)}
     with mlflow.start_run(experiment_id=exp, run_name="ctrla directions", tags=tags) as run:
         mlflow.log_params(params)
         mlflow.log_params(
@@ -242,5 +250,5 @@ def flat_metrics(metrics: dict) -> dict[str, float]:
         for concept, section in sections.items()
         for name, r in section.get("ranges", {}).items()
         for key, value in r.items()
-        if key != "layers" and value is not None
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
     }

@@ -19,12 +19,16 @@ from detectors.interfaces import Level
 
 
 def realtime_token_stats(
-    frame: pd.DataFrame, detector_scores: dict[str, np.ndarray] | None = None, columns: Iterable[str] = ()
+    frame: pd.DataFrame,
+    detector_scores: dict[str, np.ndarray] | None = None,
+    columns: Iterable[str] = (),
+    more_scores: dict[str, dict[str, np.ndarray]] | None = None,
 ) -> dict[str, dict[str, np.ndarray]]:
     """Per record, per generated token: probability, entropy, every list-valued column of ``columns`` (the
     per-token scores joined from other stages' tables, e.g. CtrlA's ``ctrla_confidence*`` or RIND's ``rind``)
-    under its own name, and ``mlp``, the real-time detector's probability (``detector_scores``, from
-    :meth:`~detectors.dior.realtime_detector.RealtimeDetector.record_scores`) when given."""
+    under its own name, ``mlp``, the real-time detector's probability (``detector_scores``, from
+    :meth:`~detectors.dior.realtime_detector.RealtimeDetector.record_scores`) when given, and each of
+    ``more_scores`` (stat → scores of the same shape: the detector's single seeds, say) under its name."""
     out = {}
     for row in frame[frame["status"] == "ok"].to_dict("records"):
         stats = {
@@ -43,6 +47,8 @@ def realtime_token_stats(
                 stats[column] = values
         if detector_scores is not None:
             stats["mlp"] = detector_scores[row["id"]]
+        for stat, scores in (more_scores or {}).items():
+            stats[stat] = scores[row["id"]]
         out[row["id"]] = stats
     return out
 

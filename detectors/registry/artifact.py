@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from detectors.ensemble import build_net
 from detectors.errors import InputError
 from detectors.io import changed_file, file_digests, write_json
 from detectors.llm.fingerprint import Fingerprint
@@ -199,9 +200,10 @@ def read_llm_section(section: dict[str, Any]) -> tuple[Fingerprint, dict[str, An
 
 
 def read_net(directory: str | Path, kind: str, net_class: type[torch.nn.Module]):
-    """A trained detector's config, its network (weights loaded, eval mode), LLM fingerprint and LLM reference."""
+    """A trained detector's config, its network (weights loaded, eval mode; a seed ensemble of ``net_class`` nets when
+    the config says so, :func:`~detectors.ensemble.build_net`), LLM fingerprint and LLM reference."""
     config, weights = read_artifact(directory, kind)
-    net = net_class(**config["net"])
+    net = build_net(net_class, config["net"])
     net.load_state_dict(weights)
     net.eval()
     return (config, net, *read_llm_section(config["llm"]))

@@ -3,9 +3,16 @@
 The champion rule: a new version takes the alias (``champion``) only when its validation AUROC is finite, it
 was computed on the same validation set (``val_digest``: digest of the sorted validation record ids) with the
 same LLM (``llm_digest``) as the champion's, from the same feature set (``features``, where the caller names one:
-the early detectors), and it is not worse. A version that cannot be compared (no finite AUROC, another validation
-set, LLM or feature set) gets the :data:`CHALLENGER` alias instead; a person promotes it with
-:func:`promote` (``dynrag promote NAME VERSION``, or ``python -m detectors.registry.store promote NAME VERSION``).
+the early detectors), and it beats the champion by the rule every validation choice follows
+(:mod:`detectors.evaluation.choice`): the paired 95 % bootstrap interval of its validation AUROC minus the champion's,
+on the same validation units, lies above 0. Each version keeps its validation scores (``validation``:
+:func:`~detectors.evaluation.choice.scored_units`, a JSON artifact of its run named by the version's
+``validation_scores`` tag) so that a later version is compared with it unit by unit; the caller hands the rule in
+(``rule``: :func:`detectors.evaluation.choice.versus`, which the register stages pass; the registry sits below
+evaluation and does not import it). A version level with the champion,
+worse, or that cannot be compared (no finite AUROC, another validation set, LLM or feature set, no validation scores)
+gets the :data:`CHALLENGER` alias instead; a person promotes it with :func:`promote` (``dynrag promote NAME VERSION``,
+or ``python -m detectors.registry.store promote NAME VERSION``).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -226,13 +233,24 @@ def _number(value: str | None) -> float:
         return math.nan
 
 
+CHAMPION_SIDE, NEW_SIDE = "champion", "new"  # the two sides of the champion rule's choice
+
+
 def decide(
-    val_auroc: float, val_digest: str | None, llm: str, champion: Any | None, features: str | None = None
+    val_auroc: float,
+    val_digest: str | None,
+    llm: str,
+    champion: Any | None,
+    features: str | None = None,
+    against: Any | None = None,
 ) -> tuple[str, str]:
-    """``("champion" | "challenger" | "rejected", why)`` for a new version against the ``champion`` version.
+    """``("champion" | "challenger", why)`` for a new version against the ``champion`` version.
 
     ``features`` (None: not compared) names what the detector reads; a champion with another or no feature set is
-    another detector under the same name (e.g. ``dior-early`` before it became DioR's RNN over IG(Q) alone)."""
+    another detector under the same name (e.g. ``dior-early`` before it became DioR's RNN over IG(Q) alone).
+    ``against``: the rule's :class:`~detectors.evaluation.choice.Choice` between the champion's and the new version's
+    validation scores of the same units (:func:`~detectors.evaluation.choice.versus`, default side ``champion``); None
+    when there is nothing to pair."""
     if not math.isfinite(val_auroc):
         return CHALLENGER, f"validation AUROC is {val_auroc}: not comparable (e.g. a one-class validation split)"
     if val_digest is None:
@@ -252,9 +270,39 @@ def decide(
     current = _number(tags.get("val_auroc"))
     if not math.isfinite(current):
         return "champion", f"champion v{champion.version} has no finite validation AUROC"
-    if val_auroc < current:
-        return "rejected", f"validation AUROC {val_auroc:.4f} < champion v{champion.version}'s {current:.4f}"
-    return "champion", f"validation AUROC {val_auroc:.4f} >= champion v{champion.version}'s {current:.4f}"
+    if against is None:
+        return (
+            CHALLENGER,
+            f"no validation scores of the same units to pair with champion v{champion.version}'s (one of them was "
+            "registered without them): not comparable by the rule; promote by hand",
+        )
+    delta, low, high = against.deltas[NEW_SIDE]
+    measured = f"{delta:+.4f} [{low:+.4f}, {high:+.4f}] on {against.units} validation units"
+    if against.moved:
+        return (
+            "champion",
+            f"validation AUROC {val_auroc:.4f} beats champion v{champion.version}'s {current:.4f}: {measured}",
+        )
+    how = "below" if NEW_SIDE in against.worse else "level with"
+    return (
+        CHALLENGER,
+        f"validation AUROC {val_auroc:.4f} is {how} champion v{champion.version}'s {current:.4f}: {measured} (the "
+        "champion stays unless the interval is above 0)",
+    )
+
+
+VALIDATION_TAG = "validation_scores"  # a version's tag naming its run's artifact of validation scores
+
+
+def validation_scores(client: MlflowClient, version: Any) -> dict | None:
+    """The validation scores a registered version kept (:func:`register`'s ``validation``), None when it kept none."""
+    path = version.tags.get(VALIDATION_TAG)
+    if not path or not version.run_id:
+        return None
+    try:
+        return mlflow.artifacts.load_dict(f"runs:/{version.run_id}/{path}")
+    except (MlflowException, OSError):  # removed, or a store that never held it: not comparable
+        return None
 
 
 def alias_version(client: MlflowClient, name: str, alias: str) -> Any | None:
@@ -274,9 +322,15 @@ def register(
     val_digest: str | None,
     llm: str,
     features: str | None = None,
+    validation: dict | None = None,
+    rule: Callable[[dict, dict, tuple[str, str]], Any] | None = None,
 ) -> dict[str, Any]:
     """Register a new version tagged with its validation AUROC, validation-set digest, LLM digest and feature set (when
-    given), and apply the champion rule (:func:`decide`): the result says where ``alias`` points and why."""
+    given), keep its ``validation`` scores (:func:`~detectors.evaluation.choice.scored_units`; an artifact of the run
+    that logged the model) and apply the champion rule (:func:`decide`), ``rule(champion's kept scores, validation,
+    (CHAMPION_SIDE, NEW_SIDE))`` being the choice between them (:func:`detectors.evaluation.choice.versus`; without a
+    rule a version never replaces a champion): the result says where ``alias`` points and why, and records the rule's
+    choice (``choice``)."""
     if alias == CHALLENGER:
         raise ValueError(f"alias {alias!r} is reserved for versions that cannot be compared; name another alias")
     client = MlflowClient()
@@ -284,12 +338,20 @@ def register(
     val_auroc = float(val_auroc)
     tags = {"val_auroc": repr(val_auroc), "val_digest": val_digest or "", "llm_digest": llm}
     tags |= {} if features is None else {"features": features}
+    if validation is not None and version.run_id:
+        tags[VALIDATION_TAG] = f"validation/{name}-v{version.version}.json"
+        client.log_dict(version.run_id, dict(validation), tags[VALIDATION_TAG])
+    current = alias_version(client, name, alias)
+    kept = None if current is None or validation is None or rule is None else validation_scores(client, current)
+    against = None if kept is None else rule(kept, validation, (CHAMPION_SIDE, NEW_SIDE))
+    decision, reason = decide(val_auroc, val_digest, llm, current, features, against)
+    tags["decision"] = decision
+    if against is not None:
+        delta, low, high = against.deltas[NEW_SIDE]
+        tags |= {"rule.delta_auroc": f"{delta:+.4f} [{low:+.4f}, {high:+.4f}]", "rule.units": str(against.units)}
     for key, value in tags.items():
         client.set_model_version_tag(name, version.version, key, value)
-    current = alias_version(client, name, alias)
-    decision, reason = decide(val_auroc, val_digest, llm, current, features)
-    if decision != "rejected":
-        client.set_registered_model_alias(name, alias if decision == "champion" else CHALLENGER, version.version)
+    client.set_registered_model_alias(name, alias if decision == "champion" else CHALLENGER, version.version)
     champion = version if decision == "champion" else current
     return {
         "name": name,
@@ -303,6 +365,7 @@ def register(
         "val_digest": val_digest,
         "llm_digest": llm,
         "previous_champion_val_auroc": None if current is None else _number(current.tags.get("val_auroc")),
+        "choice": None if against is None else against.as_dict(),
     }
 
 
@@ -406,19 +469,24 @@ def log_and_register(
     params: dict[str, Any],
     metadata: dict[str, Any],
     features: str | None = None,
+    validation: dict | None = None,
+    rule: Callable[[dict, dict, tuple[str, str]], Any] | None = None,
+    tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One run that logs ``detector`` (a :class:`~detectors.interfaces.Detector` loaded from ``artifact_dir``)
-    with its params and metrics, registers it as ``name`` and applies the champion rule (``features``: see
-    :func:`decide`); returns :func:`register`'s result with the run id and model URI."""
+    with its params, metrics and ``tags`` (the choices its training made, say), registers it as ``name`` and applies
+    the champion rule (``features``, ``validation``, ``rule``: see :func:`register`); returns :func:`register`'s result
+    with the run id and model URI."""
     llm = llm_digest(detector.fingerprint)
     with mlflow.start_run(experiment_id=experiment_id, run_name=name) as run:
         mlflow.log_params(params)
         mlflow.log_metrics(
             {k: v for k, v in {"val_auroc": val_auroc, **metrics}.items() if v is not None and math.isfinite(v)}
         )
-        mlflow.set_tags({"val_digest": val_digest or "", "llm_digest": llm})
+        mlflow.set_tags({"val_digest": val_digest or "", "llm_digest": llm, **(tags or {})})
         info = log_detector(detector, artifact_dir, metadata)
-        result = register(info.model_uri, name, alias, val_auroc, val_digest, llm, features)
+        result = register(info.model_uri, name, alias, val_auroc, val_digest, llm, features, validation, rule)
+        mlflow.set_tags({"decision": result["decision"], "champion_version": str(result["champion_version"])})
     return {**result, "run_id": run.info.run_id, "model_uri": info.model_uri}
 
 

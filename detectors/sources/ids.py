@@ -47,3 +47,10 @@ def sample(df: pd.DataFrame, limit: int | None) -> pd.DataFrame:
         return df
     keys = df["id"].map(lambda i: hashlib.sha256(f"sample\x1f{i}".encode()).hexdigest())
     return df.loc[keys.sort_values().index[:limit]].sort_index().reset_index(drop=True)
+
+
+def in_fold(record_id: str, share: float, salt: str) -> bool:
+    """Whether record ``record_id`` falls in a ``share`` of its split named by ``salt``, by id hash (independent of the
+    split's own hash, so the same records on every machine)."""
+    u = int(hashlib.sha256(f"{salt}\x1f{record_id}".encode()).hexdigest()[:12], 16) / float(16**12)
+    return u < share

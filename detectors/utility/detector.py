@@ -11,11 +11,14 @@ head and hidden states through a projection), trained in Lightning on the train 
   columns, the first-token statistics and last-prompt hidden state with the passages in the prompt and the
   retriever's scores. The loop answers without the passages when it is below ``gate_threshold``.
 
-Operating points are chosen on the validation split only (:func:`~detectors.evaluation.rag_sweep.operating_point` over
-the
-accuracy vs retrieval-rate curve of the labels): ``threshold``, the most accurate; ``budget_threshold``, the most
-accurate retrieving at most ``budget`` of the questions; ``gate_threshold``, the gate's most accurate (every
-validation question as retrieved). The RAG evaluation chooses its own operating threshold on its validation sweep.
+Both networks are seed ensembles (``training.seeds`` nets, their mean probability: :mod:`detectors.ensemble`).
+Operating points are chosen on the validation split only, by the rule every validation choice follows
+(:mod:`detectors.evaluation.choice`, :func:`operating_threshold`): a fixed target, the point of the validation curve
+(accuracy vs retrieval rate) whose rate is nearest the share of questions the passages help (the gate: the share they
+do not hurt), kept unless a point at another retrieval rate (0 %, 10 %, ..., 100 %) answers more questions right by a
+paired 95 % bootstrap interval above 0. ``threshold``: that point; ``budget_threshold``: the same among the points
+retrieving at most ``budget`` of the questions; ``gate_threshold``: the gate's (every validation question as
+retrieved). The RAG evaluation chooses its own operating threshold on its validation sweep.
 """
 
 from __future__ import annotations
@@ -34,14 +37,16 @@ from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early import features_to_row, question_features, scalar_features
 from detectors.dior.early_detector import collate, per_question
 from detectors.dior.nets import EarlyGRU
+from detectors.ensemble import build_net, members
 from detectors.errors import InputError
+from detectors.evaluation.choice import choose, family_level, mean_deltas, scored_units
 from detectors.evaluation.metrics import require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import FrameInputs, frame_dtype, llm_section, read_net, write_artifact
 from detectors.training import fit, predict, training_info
-from detectors.utility.labels import HELPS, NEITHER, as_post, post_features
+from detectors.utility.labels import HELPS, HURTS, NEITHER, as_post, post_features
 
 PRE_STAGE, GATE_STAGE = "pre", "gate"
 
@@ -51,7 +56,7 @@ class UtilityNets(nn.Module):
 
     def __init__(self, pre: dict[str, Any], gate: dict[str, Any]):
         super().__init__()
-        self.pre, self.gate = EarlyGRU(**pre), EarlyGRU(**gate)
+        self.pre, self.gate = build_net(EarlyGRU, pre), build_net(EarlyGRU, gate)
         self.config = {"pre": pre, "gate": gate}
 
 
@@ -197,6 +202,17 @@ class UtilityDetector(Detector):
         raw = np.stack([gate_row(pre, post, self.k) for pre, post in zip(pre_rows, post_rows)])
         return predict(self.nets.gate, self.gate_inputs.items(raw), collate)
 
+    def per_seed(self) -> list[UtilityDetector]:
+        """One detector per seed of a seed ensemble (each with its own pair of nets), for the spread across seeds; none
+        for a trigger trained with one seed."""
+        pairs = list(zip(members(self.nets.pre), members(self.nets.gate)))
+        out = []
+        for pre, gate in pairs if len(pairs) > 1 else ():
+            nets = UtilityNets(pre.config, gate.config)
+            nets.pre, nets.gate = pre, gate
+            out.append(dataclasses.replace(self, nets=nets))
+        return out
+
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: a ``question`` column in; P(retrieval helps) and the decision at the validation threshold
         out."""
@@ -240,14 +256,38 @@ def joined(labels: pd.DataFrame, early: pd.DataFrame) -> pd.DataFrame:
     return ok.merge(early[early["status"] == "ok"][cols], on="id", how="inner")
 
 
-def choose(scores: np.ndarray, rows: pd.DataFrame, budget: float | None = None) -> float:
-    """The validation operating threshold of a question score (see
-    :func:`~detectors.evaluation.rag_sweep.operating_point`)."""
-    from detectors.evaluation.rag_sweep import curve, operating_point, question_outcomes
+RATES = tuple(i / 10 for i in range(11))  # the retrieval rates whose points compete with the fixed target
+TARGET = "target"  # the fixed target's name in a choice
 
-    return operating_point(
-        curve("utility", question_outcomes(scores, rows["correct_without"], rows["correct_with"])), budget
-    )
+
+def operating_threshold(
+    scores: np.ndarray, rows: pd.DataFrame, target: float, budget: float | None = None
+) -> tuple[float, dict]:
+    """A question score's validation operating threshold by the rule, and the choice's record: the point of the
+    accuracy vs retrieval-rate curve (:func:`~detectors.evaluation.rag_sweep.curve`) retrieving nearest ``target`` of
+    the questions, unless the point nearest one of :data:`RATES` answers more of them right by a paired bootstrap
+    interval above 0 (:func:`~detectors.evaluation.choice.choose` on each question's correctness, each interval at the
+    :func:`~detectors.evaluation.choice.family_level` of the eleven). With ``budget``,
+    only points retrieving at most that share compete."""
+    from detectors.evaluation.rag_sweep import curve, question_outcomes
+
+    without, with_ = rows["correct_without"].to_numpy(bool), rows["correct_with"].to_numpy(bool)
+    c = curve("utility", question_outcomes(scores, without, with_))
+    allowed = np.flatnonzero(c.retrieval_rate <= (1.0 if budget is None else budget) + 1e-12)
+
+    def nearest(rate: float) -> int:
+        return int(allowed[np.argmin(np.abs(c.retrieval_rate[allowed] - rate))])  # the first: the highest threshold
+
+    points = {TARGET: nearest(target)} | {f"{rate:.0%}": nearest(rate) for rate in RATES}
+    correct = {name: np.where(scores >= c.threshold[i], with_, without).astype(float) for name, i in points.items()}
+    level = family_level(len(points) - 1)
+    choice = choose(TARGET, mean_deltas(correct, TARGET, level=level), len(rows), level)
+    chosen = points[choice.chosen]
+    record = choice.as_dict() | {
+        "target_rate": round(float(target), 4),
+        "retrieval_rates": {name: round(float(c.retrieval_rate[i]), 4) for name, i in points.items()},
+    }
+    return float(c.threshold[chosen]), record
 
 
 def train_utility_detector(
@@ -263,8 +303,10 @@ def train_utility_detector(
     name: str,
     fast_dev_run: bool = False,
 ) -> UtilityDetector:
-    """Train both networks on the ``train`` split of ``rows`` (:func:`joined` labels of ``corpus``), early-stop and
-    choose every threshold on ``val`` (never on test)."""
+    """Train both networks on the ``train`` split of ``rows`` (:func:`joined` labels of ``corpus``) with
+    ``params.seeds`` seeds each, early-stop and choose every threshold on ``val`` (never on test:
+    :func:`operating_threshold`, its choices in ``info["choices"]``). ``info["validation"]``: the retrieval decision's
+    validation scores (:func:`~detectors.evaluation.choice.scored_units`), which the registry compares versions on."""
     llm_ref = {**llm_ref, "dtype": frame_dtype(rows, f"the {corpus} utility labels' early columns")}
     train, val = (rows[rows["split"] == s].to_dict("records") for s in ("train", "val"))
     # a small sample can leave a corpus without a split or a class: more questions, or no trigger for that corpus
@@ -328,12 +370,15 @@ def train_utility_detector(
     )
     val_frame = pd.DataFrame(val)
     pre_val = detector.predict_proba(val)
-    gate_val = detector.gate_proba(val, [as_post(r) for r in val])
-    detector.threshold = choose(pre_val, val_frame)
-    detector.budget_threshold = choose(pre_val, val_frame, budget)
-    detector.gate_threshold = choose(
-        gate_val, val_frame
-    )  # the gate's most accurate point, every val question as retrieved
+    gate_val = detector.gate_proba(val, [as_post(r) for r in val])  # every val question as retrieved
+    helps = (val_frame["utility"] == HELPS).to_numpy()
+    hurts = (val_frame["utility"] == HURTS).to_numpy()
+    choices = {}
+    detector.threshold, choices["threshold"] = operating_threshold(pre_val, val_frame, helps.mean())
+    detector.budget_threshold, choices["budget_threshold"] = operating_threshold(
+        pre_val, val_frame, helps.mean(), budget
+    )
+    detector.gate_threshold, choices["gate_threshold"] = operating_threshold(gate_val, val_frame, 1 - hurts.mean())
     detector.info = training_info(
         summaries[PRE_STAGE],
         params,
@@ -344,5 +389,7 @@ def train_utility_detector(
         val_retrieval_rate=float(np.mean(pre_val >= detector.threshold)),
         val_retrieval_rate_at_budget=float(np.mean(pre_val >= detector.budget_threshold)),
         val_gate_keep_rate=float(np.mean(gate_val >= detector.gate_threshold)),
+        choices=choices,
+        validation=scored_units(val_frame["id"], helps.astype(int), pre_val),
     )
     return detector
