@@ -111,6 +111,13 @@ class RagConfigurationParams:
                 fail(f"{where}.thresholds.{name}", value, "a number (-.inf: always fires, .inf: never)")
 
 
+def check_names(key: str, thresholds: dict[str, float], names: set[str], of: str) -> None:
+    """Thresholds fixed by trigger name name triggers of ``names`` (``of``: whose they are)."""
+    for name, value in thresholds.items():
+        if name not in names:
+            fail(f"{key}.{name}", value, f"not a trigger of {of} (their names: {sorted(names)})")
+
+
 def check_context(key: str, context: str) -> None:
     if context.count("{passages}") != 1:
         fail(key, context, "must contain {passages} exactly once (where the retrieved passages go)")
@@ -323,22 +330,10 @@ class RagEvalParams:
             if t != "always"
             for n in trigger_names(t, self.corpora)
         }
-        for name, value in self.thresholds.items():
-            if name not in swept:
-                fail(
-                    f"{where}.thresholds.{name}",
-                    value,
-                    f"not a trigger of the configurations (their names: {sorted(swept)})",
-                )
+        check_names(f"{where}.thresholds", self.thresholds, swept, "the configurations")
         for name, config in self.configurations.items():
-            own = sorted({n for t in config.triggers if t != "always" for n in trigger_names(t, self.corpora)})
-            for trigger, value in config.thresholds.items():
-                if trigger not in own:
-                    fail(
-                        f"{where}.configurations.{name}.thresholds.{trigger}",
-                        value,
-                        f"not a trigger of this configuration (its names: {own}): fix one of them",
-                    )
+            own = {n for t in config.triggers if t != "always" for n in trigger_names(t, self.corpora)}
+            check_names(f"{where}.configurations.{name}.thresholds", config.thresholds, own, "this configuration")
         if self.sweep.corpus not in self.corpora:
             fail(f"{where}.sweep.corpus", self.sweep.corpus, f"must be one of rag_eval.corpora {self.corpora}")
         if self.prompts_sample < 0:
