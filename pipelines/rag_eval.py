@@ -340,13 +340,17 @@ def main(argv: list[str] | None = None) -> None:
         c: tuning_candidates(rag.configurations, c, val_curves[c], rag.thresholds, rag.candidate_rates)
         for c in rag.corpora
     }
-    tuned = dict(
-        map_units(
-            [(c, TUNE) for c in rag.corpora],
-            functools.partial(RunWorker, params, rows, base_key, None, candidates),
+    # a configuration with nothing to choose (no threshold, or fixed ones) is not run on validation
+    tried = {c: {name: sets for name, sets in candidates[c].items() if len(sets) > 1} for c in rag.corpora}
+    to_tune = [c for c in rag.corpora if tried[c]]
+    tuned = {
+        to_tune[i]: result
+        for i, result in map_units(
+            [(c, TUNE) for c in to_tune],
+            functools.partial(RunWorker, params, rows, base_key, None, tried),
             params["execution"],
         )
-    )
+    }
     val_answers = [list(a) for a in rows["val"]["answers"]]
     if len(val_answers) < MIN_VALIDATION:
         log.warning(
@@ -356,12 +360,16 @@ def main(argv: list[str] | None = None) -> None:
             MIN_VALIDATION,
         )
     tuning = {
-        rag.corpora[i]: choose_candidates(
-            candidates[rag.corpora[i]], result["lines"], val_answers, rag.bootstrap, rag.seed
-        )
-        for i, result in tuned.items()
+        c: choose_candidates(tried[c], tuned[c]["lines"], val_answers, rag.bootstrap, rag.seed) if c in tuned else {}
+        for c in rag.corpora
     }
-    thresholds = {c: {name: t["thresholds"] for name, t in tuning[c].items()} for c in rag.corpora}
+    thresholds = {
+        c: {
+            name: tuning[c][name]["thresholds"] if name in tuning[c] else sets[0]["thresholds"]
+            for name, sets in candidates[c].items()
+        }
+        for c in rag.corpora
+    }
     for corpus, chosen in thresholds.items():
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
     # a corpus's configurations in one unit (answered question-major, so that they share their decoding), the test

@@ -896,6 +896,12 @@ def test_always_retrieving_is_one_decoding_for_its_reference_and_the_sweep(tiny_
     assert counter.calls == 0
     assert [r.answer for r in after] == [r.answer for r in always]
     assert [r.retrievals[0].passage_ids for r in after] == [r.retrievals[0].passage_ids for r in always]
+    # the reference offers the states it ran: a retrieval later in the answer runs only the tokens kept before it
+    cut = [(t.question, t.gen_ids, 2, t.question) for t in traces if len(t.gen_ids) > 2]
+    assert cut and len(shared.states) > 0
+    hits = shared.states.hits
+    sweep.answer_after(cut)
+    assert shared.states.hits - hits >= len(cut)
 
 
 def test_stepwise_selection_counts_every_search_it_sends(tiny_llm, facts, registry):

@@ -160,6 +160,20 @@ def view_key(view: SegmentView) -> tuple:
     return view.question, tuple(view.context_ids), view.answer_start, tuple(view.gen_ids)
 
 
+class Offered:
+    """A :class:`~detectors.llm.states.StateCache` a reference decoder offers its states to without reading it: what it
+    ran serves the other loops' prompts, and its own decoding depends on nothing they ran."""
+
+    def __init__(self, cache: StateCache):
+        self.cache = cache
+
+    def lookup(self, ids, limit: int | None = None) -> tuple[int, None]:
+        return 0, None
+
+    def store(self, ids, kv) -> None:
+        self.cache.store(ids, kv)
+
+
 @dataclasses.dataclass
 class Shared:
     """What the loops over one LLM and steering share about the questions they answer now: the states of the sequences
@@ -195,8 +209,8 @@ class Decoder(decoder.Decoder):
     """Runs rows' prompts and generates their segments with ``llm``, under ``steering`` (CtrlA's honesty vectors,
     active for every pass) and with ``probes`` ({key: probe}) attached. ``shared`` (or None) is what other loops over
     the same LLM and steering ran: the states of their sequences and their segments, taken instead of decoded (see the
-    module's docstring). A ``reference`` decoder reads neither (its decoding depends on its own rows only) and keeps its
-    segments for every loop until the shared segments are cleared."""
+    module's docstring). A ``reference`` decoder reads neither (its decoding depends on its own rows only), offers
+    its states to the others and keeps its segments for every loop until the shared segments are cleared."""
 
     def __init__(
         self,
@@ -212,7 +226,7 @@ class Decoder(decoder.Decoder):
         self.steering = steering
         self.segments = shared.segments if shared is not None else None
         self.reference = reference
-        states = shared.states if shared is not None and not reference else None
+        states = None if shared is None else Offered(shared.states) if reference else shared.states
         super().__init__(
             llm, max_new_tokens, stop, probes, hooks=self._steer, shared=states, batch_size=batch_size, keep_states=True
         )
