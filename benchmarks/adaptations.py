@@ -1,17 +1,20 @@
 """What a stated adaptation moves: one of a system's choices changed to the paper's (or its released code's), beside
-the system as ``rag_eval`` runs it, on the same test questions, in one run (after ``dvc repro rag_eval``: the variants
-read its thresholds and registered detectors).
+the system as ``rag_eval`` runs it, on the same validation questions, in one run (after ``dvc repro rag_eval``: the
+variants read its thresholds and registered detectors). A research measurement reads no test question: the test split
+is read once, by the stages that write the results, so an adaptation adopted or rejected from these numbers never saw
+the questions it is reported on.
 
 Two kinds of variants
 ---------------------
 * **Procedure** variants (``PROCEDURES``) change what a configuration does once it retrieves (its policy, its query):
-  the configuration answers every corpus's test questions as configured and with the change, both at the thresholds
-  ``rag_eval`` chose for it on validation. Reported: accuracy and retrievals per question of each, the paired
+  the configuration answers every corpus's validation questions as configured and with the change, both at the
+  thresholds ``rag_eval`` chose for it on validation. Reported: accuracy and retrievals per question of each, the paired
   accuracy difference (variant - configured) with its 95% bootstrap interval over the questions, and how many
   questions changed correctness each way.
 * **Score** variants (``SCORES``) change how a trigger scores tokens: a threshold chosen for one score means nothing
   for the other, so both are compared as the sweep compares triggers (``docs/rag.md``, "Curves"): each one's accuracy
-  vs retrieval-rate curve on the sweep corpus's test questions (one retrieval at the first crossing, the question as
+  vs retrieval-rate curve on the sweep corpus's validation questions (one retrieval at the first crossing, the question
+  as
   the query, no steering), its area, and the paired 95% interval of the area difference (variant - configured).
 
 Variants:
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
     parser.add_argument(
-        "--questions", type=int, default=None, help="the first N of rag_eval's test questions (default: all)"
+        "--questions", type=int, default=None, help="the first N of the validation questions (default: all)"
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/adaptations_cpu.json"))
     args = parser.parse_args(argv)
@@ -427,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{metrics} is missing: run `dvc repro rag_eval` first (the variants run at the thresholds it chose)"
         )
     thresholds = json.loads(metrics.read_text())["thresholds"]
-    rows = stage.split_questions(pd.read_parquet(p["paths.qa"]), "test", rag.questions)
+    rows = stage.split_questions(pd.read_parquet(p["paths.qa"]), "val")
     rows = rows.head(args.questions) if args.questions else rows
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
     runtime = VariantRuntime(p)

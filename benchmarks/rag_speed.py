@@ -3,7 +3,8 @@ configurations, corpora, thresholds, LLM and registered detectors, in one run.
 
 What it measures
 ----------------
-For the first ``--questions`` test questions of ``rag_eval``'s sample, every configuration of ``rag_eval`` over every
+For the first ``--questions`` validation questions (a measurement reads no test question: the test split is read
+once, by the stages that write the results), every configuration of ``rag_eval`` over every
 corpus (a configuration without triggers on the first corpus only, as the stage does), every framework (RetroRAG) and
 the accuracy vs retrieval-rate sweep answer the questions on each side:
 
@@ -66,7 +67,7 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
     p = stage_params(stage.__doc__, ["--params", params_path], stage.READS, "rag_eval")
     object.__setattr__(p["llm"], "dtype", dtype) if dataclasses.is_dataclass(p["llm"]) else None
     rag = p["rag_eval"]
-    rows = stage.split_questions(pd.read_parquet(p["paths.qa"]), "test", rag.questions).head(n)
+    rows = stage.split_questions(pd.read_parquet(p["paths.qa"]), "val").head(n)
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():

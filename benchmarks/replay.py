@@ -1,12 +1,14 @@
-"""Replay stored RAG runs with the current code: every configuration and framework of ``rag_eval`` answers the first
-N test questions of its stored run again, at the thresholds the run chose, and each answer is compared with the
-stored one field by field (the answer, every retrieval's trigger, position, queries, passages and whether they were
-used, the generated tokens; scores to 4 decimals, as a batched pass's padding moves a float by ~1e-7). A refactor of
-the loop that claims to change nothing shows it here without rerunning the stage.
+"""Replay stored RAG runs with the current code: every configuration of ``rag_eval`` answers the first N validation
+questions of its stored tuning run at the operating point it chose (``tune-val/<configuration>/<chosen>``: a replay
+reads no test question), every framework the first N of its stored run (frameworks are not tuned), and each answer is
+compared with the stored one field by field (the answer, every retrieval's trigger, position, queries, passages and
+whether they were used, the generated tokens; scores to 4 decimals, as a batched pass's padding moves a float by
+~1e-7). A refactor of the loop that claims to change nothing shows it here without rerunning the stage.
 
-The forward passes a question is charged depend on what ran before it (the stage's configurations share a cache of
-states, and the first batch of a loop pays for the few-shot primer): they are compared only against another replay's
-lines (``--against``, saved with ``--lines``), which ran under the same conditions.
+As the stage does, the reference decodings (no retrieval, and one retrieval with the question) run first for the
+questions, and the configuration takes their segments where it has not retrieved. The forward passes a question is
+charged depend on what ran before it (the first batch of a loop pays for the few-shot primer): they are compared only
+against another replay's lines (``--against``, saved with ``--lines``), which ran under the same conditions.
 
     python -m benchmarks.replay --questions 40 [--configurations ctrla sit] [--lines now.jsonl] [--against old.jsonl]
 
@@ -70,7 +72,7 @@ def differences(stored: list[dict], now: list[dict], passes: bool = False) -> li
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--questions", type=int, default=40, help="the first N stored test answers of each run")
+    parser.add_argument("--questions", type=int, default=40, help="the first N stored answers of each run")
     parser.add_argument("--configurations", nargs="*", default=None, help="default: every configuration and framework")
     parser.add_argument("--corpora", nargs="*", default=None)
     parser.add_argument("--lines", default=None, help="save the replayed answers here (JSON lines)")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():
         raise SystemExit(f"{metrics} is missing: run `dvc repro rag_eval` first (the replay reruns its stored runs)")
-    thresholds = json.loads(metrics.read_text())["thresholds"]
+    tuning = json.loads(metrics.read_text())["tuning"]
     runtime = RagRuntime(p)
     names = args.configurations or [*rag.configurations, *rag.frameworks]
     out: dict[str, Any] = {"questions": args.questions, "runs": {}}
@@ -98,13 +100,19 @@ def main(argv: list[str] | None = None) -> None:
     saved = open(args.lines, "w") if args.lines else None
     for corpus in args.corpora or rag.corpora:
         for name in names:
-            stored = stored_lines(Path(p["paths.rag_runs"]) / corpus / name, args.questions)
+            runs = Path(p["paths.rag_runs"]) / corpus
+            runtime.forget_loops()
             if name in rag.frameworks:
+                stored = stored_lines(runs / name, args.questions)
                 answer, _ = runtime.framework(name, corpus)
             else:
-                answer, _ = runtime.loop(name, rag.configurations[name], corpus, thresholds[corpus][name])
+                chosen = tuning[corpus][name]
+                stored = stored_lines(runs / "tune-val" / name / str(chosen["chosen"]), args.questions)
+                answer, _ = runtime.loop(name, rag.configurations[name], corpus, chosen["thresholds"])
+            questions = [line["question"] for line in stored]
             began = time.perf_counter()
-            now = answer([line["question"] for line in stored], [False] * len(stored))
+            runtime.references(corpus, questions)
+            now = answer(questions, [False] * len(stored))
             run = f"{corpus}/{name}"
             diff = differences(stored, now)
             out["runs"][run] = {"questions": len(stored), "identical": len(stored) - len(diff), "differences": diff}

@@ -2,7 +2,14 @@
 per configuration (or a framework's own loop), each wrapped as ``answer(questions, record_prompts) -> [dict]``
 (JSON-able RagResults, one per question), and the resumable runs that store the answers (:func:`run_questions`,
 :class:`RunWorker`). The runs are keyed on this module's import closure: the code that answers, not the stage's
-reporting."""
+reporting.
+
+The loops of a unit share their decoding (:class:`~detectors.rag.decoder.Shared`, one per steering): before a shard
+of questions, the reference decodings (no retrieval; one retrieval with the question before generating) run from
+nothing else, with every probe the unit's loops read (:meth:`RagRuntime.references`), and every loop then takes
+their segments where it has not retrieved, or retrieved as they did: a configuration whose triggers do not fire
+answers as no retrieval does, token for token, in every unit, stage run and resumed shard, and the candidate
+thresholds of a configuration decode together until they part."""
 
 from __future__ import annotations
 
@@ -16,17 +23,18 @@ from typing import Any
 
 import pandas as pd
 
-from detectors.config.rag import on_corpus, trigger_names
+from detectors.config.rag import on_corpus, references, trigger_names
 from detectors.errors import InputError
 from detectors.evaluation.answer_metrics import FAILED
 from detectors.evaluation.rag_sweep import sweep_line, trace_events
 from detectors.execution import LLMSpec
 from detectors.extensions import FRAMEWORKS, make_query
 from detectors.inference import load_detector
-from detectors.llm.states import StateCache
 from detectors.progress import progress
+from detectors.rag.decoder import Shared
 from detectors.rag.kinds import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.queries import QuestionQuery
 from detectors.rag.results import RagResult, result
 from detectors.rag.retriever import BM25Retriever, open_index
 from detectors.rag.triggers import TriggerSettings, check_threshold
@@ -119,16 +127,67 @@ class RagRuntime:
         self.tracking_uri = store.configure(params["mlflow"].tracking_uri)
         self._retrievers: dict[str, BM25Retriever] = {}
         self._triggers: dict[str, Any] = {}
-        self._states: dict[str, StateCache] = {}  # per steering: the sequences every configuration's loop ran
+        self._states: dict[str, Shared] = {}  # per steering: what every configuration's loop ran
+        # per steering, of the loops built since forget_loops: the loops, every probe they read, the steering vectors
+        self._loops: dict[str, list[RagLoop]] = {}
+        self._probes: dict[str, dict[str, Any]] = {}
+        self._steering: dict[str, Any] = {}
 
-    def states(self, steering: str | None) -> StateCache:
-        """The states the configurations run under ``steering`` share (a prompt one configuration ran, another does
-        not run again)."""
-        return self._states.setdefault(steering or "", StateCache())
+    def states(self, steering: str | None) -> Shared:
+        """What the loops that run under ``steering`` share (a prompt one configuration ran, or a segment it
+        decoded, another does not run again)."""
+        return self._states.setdefault(steering or "", Shared())
 
     def forget_states(self) -> None:
-        """Drop the shared states (the configurations moved on to other questions)."""
-        self._states.clear()
+        """Drop what the loops share (they moved on to other questions)."""
+        for shared in self._states.values():
+            shared.clear()
+
+    def forget_loops(self) -> None:
+        """The loops built so far are done with (a unit of runs ended): the references decode for the next ones."""
+        self._loops.clear()
+        self._probes.clear()
+        self._steering.clear()
+        self.forget_states()
+
+    def _built(self, loop: RagLoop, steering: str | None, vectors: Any = None) -> RagLoop:
+        """``loop`` is one the references decode for: its probes join theirs."""
+        self._loops.setdefault(steering or "", []).append(loop)
+        self._probes.setdefault(steering or "", {}).update(loop.decoder.probes)
+        self._steering[steering or ""] = vectors
+        return loop
+
+    def references(self, corpus: str, questions: list[str]) -> None:
+        """The reference decodings of ``questions`` (a shard), before any loop built since :meth:`forget_loops`
+        answers them: under each steering those loops run, no retrieval; unsteered, one retrieval with the question
+        before generating on ``corpus`` (the ``always`` reference configuration's). Each decodes from nothing other
+        loops ran, with every probe those loops read, and keeps its segments for them (see the module's docstring); and
+        every loop records those probes too, so that one loop can take another's segments after a retrieval they
+        share."""
+        refs = references(self.params.configurations)
+        for steering, probes in self._probes.items():
+            for loop in self._loops[steering]:
+                loop.decoder.attach(probes)
+            shared = self.states(steering)
+            config = self.rag_config("reference")
+            vectors = self._steering.get(steering)
+            RagLoop(self.llm, None, config, steering=vectors, shared=shared, probes=probes, reference=True).answer_all(
+                questions
+            )
+            if steering or "always" not in refs:
+                continue
+            name = refs["always"]
+            always = RagLoop(
+                self.llm,
+                self.retriever(corpus),
+                self.rag_config(name, context=self.params.configurations[name].context),
+                [self.trigger("always", corpus)],
+                QuestionQuery(),
+                shared=shared,
+                probes=probes,
+                reference=True,
+            )
+            always.answer_all(questions)
 
     def retriever(self, corpus: str) -> BM25Retriever:
         if corpus not in self._retrievers:
@@ -208,6 +267,7 @@ class RagRuntime:
             steering,
             self.states(config.steering),
         )
+        self._built(rag, config.steering, steering)
         return resilient(name, rag.answer_all), run_code(triggers, query, steerer)
 
     def framework(self, name: str, corpus: str) -> tuple[Answer, str]:
@@ -230,8 +290,9 @@ class RagRuntime:
         triggers = [self.trigger(t, corpus) for t in specs]
         retriever = self.retriever(corpus)
         rag = RagLoop(
-            self.llm, retriever, self.rag_config("sweep", max_retrievals=1), triggers
+            self.llm, retriever, self.rag_config("sweep", max_retrievals=1), triggers, shared=self.states(None)
         )  # the query is the job's (the question)
+        self._built(rag, None)
 
         def sweep(questions: list[str], references: list[list[str]]) -> list[dict]:
             traces = rag.trace(questions)
@@ -267,11 +328,16 @@ class Run:
 
 
 def run_questions(
-    runs: list[Run], rows: pd.DataFrame, desc: str, shard_size: int, on_shard: Callable[[], None] | None = None
+    runs: list[Run],
+    rows: pd.DataFrame,
+    desc: str,
+    shard_size: int,
+    on_shard: Callable[[list[str]], None] | None = None,
 ) -> dict[str, list[dict]]:
     """Answer every row (``id``, ``question``) in every run, question-major: shard after shard of ``shard_size``
-    questions, each shard answered by every run that lacks it before the next (``on_shard`` is called before each, so
-    that what the runs share about a shard's questions, their prompts' states, stays small). Each run is a
+    questions, each shard answered by every run that lacks it before the next (``on_shard(questions)`` is called with
+    the shard's questions before each, so that what the runs share about a shard's questions, their decodings, stays
+    small and is decoded first). Each run is a
     :class:`~detectors.shards.ShardStore` under its directory keyed on its key (another key starts it again): a killed
     stage resumes where it stopped. A row is ``id``, ``status`` (``error: …`` for a question whose loop raised, computed
     again by the next run) and ``line`` (its result as JSON); the first ``prompts_sample`` rows of a run record their
@@ -288,7 +354,7 @@ def run_questions(
     with progress(total=total, initial=total - left, desc=desc, unit="answer") as bar:
         for k in shards:
             if on_shard is not None:
-                on_shard()
+                on_shard(list(table["question"].iloc[k * shard_size : (k + 1) * shard_size]))
             for r in runs:
                 if k not in todo[r.name]:
                     continue
@@ -323,13 +389,11 @@ class RunWorker:
         rows: dict[str, pd.DataFrame],
         base_key: dict[str, Any],
         thresholds: dict[str, dict[str, dict[str, float]]] | None = None,
-        candidates: dict[str, dict[str, list[dict[str, float]]]] | None = None,
+        candidates: dict[str, dict[str, list[dict[str, Any]]]] | None = None,
     ):
         self.runtime, self.rag, self.rows, self.base_key = RagRuntime(params), params["rag_eval"], rows, base_key
-        self.thresholds, self.candidates = (
-            thresholds,
-            candidates,
-        )  # {corpus: {configuration: {trigger: threshold}}}, {corpus: {configuration: [those]}}
+        # {corpus: {configuration: {trigger: threshold}}}, {corpus: {configuration: [{"label", "thresholds"}, ...]}}
+        self.thresholds, self.candidates = thresholds, candidates
         self.runs_dir = Path(params["paths.rag_runs"])
 
     def _champions(self, specs: list[str]) -> dict[str, str]:
@@ -364,33 +428,39 @@ class RunWorker:
         }
         return Run(run, directory, key, answer, prompts)
 
+    def _sweep_run(self, corpus: str, name: str, base: dict[str, Any], rows: pd.DataFrame, out: dict) -> Run:
+        """The sweep ``name`` (:data:`SWEEP` or :data:`VAL_SWEEP`) of ``corpus`` over ``rows``; the swept triggers'
+        kinds go in ``out["triggers"]``."""
+        rag = self.rag
+        sweep_loop, out["triggers"], code = self.runtime.sweep_loop(corpus)
+        specs = [on_corpus(t, corpus) for c in rag.configurations.values() for t in c.triggers]
+        key = {
+            **base,
+            "code": code,
+            "params": {k: getattr(rag, k) for k in ("k", "max_new_tokens", "context")},
+            "sweep": dataclasses.asdict(rag.sweep),
+            "triggers": out["triggers"],
+            "champions": self._champions(specs),
+            "questions": name,
+        }
+        refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
+        return Run(name, self.runs_dir / corpus / name, key, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]))
+
     def __call__(self, unit: tuple[str, str | tuple[str, ...]]) -> dict[str, Any]:
+        """``unit``: a corpus and :data:`VAL_SWEEP`, :data:`TUNE`, a framework, or a tuple of the configurations
+        (and :data:`SWEEP`) that answer the test questions together."""
         corpus, names = unit
         runtime, rag = self.runtime, self.rag
+        runtime.forget_loops()
         base = {
             **{k: v for k, v in self.base_key.items() if k != "champions"},
             "llm": runtime.llm_digest,
             "corpus": runtime.corpus_digest(corpus),
         }
         out: dict[str, Any] = {"llm": [runtime.llm_name, runtime.llm_digest], "corpus_digest": base["corpus"]}
-        rows = self.rows["test"]
-        if names in (SWEEP, VAL_SWEEP):
-            rows = self.rows["val" if names == VAL_SWEEP else "test"]
-            sweep_loop, out["triggers"], code = runtime.sweep_loop(corpus)
-            specs = [on_corpus(t, corpus) for c in rag.configurations.values() for t in c.triggers]
-            key = {
-                **base,
-                "code": code,
-                "params": {k: getattr(rag, k) for k in ("k", "max_new_tokens", "context")},
-                "sweep": dataclasses.asdict(rag.sweep),
-                "triggers": out["triggers"],
-                "champions": self._champions(specs),
-                "questions": names,
-            }
-            refs = {q: list(a) for q, a in zip(rows["question"], rows["answers"])}
-            runs = [
-                Run(names, self.runs_dir / corpus / names, key, lambda qs, _: sweep_loop(qs, [refs[q] for q in qs]))
-            ]
+        if names == VAL_SWEEP:
+            rows = self.rows["val"]
+            runs = [self._sweep_run(corpus, names, base, rows, out)]
         elif names == TUNE:  # run name: <configuration>/<candidate index>
             rows = self.rows["val"]
             runs = [
@@ -398,21 +468,25 @@ class RunWorker:
                     f"{name}/{j}",
                     name,
                     corpus,
-                    chosen,
+                    candidate["thresholds"],
                     {**base, "questions": names},
                     self.runs_dir / corpus / TUNE / name / str(j),
                     0,
                 )
                 for name, sets in self.candidates[corpus].items()
-                for j, chosen in enumerate(sets)
+                for j, candidate in enumerate(sets)
             ]
         elif names in rag.frameworks:  # a seed system with its own loop; its params are the section of its name
+            rows = self.rows["frameworks"]
             answer, code = runtime.framework(names, corpus)
             key = {**base, "code": code, "framework": names, "params": dataclasses.asdict(runtime.stage_params[names])}
             runs = [Run(names, self.runs_dir / corpus / names, key, answer, rag.prompts_sample)]
         else:
+            rows = self.rows["test"]
             runs = [
-                self._config_run(
+                self._sweep_run(corpus, name, base, rows, out)
+                if name == SWEEP
+                else self._config_run(
                     name,
                     name,
                     corpus,
@@ -423,7 +497,12 @@ class RunWorker:
                 )
                 for name in names
             ]
-        desc = f"{corpus} · {names if isinstance(names, str) else f'{len(names)} configurations'}"
-        out["lines"] = run_questions(runs, rows, desc, rag.shard_size, on_shard=runtime.forget_states)
-        runtime.forget_states()
+        desc = f"{corpus} · {names if isinstance(names, str) else f'{len(names)} runs'}"
+
+        def on_shard(questions: list[str]) -> None:
+            runtime.forget_states()
+            runtime.references(corpus, questions)
+
+        out["lines"] = run_questions(runs, rows, desc, rag.shard_size, on_shard=on_shard)
+        runtime.forget_loops()
         return out

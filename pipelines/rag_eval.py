@@ -36,9 +36,10 @@ import pandas as pd
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from detectors.config.rag import on_corpus, trigger_names
+from detectors.config.rag import on_corpus, references, trigger_names
 from detectors.errors import InputError
-from detectors.evaluation.answer_metrics import FAILED, summarise
+from detectors.evaluation.answer_metrics import FAILED, accuracy, summarise
+from detectors.evaluation.choice import choose, mean_deltas
 from detectors.evaluation.plots import write_rag_curves
 from detectors.evaluation.rag_report import (
     TRADE,
@@ -50,7 +51,7 @@ from detectors.evaluation.rag_report import (
     tuning_table,
     versus_always,
 )
-from detectors.evaluation.rag_sweep import candidate_thresholds
+from detectors.evaluation.rag_sweep import candidate_names, candidate_thresholds
 from detectors.evaluation.rag_sweep import curves as sweep_curves
 from detectors.evaluation.report import write_headline
 from detectors.execution import map_units
@@ -61,6 +62,7 @@ from pipelines._rag_runtime import SWEEP, TUNE, VAL_SWEEP, RunWorker
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("rag_eval")
+MIN_VALIDATION = 300  # validation questions a choice should rest on (fewer: a warning)
 READS = (
     "llm",
     "build_early.features.prompt",
@@ -132,43 +134,69 @@ def split_questions(qa: pd.DataFrame, split: str, limit: int | None = None) -> p
 
 def tuning_candidates(
     configurations: dict, corpus: str, curves: dict, fixed: dict[str, float], rates: list[float]
-) -> dict[str, list[dict[str, float]]]:
-    """Per configuration, the threshold sets it is tried at on ``corpus``'s validation questions: set j puts each of its
-    triggers at candidate j of its validation curve (:func:`~detectors.evaluation.rag_sweep.candidate_thresholds`: the
-    most accurate point, then the points nearest each of ``rates``; the triggers of one configuration at the same
-    target), a trigger ``fixed`` gives a number stays there; a set that repeats is tried once. A configuration with no
-    threshold to choose has one set."""
+) -> dict[str, list[dict[str, Any]]]:
+    """Per configuration, the candidates it is tried at on ``corpus``'s validation questions, each ``{"label",
+    "thresholds"}``: candidate j puts each of its triggers at threshold j of
+    :func:`~detectors.evaluation.rag_sweep.candidate_thresholds` (never, always, the validation curve's most accurate
+    point, then the points nearest each of ``rates``; the triggers of one configuration at the same target); a trigger
+    ``fixed`` gives a number (or the configuration's own ``thresholds``) stays there; a set that repeats is tried once,
+    under its first label. A configuration with no threshold to choose has one candidate."""
     out = {}
     for name, config in configurations.items():
         triggers = [n for t in config.triggers if t != "always" for n in trigger_names(t, [corpus])]
-        free = [t for t in triggers if t not in fixed]
+        pinned = {**fixed, **config.thresholds}
+        free = [t for t in triggers if t not in pinned]
         per = {t: candidate_thresholds(curves[t], rates) for t in free}
-        sets = [
-            {t: float(fixed[t]) if t in fixed else per[t][j] for t in triggers}
-            for j in range(1 + len(rates) if free else 1)
-        ]
-        out[name] = [dict(items) for items in dict.fromkeys(tuple(s.items()) for s in sets)]
+        labels = candidate_names(rates) if free else ["fixed" if triggers else "no threshold"]
+        sets: dict[tuple, str] = {}
+        for j, label in enumerate(labels):
+            chosen = {t: float(pinned[t]) if t in pinned else per[t][j] for t in triggers}
+            sets.setdefault(tuple(chosen.items()), label)
+        out[name] = [{"label": label, "thresholds": dict(items)} for items, label in sets.items()]
     return out
 
 
 def choose_candidates(
-    candidates: dict[str, list[dict[str, float]]], lines: dict[str, list[dict]], answers: list[list[str]]
+    candidates: dict[str, list[dict[str, Any]]],
+    lines: dict[str, list[dict]],
+    answers: list[list[str]],
+    bootstrap: int = 1000,
+    seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Per configuration, its operating point among its ``candidates`` from their validation ``lines`` (run
-    ``<configuration>/<j>``): the most accurate, then the one retrieving least, then the earlier candidate. Returns
-    ``{configuration: {"chosen": j, "thresholds": {...}, "candidates": [{"thresholds", "accuracy",
-    "retrievals_per_question"}, ...]}}``."""
+    ``<configuration>/<j>``), by the one rule of choices (:func:`~detectors.evaluation.choice.choose` over the paired
+    differences of the questions' correctness): the default is never retrieving, or always retrieving when that is
+    surely better (fewer retrievals win a tie); a candidate replaces the default only when its paired 95% bootstrap
+    interval over it lies above 0. Returns ``{configuration: {"chosen": j, "default": j, "thresholds": {...},
+    "candidates": [{"label", "thresholds", "accuracy", "retrievals_per_question", "searches_per_question", "delta"
+    (against the default: difference, interval)}, ...], "choice": the rule's record}}``."""
     out = {}
     for name, sets in candidates.items():
+        runs = [lines[f"{name}/{j}"] for j in range(len(sets))]
+        keys = ("accuracy", "retrievals_per_question", "searches_per_question")
         tried = [
-            {
-                "thresholds": chosen,
-                **{k: summarise(lines[f"{name}/{j}"], answers)[k] for k in ("accuracy", "retrievals_per_question")},
-            }
-            for j, chosen in enumerate(sets)
+            {"label": c["label"], "thresholds": c["thresholds"], **{k: summarise(run, answers)[k] for k in keys}}
+            for c, run in zip(sets, runs)
         ]
-        best = max(range(len(tried)), key=lambda j: (tried[j]["accuracy"], -tried[j]["retrievals_per_question"], -j))
-        out[name] = {"chosen": best, "thresholds": sets[best], "candidates": tried}
+        correct = {
+            c["label"]: [accuracy(x["answer"], refs) for x, refs in zip(run, answers)] for c, run in zip(sets, runs)
+        }
+        labels = list(correct)
+        default = labels[0]
+        if {"never", "always"} <= set(labels):
+            pair = {k: correct[k] for k in ("never", "always")}
+            default = choose("never", mean_deltas(pair, "never", bootstrap, seed), len(answers)).chosen
+        choice = choose(default, mean_deltas(correct, default, bootstrap, seed), len(answers))
+        for c in tried:
+            c["delta"] = list(choice.deltas.get(c["label"], (0.0, 0.0, 0.0)))
+        best = labels.index(choice.chosen)
+        out[name] = {
+            "chosen": best,
+            "default": labels.index(default),
+            "thresholds": sets[best]["thresholds"],
+            "candidates": tried,
+            "choice": choice.as_dict(),
+        }
     return out
 
 
@@ -211,18 +239,6 @@ def check_failures(lines: list[dict], what: str, share: float = 0.5) -> None:
         raise RuntimeError(f"{what}: {len(failed)} of {len(lines)} questions failed, e.g. {failed[0]['error']}")
 
 
-def references(configurations: dict) -> dict[str, str]:
-    """The reference configurations every other is compared with: ``never``, the first without triggers; ``always``,
-    the first that retrieves once with the question before generating (only ``always``, no post-retrieval)."""
-    out = {}
-    for name, c in configurations.items():
-        if not c.triggers:
-            out.setdefault("never", name)
-        elif c.triggers == ["always"] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
-            out.setdefault("always", name)
-    return out
-
-
 def dior_configurations(configurations: dict) -> list[str]:
     """DioR's configurations (the headline's ``dior``): those whose every trigger is one of its registered detectors
     (``dior-early``, ``dior-realtime``: the names ``register`` gives them)."""
@@ -240,15 +256,24 @@ def other_template(configurations: dict, context: str, always: str | None) -> li
 
 
 def evaluate_lines(
-    lines: dict[str, dict[str, list[dict]]], answers: list[list[str]], refs: dict[str, str], bootstrap: int, seed: int
+    lines: dict[str, dict[str, list[dict]]],
+    answers: dict[str, list[str]],
+    refs: dict[str, str],
+    bootstrap: int,
+    seed: int,
+    versus: dict[str, str] | None = None,
 ) -> dict[str, dict[str, dict]]:
-    """``{corpus: {configuration: metrics}}`` of the stored lines (one per question, in the order of ``answers``), with
-    each configuration's paired accuracy difference to the reference configurations ``refs`` and, with an ``always``
-    reference, the retrievals it saves at always's accuracy or the accuracy it loses (:func:`versus_always`)."""
+    """``{corpus: {configuration: metrics}}`` of the stored lines (one per question it answered; ``answers``: each
+    question's references by id), with each configuration's paired accuracy difference to the reference
+    configurations ``refs`` and to the configuration ``versus`` names for it, and, with an ``always`` reference, the
+    retrievals it saves at always's accuracy or the accuracy it loses (:func:`versus_always`)."""
     out = {}
     for corpus, configs in lines.items():
-        deltas = reference_deltas(configs, answers, refs, bootstrap, seed)
-        out[corpus] = {name: {**summarise(results, answers), **deltas[name]} for name, results in configs.items()}
+        deltas = reference_deltas(configs, answers, refs, bootstrap, seed, versus)
+        out[corpus] = {
+            name: {**summarise(results, [answers[r["id"]] for r in results]), **deltas[name]}
+            for name, results in configs.items()
+        }
         if "always" in refs:
             trade = versus_always(out[corpus], refs["always"])
             out[corpus] = {name: {**values, **trade[name]} for name, values in out[corpus].items()}
@@ -289,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     rag = params["rag_eval"]
     qa = pd.read_parquet(params["paths.qa"])
     rows = {"test": split_questions(qa, "test", rag.questions), "val": split_questions(qa, "val")}
-    answers = [list(a) for a in rows["test"]["answers"]]
+    rows["frameworks"] = sample(rows["test"], rag.framework_questions)
+    answers = {i: list(a) for i, a in zip(rows["test"]["id"], rows["test"]["answers"])}
     # what shapes every run's answers; each run adds its own code, params, thresholds and champions
     # (pipelines._rag_runtime)
     base_key = {
@@ -299,13 +325,12 @@ def main(argv: list[str] | None = None) -> None:
         "spacy_model": params["build_realtime.spacy_model"],
         "champions": champion_versions(params),
     }
-    # first every corpus's validation sweep (the operating thresholds) and the test sweep (the curves)
-    sweeps = [(corpus, VAL_SWEEP) for corpus in rag.corpora] + [(rag.sweep.corpus, SWEEP)]
+    # first every corpus's validation sweep: it proposes the candidate thresholds
+    sweeps = [(corpus, VAL_SWEEP) for corpus in rag.corpora]
     swept = {
-        sweeps[i]: result
+        sweeps[i]: {**result, "lines": result["lines"][VAL_SWEEP]}
         for i, result in map_units(sweeps, functools.partial(RunWorker, params, rows, base_key), params["execution"])
     }
-    swept = {unit: {**result, "lines": result["lines"][unit[1]]} for unit, result in swept.items()}
     # then every configuration at its candidate thresholds on the validation questions: its own procedure picks its
     # point
     val_curves = {
@@ -315,26 +340,45 @@ def main(argv: list[str] | None = None) -> None:
         c: tuning_candidates(rag.configurations, c, val_curves[c], rag.thresholds, rag.candidate_rates)
         for c in rag.corpora
     }
-    tuned = dict(
-        map_units(
-            [(c, TUNE) for c in rag.corpora],
-            functools.partial(RunWorker, params, rows, base_key, None, candidates),
+    # a configuration with nothing to choose (no threshold, or fixed ones) is not run on validation
+    tried = {c: {name: sets for name, sets in candidates[c].items() if len(sets) > 1} for c in rag.corpora}
+    to_tune = [c for c in rag.corpora if tried[c]]
+    tuned = {
+        to_tune[i]: result
+        for i, result in map_units(
+            [(c, TUNE) for c in to_tune],
+            functools.partial(RunWorker, params, rows, base_key, None, tried),
             params["execution"],
         )
-    )
-    val_answers = [list(a) for a in rows["val"]["answers"]]
-    tuning = {
-        rag.corpora[i]: choose_candidates(candidates[rag.corpora[i]], result["lines"], val_answers)
-        for i, result in tuned.items()
     }
-    thresholds = {c: {name: t["thresholds"] for name, t in tuning[c].items()} for c in rag.corpora}
+    val_answers = [list(a) for a in rows["val"]["answers"]]
+    if len(val_answers) < MIN_VALIDATION:
+        log.warning(
+            "the operating points rest on %d validation questions, fewer than %d: raise qa.splits' val share or "
+            "qa.limit",
+            len(val_answers),
+            MIN_VALIDATION,
+        )
+    tuning = {
+        c: choose_candidates(tried[c], tuned[c]["lines"], val_answers, rag.bootstrap, rag.seed) if c in tuned else {}
+        for c in rag.corpora
+    }
+    thresholds = {
+        c: {
+            name: tuning[c][name]["thresholds"] if name in tuning[c] else sets[0]["thresholds"]
+            for name, sets in candidates[c].items()
+        }
+        for c in rag.corpora
+    }
     for corpus, chosen in thresholds.items():
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
-    # a corpus's configurations in one unit (answered question-major, so that they share their prompts' states); a
-    # configuration that never retrieves answers the same on every corpus: run once; each framework its own unit
+    # a corpus's configurations in one unit (answered question-major, so that they share their decoding), the test
+    # sweep with those of its corpus; a configuration that never retrieves answers the same on every corpus: run once;
+    # each framework its own unit, on its sample of the test questions
     first = rag.corpora[0]
     groups = {
-        corpus: tuple(name for name, config in rag.configurations.items() if config.triggers or corpus == first)
+        corpus: ((SWEEP,) if corpus == rag.sweep.corpus else ())
+        + tuple(name for name, config in rag.configurations.items() if config.triggers or corpus == first)
         for corpus in rag.corpora
     }
     units = [(corpus, names) for corpus, names in groups.items() if names] + [
@@ -354,9 +398,11 @@ def main(argv: list[str] | None = None) -> None:
         for corpus in rag.corpora
     }
     for corpus, name in answered:
-        check_failures(lines[corpus][name], f"{corpus} · {name}")
+        if name != SWEEP:
+            check_failures(lines[corpus][name], f"{corpus} · {name}")
     refs = references(rag.configurations)
-    metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, rag.bootstrap, rag.seed)
+    versus = {name: c.versus for name, c in rag.configurations.items() if c.versus}
+    metrics: dict[str, Any] = evaluate_lines(lines, answers, refs, rag.bootstrap, rag.seed, versus)
     for name in other_template(rag.configurations, rag.context, refs.get("always")):
         log.warning(
             "%s answers with another context template than %s: it is not compared with always retrieving",
@@ -376,9 +422,9 @@ def main(argv: list[str] | None = None) -> None:
                 "val_accuracy": point["accuracy"],
                 "val_retrievals_per_question": point["retrievals_per_question"],
             }
-    test_sweep = swept[(rag.sweep.corpus, SWEEP)]
+    test_sweep = next(result for (corpus, _), result in results.items() if SWEEP in result["lines"])
     curves = sweep_curves(
-        test_sweep["lines"], list(test_sweep["triggers"]), rag.bootstrap, rag.seed, test_sweep["triggers"]
+        test_sweep["lines"][SWEEP], list(test_sweep["triggers"]), rag.bootstrap, rag.seed, test_sweep["triggers"]
     )
     metrics[SWEEP] = {
         "corpus": rag.sweep.corpus,

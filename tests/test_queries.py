@@ -104,7 +104,7 @@ def test_stepwise_selection_finds_a_passage_that_only_a_found_concept_reaches():
     retriever = BM25Retriever.build(CHAIN, BM25)
     query = "Lumière brothers born"
     single = [h.passage.id for h in retriever.search(query, 2)]
-    hits, queries = stepwise_retrieve(retriever, query, 2, retriever.idf)
+    hits, queries = stepwise_retrieve(retriever, query, 2, retriever.idf)  # one query per search
     assert "2" not in single  # one batch of the question's terms misses the studio
     assert [h.passage.id for h in hits] == ["1", "2"] and [h.rank for h in hits] == [1, 2]
     assert queries[0] == query and len(queries) == 2 and "cinématographe" in queries[1].lower()

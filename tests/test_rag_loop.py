@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import re
 
 import mlflow
@@ -30,15 +31,17 @@ from detectors.dior.early_detector import EarlyDetector
 from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
+from detectors.evaluation.answer_metrics import summarise
 from detectors.extensions import make_query
 from detectors.interfaces import Level
 from detectors.llm.generate import generate
 from detectors.llm.judge import word_token_ids, yes_probability
-from detectors.llm.kv import PrefixStore, prefix_states
+from detectors.llm.kv import ForwardCounter, PrefixStore, prefix_states
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets
 from detectors.rag.controllers import Controller
 from detectors.rag.corpus import Passage, qa_fact_passages
+from detectors.rag.decoder import Shared
 from detectors.rag.kinds import make_trigger
 from detectors.rag.kinds.sit import concept_spans
 from detectors.rag.loop import RagConfig, RagLoop
@@ -780,6 +783,141 @@ def test_answers_and_retrievals_do_not_depend_on_how_many_questions_advance_toge
             )
         rounds = {len(r["retrievals"]) for r in runs[1]}
         assert len(rounds) > 1, f"{name}: every question retrieved {rounds} times (rows never left the batch apart)"
+
+
+# ---- one decoding, shared ------------------------------------------------------------------------------------------
+
+
+def passes_of(llm) -> ForwardCounter:
+    """Counts every forward pass of the LLM (the decoder stack every path runs)."""
+    return ForwardCounter(llm.model.get_decoder())
+
+
+def test_a_configuration_whose_triggers_never_fire_answers_with_the_no_retrieval_references_tokens(
+    tiny_llm, facts, registry
+):
+    """A configuration whose triggers do not fire takes the no-retrieval reference's segments (decoded first, from
+    nothing else) instead of decoding its own: the same tokens whatever batch it runs in, none decoded again, and
+    charged what decoding them cost."""
+    shared = Shared()
+    quiet = [
+        dataclasses.replace(trigger(spec, tiny_llm, registry), threshold=math.inf)
+        for spec in ("t-realtime@champion", "flare")
+    ]
+    loop = RagLoop(tiny_llm, facts, RagConfig("quiet", PROMPT, max_new_tokens=8, batch_size=5), quiet, shared=shared)
+    reference = RagLoop(
+        tiny_llm,
+        None,
+        RagConfig("never", PROMPT, max_new_tokens=8),
+        shared=shared,
+        probes=loop.decoder.probes,
+        reference=True,
+    )
+    expected = reference.answer_all(QUESTIONS)
+    with passes_of(tiny_llm) as counter:
+        answered = loop.answer_all(QUESTIONS)
+        traced = loop.trace(QUESTIONS)  # the sweep's trace takes them too
+    assert counter.calls == 0  # every segment taken (the real-time MLP scores them without the LLM)
+    assert [comparable(r) for r in answered] == [comparable(r) for r in expected]
+    assert [r.forward_passes for r in answered] == [r.forward_passes for r in expected]
+    alone = RagLoop(tiny_llm, None, RagConfig("alone", PROMPT, max_new_tokens=8)).trace(QUESTIONS)
+    assert [t.gen_ids for t in traced] == [t.gen_ids for t in alone]  # token for token
+    assert any(t.gen_ids for t in traced)
+
+
+def test_the_candidate_thresholds_of_a_configuration_decode_together_until_they_part(tiny_llm, facts, registry):
+    """A configuration tried at never, always and a middle threshold, sharing its decoding: each candidate answers as
+    it does alone, never runs no pass of its own, and together they run fewer passes than one after another."""
+    flare = trigger("flare", tiny_llm, registry)
+    traces = RagLoop(tiny_llm, facts, RagConfig("probe", PROMPT, max_new_tokens=8), [flare]).trace(QUESTIONS)
+    middle = float(np.median([np.max(t.token_scores["flare"], initial=0.0) for t in traces]))
+    config = RagConfig("flare", PROMPT, k=2, max_new_tokens=8)
+    thresholds = [math.inf, -math.inf, middle]
+
+    def candidates(shared):
+        return [
+            RagLoop(
+                tiny_llm,
+                facts,
+                config,
+                [dataclasses.replace(flare, threshold=t)],
+                make_query("flare", QUERY),
+                shared=shared,
+            )
+            for t in thresholds
+        ]
+
+    alone, counts = [], []
+    for loop in candidates(None):
+        with passes_of(tiny_llm) as counter:
+            alone.append([comparable(r) for r in loop.answer_all(QUESTIONS)])
+        counts.append(counter.calls)
+    shared = Shared()
+    loops = candidates(shared)
+    probes = {k: v for loop in loops for k, v in loop.decoder.probes.items()}
+    with passes_of(tiny_llm) as counter:
+        RagLoop(tiny_llm, None, config, shared=shared, probes=probes, reference=True).answer_all(QUESTIONS)
+        reference = counter.calls
+        together = []
+        for loop in loops:
+            before = counter.calls
+            together.append([comparable(r) for r in loop.answer_all(QUESTIONS)])
+            if loop.triggers[0].threshold == math.inf:
+                assert counter.calls == before  # never: the reference's segments
+    assert together == alone
+    fired = [[bool(r["retrievals"]) for r in answers] for answers in alone]
+    assert not any(fired[0]) and all(fired[1]) and 0 < sum(fired[2]) < len(QUESTIONS)
+    assert counter.calls < sum(counts) + reference - counts[0]  # the firing candidates share the segments before firing
+
+
+def test_always_retrieving_is_one_decoding_for_its_reference_and_the_sweep(tiny_llm, facts, registry):
+    """The sweep's answer after one retrieval with the question before generating is the always-retrieve reference's,
+    taken, not decoded again: "always" is one number wherever it is read."""
+    shared = Shared()
+    sweep = RagLoop(
+        tiny_llm,
+        facts,
+        RagConfig("sweep", PROMPT, max_new_tokens=8, max_retrievals=1),
+        [trigger(s, tiny_llm, registry) for s in ("flare", "rind")],
+        shared=shared,
+    )
+    always = RagLoop(
+        tiny_llm,
+        facts,
+        RagConfig("always", PROMPT, max_new_tokens=8),
+        [trigger("always", tiny_llm, registry)],
+        shared=shared,
+        probes=sweep.decoder.probes,
+        reference=True,
+    ).answer_all(QUESTIONS)
+    traces = sweep.trace(QUESTIONS)
+    with passes_of(tiny_llm) as counter:
+        after = sweep.answer_after([(t.question, t.gen_ids, 0, t.question) for t in traces])
+    assert counter.calls == 0
+    assert [r.answer for r in after] == [r.answer for r in always]
+    assert [r.retrievals[0].passage_ids for r in after] == [r.retrievals[0].passage_ids for r in always]
+    # the reference offers the states it ran: a retrieval later in the answer runs only the tokens kept before it
+    cut = [(t.question, t.gen_ids, 2, t.question) for t in traces if len(t.gen_ids) > 2]
+    assert cut and len(shared.states) > 0
+    hits = shared.states.hits
+    sweep.answer_after(cut)
+    assert shared.states.hits - hits >= len(cut)
+
+
+def test_stepwise_selection_counts_every_search_it_sends(tiny_llm, facts, registry):
+    """DioR's stepwise selection searches again with the chosen passages' new terms: a retrieval records the query of
+    each search, and the cost columns count searches beside retrievals."""
+    config = RagConfig("post", PROMPT, k=3, max_new_tokens=6, stepwise=True, chunk=True)
+    results = RagLoop(tiny_llm, facts, config, [trigger("always", tiny_llm, registry)]).answer_all(QUESTIONS[:4])
+    lines = [{"id": str(i), **dataclasses.asdict(r)} for i, r in enumerate(results)]
+    metrics = summarise(lines, [["x"]] * len(lines))
+    assert metrics["retrievals_per_question"] == 1.0
+    assert all(len(r.retrievals[0].queries) >= 2 for r in results)
+    assert metrics["searches_per_question"] == np.mean([len(r.retrievals[0].queries) for r in results]) >= 2
+    plain = RagLoop(
+        tiny_llm, facts, dataclasses.replace(config, stepwise=False), [trigger("always", tiny_llm, registry)]
+    )
+    assert [len(r.retrievals[0].queries) for r in plain.answer_all(QUESTIONS[:4])] == [1] * 4
 
 
 # ---- one definition of each score: online equals offline ----------------------------------------------------------

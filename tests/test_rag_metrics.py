@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
+import math
 
 import mlflow
 import numpy as np
@@ -29,6 +31,7 @@ from detectors.evaluation.answer_metrics import (
 from detectors.evaluation.rag_report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
 from detectors.evaluation.rag_sweep import (
     Outcome,
+    candidate_names,
     candidate_thresholds,
     curve,
     curves,
@@ -223,14 +226,14 @@ def test_stored_sweep_lines_give_each_triggers_curve():
 
 
 def test_paired_intervals_compare_each_configuration_with_the_references_on_the_same_questions():
-    refs = [["Rome"]] * 20
+    refs = {f"q{i}": ["Rome"] for i in range(20)}
     answers = {
         "no-retrieval": ["Rome"] * 10 + ["x"] * 10,
         "single-round": ["Rome"] * 16 + ["x"] * 4,
         "one-more": ["Rome"] * 11 + ["x"] * 9,
         "reversed": ["x"] * 10 + ["Rome"] * 10,
     }
-    results = {name: [result(a) for a in values] for name, values in answers.items()}
+    results = {name: [{**result(a), "id": f"q{i}"} for i, a in enumerate(values)] for name, values in answers.items()}
     deltas = reference_deltas(results, refs, {"never": "no-retrieval", "always": "single-round"}, n=500, seed=1)
     assert deltas["no-retrieval"]["accuracy_vs_never"] == 0 and deltas["no-retrieval"]["accuracy_vs_never_ci_low"] == 0
     assert deltas["single-round"]["accuracy_vs_never"] == pytest.approx(0.3) and deltas["no-retrieval"][
@@ -253,6 +256,15 @@ def test_paired_intervals_compare_each_configuration_with_the_references_on_the_
     assert (
         reference_deltas(results, refs, {"never": "absent"})["one-more"] == {}
     )  # a reference that did not run: no difference
+    # a framework that answered a sample of the questions is compared on those questions only; a row with `versus` with
+    # that row
+    results["sampled"] = [r for r in results["reversed"] if r["id"] in {f"q{i}" for i in range(10, 20)}]
+    paired = reference_deltas(
+        results, refs, {"never": "no-retrieval"}, n=500, seed=1, versus={"one-more": "single-round"}
+    )
+    assert paired["sampled"]["accuracy_vs_never"] == pytest.approx(1.0)  # right on all 10, where no retrieval is wrong
+    assert paired["one-more"]["versus"] == "single-round"
+    assert paired["one-more"]["accuracy_vs_versus"] == pytest.approx(-0.25) and "versus" not in paired["reversed"]
 
 
 def test_the_references_are_the_configurations_that_never_and_always_retrieve():
@@ -277,12 +289,15 @@ def val_curve(scores, never, with_passages):
     return curve("t", question_outcomes(scores, never, with_passages))
 
 
-def test_a_configurations_candidates_are_its_curves_best_point_and_the_points_nearest_the_rates():
+def test_a_configurations_candidates_are_never_always_its_curves_best_point_and_the_points_nearest_the_rates():
     # four questions; retrieval helps the first two; scores rank them 0.9 > 0.7 > 0.5 > 0.2
     c = val_curve([0.9, 0.7, 0.5, 0.2], [False, False, True, True], [True, True, False, True])
     assert list(c.retrieval_rate) == [0, 0.25, 0.5, 0.75, 1.0]
-    assert candidate_thresholds(c, [0.3, 0.7]) == [0.7, 0.9, 0.5]  # the best point (2 of 4), then rates 0.25 and 0.75
-    assert candidate_thresholds(c, [0.375]) == [0.7, 0.9]  # equally near 0.25 and 0.5: the higher threshold
+    never, always = math.inf, -math.inf  # every configuration's two defaults come first
+    assert candidate_thresholds(c, [0.3, 0.7]) == [never, always, 0.7, 0.9, 0.5]  # the best point (2 of 4), then
+    # rates 0.25 and 0.75
+    assert candidate_thresholds(c, [0.375]) == [never, always, 0.7, 0.9]  # equally near 0.25 and 0.5: the higher one
+    assert candidate_names([0.3, 0.7]) == ["never", "always", "best", "rate 0.3", "rate 0.7"]
 
 
 def test_each_configuration_is_tried_at_its_triggers_candidates_together_and_fixed_thresholds_stay():
@@ -296,44 +311,71 @@ def test_each_configuration_is_tried_at_its_triggers_candidates_together_and_fix
         for name, t in {"none": [], "always": ["always"], "one": ["a"], "two": ["a", "b@champion"]}.items()
     }
     got = tuning_candidates(configs, "wiki", curves_, {}, [0.3, 0.7])
-    assert got["none"] == [{}] and got["always"] == [{}]  # nothing to choose: one run
-    assert got["one"] == [{"a": 0.7}, {"a": 0.9}, {"a": 0.5}]
-    assert got["two"] == [
-        {"a": 0.7, "b": float("inf")},
+    nothing = [{"label": "no threshold", "thresholds": {}}]
+    assert got["none"] == nothing and got["always"] == nothing  # nothing to choose: one run
+    inf = math.inf
+    assert got["one"] == [
+        {"label": "never", "thresholds": {"a": inf}},
+        {"label": "always", "thresholds": {"a": -inf}},
+        {"label": "best", "thresholds": {"a": 0.7}},
+        {"label": "rate 0.3", "thresholds": {"a": 0.9}},
+        {"label": "rate 0.7", "thresholds": {"a": 0.5}},
+    ]
+    assert [c["thresholds"] for c in got["two"]] == [
+        {"a": inf, "b": inf},
+        {"a": -inf, "b": -inf},
+        {"a": 0.7, "b": inf},
         {"a": 0.9, "b": 0.8},
         {"a": 0.5, "b": 0.4},
     ]  # b never helps: its best point never retrieves
     assert tuning_candidates(configs, "wiki", curves_, {"a": 0.1}, [0.3, 0.7])["one"] == [
-        {"a": 0.1}
+        {"label": "fixed", "thresholds": {"a": 0.1}}
     ]  # fixed in params: tried once
+    own = {"one": dataclasses.replace(configs["one"], thresholds={"a": -inf})}
+    assert tuning_candidates(own, "wiki", curves_, {}, [0.3])["one"] == [
+        {"label": "fixed", "thresholds": {"a": -inf}}
+    ]  # fixed in the configuration's own row
+    repeated = tuning_candidates({"one": configs["one"]}, "wiki", {"a": val_curve([0.9], [True], [False])}, {}, [0.0])
+    assert [c["label"] for c in repeated["one"]] == ["never", "always"]  # best and rate 0 repeat never: tried once
 
 
-def test_the_chosen_point_is_the_most_accurate_then_the_one_retrieving_least():
-    answers = [["x"], ["y"]]
-
-    def line(answer, n):
-        return {
-            "answer": answer,
-            "retrievals": [{"passages": []}] * n,
-            "forward_passes": 1,
-            "generated_tokens": 1,
-            "wall_s": 0.1,
-            "error": None,
-        }
-
-    candidates = {"c": [{"t": 0.7}, {"t": 0.9}, {"t": 0.5}]}
-    lines = {
-        "c/0": [line("x", 1), line("no", 1)],
-        "c/1": [line("x", 1), line("y", 2)],
-        "c/2": [line("x", 1), line("y", 1)],
+def tuning_line(answer: str, n: int) -> dict:
+    return {
+        "answer": answer,
+        "retrievals": [{"passages": [], "queries": ["q"]}] * n,
+        "forward_passes": 1,
+        "generated_tokens": 1,
+        "wall_s": 0.1,
+        "error": None,
     }
-    got = choose_candidates(candidates, lines, answers)["c"]
-    assert got["chosen"] == 2 and got["thresholds"] == {
-        "t": 0.5
-    }  # c/1 and c/2 answer both; c/2 retrieves less (1 vs 1.5)
-    assert [c["accuracy"] for c in got["candidates"]] == [0.5, 1.0, 1.0]
-    lines["c/2"] = [line("x", 2), line("y", 1)]
-    assert choose_candidates(candidates, lines, answers)["c"]["chosen"] == 1  # a tie in both: the earlier candidate
+
+
+def test_a_configuration_leaves_the_better_of_never_and_always_only_for_a_surely_better_candidate():
+    """The one rule of choices (detectors.evaluation.choice): never retrieving is the default unless always retrieving
+    is surely better (its paired 95% interval above 0); a candidate replaces the default only when its own paired
+    interval over it lies above 0; a candidate one question ahead is a tie, and the default stays."""
+    answers = [["x"]] * 40
+    right = lambda k: [tuning_line("x" if i < k else "no", 1) for i in range(40)]  # noqa: E731 - the first k right
+    candidates = {
+        "c": [
+            {"label": label, "thresholds": {"t": t}}
+            for label, t in [("never", math.inf), ("always", -math.inf), ("best", 0.5), ("rate 0.3", 0.7)]
+        ]
+    }
+    lines = {"c/0": right(20), "c/1": right(30), "c/2": right(31), "c/3": right(21)}
+    got = choose_candidates(candidates, lines, answers, bootstrap=500)["c"]
+    assert (got["default"], got["chosen"], got["thresholds"]) == (1, 1, {"t": -math.inf})  # always: 10 more right
+    assert got["choice"]["ties"] == ["best"] and got["choice"]["worse"] == ["never", "rate 0.3"]
+    assert [c["accuracy"] for c in got["candidates"]] == [0.5, 0.75, 0.775, 0.525]
+    assert got["candidates"][2]["delta"][0] == pytest.approx(0.025) and got["candidates"][2]["delta"][1] == 0
+    lines["c/1"] = right(21)  # always one question ahead of never: a tie goes to fewer retrievals
+    got = choose_candidates(candidates, lines, answers, bootstrap=500)["c"]
+    assert (got["default"], got["chosen"]) == (0, 2)  # never, left for best: 11 more right, surely better
+    assert got["choice"]["better"] == ["best"] and got["choice"]["units"] == 40
+    lines["c/2"] = right(22)
+    assert choose_candidates(candidates, lines, answers, bootstrap=500)["c"]["chosen"] == 0  # nothing surely better
+    single = choose_candidates({"s": [{"label": "no threshold", "thresholds": {}}]}, {"s/0": right(3)}, answers)["s"]
+    assert (single["chosen"], single["candidates"][0]["accuracy"]) == (0, 0.075)
 
 
 def test_a_curves_area_over_random_has_a_bootstrap_interval():
@@ -405,6 +447,7 @@ def metrics_of(em: float, recall: float | None = 0.5) -> dict:
         "f1": em + 0.1,
         "accuracy": em + 0.2,
         "retrievals_per_question": 1.0,
+        "searches_per_question": 2.0,
         "trigger_rate": 0.5,
         "forward_passes_per_question": 12.0,
         "generated_tokens_per_question": 6.0,
@@ -450,6 +493,23 @@ def test_markdown_table_has_a_block_per_corpus_and_the_best_in_bold():
     assert "| EM | 0.200 | **0.300** |" in wiki and "| Acc (containment) | 0.400 | **0.500** |" in wiki
     assert "| EM | **0.200** | **0.200** |" in facts  # ties: both in bold
     assert "| answer recall@k | – | 0.500 |" in wiki and "| questions | 10 | 10 |" in wiki
+    assert "| retrievals / question | 1.00 | 1.00 |" in wiki and "| searches / question | 2.00 | 2.00 |" in wiki
+    # a row that isolates a step against another; a framework on a sample of the questions says so
+    sampled = copy.deepcopy(METRICS_BY_CORPUS)
+    sampled["wiki"]["retrorag"] = {**metrics_of(0.1), "n": 4}
+    sampled["wiki"]["flare"] |= {
+        "versus": "no-retrieval",
+        "accuracy_vs_versus": 0.1,
+        "accuracy_vs_versus_ci_low": 0.05,
+        "accuracy_vs_versus_ci_high": 0.15,
+    }
+    wiki = markdown_table(sampled).split("### corpus `facts`")[0]
+    assert (
+        "| Acc − the row it isolates a step against [95% CI] | – | +0.100 [+0.050, +0.150] vs no-retrieval | – |"
+        in wiki
+    )
+    assert "retrorag: on a fixed sample of 4 of the 10 test questions (`rag_eval.framework_questions`)" in wiki
+    assert "fixed sample" not in markdown_table(METRICS_BY_CORPUS)
     table = curves_table(SWEEP)
     assert "| flare | 0.875 | 0.750 | +0.125 | – | 0.50 |" in table
     assert "No retrieval: accuracy 0.500; always retrieving before generating: 1.000." in table
@@ -584,6 +644,27 @@ def test_configuration_rows_take_the_shared_defaults_and_override_them():
         (("corpora",), [], r"corpora = \[\]: name at least one corpus"),
         (("corpora",), ["wiki", "sweep"], r"corpora\[1\] = 'sweep': .* keys of the metrics file"),
         (("questions",), 0, r"questions = 0: must be positive"),
+        (("framework_questions",), 0, r"framework_questions = 0: must be positive"),
+        (
+            ("configurations", "dior-always", "thresholds", "dior-realtime"),
+            -1.0,
+            r"configurations.dior-always.thresholds.dior-realtime = -1.0: not a trigger of this configuration",
+        ),
+        (
+            ("configurations", "dior-always", "thresholds", "dior-early"),
+            "always",
+            r"dior-always.thresholds.dior-early = 'always'.*expected a number",
+        ),
+        (
+            ("configurations", "dior", "versus"),
+            "dior",
+            r"configurations.dior.versus = 'dior': name another configuration",
+        ),
+        (
+            ("configurations", "dior", "versus"),
+            "web",
+            r"configurations.dior.versus = 'web': name another configuration",
+        ),
     ],
 )
 def test_bad_rag_eval_params_are_refused_naming_the_key(path, value, message):
@@ -695,7 +776,8 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
 
 def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
     """Several runs over the same questions answer shard after shard (each shard by every run before the next shard:
-    what they share about a shard's questions stays small), and each run resumes from its own store."""
+    what they share about a shard's questions, decoded first for all of them, stays small), and each run resumes from
+    its own store."""
     rows = pd.DataFrame({"id": [f"q{i}" for i in range(4)], "question": [f"question {i}" for i in range(4)]})
     order = []
 
@@ -711,7 +793,7 @@ def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
     shards = []
     runs = [Run("a", tmp_path / "a", {"code": "1"}, Logged("a")), Run("b", tmp_path / "b", {"code": "1"}, Logged("b"))]
     lines = run_questions(
-        runs, rows, "wiki · 2 configurations", shard_size=2, on_shard=lambda: shards.append(len(order))
+        runs, rows, "wiki · 2 configurations", shard_size=2, on_shard=lambda qs: shards.append((len(order), qs))
     )
     assert order == [
         ("a", ("question 0", "question 1")),
@@ -719,7 +801,8 @@ def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
         ("a", ("question 2", "question 3")),
         ("b", ("question 2", "question 3")),
     ]
-    assert shards == [0, 2] and set(lines) == {"a", "b"} and [x["id"] for x in lines["b"]] == ["q0", "q1", "q2", "q3"]
+    assert shards == [(0, ["question 0", "question 1"]), (2, ["question 2", "question 3"])]
+    assert set(lines) == {"a", "b"} and [x["id"] for x in lines["b"]] == ["q0", "q1", "q2", "q3"]
     order.clear()
     runs = [
         Run("a", tmp_path / "a", {"code": "1"}, Logged("a")),

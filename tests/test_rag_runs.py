@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 from test_build_resume import edit_params
@@ -95,7 +96,6 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
         corpora=["facts"],
         configurations=configurations,
         sweep={"corpus": "facts", "query": "question"},
-        thresholds={"sit": 0.5},
         max_new_tokens=4,
         frameworks=[],
         shard_size=3,
@@ -116,6 +116,12 @@ def shard_times(project: Path) -> dict[str, list[int]]:
     }
 
 
+def stored(project: Path, run: str) -> list[dict]:
+    """A run's stored lines, in the questions' order."""
+    shards = sorted((project / "data/rag/runs/facts" / run).glob("shard-*.parquet"))
+    return [json.loads(x) for shard in shards for x in pd.read_parquet(shard)["line"]]
+
+
 def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     rag_eval.main(["--params", "params.yaml"])
     before = shard_times(project)
@@ -130,21 +136,26 @@ def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     assert set(before) == {"no-retrieval", "single-round", "flare", "sit", "sweep", "sweep-val", *tried} and all(
         before.values()
     )
-    assert [len(tuning[n]["candidates"]) for n in ("no-retrieval", "single-round", "sit")] == [
-        1,
-        1,
-        1,
-    ]  # nothing to choose, or fixed in params
-    assert (
-        1 <= len(tuning["flare"]["candidates"]) <= 3
-        and metrics["thresholds"]["facts"]["flare"] == tuning["flare"]["thresholds"]
-    )
-    chosen = tuning["flare"]["candidates"][tuning["flare"]["chosen"]]
-    assert (
-        chosen["accuracy"]
-        == max(c["accuracy"] for c in tuning["flare"]["candidates"])
-        == metrics["facts"]["flare"]["val_accuracy"]
-    )
+    assert set(tuning) == {"flare", "sit"}  # the references have nothing to choose: not run on validation
+    flare = tuning["flare"]
+    labels = [c["label"] for c in flare["candidates"]]
+    assert labels[:2] == ["never", "always"] and len(labels) <= 4  # never and always are always candidates
+    assert metrics["thresholds"]["facts"]["flare"] == flare["thresholds"]
+    chosen = flare["candidates"][flare["chosen"]]
+    assert chosen["accuracy"] == metrics["facts"]["flare"]["val_accuracy"]
+    assert flare["default"] in (0, 1) and flare["choice"]["default"] == labels[flare["default"]]
+    assert flare["chosen"] == flare["default"] or flare["choice"]["better"][0] == chosen["label"]
+    # never retrieving is no retrieval's decoding, token for token; always retrieving is one number, on validation
+    # and in the curves table
+    answers = {run: [line["answer"] for line in stored(project, run)] for run in before if "sweep" not in run}
+    assert answers["tune-val/flare/0"] == [line["never_answer"] for line in stored(project, "sweep-val")]
+    assert all(line["retrievals"] for line in stored(project, "tune-val/flare/1"))
+    curves = metrics["sweep"]["curves"]["flare"]
+    assert curves["always_accuracy"] == metrics["facts"]["single-round"]["accuracy"]
+    assert curves["never_accuracy"] == metrics["facts"]["no-retrieval"]["accuracy"]
+    sweep = stored(project, "sweep")
+    assert [line["answers"]["0"] for line in sweep] == answers["single-round"]
+    assert [line["never_answer"] for line in sweep] == answers["no-retrieval"]
     edit_params(
         project,
         "rag_eval",
@@ -152,7 +163,7 @@ def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     )
     rag_eval.main(["--params", "params.yaml"])
     after = shard_times(project)
-    sit = {"sit", "tune-val/sit/0"}
+    sit = {"sit", *(run for run in before if run.startswith("tune-val/sit/"))}
     assert all(
         after[k] != before[k] for k in sit
     )  # Stitch-in-Time's validation changed: its runs restarted, on validation and test

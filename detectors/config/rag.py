@@ -50,6 +50,19 @@ def on_corpus(spec: str, corpus: str) -> str:
     return spec.replace(CORPUS, corpus)
 
 
+def references(configurations: dict) -> dict[str, str]:
+    """The reference configurations every other is compared with: ``never``, the first without triggers; ``always``,
+    the first that retrieves once with the question before generating (only ``always``, no post-retrieval). Their
+    decodings are the ones every configuration of rag_eval branches from."""
+    out = {}
+    for name, c in configurations.items():
+        if not c.triggers:
+            out.setdefault("never", name)
+        elif c.triggers == ["always"] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
+            out.setdefault("always", name)
+    return out
+
+
 def trigger_names(spec: str, corpora: list[str]) -> list[str]:
     """The names a configured trigger goes by on ``corpora`` (a registered detector by its model name)."""
     return list(dict.fromkeys(on_corpus(spec, c).split("@", 1)[0] for c in corpora))
@@ -59,8 +72,10 @@ def trigger_names(spec: str, corpora: list[str]) -> list[str]:
 class RagConfigurationParams:
     """One configuration: ``triggers`` checked in order ([] = no retrieval), the query formulation, DioR's
     post-retrieval (``stepwise`` selection, sentence-level ``chunk``ing), CtrlA's honesty ``steering`` (a registered
-    detector as ``<name>@<alias>``, or null) and the ``context`` put before the question with the passages (null:
-    ``rag_eval.context``)."""
+    detector as ``<name>@<alias>``, or null), the ``context`` put before the question with the passages (null:
+    ``rag_eval.context``), ``thresholds`` that fix some of its triggers in this configuration only (by trigger name;
+    -.inf: always fires, .inf: never) and ``versus``, the configuration it is compared with beside the references (its
+    accuracy minus that one's, paired: what the one thing they differ in is worth; null: none)."""
 
     triggers: list[str]
     query: str  # a formulation of detectors.extensions.QUERIES
@@ -68,6 +83,8 @@ class RagConfigurationParams:
     chunk: bool
     steering: str | None
     context: str | None
+    thresholds: dict[str, float]
+    versus: str | None
 
     def check(self, where: str) -> None:
         for i, trigger in enumerate(self.triggers):
@@ -89,6 +106,16 @@ class RagConfigurationParams:
             )
         if self.context is not None:
             check_context(f"{where}.context", self.context)
+        for name, value in self.thresholds.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                fail(f"{where}.thresholds.{name}", value, "a number (-.inf: always fires, .inf: never)")
+
+
+def check_names(key: str, thresholds: dict[str, float], names: set[str], of: str) -> None:
+    """Thresholds fixed by trigger name name triggers of ``names`` (``of``: whose they are)."""
+    for name, value in thresholds.items():
+        if name not in names:
+            fail(f"{key}.{name}", value, f"not a trigger of {of} (their names: {sorted(names)})")
 
 
 def check_context(key: str, context: str) -> None:
@@ -204,7 +231,9 @@ class RagEvalParams:
     ]  # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
     candidate_rates: list[
         float
-    ]  # besides the validation curve's most accurate point, the retrieval rates a configuration is tried at
+    ]  # besides never, always and the validation curve's most accurate point, the retrieval rates a configuration is
+    # tried at
+    framework_questions: int | None  # the frameworks' fixed sample of the test questions (None: all of them)
     query: RagQueryParams
     sit: SitParams
     ctrla: CtrlARefusalParams
@@ -282,6 +311,15 @@ class RagEvalParams:
                 )
         if len(set(self.frameworks)) != len(self.frameworks):
             fail(f"{where}.frameworks", self.frameworks, "list each framework once")
+        if self.framework_questions is not None:
+            positive(f"{where}.framework_questions", self.framework_questions)
+        for name, config in self.configurations.items():
+            if config.versus is not None and (config.versus not in self.configurations or config.versus == name):
+                fail(
+                    f"{where}.configurations.{name}.versus",
+                    config.versus,
+                    f"name another configuration (one of {sorted(set(self.configurations) - {name})}) or null",
+                )
         for i, rate in enumerate(self.candidate_rates):
             if not 0 <= rate <= 1:
                 fail(f"{where}.candidate_rates[{i}]", rate, "a retrieval rate in [0, 1], e.g. 0.3")
@@ -292,13 +330,10 @@ class RagEvalParams:
             if t != "always"
             for n in trigger_names(t, self.corpora)
         }
-        for name, value in self.thresholds.items():
-            if name not in swept:
-                fail(
-                    f"{where}.thresholds.{name}",
-                    value,
-                    f"not a trigger of the configurations (their names: {sorted(swept)})",
-                )
+        check_names(f"{where}.thresholds", self.thresholds, swept, "the configurations")
+        for name, config in self.configurations.items():
+            own = {n for t in config.triggers if t != "always" for n in trigger_names(t, self.corpora)}
+            check_names(f"{where}.configurations.{name}.thresholds", config.thresholds, own, "this configuration")
         if self.sweep.corpus not in self.corpora:
             fail(f"{where}.sweep.corpus", self.sweep.corpus, f"must be one of rag_eval.corpora {self.corpora}")
         if self.prompts_sample < 0:

@@ -19,6 +19,7 @@ METRICS = (
     "f1",
     "accuracy",
     "retrievals_per_question",
+    "searches_per_question",
     "trigger_rate",
     "forward_passes_per_question",
     "generated_tokens_per_question",
@@ -85,7 +86,8 @@ def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]
     ``answers``. Every result counts with its answer; ``failed`` counts the questions whose loop raised (error
     ``failed: ...``), ``no_passage`` those whose every retrieval came back empty (a recorded outcome).
     ``answer_recall_at_k`` is the share of retrievals whose passages hold a
-    reference answer (None when nothing was retrieved)."""
+    reference answer (None when nothing was retrieved); ``searches_per_question`` counts the searches the retrievals
+    sent (one query each: DioR's stepwise selection sends two or more per retrieval)."""
     _check(results, answers)
     n = len(results)
     if n == 0:
@@ -98,6 +100,7 @@ def summarise(results: Sequence[dict[str, Any]], answers: Sequence[Sequence[str]
         "f1": mean(token_f1(r["answer"], refs) for r, refs in zip(results, answers)),
         "accuracy": mean(accuracy(r["answer"], refs) for r, refs in zip(results, answers)),
         "retrievals_per_question": mean(len(rets) for rets in retrievals),
+        "searches_per_question": mean(sum(len(ret["queries"]) for ret in rets) for rets in retrievals),
         "trigger_rate": mean(bool(rets) for rets in retrievals),
         "forward_passes_per_question": mean(r["forward_passes"] for r in results),
         "generated_tokens_per_question": mean(r["generated_tokens"] for r in results),

@@ -27,6 +27,7 @@ ROWS = (  # metric key, row label, format
     ("accuracy", "Acc (containment)", "{:.3f}"),
     ("answer_recall_at_k", "answer recall@k", "{:.3f}"),
     ("retrievals_per_question", "retrievals / question", "{:.2f}"),
+    ("searches_per_question", "searches / question", "{:.2f}"),
     ("trigger_rate", "trigger rate", "{:.2f}"),
     ("forward_passes_per_question", "forward passes / question", "{:.1f}"),
     ("generated_tokens_per_question", "generated tokens / question", "{:.1f}"),
@@ -38,6 +39,7 @@ ROWS = (  # metric key, row label, format
     ("val_retrievals_per_question", "retrievals / question on validation", "{:.2f}"),
     ("accuracy_vs_never", "Acc − no retrieval [95% CI]", DELTA),
     ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
+    ("accuracy_vs_versus", "Acc − the row it isolates a step against [95% CI]", DELTA),
 )
 TRADE = (
     "retrievals_saved_vs_always",
@@ -91,7 +93,13 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
         for key, label, fmt in ROWS:
             if fmt == DELTA:
                 if any(key in configs[c] for c in names):
-                    out.append(f"| {label} | " + " | ".join(_delta(configs[c], key) for c in names) + " |")
+                    cells = [_delta(configs[c], key) for c in names]
+                    if key == "accuracy_vs_versus":
+                        cells = [
+                            f"{x} vs {configs[c]['versus']}" if "versus" in configs[c] else x
+                            for c, x in zip(names, cells)
+                        ]
+                    out.append(f"| {label} | " + " | ".join(cells) + " |")
                 continue
             values = [configs[c].get(key) for c in names]
             cells = [_cell(v, fmt) for v in values]
@@ -105,6 +113,15 @@ def markdown_table(metrics: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> st
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         if any(k in configs[c] for c in names for k in TRADE):
             out.append(f"| {TRADE_ROW} | " + " | ".join(_trade(configs[c]) for c in names) + " |")
+        most = max((int(configs[c].get("n") or 0) for c in names), default=0)
+        fewer = [c for c in names if configs[c].get("n") is not None and int(configs[c]["n"]) < most]
+        if fewer:
+            out += [
+                "",
+                f"{', '.join(fewer)}: on a fixed sample of "
+                f"{', '.join(str(int(configs[c]['n'])) for c in fewer)} of the {most} test questions "
+                "(`rag_eval.framework_questions`); their differences are paired on those questions.",
+            ]
         out.append("")
     return "\n".join(out)
 
@@ -202,17 +219,18 @@ def curves_table(sweep: Mapping[str, Any]) -> str:
 
 
 def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: int) -> str:
-    """Each configuration's operating point as Markdown (``tuning``: ``{corpus: {configuration: {"chosen", "candidates":
-    [{"thresholds", "accuracy", "retrievals_per_question"}]}}}``): a row per configuration, a column per corpus, every
-    candidate as ``thresholds → accuracy (retrievals / question)`` on the validation questions, the chosen one in
-    bold."""
+    """Each configuration's operating point as Markdown (``tuning``: ``{corpus: {configuration: {"chosen", "default",
+    "candidates": [{"label", "thresholds", "accuracy", "retrievals_per_question", "delta"}]}}}``): a row per
+    configuration, a column per corpus, every candidate as ``label: thresholds → accuracy (retrievals / question)`` on
+    the validation questions with its paired difference to the default, the default marked, the chosen one in bold."""
     corpora = list(tuning)
     names = list(dict.fromkeys(name for chosen in tuning.values() for name in chosen))
     out = [
         f"### operating points: each configuration's own procedure on the {n_val} validation questions at candidate "
-        f"thresholds "
-        "(threshold → accuracy (retrievals / question); chosen in bold: the most accurate, then the fewest retrievals; "
-        "inf = never retrieve)",
+        "thresholds (label: threshold → accuracy (retrievals / question), Δ accuracy − the default [95% CI]; inf = "
+        "never retrieve, -inf = always). The default (†) is never retrieving, or always when it is surely better "
+        "(paired interval above 0); a candidate replaces it only when its own paired interval over it is above 0; "
+        "chosen in bold",
         "",
         "| configuration | " + " | ".join(corpora) + " |",
         "| --- |" + " --- |" * len(corpora),
@@ -227,7 +245,12 @@ def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: i
             tried = []
             for j, c in enumerate(t["candidates"]):
                 where = ", ".join(f"{k} {v:.4g}" for k, v in c["thresholds"].items()) or "no threshold"
-                text = f"{where} → {c['accuracy']:.3f} ({c['retrievals_per_question']:.2f})"
+                text = f"{c.get('label', j)}: {where} → {c['accuracy']:.3f} ({c['retrievals_per_question']:.2f})"
+                if len(t["candidates"]) > 1 and j != t.get("default"):
+                    d, low, high = c["delta"]
+                    text += f", Δ {d:+.3f} [{low:+.3f}, {high:+.3f}]"
+                if j == t.get("default") and len(t["candidates"]) > 1:
+                    text += " †"
                 tried.append(f"**{text}**" if j == t["chosen"] else text)
             cells.append("<br>".join(tried))
         out.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -265,27 +288,35 @@ def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Map
 
 def reference_deltas(
     results: dict[str, Sequence[dict]],
-    answers: Sequence[Sequence[str]],
+    answers: Mapping[str, Sequence[str]],
     references: dict[str, str],
     n: int = 1000,
     seed: int = 0,
-) -> dict[str, dict[str, float]]:
+    versus: Mapping[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
-    "always": name}``, no retrieval and retrieving once before generating) on the same questions, with the paired 95%
-    bootstrap interval:
-    ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``. A reference absent from ``results`` is left out."""
+    "always": name}``, no retrieval and retrieving once before generating) with the paired 95% bootstrap interval:
+    ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``; and minus the configuration ``versus`` names for it
+    (``accuracy_vs_versus`` and its interval, ``versus``: that configuration). Pairs are the questions both answered
+    (``answers``: the references of each question, by the ``id`` of the results' lines; a framework may answer a sample
+    of them). A reference absent from ``results`` is left out."""
     correct = {
-        name: [accuracy(r["answer"], refs) for r, refs in zip(lines, answers)] for name, lines in results.items()
+        name: {r["id"]: accuracy(r["answer"], answers[r["id"]]) for r in lines} for name, lines in results.items()
     }
-    out: dict[str, dict[str, float]] = {name: {} for name in results}
+
+    def paired(name: str, other: str, key: str) -> dict[str, float]:
+        ids = [i for i in correct[other] if i in correct[name]]
+        delta, low, high = paired_mean_delta([correct[name][i] for i in ids], [correct[other][i] for i in ids], n, seed)
+        return {key: delta, f"{key}_ci_low": low, f"{key}_ci_high": high}
+
+    out: dict[str, dict[str, Any]] = {name: {} for name in results}
     for ref, ref_name in references.items():
-        if ref_name not in correct:
-            continue
-        for name, values in correct.items():
-            delta, low, high = paired_mean_delta(values, correct[ref_name], n, seed)
-            out[name].update(
-                {f"accuracy_vs_{ref}": delta, f"accuracy_vs_{ref}_ci_low": low, f"accuracy_vs_{ref}_ci_high": high}
-            )
+        if ref_name in correct:
+            for name in correct:
+                out[name].update(paired(name, ref_name, f"accuracy_vs_{ref}"))
+    for name, other in (versus or {}).items():
+        if name in correct and other in correct:
+            out[name].update(paired(name, other, "accuracy_vs_versus"), versus=other)
     return out
 
 

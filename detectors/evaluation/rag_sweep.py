@@ -178,17 +178,27 @@ def operating_point(c: Curve, budget: float | None = None) -> float:
     return float(c.threshold[best[np.argmin(c.retrieval_rate[best])]])
 
 
+NEVER, ALWAYS = math.inf, -math.inf  # the thresholds at which a trigger never and always fires
+CANDIDATES = ("never", "always", "best")  # what candidate_thresholds' first three are; then "rate <r>" for each rate
+
+
 def candidate_thresholds(c: Curve, rates: Sequence[float]) -> list[float]:
     """The thresholds a configuration is tried at on the validation questions (rag_eval runs the configuration's own
-    procedure at each and keeps the most accurate): the curve's most accurate point (:func:`operating_point`), then,
-    for each of ``rates``, the point whose retrieval rate is nearest it (the higher threshold of equally near ones).
-    In that order; a threshold may repeat."""
-    out = [operating_point(c)]
+    procedure at each and chooses among them with :func:`~detectors.evaluation.choice.choose`): never and always
+    firing (+inf, -inf: every configuration's two defaults), the curve's most accurate point
+    (:func:`operating_point`), then, for each of ``rates``, the point whose retrieval rate is nearest it (the higher
+    threshold of equally near ones). In that order (named by :func:`candidate_names`); a threshold may repeat."""
+    out = [NEVER, ALWAYS, operating_point(c)]
     for r in rates:
         out.append(
             float(c.threshold[int(np.argmin(np.abs(c.retrieval_rate - r)))])
         )  # first of the nearest: the highest threshold
     return out
+
+
+def candidate_names(rates: Sequence[float]) -> list[str]:
+    """What each of :func:`candidate_thresholds`' thresholds is, in its order."""
+    return [*CANDIDATES, *(f"rate {r:g}" for r in rates)]
 
 
 def question_outcomes(

@@ -28,12 +28,13 @@ def _terms(text: str) -> list[str]:
 def stepwise_retrieve(retriever, query: str, k: int, idf: Callable[[str], float] | None = None, new_terms: int = 5):
     """Choose ``ceil(n/2)`` of the ``n`` passages still needed from the best hits not chosen yet, add the chosen
     passages' new concepts (words not in the query, by tf×idf, or tf without ``idf``) to the query, and search
-    again, until ``k`` passages are chosen or nothing new is found. Returns the chosen hits (ranked 1..) and every
-    query issued, in order."""
+    again, until ``k`` passages are chosen or nothing new is found. Returns the chosen hits (ranked 1..) and the query
+    of every search issued, in order (one per search: a retrieval's cost in searches)."""
     from detectors.rag.retriever import Hit
 
-    chosen, queries, current = [], [query], query
+    chosen, queries, current = [], [], query
     while len(chosen) < k:
+        queries.append(current)
         seen = {h.passage.id for h in chosen}
         fresh = [h for h in retriever.search(current, k + len(chosen)) if h.passage.id not in seen]
         if not fresh:
@@ -47,13 +48,12 @@ def stepwise_retrieve(retriever, query: str, k: int, idf: Callable[[str], float]
         ranked = sorted(counts, key=lambda t: (-(counts[t] * (idf(t) if idf else 1.0)), t))[:new_terms]
         if ranked:
             current = f"{current} {' '.join(ranked)}"
-            queries.append(current)
     return [Hit(h.passage, h.score, r + 1) for r, h in enumerate(chosen)], queries
 
 
 def find_passages(retriever, queries: list[str], k: int, stepwise: bool) -> list[tuple[list, list[str]]]:
-    """The passages of each query and the queries issued for them: one batched search, or DioR's stepwise selection
-    (:func:`stepwise_retrieve`) per query."""
+    """The passages of each query and the query of every search issued for them: one batched search (one query), or
+    DioR's stepwise selection (:func:`stepwise_retrieve`, two searches or more) per query."""
     if stepwise:
         return [stepwise_retrieve(retriever, q, k, getattr(retriever, "idf", None)) for q in queries]
     return [(hits, [q]) for hits, q in zip(retriever.batch_search(list(queries), k), queries)]

@@ -12,6 +12,16 @@ at its own stop: a sentence end (unless the row's answer is one segment), a stop
 budget. Decoding is greedy, as the early set's answers are, and every token that ends a segment runs (its probe values
 are scored; a row continues from its states).
 
+**Segments decoded once** (:class:`Segments`). A segment depends only on the row's prompt and kept tokens, so every
+segment decoded is kept under them, and a row of any loop over the same LLM and steering that reaches the same point
+(a configuration whose triggers have not fired, a candidate threshold of it, another configuration that retrieved the
+same passages) takes it, token for token, instead of running its prompt and decoding it again: in bfloat16 a segment
+decoded in another batch can differ, so sharing it is also what makes such rows answer exactly alike. A row takes a
+segment only when it was decoded with every probe the row's loop reads. The reference decodings (no retrieval, and
+one retrieval with the question before generating) run first for a shard of questions, from nothing any other loop
+ran (:class:`Decoder` with ``reference``), so that they are the same in every run and stage; their segments stay for
+the shard. A row that takes a segment is charged what decoding it cost (forward passes, tokens, seconds).
+
 The decoder knows nothing of triggers or retrieval: :class:`~detectors.rag.loop.RagLoop` decides what a row's prompt
 is and what happens to its segment.
 """
@@ -21,12 +31,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
 from detectors.llm import decoder
+from detectors.llm.kv import PrefixStore
 from detectors.llm.loading import LLM
 from detectors.llm.states import StateCache
 from detectors.rag.results import Retrieval
@@ -43,7 +56,6 @@ class Row(decoder.Row):
     question: str
     record: bool = False  # keep every prompt the LLM continued
     query: str | None = None  # retrieve with this query before generating (the sweep); None: question triggers decide
-    whole: bool = False  # the answer is one segment (no cut at sentence ends)
     retrievals: list[Retrieval] = dataclasses.field(default_factory=list)
     question_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     question_scores: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -57,27 +69,168 @@ class Row(decoder.Row):
     judge: Any = None
     accepting: Any = None
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)  # a controller's own state of the row, by its name
+    # the segment it takes instead of decoding (found when its prompt would run), and what it had spent (forward
+    # passes, tokens, seconds) when its prompt or kept tokens last changed: what its next segment costs
+    known: Segment | None = None
+    mark: tuple[int, int, float] = (0, 0, 0.0)
+    spent: float = 0.0  # seconds of this loop's passes it took part in (its share of each)
+
+    def begin(self) -> None:
+        """Its prompt or kept tokens changed: what it spends from here is its next segment's cost."""
+        self.mark = (self.passes, self.generated, self.spent)
+
+
+Key = tuple[tuple[int, ...], tuple[int, ...]]  # a row's prompt and kept tokens
+
+
+@dataclasses.dataclass
+class Segment:
+    """A row's next segment as decoded from its prompt and kept tokens (:data:`Key`): what the row holds after it, and
+    what decoding it cost."""
+
+    ran: list[int]
+    kv: Any
+    logits: torch.Tensor | None
+    values: dict[str, list[torch.Tensor]]  # the probes' values of ``ran``, by key (those it was decoded with)
+    gen: list[int]
+    prob: list[float]
+    entropy: list[float]
+    stop_token: int | None
+    done: bool
+    passes: int
+    generated: int
+    seconds: float
+
+    @property
+    def bytes(self) -> int:
+        tensors = [t for layer in self.kv or [] for t in layer] + [v for chunks in self.values.values() for v in chunks]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Segments:
+    """Every segment the loops over one LLM and steering decoded for the questions they answer now, by :data:`Key`:
+    the first decoding of a key stays (a later one is not stored). The reference decodings' segments are kept until
+    :meth:`clear`; the others within ``max_bytes`` (least recently used out first)."""
+
+    def __init__(self, max_bytes: int = 2 << 30):
+        self.max_bytes = int(max_bytes)
+        self.entries: OrderedDict[Key, Segment] = OrderedDict()
+        self.pinned: dict[Key, Segment] = {}
+        self.bytes = 0
+        self.taken = 0  # segments taken instead of decoded
+
+    def __len__(self) -> int:
+        return len(self.entries) + len(self.pinned)
+
+    def get(self, key: Key, probes: frozenset[str]) -> Segment | None:
+        """The segment decoded at ``key`` with (at least) the probes ``probes``, or None."""
+        segment = self.pinned.get(key)
+        if segment is None and key in self.entries:
+            segment = self.entries[key]
+            self.entries.move_to_end(key)
+        if segment is None or not probes <= set(segment.values):
+            return None
+        self.taken += 1
+        return segment
+
+    def put(self, key: Key, segment: Segment, pinned: bool = False) -> None:
+        if key in self.pinned or key in self.entries:
+            return
+        if pinned:
+            self.pinned[key] = segment
+            return
+        size = segment.bytes
+        if size > self.max_bytes:
+            return
+        self.entries[key] = segment
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.bytes
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.pinned.clear()
+        self.bytes = 0
+
+
+def view_key(view: SegmentView) -> tuple:
+    """What a segment's statistics depend on: the question, everything before the segment, where the answer begins in
+    it, and the segment."""
+    return view.question, tuple(view.context_ids), view.answer_start, tuple(view.gen_ids)
+
+
+class Offered:
+    """A :class:`~detectors.llm.states.StateCache` a reference decoder offers its states to without reading it: what it
+    ran serves the other loops' prompts, and its own decoding depends on nothing they ran."""
+
+    def __init__(self, cache: StateCache):
+        self.cache = cache
+
+    def lookup(self, ids, limit: int | None = None) -> tuple[int, None]:
+        return 0, None
+
+    def store(self, ids, kv) -> None:
+        self.cache.store(ids, kv)
+
+
+@dataclasses.dataclass
+class Shared:
+    """What the loops over one LLM and steering share about the questions they answer now: the states of the sequences
+    they ran (``states``), every segment they decoded (``segments``) and what each calculator measured of each segment
+    (:meth:`measure`). :meth:`clear` when they move on to other questions."""
+
+    states: StateCache = dataclasses.field(default_factory=StateCache)
+    segments: Segments = dataclasses.field(default_factory=Segments)
+    stats: dict[Calculator, dict[tuple, dict[str, Any]]] = dataclasses.field(default_factory=dict)
+
+    def measure(self, calculator: Calculator, views: list[SegmentView]) -> None:
+        """``calculator``'s statistics of every view, computed for the segments it has not measured yet only."""
+        known = self.stats.setdefault(calculator, {})
+        todo = []
+        for v in views:
+            found = known.get(view_key(v))
+            if found is None:
+                todo.append(v)
+            else:
+                v.stats.update(found)
+        if todo:
+            calculator.segments(todo)
+            for v in todo:
+                known[view_key(v)] = {name: v.stats[name] for name in calculator.provides if name in v.stats}
+
+    def clear(self) -> None:
+        self.states = StateCache(self.states.max_bytes)
+        self.segments.clear()
+        self.stats.clear()
 
 
 class Decoder(decoder.Decoder):
     """Runs rows' prompts and generates their segments with ``llm``, under ``steering`` (CtrlA's honesty vectors,
-    active for every pass) and with ``probes`` ({key: probe}) attached; ``shared`` (or None) is the cache of sequences
-    other loops over the same LLM and steering ran."""
+    active for every pass) and with ``probes`` ({key: probe}) attached. ``shared`` (or None) is what other loops over
+    the same LLM and steering ran: the states of their sequences and their segments, taken instead of decoded (see the
+    module's docstring). A ``reference`` decoder reads neither (its decoding depends on its own rows only), offers
+    its states to the others and keeps its segments for every loop until the shared segments are cleared."""
 
     def __init__(
         self,
         llm: LLM,
         probes: dict[str, Any],
         steering: dict[int, torch.Tensor],
-        shared: StateCache | None,
+        shared: Shared | None,
         batch_size: int,
         stop: tuple[str, ...],
         max_new_tokens: int,
+        reference: bool = False,
     ):
         self.steering = steering
+        self.segments = shared.segments if shared is not None else None
+        self.reference = reference
+        states = None if shared is None else Offered(shared.states) if reference else shared.states
         super().__init__(
-            llm, max_new_tokens, stop, probes, hooks=self._steer, shared=shared, batch_size=batch_size, keep_states=True
+            llm, max_new_tokens, stop, probes, hooks=self._steer, shared=states, batch_size=batch_size, keep_states=True
         )
+        self.keys = frozenset(self.probes)
 
     @contextlib.contextmanager
     def _steer(self):
@@ -87,10 +240,91 @@ class Decoder(decoder.Decoder):
         with steer(self.llm.model, self.steering):
             yield
 
+    def attach(self, probes: dict[str, Any]) -> None:
+        """Record ``probes`` too on every pass, so that the loops that read them can take this loop's segments (those
+        that read every position excepted: they would keep this loop from the shared states). Before its first pass."""
+        new = {k: p for k, p in probes.items() if k not in self.probes and not getattr(p, "reads_context", False)}
+        if new:
+            self.probes.update(new)
+            self.keys = frozenset(self.probes)
+            self.prefix = PrefixStore(self.llm, self._hooks, self.probes)
+
+    @staticmethod
+    def key(row: Row) -> Key:
+        return tuple(row.prompt), tuple(row.kept)
+
+    def known(self, row: Row) -> Segment | None:
+        """The segment another loop decoded from the row's prompt and kept tokens with this loop's probes, if any."""
+        if self.segments is None or self.reference:
+            return None
+        return self.segments.get(self.key(row), self.keys)
+
+    def prefill(self, rows: list[Row]) -> None:
+        """Run the prompts of the rows whose next segment is not known (a row whose prompt's pass a controller judges,
+        ``judge``, runs it anyway: the controller reads that pass)."""
+        todo = []
+        for row in rows:
+            row.known = self.known(row) if row.judge is None else None
+            if row.known is None:
+                todo.append(row)
+        self._timed(todo, super().prefill)
+
+    def decode(self, rows: list[Row]) -> None:
+        """Every row's next segment: taken where it is known, the others decoded together, and kept for the next row
+        that reaches the same point."""
+        todo = []
+        for row in rows:
+            segment = row.known or self.known(row)
+            row.known = None
+            if segment is None:
+                todo.append(row)
+            else:
+                self._take(row, segment)
+        self._timed(todo, super().decode)
+        if self.segments is not None:
+            for row in todo:
+                passes, generated, spent = row.mark
+                segment = Segment(
+                    list(row.ran),
+                    row.kv,
+                    None if row.logits is None else row.logits.clone(),
+                    {key: list(chunks) for key, chunks in row.values.items()},
+                    list(row.gen),
+                    list(row.prob),
+                    list(row.entropy),
+                    row.stop_token,
+                    row.done,
+                    row.passes - passes,
+                    row.generated - generated,
+                    row.spent - spent,
+                )
+                self.segments.put(self.key(row), segment, pinned=self.reference)
+
+    def _timed(self, rows: list[Row], run) -> None:
+        """``run(rows)``, its seconds shared by the rows."""
+        if not rows:
+            return
+        began = time.perf_counter()
+        run(rows)
+        share = (time.perf_counter() - began) / len(rows)
+        for row in rows:
+            row.spent += share
+
+    def _take(self, row: Row, segment: Segment) -> None:
+        """The row continues as if it had decoded ``segment`` (the probes' values of this loop's probes), charged
+        what decoding it cost."""
+        row.ran, row.kv, row.logits = list(segment.ran), segment.kv, segment.logits
+        row.values = {key: list(chunks) for key, chunks in segment.values.items() if key in self.keys}
+        row.gen, row.prob, row.entropy = list(segment.gen), list(segment.prob), list(segment.entropy)
+        row.stop_token, row.done = segment.stop_token, segment.done
+        row.passes += segment.passes
+        row.generated += segment.generated
+        row.seconds += segment.seconds
+
     def ends_segment(self, row: Row) -> bool:
-        """A segment ends at a sentence end, unless the row's answer is one segment."""
+        """A segment ends at a sentence end."""
         last = self.llm.tokenizer.decode(row.gen[-1:], skip_special_tokens=True).rstrip()
-        return not row.whole and bool(_SENTENCE_END.search(last))
+        return bool(_SENTENCE_END.search(last))
 
     def view(self, row: Row, lazy: dict[str, Calculator]) -> SegmentView:
         """The segment just generated, as triggers and queries see it: its tokens, their ``prob`` and ``entropy``,

@@ -18,6 +18,11 @@ and the retrievals of a round go through ``batch_search``. A batch of one is the
 and retrievals do not depend on the batch size (``tests/test_rag_loop.py``), and without retrieval the answer is the
 early set's greedy answer.
 
+Loops over the same LLM and steering share their decoding (:class:`~detectors.rag.decoder.Shared`): a segment is
+decoded once for every loop that reaches the same prompt and kept tokens, and a calculator measures a segment once.
+So a configuration whose triggers do not fire on a question answers it exactly as the no-retrieval reference does,
+token for token, and the candidate thresholds of one configuration decode together until they part at a firing.
+
 The loop knows no concrete trigger: a trigger is a scorer, a threshold, a policy and a controller with the calculators
 of the statistics it reads (:mod:`detectors.rag.triggers`, :mod:`detectors.rag.stats`).
 """
@@ -34,10 +39,9 @@ import torch
 
 from detectors.config.schema import PromptParams
 from detectors.llm.loading import LLM
-from detectors.llm.states import StateCache
 from detectors.rag.context import find_passages, render_passages, with_context
 from detectors.rag.controllers import Fire
-from detectors.rag.decoder import Decoder, Row
+from detectors.rag.decoder import Decoder, Row, Shared
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.results import RagResult, Retrieval, result
 from detectors.rag.retriever import Hit, Retriever
@@ -88,9 +92,13 @@ class RagLoop:
     """Answer questions with retrieval decided by ``triggers`` (checked in order) from ``retriever``, the query
     formulated by ``query`` (default: the question).
 
-    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation. ``shared``: a
-    :class:`~detectors.llm.states.StateCache` of the sequences loops over the same LLM and steering ran (a prompt
-    another configuration ran is not run again).
+    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation. ``shared``: what the
+    loops over the same LLM and steering ran (:class:`~detectors.rag.decoder.Shared`: their states, segments and
+    measurements; a segment another loop decoded is taken, not decoded again). ``probes``: more probes on every pass
+    ({key: probe}, beside those of the triggers' calculators and controllers), so that other loops reading them can
+    take its segments. A ``reference`` loop reads nothing others ran (its answers depend on its own questions only)
+    and keeps its segments for every loop until ``shared`` is cleared: the no-retrieval and always-retrieve decodings
+    every other loop of a shard of questions branches from.
 
     Controllers act through :meth:`retrieve`, :meth:`set_prompt` and :meth:`keep`.
     """
@@ -103,7 +111,9 @@ class RagLoop:
         triggers: Sequence[Trigger] = (),
         query=None,
         steering: dict[int, torch.Tensor] | None = None,
-        shared: StateCache | None = None,
+        shared: Shared | None = None,
+        probes: dict[str, Any] | None = None,
+        reference: bool = False,
     ):
         name = config.name
         if "{question}" not in config.prompt.template:
@@ -123,11 +133,19 @@ class RagLoop:
                     f"configuration {name!r}: {what} needs the statistic {need!r}, which none of its triggers measures"
                 )
         self.lazy = {name: c for c in self.calculators for name in c.lazy}
-        probes = {c.key: c.probe for c in self.calculators if c.probe is not None}
+        own = {c.key: c.probe for c in self.calculators if c.probe is not None}
         for t in self.triggers:
-            probes.update(t.controller.probes())
+            own.update(t.controller.probes())
+        self.shared = shared
         self.decoder = Decoder(
-            llm, probes, steering or {}, shared, config.batch_size, tuple(config.stop), config.max_new_tokens
+            llm,
+            {**(probes or {}), **own},
+            steering or {},
+            shared,
+            config.batch_size,
+            tuple(config.stop),
+            config.max_new_tokens,
+            reference,
         )
 
     # ---- public API ----------------------------------------------------------------------------------------
@@ -143,16 +161,23 @@ class RagLoop:
         return self._in_batches([Row(q, record=f) for q, f in zip(questions, flags)], observe=False)
 
     def trace(self, questions: Sequence[str]) -> list[QuestionTrace]:
-        """The no-retrieval answer of each question as one segment, scored by every trigger (none fires)."""
-        rows = [Row(q, whole=True) for q in questions]
+        """The no-retrieval answer of each question (decoded as every answer is, segment by segment: the segments the
+        no-retrieval reference decoded), scored as one segment by every trigger (none fires)."""
+        rows = [Row(q) for q in questions]
         results = self._in_batches(rows, observe=True)
         token_triggers = [t for t in self.triggers if t.stage == "token"]
         cuts = {t.name: t.policy.cut for t in token_triggers}
+        views = [self._whole(row) for row in rows]
+        scored = [v for v in views if v is not None and v.gen_ids]  # an empty answer has no token to score
+        if scored and token_triggers:
+            self._measure(scored)
         out = []
-        for row, res in zip(rows, results):
-            stats = row.segments[0].stats if row.segments else {}  # none when the question could not be answered
-            scored = len(row.kept) > 0  # an empty answer has no token to score
-            token = {t.name: t.token_scores(stats) if scored else np.zeros(0) for t in token_triggers}
+        for row, res, view in zip(rows, results, views):
+            stats = view.stats if view is not None else {}  # none when the question could not be answered
+            token = {
+                t.name: t.token_scores(stats) if view is not None and view.gen_ids else np.zeros(0)
+                for t in token_triggers
+            }
             question = {
                 t.name: row.question_scores.get(t.name, float("nan")) for t in self.triggers if t.stage == "question"
             }
@@ -163,10 +188,31 @@ class RagLoop:
             )
         return out
 
+    def _whole(self, row: Row) -> SegmentView | None:
+        """A traced answer's segments as one segment after the prompt (None for a question that could not be
+        answered)."""
+        if not row.segments:
+            return None
+        last = row.segments[-1]
+        stats = {k: np.concatenate([s.stats[k] for s in row.segments]) for k in ("prob", "entropy")}
+        text = self.llm.tokenizer.decode(row.kept, skip_special_tokens=True)
+        return SegmentView(
+            row.question,
+            list(row.prompt),
+            list(row.kept),
+            text,
+            stats,
+            last.probes,
+            row.question_stats,
+            self.lazy,
+            last.states,
+            len(row.prompt),
+        )
+
     def answer_after(self, jobs: Sequence[tuple[str, list[int], int, str]]) -> list[RagResult]:
         """For each ``(question, gen_ids, position, query)``: keep the first ``position`` tokens of the answer
-        ``gen_ids``, retrieve with ``query`` and finish the answer as one segment, without triggers."""
-        rows = [Row(q, kept=list(gen[:p]), query=query, whole=True) for q, gen, p, query in jobs]
+        ``gen_ids``, retrieve with ``query`` and finish the answer, without triggers."""
+        rows = [Row(q, kept=list(gen[:p]), query=query) for q, gen, p, query in jobs]
         return self._in_batches(rows, observe=False, triggers=False)
 
     def final_text(self, ids: list[int]) -> str:
@@ -242,12 +288,14 @@ class RagLoop:
         token_triggers = [t for t in self.triggers if t.stage == "token"] if triggers else []
         room = self.config.max_retrievals
         scored = [
-            bool(token_triggers and view.gen_ids) and row.accepting is None and (observe or len(row.retrievals) < room)
+            bool(token_triggers and view.gen_ids)
+            and row.accepting is None
+            and not observe
+            and len(row.retrievals) < room
             for row, view in zip(rows, views)
         ]
         if any(scored):
-            for calc in self.calculators:
-                calc.segments([v for v, s in zip(views, scored) if s])
+            self._measure([v for v, s in zip(views, scored) if s])
         fires: list[Fire] = []
         repredicted: list[tuple[Row, SegmentView, Trigger]] = []
         for row, view, score in zip(rows, views, scored):
@@ -257,7 +305,7 @@ class RagLoop:
                 repredicted.append((row, view, row.accepting))
                 row.accepting = None
                 continue
-            fired = self._first_firing(token_triggers, view) if score and not observe else None
+            fired = self._first_firing(token_triggers, view) if score else None
             if fired is None:
                 self.keep(row, view)
             else:
@@ -266,6 +314,15 @@ class RagLoop:
             controller.repredicted(self, group)
         for controller, group in _grouped(fires, lambda f: f.trigger.controller):
             controller.fired(self, group)
+
+    def _measure(self, views: list[SegmentView]) -> None:
+        """Every calculator's statistics of the views: measured once per segment for every loop that shares this one's
+        decoding."""
+        for calc in self.calculators:
+            if self.shared is None:
+                calc.segments(views)
+            else:
+                self.shared.measure(calc, views)
 
     @staticmethod
     def _first_firing(triggers: list[Trigger], view: SegmentView) -> tuple[Trigger, int, float] | None:
@@ -283,6 +340,7 @@ class RagLoop:
         """The segment stays in the answer; the row is finished when the answer is complete."""
         row.kept += row.gen
         row.gen = []
+        row.begin()
         if row.done or not view.gen_ids:
             row.finished = True
             row.kv, row.logits, row.values = None, None, {}
@@ -309,6 +367,7 @@ class RagLoop:
         if row.record:
             row.prompts.append(text)
         row.prompt = self.llm.tokenizer(text, add_special_tokens=not p.chat)["input_ids"]
+        row.begin()
         row.logits = None  # its states of what it ran so far stay: the new prompt may begin as the old one did
 
 

@@ -17,7 +17,7 @@ class Retrieval:
     trigger: str  # which trigger fired
     position: int  # generated tokens kept before it (0 = before generating)
     score: float  # the trigger's score that fired
-    queries: list[str]  # every query sent to the retriever for this retrieval
+    queries: list[str]  # the query of every search sent to the retriever for this retrieval (one per search)
     passage_ids: list[str]
     passages: list[str]
     scores: list[float] = dataclasses.field(default_factory=list)  # the retriever's score of each passage
