@@ -72,11 +72,16 @@ class ConfidenceMonitor:
     def reset(self) -> None:
         self._chunks: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
 
-    def _record(self, layer: int, hidden: torch.Tensor) -> None:
+    def project(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``r·v_l`` of every position of ``hidden`` (the residual stream after block ``layer``), in float32: the one
+        projection, for this monitor's hooks and for a serving engine's (:mod:`detectors.serving.engine`)."""
         v = self.vectors[layer]
         if v.device != hidden.device:
             v = self.vectors[layer] = v.to(hidden.device)
-        self._chunks[layer].append(hidden.detach().float() @ v)
+        return hidden.detach().float() @ v
+
+    def _record(self, layer: int, hidden: torch.Tensor) -> None:
+        self._chunks[layer].append(self.project(layer, hidden))
 
     def __enter__(self) -> ConfidenceMonitor:
         self._tap.__enter__()
