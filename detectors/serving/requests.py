@@ -30,6 +30,7 @@ STOP_REASON_PREFIX = "detector:"
 SCORED_KINDS = ("dior-realtime", "ctrla-confidence")  # what ``detector`` serves (per generated token)
 STEERING_KINDS = ("ctrla-honesty",)
 STOPPING_KINDS = ("dior-realtime",)  # a threshold on one token's score; CtrlA's trigger needs the text's words
+READS_PROMPT = ("ctrla-confidence",)  # Eq. 2's running statistics read every prompt position: no prefix cache
 
 
 class ServingRequestError(InputError, ValueError):
@@ -113,8 +114,8 @@ def check_kind(spec: Spec, kind: str, role: str) -> None:
         served = f"'{DETECTOR}' scores every generated token with {' or '.join(SCORED_KINDS)}; "
         served += f"'{STEERING}' steers with {' or '.join(STEERING_KINDS)}"
         raise ServingRequestError(
-            f"{role} = {str(spec)!r} is a {kind} detector, which the engine cannot serve as a {role}: {served}"
-            + (". A detector that decides before generating runs with detectors.load_detector" if kind else "")
+            f"{role} = {str(spec)!r} is a {kind} detector, which the engine cannot serve as a {role}: {served} "
+            "(a detector that decides before generating runs with detectors.load_detector)"
         )
 
 

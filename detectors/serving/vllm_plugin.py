@@ -23,11 +23,14 @@ import os
 from typing import Any
 
 from detectors.serving.requests import (
+    DETECTOR,
+    READS_PROMPT,
     RESULT_KEY,
     STOP_TOKEN,
     DetectorRequest,
     ServingRequestError,
     Spec,
+    check_stop,
     scored,
     stop_reason,
 )
@@ -94,7 +97,9 @@ def _processed(process_inputs):
         if params.n > 1:
             raise _invalid(ServingRequestError(f"n = {params.n}: the detectors score one completion per request"))
         params.extra_args[RESULT_KEY] = request_id
-        token = params.eos_token_id if params.eos_token_id is not None else next(iter(params.stop_token_ids or ()), None)
+        token = (
+            params.eos_token_id if params.eos_token_id is not None else next(iter(params.stop_token_ids or ()), None)
+        )
         if request.stop and (token is None or params.min_tokens):
             raise _invalid(
                 ServingRequestError(
@@ -104,8 +109,6 @@ def _processed(process_inputs):
             )
         if token is not None:
             params.extra_args[STOP_TOKEN] = int(token)
-        if request.detector is not None and request.detector.name.startswith("ctrla"):
-            params.skip_reading_prefix_cache = True  # Eq. 2's statistics read every prompt position
         if request.steering is not None:
             salt = f"dynrag:{request.steering}:{request.lam}"
             engine_request.cache_salt = f"{engine_request.cache_salt or ''}|{salt}"
@@ -137,8 +140,23 @@ def _needed(requests: list[DetectorRequest | None]) -> list[tuple[Spec, str]]:
     return list(dict.fromkeys(load for r in requests if r is not None for load in r.loads()))
 
 
-def _load_error(replies: list) -> str | None:
-    return next((r["error"] for r in replies if isinstance(r, dict) and r.get("error")), None)
+def _kind(replies: list) -> str:
+    """The kind the workers loaded (``dynrag_load``'s replies), or the load's error as one request error."""
+    error = next((r["error"] for r in replies if isinstance(r, dict) and r.get("error")), None)
+    if error:
+        raise _invalid(ServingRequestError(error))
+    return replies[0]["kind"]
+
+
+def _check_detector(params, request: DetectorRequest, kind: str) -> None:
+    """Refuse ``stop`` for a detector that cannot stop; a detector that reads the prompt's positions (CtrlA's Eq. 2)
+    makes its request run its whole prompt instead of reading the prefix cache."""
+    try:
+        check_stop(request, kind)
+    except ServingRequestError as err:
+        raise _invalid(err) from None
+    if kind in READS_PROMPT:
+        params.skip_reading_prefix_cache = True
 
 
 def _merged(replies: list) -> dict[str, dict]:
@@ -164,10 +182,11 @@ def _offline(generate):
         if not any(requests):
             return generate(self, prompts, sampling_params, *args, **kwargs)
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        for spec, role in _needed(requests):
-            error = _load_error(self.collective_rpc("dynrag_load", args=(str(spec), role, uri)))
-            if error:
-                raise _invalid(ServingRequestError(error))
+        kinds = {load: _kind(self.collective_rpc("dynrag_load", args=(str(load[0]), load[1], uri))) for load in
+                 _needed(requests)}  # fmt: skip
+        for params, request in zip(_params_list(sampling_params), requests):
+            if request is not None and request.detector is not None:
+                _check_detector(params, request, kinds[(request.detector, DETECTOR)])
         outputs = generate(self, prompts, sampling_params, *args, **kwargs)
         results = _merged(self.collective_rpc("dynrag_results", args=([o.request_id for o in outputs],)))
         per_output = requests if len(requests) == len(outputs) else requests[:1] * len(outputs)
@@ -187,15 +206,13 @@ def _online(generate):
     async def wrapper(self, prompt, sampling_params, request_id, *args, **kwargs):
         request = _request(sampling_params)
         if request is not None:
-            loaded = self.__dict__.setdefault("_dynrag_loaded", set())
+            kinds = self.__dict__.setdefault("_dynrag_kinds", {})  # what this engine loaded: (spec, role) -> kind
             uri = os.environ.get("MLFLOW_TRACKING_URI")
             for spec, role in request.loads():
-                if (spec, role) in loaded:
-                    continue
-                error = _load_error(await self.collective_rpc("dynrag_load", args=(str(spec), role, uri)))
-                if error:
-                    raise _invalid(ServingRequestError(error))
-                loaded.add((spec, role))
+                if (spec, role) not in kinds:
+                    kinds[(spec, role)] = _kind(await self.collective_rpc("dynrag_load", args=(str(spec), role, uri)))
+            if request.detector is not None:
+                _check_detector(sampling_params, request, kinds[(request.detector, DETECTOR)])
         async for output in generate(self, prompt, sampling_params, request_id, *args, **kwargs):
             if request is not None and output.finished:
                 results = _merged(await self.collective_rpc("dynrag_results", args=([output.request_id],)))
