@@ -7,8 +7,9 @@ temporary MLflow store (random weights at the LLM's shape, :mod:`benchmarks.vllm
 ones are used the same way, and a detector's cost and parity do not depend on its weights):
 
 * **parity**: the QA fixture's questions, greedy, ``--max-new-tokens`` tokens, in one vLLM batch with
-  ``extra_args={"detector": "dior-realtime"}`` and through the project's Hugging Face path (``generate_traced`` with
-  the detector's ``score_tokens``, what ``load_detector(...).generate`` runs); how many continuations have the same
+  ``extra_args={"detector": "dior-realtime"}`` and through the project's Hugging Face path one question at a time
+  (``generate_traced`` with the detector's ``score_tokens``, what ``load_detector(...).generate`` runs); how many
+  continuations have the same
   tokens, and the largest difference of the per-token scores over the tokens both generated (the prefix before a
   continuation diverges, where they diverge); the same for ``ctrla-confidence``'s Eq. 2 against the monitor on the
   shared decoder;
@@ -23,8 +24,8 @@ ones are used the same way, and a detector's cost and parity do not depend on it
 Timings are reported, never asserted. ``--device cuda`` runs the same on a GPU (the ``vllm`` package there);
 ``--dtype`` sets the LLM's dtype in both engines (default bfloat16, what the detectors are served in).
 
-Run: ``python -m benchmarks.vllm_serving [--llm data/llm] [--device cpu] [--out benchmarks/results/vllm_serving_cpu.json]``
-(needs vLLM: ``make vllm``; ``data/llm`` from ``dvc repro prepare``).
+Run: ``python -m benchmarks.vllm_serving [--llm data/llm] [--device cpu] [--dtype bfloat16] [--parity-only]
+[--out PATH]`` (needs vLLM, which ``make setup`` installs, and ``data/llm`` from ``dvc repro prepare``).
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def parity(engine, llm, uri: str, texts: list[str], n_tokens: int) -> dict:
     for name in ("dior-realtime", "ctrla-confidence"):
         params = SamplingParams(max_tokens=n_tokens, temperature=0, extra_args={"detector": name})
         served = [o.outputs[0] for o in engine.generate(texts, params, use_tqdm=False)]
-        if name == "dior-realtime":
-            traces = generate_traced(llm, texts, realtime.state_indices, n_tokens, False, realtime.score_tokens)[1]
-            reference = [(t.gen_ids, t.scores.tolist()) for t in traces]
+        scorer = realtime.score_tokens
+        if name == "dior-realtime":  # one prompt at a time: in bfloat16 a padded batch rounds otherwise
+            reference = []
+            for text in texts:
+                (trace,) = generate_traced(llm, [text], realtime.state_indices, n_tokens, False, scorer)[1]
+                reference.append((trace.gen_ids, trace.scores.tolist()))
         else:
             reference = []
             for text in texts:
@@ -147,7 +151,7 @@ def throughput(engine, llm, uri: str, batches: list[int], n_tokens: int, repeats
     n = generate_one_at_a_time(one)
     single = {"seconds": time.perf_counter() - start, "tokens": n, "questions": len(one)}
     single["tokens_per_s"] = n / single["seconds"]
-    for batch, row in rows.items():
+    for row in rows.values():
         per_token = {name: 1 / v["tokens_per_s"] for name, v in row.items()}
         row["ratios"] = {
             "detector/plain": per_token["detector"] / per_token["plain"],
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kv-cache-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE on a CPU")
+    parser.add_argument("--parity-only", action="store_true", help="leave out the throughput")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/vllm_serving_<device>.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
@@ -192,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
             "max_new_tokens": args.max_new_tokens,
             "engine_build_s": built,
             "parity": parity(engine, llm, uri, prompts(max(args.batches)), args.max_new_tokens),
-            "throughput": throughput(engine, llm, uri, args.batches, args.max_new_tokens, args.repeats),
+            "throughput": None
+            if args.parity_only
+            else throughput(engine, llm, uri, args.batches, args.max_new_tokens, args.repeats),
             "machine": platform.machine(),
             "processor": platform.processor(),
             "cpus": os.cpu_count(),
@@ -200,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
             "date": time.strftime("%Y-%m-%d"),
         }
         engine.llm_engine.engine_core.shutdown()
-    out = Path(args.out or f"benchmarks/results/vllm_serving_{args.device}.json")
+    name = f"vllm_parity_{args.dtype}" if args.parity_only else "vllm_serving"
+    out = Path(args.out or f"benchmarks/results/{name}_{args.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -98,15 +98,15 @@ class Tracked:
     detector: Loaded | None
     steering: Loaded | None
     stop_token: int | None
-    scores: list[torch.Tensor] = dataclasses.field(default_factory=list)  # chunks, generation order
+    scores: list[tuple[torch.Tensor, Any]] = dataclasses.field(default_factory=list)  # (a step's scores, where)
     n_scored: int = 0
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the last sampled token's probability and entropy
+    pending: tuple[torch.Tensor, int] | None = None  # the last sampled token's (probability, entropy): (a step's, row)
     projections: list[torch.Tensor] = dataclasses.field(default_factory=list)  # CtrlA: [rows, layers] chunks
     n_projected: int = 0
     error: str | None = None
 
     def info(self) -> dict[str, Any]:
-        scores = torch.cat(self.scores).float().cpu().tolist() if self.scores else []
+        scores = torch.cat([s[at].reshape(-1) for s, at in self.scores]).float().cpu().tolist() if self.scores else []
         lam = self.request.lam
         if self.steering is not None and lam is None:
             lam = float(self.steering.detector.params.lam)
@@ -348,30 +348,36 @@ class EngineDetectors:
         step, self.step = self.step, None
         if step is None or logits is None:
             return original(logits, *args, **kwargs)
+        if step.sampled:  # the distributions the sampler chooses from, before anything touches the logits
+            logits = logits.float()  # the sampler's own first step, done once here: it gets these logits
+            batch_rows = [i for _, i in step.sampled]
+            rows = torch.tensor(batch_rows, device=logits.device)
+            every_row = batch_rows == list(range(len(logits)))
+            logp = torch.log_softmax(logits if every_row else logits[rows], dim=-1)
+            ent = entropy(logp)
         for spec, entries in step.realtime.items():
             self._score_realtime(self.loaded[spec], entries, step, logits)
         for spec, entries in step.confidence.items():
             self._score_confidence(self.loaded[spec], entries, step)
-        if step.sampled:  # the distributions the sampler chooses from, before it touches the logits
-            rows = torch.tensor([i for _, i in step.sampled], device=logits.device)
-            logp = torch.log_softmax(logits[rows].float(), dim=-1)
-            ent = entropy(logp)
         output = original(logits, *args, **kwargs)
         if step.sampled:
             tokens = output.sampled_token_ids[rows, 0].to(logp.device).clamp_min(0)
-            prob = logp.gather(1, tokens[:, None])[:, 0].exp()
+            stats = torch.stack([logp.gather(1, tokens[:, None])[:, 0].exp(), ent], dim=1)
             for j, (tracked, _) in enumerate(step.sampled):
-                tracked.pending = (prob[j], ent[j])
+                tracked.pending = (stats, j)
         return output
 
     def _score_realtime(self, loaded: Loaded, entries: list[tuple[Tracked, int]], step: Step, logits) -> None:
         det = loaded.detector
         hidden = torch.cat([step.captured[(loaded.spec, slot)] for slot in range(len(loaded.sites))], dim=-1)
-        prob = torch.stack([t.pending[0] for t, _ in entries])
-        ent = torch.stack([t.pending[1] for t, _ in entries])
-        scores = det.score_tokens(hidden, prob, ent).reshape(-1)
+        pending = [t.pending for t, _ in entries]
+        if all(p[0] is pending[0][0] for p in pending):  # all sampled in the same step: one gather
+            stats = pending[0][0][torch.tensor([j for _, j in pending], device=pending[0][0].device)]
+        else:
+            stats = torch.stack([rows[j] for rows, j in pending])
+        scores = det.score_tokens(hidden, stats[:, 0], stats[:, 1]).reshape(-1)
         for j, (tracked, _) in enumerate(entries):
-            tracked.scores.append(scores[j : j + 1])
+            tracked.scores.append((scores, j))
             tracked.n_scored += 1
             tracked.pending = None
         stopping = [j for j, (t, _) in enumerate(entries) if t.request.stop and t.stop_token is not None]
@@ -401,5 +407,5 @@ class EngineDetectors:
         padded = torch.stack([torch.nn.functional.pad(s, (0, width - len(s))) for s in sequences])  # right padding
         scores = running_scores(padded, monitor.tau, monitor.clip, monitor.skip)
         for b, (tracked, new) in enumerate(scoring):
-            tracked.scores.append(scores[b, new : tracked.n_projected])
+            tracked.scores.append((scores[b], slice(new, tracked.n_projected)))
             tracked.n_scored += tracked.n_projected - new
