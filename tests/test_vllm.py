@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test inst
 
 import torch  # noqa: E402
 from conftest import build_tiny_llama  # noqa: E402
+from test_serving import post  # noqa: E402
 
 from benchmarks import vllm_detectors  # noqa: E402
 from detectors import load_detector  # noqa: E402
@@ -206,15 +204,6 @@ def test_a_bad_request_is_one_line_and_the_engine_goes_on(engine, extra, message
 
 
 # ---- vllm serve --------------------------------------------------------------------------------------------------
-
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served, registry, tmp_path):
