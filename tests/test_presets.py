@@ -64,7 +64,7 @@ def test_applied_preset_is_params_yaml_with_the_preset_values_and_its_comments(a
     assert {key: leaves_of(written)[key] for key in untouched} == untouched  # "yes" and "no" words stay strings
     text = applied.read_text(encoding="utf-8")
     assert text.startswith(PARAMS.read_text(encoding="utf-8").splitlines()[0])
-    assert "  limit: 3200             # questions sampled deterministically by id hash (null = all)\n" in text
+    assert "  limit: 3600             # questions sampled deterministically by id hash (null = all)\n" in text
 
 
 def leaves_of(tree: dict) -> dict:

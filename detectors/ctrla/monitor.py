@@ -74,16 +74,21 @@ class ConfidenceMonitor:
         self._chunks: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
         self._step: list[torch.Tensor] = []
 
+    def project(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``r·v_l`` of every position of ``hidden`` (the residual stream after block ``layer``), in float32: the one
+        projection, for this monitor's hooks and for a serving engine's (:mod:`detectors.serving.engine`)."""
+        v = self.vectors[layer]
+        if v.device != hidden.device:
+            v = self.vectors[layer] = v.to(hidden.device)
+        return hidden.detach().float() @ v
+
     def _record(self, layer: int, hidden: torch.Tensor) -> None:
         if hidden.shape[1] == 1:  # a decoding step: every monitored layer is projected at once, after the last one
             self._step.append(hidden.detach())
             if len(self._step) == len(self.layers):
                 self._project_step()
             return
-        v = self.vectors[layer]
-        if v.device != hidden.device:
-            v = self.vectors[layer] = v.to(hidden.device)
-        self._chunks[layer].append(hidden.detach().float() @ v)
+        self._chunks[layer].append(self.project(layer, hidden))
 
     def _project_step(self) -> None:
         """One decoding step's projections at every monitored layer in three operations (stack, cast, batched

@@ -101,10 +101,12 @@ class ConfidenceDetector(_CtrlADetector):
     def params(self) -> MonitorParams:
         return from_dict(MonitorParams, self.directions.config["monitor"], "ctrla-confidence.monitor")
 
-    def monitor(self) -> ConfidenceMonitor:
-        """A monitor to attach around generation (``with detector.monitor() as m: ...; m.scores()``)."""
+    def monitor(self, model: torch.nn.Module | None = None) -> ConfidenceMonitor:
+        """A monitor to attach around generation (``with detector.monitor() as m: ...; m.scores()``); ``model``: hook
+        that model's layers instead of the attached LLM's (a serving engine's copy of it)."""
         p = self.params
-        return ConfidenceMonitor(self.require_llm().model, self.directions, self.directions.layers, p.tau, p.clip)
+        model = model if model is not None else self.require_llm().model
+        return ConfidenceMonitor(model, self.directions, self.directions.layers, p.tau, p.clip)
 
     def generate(
         self, question: str, steering: HonestySteering | None = None, max_new_tokens: int | None = None

@@ -19,10 +19,15 @@ from typing import Any
 import torch
 
 
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a causal LM (transformers' ``get_decoder()``; ``.model`` where there is none, as in vLLM's
+    models), holding ``.layers`` and the final ``.norm``."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The transformer blocks whose outputs are the residual stream after layer 1..L."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
+    layers = getattr(decoder(model), "layers", None)
     if layers is None:
         raise ValueError(
             f"{type(model).__name__} has no decoder .layers: layer hooks (real-time capture, CtrlA) need a "
@@ -51,7 +56,7 @@ def hidden_state_indices(layers: list[int], num_layers: int, key: str) -> list[i
 def state_modules(model: torch.nn.Module, indices: list[int]) -> list[torch.nn.Module]:
     """The module whose output is ``hidden_states[i]`` for each index i in 1..L (L is the final norm)."""
     blocks = decoder_layers(model)
-    return [model.get_decoder().norm if i == len(blocks) else blocks[i - 1] for i in indices]
+    return [decoder(model).norm if i == len(blocks) else blocks[i - 1] for i in indices]
 
 
 class LayerTap:

