@@ -76,7 +76,11 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, pipeline):  # n
             assert (
                 "mlflow.parentRunId" not in tags
             )  # flat: the runs table lists every scorer without expanding anything
-            assert tags["dataset"] == dataset and tags["kind"] in {"detector", "baseline"} and tags["llm"]
+            assert (
+                tags["dataset"] == dataset
+                and tags["kind"] in {"detector", "baseline", "trained baseline"}
+                and tags["llm"]
+            )
             assert tags["mlflow.runName"] == f"{tags['detector']} · {tags['level']}"
             rows[tags["level"], tags["detector"]] = {m["key"]: m["value"] for m in run["data"]["metrics"]}
         assert set(rows) == {
@@ -137,8 +141,10 @@ def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline
         assert realtime.threshold == load_detector("dior-realtime", tracking_uri=local_uri, llm=tiny_llm).threshold
         register_stage.main(["--params", str(tmp_path / "params.yaml")])  # the champion rule, through the server
         second = json.loads((tmp_path / "early.json").read_text())["dior-early"]
-        assert second["version"] == 2 and second["alias_moved"]
-        assert int(mlflow.MlflowClient(url, url).get_model_version_by_alias("dior-early", "champion").version) == 2
+        assert second["version"] == 2 and not second["alias_moved"]  # the same scores: a tie waits as challenger
+        client = mlflow.MlflowClient(url, url)
+        assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 1
+        assert int(client.get_model_version_by_alias("dior-early", "challenger").version) == 2
     finally:
         store.configure(local_uri)  # the other tests read the project's store
 

@@ -159,7 +159,7 @@ def test_the_command_line_checks_lists_and_writes(tmp_path, capsys):
     [
         ("qa:\n  limt: 3200\n", "preset {preset} applied to {params}: params: qa.limt = 3200: unknown key"),
         ("rag_eval:\n  corpora: [psgs_w100]\n", "rag_eval.sweep.corpus = 'facts': must be one of rag_eval.corpora"),
-        ("qa:\n  limit:\n    n: 3\n", "preset key qa.limit.n: qa.limit is not a mapping in {params} (1000)"),
+        ("qa:\n  limit:\n    n: 3\n", "preset key qa.limit.n: qa.limit is not a mapping in {params} (1100)"),
         ("- qa\n", "must hold a mapping of params sections"),
         ("qa:\n  source.x: 1\n", "keys are non-empty strings without dots"),
     ],
