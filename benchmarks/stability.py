@@ -1,7 +1,7 @@
 """Do the trained detectors' headline rows survive another training seed? (issue 47, item 7)
 
 In a project where the pipeline ran, the training stages are run again with other first seeds, the sets built once:
-each training is a clone of the checkout (its DVC cache shared, ``data/llm`` linked) whose ``train_early`` and
+each training is a copy of the checkout (its DVC cache shared) whose ``train_early`` and
 ``train_realtime`` seeds are moved, then ``dvc repro evaluate`` (the two training stages and the comparison; nothing
 upstream reruns). The run's own training is the first column. Written: ``docs/results/stability.md`` and
 ``benchmarks/results/stability_cpu.json``: every trained detector's test AUROC and interval in each training, the
@@ -60,14 +60,21 @@ def retrain(checkout: Path, seed: int, work: Path) -> dict:
     """Clone ``checkout`` into ``work``, move its training seeds to ``seed`` and rerun the comparison there."""
     clone = work / f"seed-{seed}"
     subprocess.run(["git", "clone", "-q", str(checkout), str(clone)], check=True)
-    (clone / "data").mkdir(exist_ok=True)
-    os.symlink(checkout / "data/llm", clone / "data/llm")
-    shutil.copy(checkout / "params.yaml", clone / "params.yaml")
-    shutil.copy(checkout / "dvc.lock", clone / "dvc.lock")
+    skip = {".git", ".venv", ".dvc"}  # the workspace as the run left it (outputs, metrics, params, dvc.lock)
+    for path in checkout.iterdir():
+        if path.name not in skip:
+            target = clone / path.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+            if path.is_dir() and not path.is_symlink():
+                shutil.copytree(path, target, symlinks=True)
+            else:
+                shutil.copy2(path, target, follow_symlinks=False)
     env = {**os.environ, "PATH": f"{checkout / '.venv/bin'}:{os.environ['PATH']}"}
     run = dict(cwd=clone, env=env, check=True)
     subprocess.run(["dvc", "cache", "dir", "--local", str(checkout / ".dvc/cache")], **run)
-    subprocess.run(["dvc", "checkout", "-q"], **run)
     (clone / "params.yaml").write_text(with_seed((clone / "params.yaml").read_text(), seed))
     print(f"seed {seed}: dvc repro evaluate in {clone}", flush=True)
     subprocess.run(["dvc", "repro", "evaluate"], **run)

@@ -1,0 +1,34 @@
+"""benchmarks.stability: the seeds it moves and the spread it reports (its retraining is a whole pipeline run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.stability import spread, with_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_with_seed_moves_the_two_training_seeds_and_nothing_else():
+    text = (ROOT / "params.yaml").read_text(encoding="utf-8")
+    before, after = yaml.safe_load(text), yaml.safe_load(with_seed(text, 100))
+    for section in ("train_early", "train_realtime"):
+        assert after[section]["training"]["seed"] == 100
+        after[section]["training"]["seed"] = before[section]["training"]["seed"]
+    assert after == before  # the utility trigger and every other key keep theirs
+    with pytest.raises(SystemExit, match="no train_early.training.seed"):
+        with_seed("train_realtime:\n  training:\n    seed: 0\n", 1)
+
+
+def test_a_row_is_stable_when_its_spread_is_below_half_the_narrowest_interval():
+    trainings = {
+        "a": {"rows": {"early · question · dior-early": [0.70, 0.60, 0.80], "x": [0.5, 0.4, 0.6]}},
+        "b": {"rows": {"early · question · dior-early": [0.74, 0.66, 0.82], "x": [0.9, 0.8, 1.0]}},
+    }
+    rows = {r["row"]: r for r in spread(trainings)}
+    assert rows["early · question · dior-early"]["spread"] == pytest.approx(0.04)
+    assert rows["early · question · dior-early"]["half_interval"] == pytest.approx(0.08)
+    assert rows["early · question · dior-early"]["stable"] and not rows["x"]["stable"]
