@@ -56,22 +56,29 @@ def training(checkout: Path) -> dict:
     }
 
 
+def copy(path: Path, target: Path) -> None:
+    """``path`` (a file, a link or a directory) copied over ``target``."""
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+    if path.is_dir() and not path.is_symlink():
+        shutil.copytree(path, target, symlinks=True)
+    else:
+        shutil.copy2(path, target, follow_symlinks=False)
+
+
 def retrain(checkout: Path, seed: int, work: Path) -> dict:
     """Clone ``checkout`` into ``work``, move its training seeds to ``seed`` and rerun the comparison there."""
     clone = work / f"seed-{seed}"
     subprocess.run(["git", "clone", "-q", str(checkout), str(clone)], check=True)
     skip = {".git", ".venv", ".dvc"}  # the workspace as the run left it (outputs, metrics, params, dvc.lock)
     for path in checkout.iterdir():
-        if path.name not in skip:
-            target = clone / path.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-            if path.is_dir() and not path.is_symlink():
-                shutil.copytree(path, target, symlinks=True)
-            else:
-                shutil.copy2(path, target, follow_symlinks=False)
+        if path.name not in skip and path.name != "data":
+            copy(path, clone / path.name)
+    for path in (checkout / "data").iterdir():  # the MLflow store left out: its own, fresh (the run's may be in use)
+        if path.name != "mlflow":
+            copy(path, clone / "data" / path.name)
     env = {**os.environ, "PATH": f"{checkout / '.venv/bin'}:{os.environ['PATH']}"}
     run = dict(cwd=clone, env=env, check=True)
     subprocess.run(["dvc", "cache", "dir", "--local", str(checkout / ".dvc/cache")], **run)
