@@ -69,20 +69,22 @@ def copy(path: Path, target: Path) -> None:
 
 
 def retrain(checkout: Path, seed: int, work: Path) -> dict:
-    """Clone ``checkout`` into ``work``, move its training seeds to ``seed`` and rerun the comparison there."""
+    """Copy ``checkout`` into ``work``, move its training seeds to ``seed`` and rerun the comparison there (a copy
+    left by a stopped run is resumed)."""
     clone = work / f"seed-{seed}"
-    subprocess.run(["git", "clone", "-q", str(checkout), str(clone)], check=True)
-    skip = {".git", ".venv", ".dvc"}  # the workspace as the run left it (outputs, metrics, params, dvc.lock)
-    for path in checkout.iterdir():
-        if path.name not in skip and path.name != "data":
-            copy(path, clone / path.name)
-    for path in (checkout / "data").iterdir():  # the MLflow store left out: its own, fresh (the run's may be in use)
-        if path.name != "mlflow":
-            copy(path, clone / "data" / path.name)
     env = {**os.environ, "PATH": f"{checkout / '.venv/bin'}:{os.environ['PATH']}"}
     run = dict(cwd=clone, env=env, check=True)
-    subprocess.run(["dvc", "cache", "dir", "--local", str(checkout / ".dvc/cache")], **run)
-    (clone / "params.yaml").write_text(with_seed((clone / "params.yaml").read_text(), seed))
+    if not (clone / ".dvc").is_dir():  # a copy made before (a stopped run) is resumed: dvc reruns what is missing
+        subprocess.run(["git", "clone", "-q", str(checkout), str(clone)], check=True)
+        skip = {".git", ".venv", ".dvc"}  # the workspace as the run left it (outputs, metrics, params, dvc.lock)
+        for path in checkout.iterdir():
+            if path.name not in skip and path.name != "data":
+                copy(path, clone / path.name)
+        for path in (checkout / "data").iterdir():  # the MLflow store left out: its own (the run's may be in use)
+            if path.name != "mlflow":
+                copy(path, clone / "data" / path.name)
+        subprocess.run(["dvc", "cache", "dir", "--local", str(checkout / ".dvc/cache")], **run)
+        (clone / "params.yaml").write_text(with_seed((clone / "params.yaml").read_text(), seed))
     print(f"seed {seed}: dvc repro evaluate in {clone}", flush=True)
     subprocess.run(["dvc", "repro", "evaluate"], **run)
     return training(clone)
@@ -156,19 +158,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainings = {f"seed {seed[1]} (the run)": training(checkout)}
     work = args.work or Path(tempfile.mkdtemp(prefix="stability-"))
-    for s in args.seeds:
-        trainings[f"seed {s}"] = retrain(checkout, s, work)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    result = {
-        "commit": commit.stdout.strip(),
-        "trainings": trainings,
-        "rows": spread(trainings),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.page.write_text(markdown(result))
-    print(markdown(result))
+    for s in args.seeds:  # the page is written after each training, so a stopped run keeps what it measured
+        trainings[f"seed {s}"] = retrain(checkout, s, work)
+        result = {
+            "commit": commit.stdout.strip(),
+            "trainings": trainings,
+            "rows": spread(trainings),
+            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.page.write_text(markdown(result))
+        print(markdown(result), flush=True)
 
 
 if __name__ == "__main__":
