@@ -414,3 +414,40 @@ def test_results_comments_name_files_a_run_writes(page):
         )
     ]
     assert not unknown, f"{page.relative_to(ROOT)}: results comments name files no run writes: {unknown}"
+
+
+NUMBER = re.compile(r"(?<![\w.])[+\-−]?\d+\.\d+(?![\w.])")
+
+
+def headline_claims() -> list[tuple[str, str, list[str]]]:
+    """The README's headline bullets: (first words, text without its comment, files its results comment names)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Headline results", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for bullet in re.split(r"\n(?=- )", section)[1:]:
+        comment = RESULTS.search(bullet)
+        files = RESULT_FILE.findall(comment["sources"]) if comment else []
+        out.append((bullet[:40], RESULTS.sub("", bullet), files))
+    return out
+
+
+def test_every_headline_number_is_in_the_results_file_its_comment_names():
+    """A headline number is copied from a committed results file, so a rerun that changes it cannot leave the README
+    behind: each number with decimals of a bullet equals, at the README's precision, a number of the files its
+    ``<!-- results -->`` comment names (results pages and benchmark results, which are committed)."""
+    claims = headline_claims()
+    assert claims and all(files for _, _, files in claims), "every headline bullet names its results files"
+    problems = []
+    for head, text, files in claims:
+        missing = [f for f in files if not (ROOT / f).is_file()]
+        if missing:
+            problems.append(f"{head!r}: names files that are not committed: {missing}")
+            continue
+        values = [
+            float(v.replace("−", "-")) for f in files for v in NUMBER.findall((ROOT / f).read_text(encoding="utf-8"))
+        ]
+        for number in NUMBER.findall(text):
+            x, decimals = float(number.replace("−", "-")), len(number.split(".")[1])
+            if not any(abs(v - x) <= 0.5 * 10**-decimals + 1e-9 for v in values):
+                problems.append(f"{head!r}: {number} is in none of {files}")
+    assert not problems, "\n".join(problems)
