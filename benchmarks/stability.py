@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 SECTIONS = ("train_early", "train_realtime")
 PAGE = Path("docs/results/stability.md")
@@ -153,10 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     checkout = args.checkout.resolve()
-    seed = re.search(
-        r"^train_early:.*\n(?:(?:[ #].*)?\n)*?    seed: (\d+)", (checkout / "params.yaml").read_text(), re.M
-    )
-    trainings = {f"seed {seed[1]} (the run)": training(checkout)}
+    seed = yaml.safe_load((checkout / "params.yaml").read_text())["train_early"]["training"]["seed"]
+    trainings = {f"seed {seed} (the run)": training(checkout)}
     work = args.work or Path(tempfile.mkdtemp(prefix="stability-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
     for s in args.seeds:  # the page is written after each training, so a stopped run keeps what it measured
