@@ -1,14 +1,17 @@
 """The RAG evaluation as Markdown (shaped like DioR's Tables 1–4: metrics as rows, configurations as columns, one
 block per corpus) and in MLflow (one run per corpus × configuration with the same metric names, one per swept
 trigger), from the metrics ``summarise`` gives, each configuration's paired differences to the reference configurations
-(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives; and at a glance, as the stage's ``dvc metrics``
-(:func:`headline`)."""
+(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives; at a glance, as the stage's ``dvc metrics``
+(:func:`headline`); and the curves (CSV) and prompts (JSON lines) files."""
 
 from __future__ import annotations
 
+import csv
+import json
 import math
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -377,3 +380,34 @@ def log_rag_runs(
         if old.info.run_id not in new:
             client.delete_run(old.info.run_id)
     return new
+
+
+def write_curves(path: str | Path, curves: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["trigger", "threshold", "retrieval_rate", "accuracy"])
+        writer.writeheader()
+        for c in curves.values():
+            writer.writerows(c.rows())
+
+
+def write_prompts(path: str | Path, lines: dict[str, dict[str, list[dict]]], sample_size: int) -> None:
+    """Every prompt of the first ``sample_size`` questions of each corpus × configuration, one JSON line each."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for corpus, configs in lines.items():
+            for name, results in configs.items():
+                for line in results[:sample_size]:
+                    f.write(
+                        json.dumps(
+                            {
+                                "corpus": corpus,
+                                "configuration": name,
+                                "id": line["id"],
+                                "prompts": line.get("prompts", []),
+                            }
+                        )
+                        + "\n"
+                    )

@@ -139,12 +139,6 @@ class TriggerSettings:
     ctrla: Any = None
 
 
-def _spacy(model: str):
-    import spacy
-
-    return spacy.load(model)
-
-
 def check_threshold(trigger: Trigger, value: float, key: str) -> None:
     """A fixed threshold of ``trigger`` must lie in the range of its scores (a finite value outside it would make the
     trigger fire always or never; use inf to never retrieve)."""
