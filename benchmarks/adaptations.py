@@ -119,6 +119,7 @@ class GeneratedOnlyRindCalculator(RindCalculator):
             v.stats["rind_generated"] = trace.rind
 
 
+# CtrlA's Prompt B.1 with the two exemplars the paper prints
 TVQ = (
     "Given a question and its corresponding answer segment, your task is to generate a search query based on the "
     "answer to verify its correctness by following the guidelines:\n1. The search query must be short, concise and "
@@ -130,7 +131,7 @@ TVQ = (
     "Question: When did Toronto host the MLB all-star game?\nAnswer: Toronto has hosted the Major League Baseball "
     "(MLB) All-Star Game several times throughout its history.\nSearch query: What years did Toronto host the MLB "
     "All-Star Game?\nQuestion: {question}\nAnswer: {answer}\nSearch query:"
-)  # CtrlA's Prompt B.1 with the two exemplars the paper prints
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +169,8 @@ class ReleasedQfsQuery(QfsQuery):
     name: str = "qfs-released"
 
     def _with_attention(self, llm, q, context: list[int], attention) -> str:
-        return qfs_query(
-            llm, context, max(len(context) - 2, 0), self.top_n, self.stopwords, attention
-        )  # causal: row i-1 of the same matrix
+        # causal: row i-1 of the same matrix
+        return qfs_query(llm, context, max(len(context) - 2, 0), self.top_n, self.stopwords, attention)
 
 
 SIT_REPAIR = (

@@ -141,9 +141,8 @@ class RealtimeDetector(Detector):
     prompt: RealtimePromptParams
     spacy_model: str
     fingerprint: Fingerprint
-    llm_ref: dict[
-        str, Any
-    ]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    llm_ref: dict[str, Any]
     info: dict[str, Any]
     llm: LLM | None = None
     _nlp: Any = None

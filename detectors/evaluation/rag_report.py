@@ -44,10 +44,11 @@ ROWS = (  # metric key, row label, format
     ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
     ("accuracy_vs_versus", "Acc − the row it isolates a step against [95% CI]", DELTA),
 )
+# AdaRAGUE's view against always retrieving (:func:`versus_always`)
 TRADE = (
     "retrievals_saved_vs_always",
     "accuracy_lost_vs_always",
-)  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
+)
 TRADE_ROW = "vs always retrieve: retrievals saved at its accuracy or more, else accuracy lost"
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
 SWEEP_METRICS = (

@@ -266,13 +266,14 @@ class RagRuntime:
         training-free; ``detector``: trained)."""
         specs = list(dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if t != "always"))
         triggers = [self.trigger(t, corpus) for t in specs]
+        # the query is the job's (the question)
         rag = RagLoop(
             self.llm,
             self.retriever(corpus),
             self.rag_config("sweep", max_retrievals=1),
             triggers,
             shared=self.states(None),
-        )  # the query is the job's (the question)
+        )
         self._built(rag, None)
 
         def answer(questions: list[str], records: list[bool]) -> list[dict]:
