@@ -71,7 +71,7 @@ from detectors.rag.kinds.ctrla import CtrlACalculator
 from detectors.rag.kinds.rind import RindCalculator
 from detectors.rag.kinds.sit import EntityCalculator
 from detectors.rag.queries import QfsQuery, qfs_query
-from pipelines._rag_runtime import RagRuntime
+from detectors.rag.runtime import RagRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,6 +119,7 @@ class GeneratedOnlyRindCalculator(RindCalculator):
             v.stats["rind_generated"] = trace.rind
 
 
+# CtrlA's Prompt B.1 with the two exemplars the paper prints
 TVQ = (
     "Given a question and its corresponding answer segment, your task is to generate a search query based on the "
     "answer to verify its correctness by following the guidelines:\n1. The search query must be short, concise and "
@@ -130,7 +131,7 @@ TVQ = (
     "Question: When did Toronto host the MLB all-star game?\nAnswer: Toronto has hosted the Major League Baseball "
     "(MLB) All-Star Game several times throughout its history.\nSearch query: What years did Toronto host the MLB "
     "All-Star Game?\nQuestion: {question}\nAnswer: {answer}\nSearch query:"
-)  # CtrlA's Prompt B.1 with the two exemplars the paper prints
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +169,8 @@ class ReleasedQfsQuery(QfsQuery):
     name: str = "qfs-released"
 
     def _with_attention(self, llm, q, context: list[int], attention) -> str:
-        return qfs_query(
-            llm, context, max(len(context) - 2, 0), self.top_n, self.stopwords, attention
-        )  # causal: row i-1 of the same matrix
+        # causal: row i-1 of the same matrix
+        return qfs_query(llm, context, max(len(context) - 2, 0), self.top_n, self.stopwords, attention)
 
 
 SIT_REPAIR = (
@@ -324,7 +324,7 @@ def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, 
     from detectors.evaluation.answer_metrics import accuracy, summarise
     from detectors.evaluation.bootstrap import paired_mean_delta
 
-    config, out = rag.configurations[variant.configuration], {}
+    out = {}
     for corpus in rag.corpora:
         own = thresholds[corpus][variant.configuration]
         answered = []
@@ -332,7 +332,7 @@ def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, 
             runtime.changes = dict([variant.trigger]) if changed and variant.trigger else {}
             runtime.query_change = variant.query if changed else None
             answered.append(
-                runtime.loop(variant.configuration, config, corpus, own)[0](questions, [False] * len(questions))
+                runtime.configuration(variant.configuration, corpus, own).answer(questions, [False] * len(questions))
             )
         runtime.changes, runtime.query_change = {}, None
         runtime.forget_states()
@@ -375,8 +375,9 @@ def run_score(runtime: VariantRuntime, variant: Score, rag, questions, refs) -> 
         configurations={"variant": dataclasses.replace(next(iter(configured.configurations.values())), triggers=specs)},
     )
     try:
-        sweep, kinds, _ = runtime.sweep_loop(corpus)
-        lines = sweep(questions, refs)
+        sweep = runtime.sweep("sweep", corpus, dict(zip(questions, refs)))
+        lines = sweep.answer(questions, [False] * len(questions))
+        kinds = sweep.key["triggers"]
     finally:
         runtime.params, runtime.variants = configured, {}
         runtime.forget_states()
@@ -419,10 +420,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import pandas as pd
 
-    from pipelines import rag_eval as stage
-    from pipelines._stage import stage_params
+    from detectors.config import StageParams
+    from detectors.rag.experiment import split_questions
 
-    p = stage_params(stage.__doc__, ["--params", args.params], stage.READS, "rag_eval")
+    p = StageParams.of("rag_eval", args.params)
     rag = p["rag_eval"]
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{metrics} is missing: run `dvc repro rag_eval` first (the variants run at the thresholds it chose)"
         )
     thresholds = json.loads(metrics.read_text())["thresholds"]
-    rows = stage.split_questions(pd.read_parquet(p["paths.qa"]), "val")
+    rows = split_questions(pd.read_parquet(p["paths.qa"]), "val")
     rows = rows.head(args.questions) if args.questions else rows
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
     runtime = VariantRuntime(p)

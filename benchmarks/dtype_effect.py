@@ -82,13 +82,13 @@ def comparison(a: Path, b: Path) -> list[dict]:
             f, d = (early[run][early[run]["split"] == "test"][["id", "label", r["scorer"]]].dropna() for run in (a, b))
             m = f.merge(d, on="id", suffixes=("_f", "_d"))
             lf, ld = m["label_f"].to_numpy(int), m["label_d"].to_numpy(int)
+            # as the comparison ranked them
             sf, sd = (
                 m[f"{r['scorer']}_f"].to_numpy(float),
                 m[f"{r['scorer']}_d"].to_numpy(float),
-            )  # as the comparison ranked them
-            delta, low, high = paired_bootstrap_delta(
-                ld, sd, sf, reference_labels=lf
-            )  # the same resampled questions, each run's labels
+            )
+            # the same resampled questions, each run's labels
+            delta, low, high = paired_bootstrap_delta(ld, sd, sf, reference_labels=lf)
             row |= {"paired_questions": len(m), "delta_auroc": delta, "delta_ci": [low, high]}
         out.append(row)
     return out
@@ -117,9 +117,8 @@ def rag(a: Path, b: Path) -> list[dict]:
                 out.append(row)
                 continue
             m = f.merge(d, on="id", suffixes=("_f", "_d"))
-            cf = np.array(
-                [accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_f"])], dtype=float
-            )  # the table's containment
+            # the table's containment
+            cf = np.array([accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_f"])], dtype=float)
             cd = np.array([accuracy(p, list(qa[i])) for i, p in zip(m["id"], m["answer_d"])], dtype=float)
             delta, low, high = paired_mean_delta(cd, cf)
             row |= {

@@ -8,9 +8,10 @@ once, by the stages that write the results), every configuration of ``rag_eval``
 corpus (a configuration without triggers on the first corpus only, as the stage does), every framework (RetroRAG) and
 the accuracy vs retrieval-rate sweep answer the questions on each side:
 
-* **reference**: the code of ``--reference`` (a git commit, default ``f91a37a``: before the loop shared prompts'
-  states across configurations and RetroRAG reused its prefixes), checked out into a temporary git worktree and run in
-  a child process, in the dtype it chose by default (float32 on a CPU);
+* **reference**: the code of ``--reference`` (a git commit at or after the one that moved the RAG runtime into the
+  library, ``detectors.rag.runtime``: this file drives both sides through its API; earlier results, against
+  ``f91a37a``, are in ``benchmarks/results/``), checked out into a temporary git worktree and run in a child process,
+  in the dtype it chose by default;
 * **ours**: this checkout, in each dtype of ``--dtypes`` (default ``auto``, the new default, then ``float32``, the
   reference's, so that the answers can be compared with the same arithmetic).
 
@@ -20,7 +21,7 @@ corpus one after another on the same questions (as the stage's question-major sh
 and how many answers and retrieval traces (trigger, position, queries, passages) are identical; overall, the ratio of
 the total times. Timings are reported, never asserted. Run nothing else on the machine meanwhile.
 
-Run: ``python -m benchmarks.rag_speed [--questions N] [--reference COMMIT] [--dtypes auto float32] [--out PATH]`` after
+Run: ``python -m benchmarks.rag_speed --reference COMMIT [--questions N] [--dtypes auto float32] [--out PATH]`` after
 ``dvc repro rag_eval``.
 """
 
@@ -47,12 +48,6 @@ def trace(line: dict) -> list:
     )
 
 
-def first(result):
-    """The answer function (or sweep) of a runtime call, whichever commit's API returned it (with or without its code
-    digest and kinds)."""
-    return result[0] if isinstance(result, tuple) else result
-
-
 def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | None) -> dict:
     """Answer the questions with the importable code (this checkout, or the reference worktree) in ``dtype``."""
     import dataclasses
@@ -60,14 +55,14 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
     import pandas as pd
     import torch
 
-    from pipelines import rag_eval as stage
-    from pipelines._rag_runtime import RagRuntime
-    from pipelines._stage import stage_params
+    from detectors.config import StageParams
+    from detectors.rag.experiment import split_questions
+    from detectors.rag.runtime import RagRuntime
 
-    p = stage_params(stage.__doc__, ["--params", params_path], stage.READS, "rag_eval")
+    p = StageParams.of("rag_eval", params_path)
     object.__setattr__(p["llm"], "dtype", dtype) if dataclasses.is_dataclass(p["llm"]) else None
     rag = p["rag_eval"]
-    rows = stage.split_questions(pd.read_parquet(p["paths.qa"]), "val").head(n)
+    rows = split_questions(pd.read_parquet(p["paths.qa"]), "val").head(n)
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():
@@ -93,18 +88,18 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
             continue
         start = time.perf_counter()
         if name == SWEEP:
-            sweep = first(runtime.sweep_loop(corpus))
+            sweep = runtime.sweep(SWEEP, corpus, dict(zip(questions, refs)))
             start = time.perf_counter()
-            lines = sweep(questions, refs)
+            lines = sweep.answer(questions, [False] * len(questions))
             answers = [{"answer": line["never_answer"], "retrievals": [], "after": line["answers"]} for line in lines]
         else:
             made = (
                 runtime.framework(name, corpus)
                 if name in rag.frameworks
-                else runtime.loop(name, rag.configurations[name], corpus, own(thresholds[corpus], name))
+                else runtime.configuration(name, corpus, own(thresholds[corpus], name))
             )
             start = time.perf_counter()
-            answers = first(made)(questions, [False] * len(questions))
+            answers = made.answer(questions, [False] * len(questions))
         seconds = time.perf_counter() - start
         out["units"][f"{corpus} · {name}"] = {
             "seconds": seconds,
@@ -176,7 +171,7 @@ def compare(reference: dict, ours: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--questions", type=int, default=32, help="test questions (the first of rag_eval's sample)")
-    parser.add_argument("--reference", default="f91a37a", help="git commit of the reference code")
+    parser.add_argument("--reference", required=True, help="git commit of the reference code")
     parser.add_argument("--dtypes", nargs="+", default=["auto", "float32"], help="llm.dtype of our side, one run each")
     parser.add_argument("--only", nargs="*", help="configurations and frameworks to run (default: all, and the sweep)")
     parser.add_argument("--params", default="params.yaml")

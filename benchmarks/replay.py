@@ -80,11 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/replay.json"))
     args = parser.parse_args(argv)
 
-    from pipelines import rag_eval as stage
-    from pipelines._rag_runtime import RagRuntime
-    from pipelines._stage import stage_params
+    from detectors.config import StageParams
+    from detectors.rag.runtime import RagRuntime
 
-    p = stage_params(stage.__doc__, ["--params", args.params], stage.READS, "rag_eval")
+    p = StageParams.of("rag_eval", args.params)
     rag = p["rag_eval"]
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():
@@ -104,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
             runtime.forget_loops()
             if name in rag.frameworks:
                 stored = stored_lines(runs / name, args.questions)
-                answer, _ = runtime.framework(name, corpus)
+                answer = runtime.framework(name, corpus).answer
             else:
                 chosen = tuning[corpus][name]
                 stored = stored_lines(runs / "tune-val" / name / str(chosen["chosen"]), args.questions)
-                answer, _ = runtime.loop(name, rag.configurations[name], corpus, chosen["thresholds"])
+                answer = runtime.configuration(name, corpus, chosen["thresholds"]).answer
             questions = [line["question"] for line in stored]
             began = time.perf_counter()
             runtime.references(corpus, questions)

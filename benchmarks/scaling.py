@@ -1,7 +1,8 @@
 """Throughput of the build_early stage vs the number of Ray workers, and what the merge costs.
 
-Runs the real stage (``pipelines.build_early``: shards, resume key, workers writing shards, the merge into one
-parquet) on the first ``--questions`` questions of ``paths.qa``, in shards of ``--shard-size``, once with the
+Runs the real stage (``python -m pipelines.build_early`` in its own process, as DVC does, start-up included: shards,
+resume key, workers writing shards, the merge into one parquet) on the first ``--questions`` questions of
+``paths.qa``, in shards of ``--shard-size``, once with the
 ``local`` backend and once per ``--workers`` count with the ``ray`` backend (a Ray of its own started for each run,
 as ``execution.address: null`` does). Per run it reports the stage's wall time, questions/s, the speed-up over
 ``local`` and over one Ray worker, and the merge (reading every shard and writing the stage's parquet, timed again
@@ -24,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +39,6 @@ import yaml
 from detectors.io import write_json
 from detectors.llm.loading import prepare_llm
 from detectors.shards import ShardStore
-from pipelines import build_early
 
 
 def random_checkpoint(shape: str, tokenizer_dir: str, out: Path) -> str:
@@ -67,7 +69,7 @@ def run_stage(base: dict, scratch: Path, name: str, execution: dict) -> tuple[fl
     path = scratch / f"{name}.yaml"
     path.write_text(yaml.safe_dump(params))
     start = time.perf_counter()
-    build_early.main(["--params", str(path)])
+    subprocess.run([sys.executable, "-m", "pipelines.build_early", "--params", str(path)], check=True)
     wall = time.perf_counter() - start
     n, size = len(pd.read_parquet(params["paths"]["qa"])), params["build_early"]["shard_size"]
     start = time.perf_counter()

@@ -1,12 +1,13 @@
-"""Seconds of the training stages on the test suite's fixtures: ``train_early`` and ``train_realtime`` run as stages on
-the tiny pipeline of ``tests/test_pipeline.py`` (the tiny Llama, the hand-made QA and article fixtures), and the
-utility trigger's training (:func:`~detectors.utility.detector.train_utility_detector`) on that pipeline's early set
-with planted utility labels (the tiny Llama never learnt to read passages: ``build_utility`` gives it nothing to learn).
+"""Seconds of the training stages on the test suite's fixtures: ``train_early`` and ``train_realtime`` run as stages
+(each in its own process, as DVC runs it, start-up included) on the tiny pipeline of ``tests/test_pipeline.py`` (the
+tiny Llama, the hand-made QA and article fixtures), and the utility trigger's training
+(:func:`~detectors.utility.detector.train_utility_detector`) on that pipeline's early set with planted utility labels
+(the tiny Llama never learnt to read passages: ``build_utility`` gives it nothing to learn).
 
 What it measures: how much the trainers' own work (several seeds, candidates, the choice) costs beside each other on
-the same machine; a fixture's seconds are mostly Lightning's per-fit overhead. Each stage runs ``--repeats`` times; the
-medians of the wall and of the process's CPU seconds (all its threads: less sensitive to other jobs on the machine) are
-reported with the machine, its load and the seeds per detector.
+the same machine; a fixture's seconds are mostly Lightning's per-fit overhead. Each stage runs ``--repeats`` times;
+the medians of the wall and of the stage process's CPU seconds (all its threads: less sensitive to other jobs on the
+machine) are reported with the machine, its load and the seeds per detector.
 
 Run: ``python -m benchmarks.train_time [--repeats 3] [--out benchmarks/results/train_time_cpu.json]``
 """
@@ -18,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -54,6 +56,18 @@ def utility_rows(early: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def run_stage(name: str) -> tuple[float, float]:
+    """Stage ``name`` as DVC runs it (``python -m pipelines.<name>`` in its own process, start-up included) in the
+    current directory: its wall and CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    command = [sys.executable, "-m", f"pipelines.{name}", "--params", "params.yaml"]
+    subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -67,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
     from detectors.config.schema import EarlyFeatureParams, TrainingParams
     from detectors.llm.loading import prepared_reference
     from detectors.utility.detector import train_utility_detector
-    from pipelines import build_early, build_realtime, prepare, prepare_articles, train_early, train_realtime
 
     seconds: dict[str, list[float]] = {"train_early": [], "train_realtime": [], "train_utility": []}
     cpu: dict[str, list[float]] = {name: [] for name in seconds}
@@ -83,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             if "seeds" in shipped[section]["training"]:
                 raw[section]["training"]["seeds"] = shipped[section]["training"]["seeds"]
         Path("params.yaml").write_text(yaml.safe_dump(raw))
-        for stage in (prepare, prepare_articles, build_early, build_realtime):
-            stage.main(["--params", "params.yaml"])
+        for stage in ("prepare", "prepare_articles", "build_early", "build_realtime"):
+            run_stage(stage)
         utility = dict(raw["train_early"]["training"])  # the tests' sizes, with the utility trigger's own seeds
         utility.pop("seeds", None)
         utility |= {k: v for k, v in raw["train_utility"]["training"].items() if k == "seeds"}
@@ -93,11 +106,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = utility_rows(pd.read_parquet("data/early/early.parquet"))
         fingerprint, llm_ref = prepared_reference("data/llm")
         for _ in range(args.repeats):
-            for name, stage in (("train_early", train_early), ("train_realtime", train_realtime)):
-                start, start_cpu = time.perf_counter(), time.process_time()
-                stage.main(["--params", "params.yaml"])
-                seconds[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - start_cpu)
+            for name in ("train_early", "train_realtime"):
+                wall, used = run_stage(name)
+                seconds[name].append(wall)
+                cpu[name].append(used)
             start, start_cpu = time.perf_counter(), time.process_time()
             train_utility_detector(
                 rows,

@@ -6,6 +6,7 @@ logged detector's pip requirements are all computed from it.
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,3 +82,21 @@ def import_closure(
                 files.add(path)
                 todo.extend(imported_modules(path, top_level_only=prefix in lazy))
     return {p.relative_to(root) for p in files}, external
+
+
+def files_digest(files: Iterable[Path], root: Path = ROOT) -> str:
+    """SHA-256 (shortened) of the names and bytes of project ``files`` (relative to ``root``)."""
+    digest = hashlib.sha256()
+    for rel in sorted(files):
+        digest.update(f"{rel.as_posix()}\0".encode())
+        digest.update((root / rel).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def closure_digest(
+    modules: Iterable[str], lazy: Iterable[str] = (), packages: Iterable[str] = ("detectors",), root: Path = ROOT
+) -> str:
+    """:func:`files_digest` of the files of ``packages`` that importing ``modules`` loads, the function-level imports
+    and registry entries of the ``lazy`` modules (modules that dispatch by name) not followed: the code of one
+    computation, not of everything that could run beside it."""
+    return files_digest(import_closure(sorted(set(modules)), packages, root, lazy)[0], root)

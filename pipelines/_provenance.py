@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import importlib.metadata
 import logging
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 from detectors.config.sections import section_modules
 from detectors.errors import InputError
 from detectors.execution import LLMSpec
-from detectors.imports import ROOT, import_closure, module_file
+from detectors.imports import ROOT, files_digest, import_closure, module_file
 from detectors.io import file_digest
 from detectors.shards import FailureBudget, ShardStore
 
@@ -147,22 +146,7 @@ def dvc_yaml(root: Path = ROOT) -> str:
 
 def code_digest(module: str, root: Path = ROOT) -> str:
     """SHA-256 (shortened) of the names and bytes of every file in ``module``'s import closure."""
-    digest = hashlib.sha256()
-    for rel in sorted(stage_closure(module, root)):
-        digest.update(f"{rel.as_posix()}\0".encode())
-        digest.update((root / rel).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def closure_digest(modules: Iterable[str], lazy: Iterable[str] = (), root: Path = ROOT) -> str:
-    """SHA-256 (shortened) of the names and bytes of the project files that importing ``modules`` loads, the
-    function-level imports and registry entries of the ``lazy`` modules (modules that dispatch by name) not followed:
-    the code of one computation, not of everything its stage can run."""
-    digest = hashlib.sha256()
-    for rel in sorted(import_closure(sorted(set(modules)), PACKAGES, root, lazy)[0]):
-        digest.update(f"{rel.as_posix()}\0".encode())
-        digest.update((root / rel).read_bytes())
-    return digest.hexdigest()[:16]
+    return files_digest(stage_closure(module, root), root)
 
 
 def library_versions(names: Iterable[str]) -> dict[str, str]:

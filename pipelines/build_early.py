@@ -133,9 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     early = params["build_early"]
     table = pd.read_parquet(params["paths.qa"])
     llm = LLMSpec.of(params)
-    hidden_state_indices(
-        early.answer_hidden_layers, llm.key()["num_layers"], "build_early.answer_hidden_layers"
-    )  # fail before any work
+    # fail before any work
+    hidden_state_indices(early.answer_hidden_layers, llm.key()["num_layers"], "build_early.answer_hidden_layers")
     store, budget = open_shards(
         "build_early", early, llm, {"qa": params["paths.qa"]}, LIBRARIES, params["paths.early_shards"], len(table)
     )

@@ -77,9 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     realtime = params["build_realtime"]
     table = pd.read_parquet(params["paths.articles"])
     llm = LLMSpec.of(params)
-    hidden_state_indices(
-        realtime.hidden_layers, llm.key()["num_layers"], "build_realtime.hidden_layers"
-    )  # bad layers fail before any work
+    # bad layers fail before any work
+    hidden_state_indices(realtime.hidden_layers, llm.key()["num_layers"], "build_realtime.hidden_layers")
     inputs = {"articles": params["paths.articles"]}
     store, budget = open_shards(
         "build_realtime", realtime, llm, inputs, LIBRARIES, params["paths.realtime_shards"], len(table)

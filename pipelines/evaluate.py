@@ -142,9 +142,8 @@ def realtime_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     scorers = {
         level: [realtime_detector_scorer(level, seeds=seeds)] + realtime_baselines(level, names) for level in units
     }
-    scorers[Level.CONTINUATION].insert(
-        1, served_scorer(detector.threshold, seeds)
-    )  # what monitor() does: the max over every token
+    # what monitor() does: the max over every token
+    scorers[Level.CONTINUATION].insert(1, served_scorer(detector.threshold, seeds))
     served = served_behaviour(frame, mlp, detector.threshold) | {"tokens": detector.info.get("tokens")}
     write_json(params["paths.served_metrics"], served)
     log.info("served real-time detector on the test split: %s", served)

@@ -110,9 +110,8 @@ class ConceptWorker:
 def main(argv: list[str] | None = None) -> None:
     params = stage_params(__doc__, argv, READS, "extract_directions")
     directions = params["extract_directions"]
-    statements = {
-        c: load_statements(getattr(directions, c).statements, params["paths.qa"]) for c in CONCEPTS
-    }  # fail early
+    # fail early
+    statements = {c: load_statements(getattr(directions, c).statements, params["paths.qa"]) for c in CONCEPTS}
     worker = functools.partial(ConceptWorker, LLMSpec.of(params), directions, statements, params["paths.directions"])
     metrics = {CONCEPTS[i]: result for i, result in map_units(CONCEPTS, worker, params["execution"])}
     write_json(params["paths.extract_directions_metrics"], {c: metrics[c] for c in CONCEPTS})

@@ -542,7 +542,7 @@ def test_the_run_files_know_which_version_each_alias_points_to(registry, tiny_ll
     from types import SimpleNamespace
 
     from detectors.config import load_section
-    from pipelines.rag_eval import champion_versions
+    from detectors.rag.experiment import champion_versions
 
     data = copy.deepcopy(PARAMS)
     data["rag_eval"]["configurations"] = {"rt": {"triggers": ["t-realtime@champion"]}}

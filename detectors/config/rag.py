@@ -226,13 +226,11 @@ class RagEvalParams:
     configuration_defaults: dict[str, Any]  # what a configuration row does not give (every key but its triggers)
     configurations: dict[str, RagConfigurationParams]
     frameworks: list[str]  # seed systems that run their own loop (detectors.extensions), one row each
-    thresholds: dict[
-        str, float
-    ]  # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
-    candidate_rates: list[
-        float
-    ]  # besides never, always and the validation curve's most accurate point, the retrieval rates a configuration is
+    # fixed operating thresholds by trigger name; every other one is chosen on the validation questions
+    thresholds: dict[str, float]
+    # besides never, always and the validation curve's most accurate point, the retrieval rates a configuration is
     # tried at
+    candidate_rates: list[float]
     framework_questions: int | None  # the frameworks' fixed sample of the test questions (None: all of them)
     query: RagQueryParams
     sit: SitParams

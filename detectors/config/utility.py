@@ -32,11 +32,12 @@ class BuildUtilityParams:
         check_share(f"{where}.max_failed_share", self.max_failed_share)
 
 
+# per-question early columns (the GRU's attribution sequence is not read)
 UTILITY_PRE_GROUPS = (
     "entropy",
     "first_token",
     "hidden",
-)  # per-question early columns (the GRU's attribution sequence is not read)
+)
 
 
 @dataclasses.dataclass(frozen=True)

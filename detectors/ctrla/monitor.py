@@ -15,6 +15,7 @@ import torch
 
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer
+from detectors.evaluation.metrics import first_hit
 from detectors.llm.decoder import Decoder, Row
 from detectors.llm.kv import batches, forward_rows, prefix_states, shared_prefix_length
 from detectors.llm.layers import LayerTap
@@ -172,11 +173,19 @@ def project_sequences(
 
 
 def pooled_scores(
-    projections: np.ndarray, tau: float = 0.0, clip: float = 3.0, columns: list[int] | None = None
+    projections: np.ndarray | torch.Tensor,
+    tau: float = 0.0,
+    clip: float = 3.0,
+    columns: list[int] | None = None,
+    skip: int = 1,
 ) -> np.ndarray:
-    """Eq. 2 of every position from per-layer projections ``[T, n_layers]``, pooled over ``columns`` (all when None)."""
-    proj = torch.from_numpy(np.ascontiguousarray(projections if columns is None else projections[:, columns]))
-    return running_scores(proj.mean(-1)[None], tau, clip)[0].numpy()
+    """Eq. 2 of every position (:func:`running_scores`) from per-layer projections ``[T, n_layers]`` (an array, or a
+    tensor on any device), pooled over ``columns`` (all when None): the one pooling the monitor's segments, the RAG
+    loop's CtrlA trigger and the offline scores share."""
+    if not isinstance(projections, torch.Tensor):
+        projections = torch.from_numpy(np.ascontiguousarray(projections))
+    proj = projections if columns is None else projections[:, columns]
+    return running_scores(proj.mean(-1)[None], tau, clip, skip)[0].cpu().numpy()
 
 
 def score_sequences(
@@ -225,8 +234,7 @@ def trigger_position(scores, new_content) -> int | None:
     """CtrlA's retrieval trigger T on a generated segment: the first token that is new content (``new_content``: a
     new non-stopword word, :func:`~detectors.llm.words.content_mask`) and :func:`unconfident`; None when T does not
     fire."""
-    hits = np.flatnonzero(unconfident(scores) & np.asarray(new_content, dtype=bool))
-    return int(hits[0]) if len(hits) else None
+    return first_hit(unconfident(scores) & np.asarray(new_content, dtype=bool))
 
 
 def hallucination_score(scores: np.ndarray, mask: list[bool], fallback: float) -> float:
@@ -317,8 +325,8 @@ def generate_segment(
     text = llm.tokenizer.decode(gen, skip_special_tokens=True)
     if monitor is None or not gen:
         return Segment(text, gen, [], [], None, detect_refusal(text, list(refusal_patterns)), question)
-    projections = torch.cat(row.values["ctrla"])[: len(row.prompt) + len(gen)].mean(-1)[None]
-    scores = running_scores(projections, monitor.tau, monitor.clip, monitor.skip)[0, len(row.prompt) :].cpu().numpy()
+    projections = torch.cat(row.values["ctrla"])[: len(row.prompt) + len(gen)]
+    scores = pooled_scores(projections, monitor.tau, monitor.clip, skip=monitor.skip)[len(row.prompt) :]
     mask = new_content(llm.tokenizer, question, context_text, gen)
     return Segment(
         text=text,

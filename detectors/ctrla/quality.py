@@ -100,9 +100,8 @@ class MonitoredSet:
 
     projections: list[np.ndarray]  # per sequence [T, L]: r·v_l at every layer l = 1..L
     starts: list[int]  # position of the first generated (answer) token
-    masks: list[
-        list[bool]
-    ]  # the generated tokens that are new non-stopword words (CtrlA's trigger looks only at these)
+    # the generated tokens that are new non-stopword words (CtrlA's trigger looks only at these)
+    masks: list[list[bool]]
 
     def eq2(self, layers: list[int], tau: float, clip: float) -> list[np.ndarray]:
         """Eq. 2 of every position of each sequence, mean-pooled over ``layers`` (1-based)."""

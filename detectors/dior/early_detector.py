@@ -110,9 +110,8 @@ class EarlyDetector(Detector):
     threshold: float
     features: EarlyFeatureParams
     fingerprint: Fingerprint
-    llm_ref: dict[
-        str, Any
-    ]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    llm_ref: dict[str, Any]
     info: dict[str, Any]
     llm: LLM | None = None
     name: str = KIND

@@ -26,11 +26,12 @@ from detectors.llm.loading import LLM
 from detectors.llm.offsets import entity_tokens, token_offsets
 from detectors.sources.text import normalize_text
 
+# where an entity stands (before the cut and the title: always in the window)
 PARTS = (
     "after_cut",
     "before_cut",
     "title",
-)  # where an entity stands (before the cut and the title: always in the window)
+)
 
 
 @dataclasses.dataclass

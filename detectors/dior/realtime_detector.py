@@ -32,6 +32,7 @@ from detectors.dior.recorder import (
     token_features,
 )
 from detectors.ensemble import per_seed
+from detectors.evaluation.metrics import first_hit
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
@@ -141,9 +142,8 @@ class RealtimeDetector(Detector):
     prompt: RealtimePromptParams
     spacy_model: str
     fingerprint: Fingerprint
-    llm_ref: dict[
-        str, Any
-    ]  # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    # where the training LLM came from and its feature dtype: {"dir", "source", "gguf_file", "dtype"}
+    llm_ref: dict[str, Any]
     info: dict[str, Any]
     llm: LLM | None = None
     _nlp: Any = None
@@ -240,8 +240,7 @@ class RealtimeDetector(Detector):
         return TriggerStop(recorder, self.threshold)
 
     def first_trigger(self, probabilities) -> int | None:
-        hits = np.flatnonzero(np.asarray(probabilities) >= self.threshold)
-        return int(hits[0]) if len(hits) else None
+        return first_hit(np.asarray(probabilities) >= self.threshold)
 
     def keywords(self, gen_ids: list[int], probabilities) -> list[str]:
         """DioR §3.2: the whole words of the generated text's entities whose tokens are none flagged as hallucinated

@@ -47,11 +47,12 @@ COLUMNS = (
     "seed_auroc_sd",
 )
 DELTA = ("delta_auroc", "delta_ci_low", "delta_ci_high", "delta_vs")
+# ours, trained on the train split by the comparison, training-free
 KINDS = (
     "detector",
     "trained baseline",
     "baseline",
-)  # ours, trained on the train split by the comparison, training-free
+)
 TRAINED_BASELINE = KINDS[1]
 DATASETS = ("early", "realtime")  # the test sets compared (the table's ``dataset`` values)
 

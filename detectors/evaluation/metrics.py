@@ -144,6 +144,13 @@ def platt(val_labels, val_scores):
     return fit_logistic(val_scores, val_labels, l2=0.0)
 
 
+def first_hit(hits) -> int | None:
+    """The first position where ``hits`` (booleans: a score at or over a threshold, a token that fires) is true; None
+    when none is: where a trigger fires in a segment."""
+    found = np.flatnonzero(np.asarray(hits, dtype=bool))
+    return int(found[0]) if len(found) else None
+
+
 def trigger_rate(scores, threshold: float) -> float:
     """Share of units whose score reaches ``threshold`` (how often the scorer would fire as a trigger)."""
     return float((np.asarray(scores, dtype=np.float64) >= threshold).mean())

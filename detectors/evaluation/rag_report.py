@@ -1,14 +1,17 @@
 """The RAG evaluation as Markdown (shaped like DioR's Tables 1–4: metrics as rows, configurations as columns, one
 block per corpus) and in MLflow (one run per corpus × configuration with the same metric names, one per swept
 trigger), from the metrics ``summarise`` gives, each configuration's paired differences to the reference configurations
-(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives; and at a glance, as the stage's ``dvc metrics``
-(:func:`headline`)."""
+(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives; at a glance, as the stage's ``dvc metrics``
+(:func:`headline`); and the curves (CSV) and prompts (JSON lines) files."""
 
 from __future__ import annotations
 
+import csv
+import json
 import math
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -41,10 +44,11 @@ ROWS = (  # metric key, row label, format
     ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
     ("accuracy_vs_versus", "Acc − the row it isolates a step against [95% CI]", DELTA),
 )
+# AdaRAGUE's view against always retrieving (:func:`versus_always`)
 TRADE = (
     "retrievals_saved_vs_always",
     "accuracy_lost_vs_always",
-)  # AdaRAGUE's view against always retrieving (:func:`versus_always`)
+)
 TRADE_ROW = "vs always retrieve: retrievals saved at its accuracy or more, else accuracy lost"
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
 SWEEP_METRICS = (
@@ -377,3 +381,34 @@ def log_rag_runs(
         if old.info.run_id not in new:
             client.delete_run(old.info.run_id)
     return new
+
+
+def write_curves(path: str | Path, curves: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=["trigger", "threshold", "retrieval_rate", "accuracy"])
+        writer.writeheader()
+        for c in curves.values():
+            writer.writerows(c.rows())
+
+
+def write_prompts(path: str | Path, lines: dict[str, dict[str, list[dict]]], sample_size: int) -> None:
+    """Every prompt of the first ``sample_size`` questions of each corpus × configuration, one JSON line each."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for corpus, configs in lines.items():
+            for name, results in configs.items():
+                for line in results[:sample_size]:
+                    f.write(
+                        json.dumps(
+                            {
+                                "corpus": corpus,
+                                "configuration": name,
+                                "id": line["id"],
+                                "prompts": line.get("prompts", []),
+                            }
+                        )
+                        + "\n"
+                    )

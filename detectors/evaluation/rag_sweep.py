@@ -144,9 +144,8 @@ def curve(trigger: str, outcomes: Sequence[Outcome], tolerance: float = 1e-9) ->
     score = score[order]
     correct = never.sum() + np.cumsum(np.asarray(delta_correct)[order]) if len(order) else np.zeros(0)
     retrieved = np.cumsum(np.asarray(delta_retrieved)[order]) if len(order) else np.zeros(0)
-    last = (
-        np.flatnonzero(np.r_[score[1:] != score[:-1], True]) if len(score) else np.zeros(0, dtype=int)
-    )  # end of each tie group
+    # end of each tie group
+    last = np.flatnonzero(np.r_[score[1:] != score[:-1], True]) if len(score) else np.zeros(0, dtype=int)
     threshold = np.r_[np.inf, score[last]]
     rate = np.r_[0.0, retrieved[last] / n]
     acc = np.r_[never.mean(), correct[last] / n]
@@ -190,9 +189,8 @@ def candidate_thresholds(c: Curve, rates: Sequence[float]) -> list[float]:
     threshold of equally near ones). In that order (named by :func:`candidate_names`); a threshold may repeat."""
     out = [NEVER, ALWAYS, operating_point(c)]
     for r in rates:
-        out.append(
-            float(c.threshold[int(np.argmin(np.abs(c.retrieval_rate - r)))])
-        )  # first of the nearest: the highest threshold
+        # first of the nearest: the highest threshold
+        out.append(float(c.threshold[int(np.argmin(np.abs(c.retrieval_rate - r)))]))
     return out
 
 

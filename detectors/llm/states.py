@@ -61,9 +61,8 @@ class StateCache:
         limit = len(ids) - 1 if limit is None else min(limit, len(ids))
         best, entry = 0, None
         candidates: set[int] = set()
-        for key in self._blocks(
-            ids
-        ):  # entries sharing the longest run of whole blocks (shorter prefixes are not worth it)
+        # entries sharing the longest run of whole blocks (shorter prefixes are not worth it)
+        for key in self._blocks(ids):
             found = self.index.get(key)
             if not found:
                 break

@@ -310,9 +310,8 @@ class CtrlAQuery(_Formulation):
 
         if q.segment is None:
             return q.question
-        preceding = llm.tokenizer.decode(
-            q.segment.kept_ids, skip_special_tokens=True
-        )  # y<t: the prompt's primer and passages are not
+        # y<t: the prompt's primer and passages are not
+        preceding = llm.tokenizer.decode(q.segment.kept_ids, skip_special_tokens=True)
         return masked_query(llm.tokenizer, q.question, preceding, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
 
 

@@ -161,12 +161,10 @@ class Iteration:
     reason: str = ""  # r
     sc_answer: str = ""  # a_sc
     consistency: float = float("nan")  # s_sc (Eq. 1)
-    inferred: list[tuple[str, float, float]] = dataclasses.field(
-        default_factory=list
-    )  # e_ic with s_qr and s_ra (Eq. 3)
-    inferential: list[Evidence] = dataclasses.field(
-        default_factory=list
-    )  # E_i^(L) (Eq. 4; empty when discovery did not run)
+    # e_ic with s_qr and s_ra (Eq. 3)
+    inferred: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
+    # E_i^(L) (Eq. 4; empty when discovery did not run)
+    inferential: list[Evidence] = dataclasses.field(default_factory=list)
     next_query: str | None = None  # q_s^(L) (Eq. 5; None when the question stopped here)
 
 
@@ -180,9 +178,8 @@ class RetroState:
     matching_query: str = ""
     source: list[Evidence] = dataclasses.field(default_factory=list)  # E_s
     inferential: list[Evidence] = dataclasses.field(default_factory=list)  # E_i
-    relevance: dict[str, float] = dataclasses.field(
-        default_factory=dict
-    )  # M_e(e, q) of inferential evidence, by text (q is fixed)
+    # M_e(e, q) of inferential evidence, by text (q is fixed)
+    relevance: dict[str, float] = dataclasses.field(default_factory=dict)
     iterations: list[Iteration] = dataclasses.field(default_factory=list)
     retrievals: list[Retrieval] = dataclasses.field(default_factory=list)
     done: bool = False

@@ -33,9 +33,8 @@ class SegmentView:
     gen_ids: list[int]
     text: str  # the segment decoded
     stats: dict[str, Any]  # per generated token (see the module's docstring)
-    probes: dict[
-        str, torch.Tensor
-    ]  # calculator key -> its probe's values at every position of context + segment, [len, d]
+    # calculator key -> its probe's values at every position of context + segment, [len, d]
+    probes: dict[str, torch.Tensor]
     question_stats: dict[str, Any]
     providers: dict[str, Calculator] = dataclasses.field(default_factory=dict)  # who computes a lazy statistic
     states: Any = (

@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from detectors.errors import InputError
+from detectors.evaluation.metrics import first_hit
 from detectors.interfaces import Level
 from detectors.rag.controllers import RETRIEVE, Controller
 from detectors.rag.stats import Calculator
@@ -116,8 +117,7 @@ class Trigger:
 
     def first(self, scores: np.ndarray) -> int | None:
         """The first token at or above the threshold (None: the trigger does not fire)."""
-        hits = np.flatnonzero(np.asarray(scores, dtype=np.float64) >= self.threshold)
-        return int(hits[0]) if len(hits) else None
+        return first_hit(np.asarray(scores, dtype=np.float64) >= self.threshold)
 
     def cut_at(self, position: int) -> int:
         """How many tokens of the segment stay when it fires at ``position``."""
@@ -137,12 +137,6 @@ class TriggerSettings:
 
     sit: Any = None
     ctrla: Any = None
-
-
-def _spacy(model: str):
-    import spacy
-
-    return spacy.load(model)
 
 
 def check_threshold(trigger: Trigger, value: float, key: str) -> None:

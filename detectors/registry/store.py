@@ -211,9 +211,8 @@ def log_detector(detector: Any, artifact_dir: str | Path, metadata: dict[str, An
     signature (:func:`input_signature`) and the pip requirements its code and artifact need
     (:mod:`detectors.registry.requirements`)."""
     config = read_config(artifact_dir)
-    with (
-        warnings.catch_warnings()
-    ):  # no input example on purpose: MLflow would run the detector, and load its LLM, to check it
+    # no input example on purpose: MLflow would run the detector, and load its LLM, to check it
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*An input example was not provided", category=UserWarning)
         return mlflow.pyfunc.log_model(
             name="model",
@@ -490,9 +489,8 @@ def log_and_register(
     return {**result, "run_id": run.info.run_id, "model_uri": info.model_uri}
 
 
-if (
-    __name__ == "__main__"
-):  # the older `python -m detectors.registry.store promote NAME VERSION`: the `dynrag` command line runs it
+# the older `python -m detectors.registry.store promote NAME VERSION`: the `dynrag` command line runs it
+if __name__ == "__main__":
     import runpy
 
     runpy.run_module("detectors.cli", run_name="__main__", alter_sys=True)

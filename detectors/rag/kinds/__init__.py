@@ -41,9 +41,8 @@ def make_trigger(
     name, alias = spec.split("@", 1)
     from detectors.inference import load_detector
 
-    detector = load_detector(
-        name, alias=alias, llm=llm, tracking_uri=tracking_uri
-    )  # not registered: NotRegisteredError, an InputError
+    # not registered: NotRegisteredError, an InputError
+    detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)
     if detector.KIND not in DETECTOR_KINDS:
         raise InputError(
             f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of "

@@ -29,9 +29,8 @@ class CtrlACalculator(Calculator):
     def segments(self, views: list[SegmentView]) -> None:
         tok = self.detector.llm.tokenizer
         for v in views:  # the probe's values cover exactly context + segment
-            eq2 = pooled_scores(v.probes[self.key].cpu().numpy(), self.params.tau, self.params.clip)[
-                len(v.context_ids) :
-            ].astype(np.float64)
+            eq2 = pooled_scores(v.probes[self.key], self.params.tau, self.params.clip)[len(v.context_ids) :]
+            eq2 = eq2.astype(np.float64)
             v.stats["ctrla_eq2"], v.stats["ctrla_confidence"] = eq2, -eq2
             preceding = tok.decode(v.kept_ids, skip_special_tokens=True)  # y<t
             v.stats["new_content"] = np.asarray(new_content(tok, v.question, preceding, v.gen_ids), dtype=bool)

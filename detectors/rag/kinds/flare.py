@@ -11,10 +11,11 @@ from detectors.rag.triggers import PROBABILITY, Policy, Trigger
 
 
 def build(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+    # 1 - the token's probability
     return Trigger(
         "flare",
         Flare(Level.TOKEN),
         threshold,
         Policy("token", cut="segment", after_retrieval="accept", passages="segment"),
         scores=PROBABILITY,
-    )  # 1 - the token's probability
+    )

@@ -1,0 +1,303 @@
+"""What a RAG evaluation runs: the LLM, the corpora's retrievers, the triggers, one RAG loop per configuration (or a
+framework's own loop), each built as a :class:`~detectors.rag.systems.RagSystem` whose code digest and key say what
+shapes its answers.
+
+The loops built since :meth:`RagRuntime.forget_loops` share their decoding (:class:`~detectors.rag.decoder.Shared`,
+one per steering): before a shard of questions, the reference decodings (no retrieval; one retrieval with the question
+before generating) run from nothing else, with every probe those loops read (:meth:`RagRuntime.references`), and every
+loop then takes their segments where it has not retrieved, or retrieved as they did: a configuration whose triggers do
+not fire answers as no retrieval does, token for token, in every unit, run and resumed shard, and the candidate
+thresholds of a configuration decode together until they part."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from detectors.config.rag import on_corpus, references, trigger_names
+from detectors.errors import InputError
+from detectors.evaluation.rag_sweep import sweep_line, trace_events
+from detectors.execution import LLMSpec
+from detectors.extensions import FRAMEWORKS, make_query
+from detectors.imports import closure_digest
+from detectors.inference import load_detector
+from detectors.rag.decoder import Shared
+from detectors.rag.kinds import make_trigger
+from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.queries import QuestionQuery
+from detectors.rag.retriever import BM25Retriever, open_index
+from detectors.rag.systems import System, resilient
+from detectors.rag.triggers import TriggerSettings, check_threshold
+from detectors.registry import store
+
+# modules that dispatch by name (registries, the runtime's builders): their function-level imports and registry entries
+# are not part of a run's code; the modules of what a run actually built are (run_code)
+DISPATCH = (
+    "detectors.rag.runtime",
+    "detectors.rag.kinds",
+    "detectors.extensions",
+    "detectors.rag.queries",
+    "detectors.registry.kinds",
+    "detectors.config.sections",
+    "detectors.inference",
+)
+
+
+def run_modules(triggers: list, *parts: Any) -> set[str]:
+    """The modules a run executes: the runtime, the loop, and the modules of what it built (each trigger's family
+    module and parts, the query formulation, the steering detector, a framework). Their import closure, the dispatching
+    modules' other branches left out (:data:`DISPATCH`), is the run's code (:func:`run_code`)."""
+    modules = {"detectors.rag.runtime", "detectors.rag.loop", *(t.source for t in triggers if t.source)}
+    return (
+        modules
+        | {type(p).__module__ for t in triggers for p in t.parts()}
+        | {type(p).__module__ for p in parts if p is not None}
+    )
+
+
+def run_code(triggers: list, *parts: Any) -> str:
+    """The digest of the code a run executes (:func:`run_modules`): a change to one family's code (CtrlA's rule,
+    Stitch-in-Time's validator) changes the key of the runs that use it only."""
+    return closure_digest(run_modules(triggers, *parts), DISPATCH)
+
+
+def run_params(rag, config, triggers: list) -> dict[str, Any]:
+    """The ``rag_eval`` params that shape a configuration's answers: the loop's budget and context, its own entry, and
+    the sections only some systems read (the query's settings, Stitch-in-Time's validation, CtrlA's refusal handling)
+    only where its query or triggers read them."""
+    out: dict[str, Any] = {k: getattr(rag, k) for k in ("k", "max_retrievals", "max_new_tokens", "context")}
+    out["configuration"] = dataclasses.asdict(config)
+    out.update(make_query(config.query, rag.query).settings())  # the settings its formulation reads
+    for section in dict.fromkeys(t.controller.section for t in triggers if t.controller.section):
+        out[section] = dataclasses.asdict(getattr(rag, section))
+    return out
+
+
+class RagRuntime:
+    """The evaluation's LLM, retrievers (loaded once per corpus) and triggers (loaded once per name), from the
+    ``rag_eval`` stage's params (:class:`~detectors.config.StageParams`); the systems it builds
+    (:meth:`configuration`, :meth:`framework`, :meth:`sweep`)."""
+
+    def __init__(self, params, champions: dict[str, str] | None = None):
+        self.stage_params, self.params = params, params["rag_eval"]
+        self._champions = champions or {}  # {"<name>@<alias>": its version}: part of the key of the systems reading it
+        self.llm = LLMSpec.of(params).load()
+        self.llm_name, self.llm_digest = self.llm.fingerprint.name, store.llm_digest(self.llm.fingerprint)
+        self.tracking_uri = store.configure(params["mlflow"].tracking_uri)
+        self._retrievers: dict[str, BM25Retriever] = {}
+        self._triggers: dict[str, Any] = {}
+        self._states: dict[str, Shared] = {}  # per steering: what every configuration's loop ran
+        # per steering, of the loops built since forget_loops: the loops, every probe they read, the steering vectors
+        self._loops: dict[str, list[RagLoop]] = {}
+        self._probes: dict[str, dict[str, Any]] = {}
+        self._steering: dict[str, Any] = {}
+
+    def states(self, steering: str | None) -> Shared:
+        """What the loops that run under ``steering`` share (a prompt one configuration ran, or a segment it
+        decoded, another does not run again)."""
+        return self._states.setdefault(steering or "", Shared())
+
+    def forget_states(self) -> None:
+        """Drop what the loops share (they moved on to other questions)."""
+        for shared in self._states.values():
+            shared.clear()
+
+    def forget_loops(self) -> None:
+        """The loops built so far are done with (a unit of runs ended): the references decode for the next ones."""
+        self._loops.clear()
+        self._probes.clear()
+        self._steering.clear()
+        self.forget_states()
+
+    def _built(self, loop: RagLoop, steering: str | None, vectors: Any = None) -> RagLoop:
+        """``loop`` is one the references decode for: its probes join theirs."""
+        self._loops.setdefault(steering or "", []).append(loop)
+        self._probes.setdefault(steering or "", {}).update(loop.decoder.probes)
+        self._steering[steering or ""] = vectors
+        return loop
+
+    def references(self, corpus: str, questions: list[str]) -> None:
+        """The reference decodings of ``questions`` (a shard), before any loop built since :meth:`forget_loops`
+        answers them: under each steering those loops run, no retrieval; unsteered, one retrieval with the question
+        before generating on ``corpus`` (the ``always`` reference configuration's). Each decodes from nothing other
+        loops ran, with every probe those loops read, and keeps its segments for them (see the module's docstring); and
+        every loop records those probes too, so that one loop can take another's segments after a retrieval they
+        share."""
+        refs = references(self.params.configurations)
+        for steering, probes in self._probes.items():
+            for loop in self._loops[steering]:
+                loop.decoder.attach(probes)
+            shared = self.states(steering)
+            config = self.rag_config("reference")
+            vectors = self._steering.get(steering)
+            RagLoop(self.llm, None, config, steering=vectors, shared=shared, probes=probes, reference=True).answer_all(
+                questions
+            )
+            if steering or "always" not in refs:
+                continue
+            name = refs["always"]
+            always = RagLoop(
+                self.llm,
+                self.retriever(corpus),
+                self.rag_config(name, context=self.params.configurations[name].context),
+                [self.trigger("always", corpus)],
+                QuestionQuery(),
+                shared=shared,
+                probes=probes,
+                reference=True,
+            )
+            always.answer_all(questions)
+
+    def retriever(self, corpus: str) -> BM25Retriever:
+        if corpus not in self._retrievers:
+            self._retrievers[corpus] = open_index(Path(self.stage_params["paths.rag_index"]) / corpus)
+        return self._retrievers[corpus]
+
+    def corpus_digest(self, corpus: str) -> str:
+        return self.retriever(corpus).digest
+
+    def trigger(self, spec: str, corpus: str, thresholds: dict[str, float] | None = None):
+        """Trigger ``spec`` for ``corpus`` (``{corpus}`` in a spec names the corpus: a utility trigger is trained per
+        corpus) at its threshold in ``thresholds`` (by trigger name; None: a sweep, where no threshold is read)."""
+        spec = on_corpus(spec, corpus)
+        if spec not in self._triggers:  # built once, without a threshold: each loop sets its triggers' thresholds below
+            settings = TriggerSettings(sit=self.params.sit, ctrla=self.params.ctrla)
+            trigger = make_trigger(
+                spec, self.llm, None, self.stage_params["build_realtime.spacy_model"], self.tracking_uri, settings
+            )
+            if trigger.name in self.params.thresholds:
+                check_threshold(trigger, self.params.thresholds[trigger.name], f"rag_eval.thresholds.{trigger.name}")
+            self._triggers[spec] = trigger
+        trigger = self._triggers[spec]
+        if thresholds is None or trigger.name == "always":
+            return trigger
+        if trigger.name not in thresholds:
+            raise InputError(
+                f"trigger {trigger.name!r} has no threshold on corpus {corpus!r}: "
+                "its validation sweep did not measure it"
+            )
+        return dataclasses.replace(trigger, threshold=thresholds[trigger.name])
+
+    def rag_config(
+        self,
+        name: str,
+        stepwise: bool = False,
+        chunk: bool = False,
+        max_retrievals: int | None = None,
+        context: str | None = None,
+    ) -> RagConfig:
+        r = self.params
+        return RagConfig(
+            name=name,
+            prompt=self.stage_params["build_early.features.prompt"],
+            context=r.context if context is None else context,
+            k=r.k,
+            max_retrievals=r.max_retrievals if max_retrievals is None else max_retrievals,
+            max_new_tokens=r.max_new_tokens,
+            stop=tuple(self.stage_params["build_early.stop"]),
+            stepwise=stepwise,
+            chunk=chunk,
+            batch_size=r.batch_size,
+        )
+
+    def query(self, name: str, triggers: list, retriever: BM25Retriever | None):
+        """Formulation ``name`` with the ``rag_eval.query`` settings, the FLARE trigger's threshold (FLARE's query
+        masks words under 1 - it) and the retriever's idf."""
+        flare = next((t.threshold for t in triggers if t.name == "flare"), None)
+        return make_query(name, self.params.query, flare, getattr(retriever, "idf", None))
+
+    def champions(self, specs: list[str]) -> dict[str, str]:
+        """The registered versions the ``<name>@<alias>`` specs point to now (a promotion restarts the systems that
+        read it), from the ``champions`` the runtime was given."""
+        return {s: self._champions[s] for s in sorted(set(specs)) if s in self._champions}
+
+    def configuration(self, name: str, corpus: str, thresholds: dict[str, float]) -> System:
+        """Configuration ``name`` (a ``rag_eval.configurations`` entry) over ``corpus``, its triggers at
+        ``thresholds``, keyed on its code (:func:`run_code`), params, thresholds and champions."""
+        config = self.params.configurations[name]
+        triggers = [self.trigger(t, corpus, thresholds) for t in config.triggers]
+        steering, steerer = None, None
+        if config.steering:
+            steer_name, alias = config.steering.split("@", 1)
+            steerer = load_detector(steer_name, alias=alias, llm=self.llm, tracking_uri=self.tracking_uri)
+            steering = steerer.vectors()
+        retriever = self.retriever(corpus) if triggers else None
+        query = self.query(config.query, triggers, retriever)
+        rag = RagLoop(
+            self.llm,
+            retriever,
+            self.rag_config(name, config.stepwise, config.chunk, context=config.context),
+            triggers,
+            query,
+            steering,
+            self.states(config.steering),
+        )
+        self._built(rag, config.steering, steering)
+        names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
+        key = {
+            "params": run_params(self.params, config, triggers),
+            "thresholds": {t: v for t, v in thresholds.items() if t in names},
+            "champions": self.champions(
+                [on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else [])
+            ),
+        }
+        return System(name, resilient(name, rag.answer_all), run_code(triggers, query, steerer), key)
+
+    def framework(self, name: str, corpus: str) -> System:
+        """Seed system ``name`` of ``rag_eval.frameworks`` (its own loop, its params the section of its name) over
+        ``corpus``, keyed on its code and params."""
+        params = self.stage_params[name]
+        rag = FRAMEWORKS.load(name)(
+            self.llm,
+            self.retriever(corpus),
+            params,
+            self.stage_params["build_early.features.prompt"],
+            self.params.batch_size,
+        )
+        key = {"framework": name, "params": dataclasses.asdict(params)}
+        return System(name, resilient(name, rag.answer_all), run_code([], rag), key)
+
+    def sweep(self, name: str, corpus: str, references: dict[str, list[str]]) -> System:
+        """The sweep ``name`` over ``corpus``: every trigger of the configurations but ``always`` (the sweep's
+        position-0 reference), each question answered without retrieval and after one retrieval at each position where
+        a trigger can first fire (its stored line: :func:`~detectors.evaluation.rag_sweep.sweep_line`, scored against
+        ``references[question]``). Its key's ``triggers`` give the swept triggers' kinds by name (``baseline``:
+        training-free; ``detector``: trained)."""
+        specs = list(dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if t != "always"))
+        triggers = [self.trigger(t, corpus) for t in specs]
+        # the query is the job's (the question)
+        rag = RagLoop(
+            self.llm,
+            self.retriever(corpus),
+            self.rag_config("sweep", max_retrievals=1),
+            triggers,
+            shared=self.states(None),
+        )
+        self._built(rag, None)
+
+        def answer(questions: list[str], records: list[bool]) -> list[dict]:
+            traces = rag.trace(questions)
+            events = [trace_events(t) for t in traces]
+            positions = [sorted({0} | {p for e in ev.values() for _, p in e}) for ev in events]
+            jobs = [(t.question, t.gen_ids, p, t.question) for t, ps in zip(traces, positions) for p in ps]
+            after = iter(rag.answer_after(jobs))
+            lines = []
+            for trace, ev, ps in zip(traces, events, positions):
+                results = {p: next(after) for p in ps}
+                refs = references[trace.question]
+                line = sweep_line(ev, trace.answer, {p: r.answer for p, r in results.items()}, refs)
+                line["forward_passes"] = trace.forward_passes + sum(r.forward_passes for r in results.values())
+                line["errors"] = {str(p): r.error for p, r in results.items() if r.error}
+                lines.append(line)
+            return lines
+
+        key = {
+            "params": {k: getattr(self.params, k) for k in ("k", "max_new_tokens", "context")},
+            "sweep": dataclasses.asdict(self.params.sweep),
+            "triggers": {t.name: t.scorer.kind for t in triggers},
+            "champions": self.champions(
+                [on_corpus(t, corpus) for c in self.params.configurations.values() for t in c.triggers]
+            ),
+        }
+        return System(name, answer, run_code(triggers), key)
