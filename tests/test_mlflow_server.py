@@ -9,19 +9,18 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import mlflow
 import pytest
 import yaml
-from conftest import ROOT
-from test_pipeline import pipeline  # noqa: F401  (the module-scoped fixture: every stage once on the tiny Llama)
+from conftest import ROOT, copy_project
 
 from detectors import cli, load_detector
 from detectors.mlflow_ui import free_port, mlflow_server
@@ -39,12 +38,19 @@ def call(base: str, path: str, body: dict | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(pipeline, tmp_path_factory):  # noqa: F811
-    """``mlflow server`` on the pipeline's store (what the UI shows)."""
+def project(pipeline, tmp_path_factory) -> Path:
+    """A copy of the tiny pipeline's project (tests/conftest.py) for this module's server: what a server writes to the
+    store it serves or to its working directory never reaches the pipeline other modules read."""
+    return copy_project(pipeline, tmp_path_factory.mktemp("served") / "project")
+
+
+@pytest.fixture(scope="module")
+def server(project, tmp_path_factory):
+    """``mlflow server`` on the project's store (what the UI shows)."""
     with mlflow_server(
-        f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}",
+        f"sqlite:///{project / 'data/mlflow/mlflow.db'}",
         tmp_path_factory.mktemp("server") / "server.log",
-        cwd=pipeline,
+        cwd=project,
     ) as base:
         yield base
 
@@ -53,10 +59,10 @@ def experiment(base: str, name: str) -> dict:
     return call(base, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=" + name)["experiment"]
 
 
-def test_comparison_runs_are_served_flat_with_their_tags(server, pipeline):  # noqa: F811
+def test_comparison_runs_are_served_flat_with_their_tags(server, project):
     metrics = {
-        "early": json.loads((pipeline / "data/metrics/evaluate_early.json").read_text()),  # {level: {scorer: metrics}}
-        "realtime": json.loads((pipeline / "data/metrics/evaluate_realtime.json").read_text()),
+        "early": json.loads((project / "data/metrics/evaluate_early.json").read_text()),  # {level: {scorer: metrics}}
+        "realtime": json.loads((project / "data/metrics/evaluate_realtime.json").read_text()),
     }
     for dataset, by_level in metrics.items():
         exp = experiment(server, f"detector-evaluation-{dataset}")
@@ -92,11 +98,11 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, pipeline):  # n
         assert order == sorted(order, reverse=True)  # the server sorts by test_auroc, as the UI asks it to
 
 
-def test_registered_detectors_have_champion_aliases(server, pipeline):  # noqa: F811
+def test_registered_detectors_have_champion_aliases(server, project):
     models = call(server, "/api/2.0/mlflow/registered-models/search?max_results=100")["registered_models"]
-    early = json.loads((pipeline / "data/registry/early.json").read_text())  # one entry per early detector
+    early = json.loads((project / "data/registry/early.json").read_text())  # one entry per early detector
     outputs = {entry["name"]: entry for entry in early.values()}
-    outputs["dior-realtime"] = json.loads((pipeline / "data/registry/dior-realtime.json").read_text())
+    outputs["dior-realtime"] = json.loads((project / "data/registry/dior-realtime.json").read_text())
     assert {"dior-early", "dior-early-extended", "dior-realtime"} <= set(outputs) <= {m["name"] for m in models}
     for name, registered in outputs.items():
         version = call(server, f"/api/2.0/mlflow/registered-models/alias?name={name}&alias=champion")["model_version"]
@@ -116,9 +122,9 @@ def team_server(tmp_path):
         yield base, tmp_path / "team-artifacts"
 
 
-def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline, tiny_llm, team_server, tmp_path):  # noqa: F811
+def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline_copy, tiny_llm, team_server, tmp_path):
     url, artifacts = team_server
-    os.chdir(pipeline)
+    pipeline = pipeline_copy  # the register stage runs in it: its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     params["mlflow"] = {"tracking_uri": url, "artifact_root": None}  # the server chooses where artifacts go
     params["paths"].update(

@@ -17,11 +17,11 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TEST_DEVICE, build_tiny_llama, known_facts, qa_rows
+from conftest import ROOT, SIT, TEST_DEVICE, build_tiny_llama, known_facts, qa_rows
 
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
-from detectors.config.rag import CtrlARefusalParams, DiorWeightsParams, RagQueryParams, SitParams
+from detectors.config.rag import CtrlARefusalParams, DiorWeightsParams, RagQueryParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.registered import ConfidenceDetector
@@ -133,14 +133,6 @@ def registry(tmp_path_factory, tiny_llm) -> str:
             info = store.log_detector(load_artifact(directory), directory, {"kind": det.KIND})
             store.register(info.model_uri, name, "champion", 0.5, "val", "llm")
     return uri
-
-
-# Stitch-in-Time's validation with the words the tiny Llama has as single tokens (its P(yes) is what the test reads)
-SIT = from_dict(
-    SitParams, {**PARAMS["rag_eval"]["sit"], "concepts": "entities", "yes_words": ["Y"], "no_words": ["N"]}, "sit"
-)  # the tiny
-# Llama names no concepts when instructed: the validation tests read spaCy's (the LLM's:
-# test_sit_validates_the_concepts_the_llm_names)
 
 
 def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT, ctrla=None):
