@@ -32,7 +32,7 @@ from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.evaluation.answer_metrics import summarise
-from detectors.extensions import make_query
+from detectors.extensions import TRAINING_FREE, make_query
 from detectors.interfaces import Level
 from detectors.llm.generate import generate
 from detectors.llm.judge import word_token_ids, yes_probability
@@ -590,7 +590,8 @@ def test_detectors_that_are_not_registered_or_not_triggers_are_refused(tiny_llm,
         make_trigger("nope@champion", tiny_llm, {}, SPACY, tracking_uri=registry)
     with pytest.raises(InputError, match="no threshold"):
         make_trigger("flare", tiny_llm, {}, SPACY)
-    with pytest.raises(InputError, match=r"^no training-free trigger named 'dior'; known: always, entropy_max, "):
+    known = re.escape(", ".join(sorted(TRAINING_FREE)))  # every training-free trigger
+    with pytest.raises(InputError, match=rf"^no training-free trigger named 'dior'; known: {known}$"):
         make_trigger("dior", tiny_llm, {}, SPACY)  # the registry's error (params.yaml's validation refuses it first)
 
 
