@@ -377,7 +377,9 @@ def test_register_refuses_an_early_detector_that_was_not_trained(pipeline_copy, 
 
 
 def test_pyfunc_model_predicts_from_questions(pipeline):
-    mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
+    uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)  # models:/ reads the registry: this store's, not the one an earlier test configured
     model = mlflow.pyfunc.load_model("models:/dior-early@champion")
     questions = ["The capital of Peru is", "The river of Paris is"]
     out = model.predict(pd.DataFrame({"question": questions}))

@@ -40,6 +40,7 @@ def test_a_registered_detector_is_served_over_http(registered, tmp_path):
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": registered,
+        "MLFLOW_REGISTRY_URI": registered,  # not the one the last store.configure of this process left in os.environ
         "PATH": f"{MLFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     with running(cmd, f"{base}/ping", tmp_path / "serve.log", cwd=tmp_path, env=env, timeout=240):
