@@ -1,5 +1,5 @@
 """Seconds of the training stages on the test suite's fixtures: ``train_early`` and ``train_realtime`` run as stages
-(each in its own process, as DVC runs it, start-up included) on the tiny pipeline of ``tests/test_pipeline.py`` (the
+(each in its own process, as DVC runs it, start-up included) on the tiny pipeline of ``tests/conftest.py`` (the
 tiny Llama, the hand-made QA and article fixtures), and the utility trigger's training
 (:func:`~detectors.utility.detector.train_utility_detector`) on that pipeline's early set with planted utility labels
 (the tiny Llama never learnt to read passages: ``build_utility`` gives it nothing to learn).
@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results/train_time_cpu.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_tiny_llama, build_tokenizer
-    from test_pipeline import write_params
+    from conftest import build_tiny_llama, build_tokenizer, write_params
 
     from detectors.config.core import from_dict
     from detectors.config.schema import EarlyFeatureParams, TrainingParams

@@ -11,10 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
-from conftest import ROOT
+from conftest import ROOT, edit_params, write_params
 from safetensors.numpy import load_file
-from test_pipeline import write_params
 
 from detectors.dior import realtime_set
 from detectors.shards import FailedRecordsError
@@ -29,12 +27,6 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
     edit_params(tmp_path, "qa", limit=24)  # three shards of 8 questions
     prepare.main(["--params", "params.yaml"])
     return tmp_path
-
-
-def edit_params(project: Path, section: str, **values) -> None:
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params[section].update(values)
-    (project / "params.yaml").write_text(yaml.safe_dump(params))
 
 
 def early(project: Path) -> pd.DataFrame:

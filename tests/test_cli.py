@@ -1,7 +1,7 @@
-"""The ``dynrag`` command line (:mod:`detectors.cli`) on the tiny registry of ``test_registry`` (every kind registered,
-its LLM the tiny Llama's checkpoint): each command run in-process through ``main``, and the installed console script in
-a subprocess. What a command prints is checked against the library's own answer on the same input; bad input is one
-line on stderr and exit status 1 (2 for a malformed command line)."""
+"""The ``dynrag`` command line (:mod:`detectors.cli`) on the tiny registry (``registered`` in tests/conftest.py: every
+kind registered, its LLM the tiny Llama's checkpoint): each command run in-process through ``main``, and the installed
+console script in a subprocess. What a command prints is checked against the library's own answer on the same input;
+bad input is one line on stderr and exit status 1 (2 for a malformed command line)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from test_registry import artifacts, logged, registered  # noqa: F401  (module-scoped: tiny detectors of every kind, registered)
 
 from detectors import load_detector
 from detectors.cli import main
@@ -37,7 +36,7 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-def test_the_console_script_is_installed(registered):  # noqa: F811
+def test_the_console_script_is_installed(registered):
     done = subprocess.run([str(DYNRAG), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stderr == ""
     for command in ("assess", "monitor", "promote", "relocate", "screenshot"):
@@ -61,7 +60,7 @@ def test_the_console_script_is_installed(registered):  # noqa: F811
     )
 
 
-def test_assess_prints_the_detectors_decisions(registered, capsys):  # noqa: F811
+def test_assess_prints_the_detectors_decisions(registered, capsys):
     status, out, err = run(capsys, "assess", *QUESTIONS, "--tracking-uri", registered, "--json")
     assert status == 0, err
     expected = load_detector("dior-early", tracking_uri=registered).predict_frame(pd.DataFrame({"question": QUESTIONS}))
@@ -82,7 +81,7 @@ def test_assess_prints_the_detectors_decisions(registered, capsys):  # noqa: F81
     assert status == 0 and set(json.loads(out)) == {"question", "retrieve", "probability", "keywords"}
 
 
-def test_assess_and_monitor_refuse_the_other_kind(registered, capsys):  # noqa: F811
+def test_assess_and_monitor_refuse_the_other_kind(registered, capsys):
     status, out, err = run(capsys, "assess", QUESTIONS[0], "--model", "dior-realtime", "--tracking-uri", registered)
     assert status == 1 and out == ""
     assert (
@@ -117,7 +116,7 @@ def test_a_bad_argument_is_refused_where_it_is_parsed(argv, message, capsys):
     assert status == 2 and out == "" and message in one_line(err)
 
 
-def test_monitor_shows_where_the_realtime_detector_triggers(registered, tiny_llm, capsys):  # noqa: F811
+def test_monitor_shows_where_the_realtime_detector_triggers(registered, tiny_llm, capsys):
     status, out, err = run(
         capsys,
         "monitor",
@@ -161,7 +160,7 @@ def test_monitor_shows_where_the_realtime_detector_triggers(registered, tiny_llm
         )
 
 
-def test_monitor_shows_where_ctrla_confidence_triggers(registered, tiny_llm, capsys):  # noqa: F811
+def test_monitor_shows_where_ctrla_confidence_triggers(registered, tiny_llm, capsys):
     status, out, err = run(
         capsys,
         "monitor",
@@ -188,7 +187,7 @@ def test_monitor_shows_where_ctrla_confidence_triggers(registered, tiny_llm, cap
     )
 
 
-def test_the_store_comes_from_the_option_the_environment_or_the_params_file(registered, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_the_store_comes_from_the_option_the_environment_or_the_params_file(registered, tmp_path, monkeypatch, capsys):
     """--tracking-uri, else --params, else $MLFLOW_TRACKING_URI, else params.yaml here (a relative sqlite path: relative
     to it)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -252,7 +251,7 @@ with urllib.request.urlopen(url, timeout=30) as page:
 """
 
 
-def test_screenshot_opens_the_comparison_view_on_a_server_of_its_own(registered, tmp_path, capsys):  # noqa: F811
+def test_screenshot_opens_the_comparison_view_on_a_server_of_its_own(registered, tmp_path, capsys):
     """Chromium is not installed here: a stand-in saves the page the command points it at (the address, then the HTML
     the started ``mlflow server`` answers), so what is checked is the command, the server and the view's address."""
     status, _, err = run(

@@ -14,10 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, qa_rows
-from test_directions import CONTRAST, STATEMENTS
-from test_training import PARAMS as TRAINING
-from test_training import synthetic_rows, train
+from conftest import CONTRAST, ROOT, STATEMENTS, TRAINING, qa_rows, synthetic_rows, train
 
 from detectors.config.schema import EarlyFeatureParams, PromptParams
 from detectors.ctrla.directions import contrast_differences, fit_pca

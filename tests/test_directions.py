@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, build_tiny_llama
+from conftest import CONTRAST, ROOT, STATEMENTS, build_tiny_llama
 
 from detectors.config.schema import ContrastParams, LayerRangeParams, StatementParams
 from detectors.ctrla.directions import Directions, DirectionsError, contrast_differences, extract, fit_pca
@@ -24,22 +24,6 @@ from detectors.registry.artifact import seal
 
 STATEMENTS_FIXTURE = ROOT / "data" / "fixtures" / "statements_small.csv"
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
-
-STATEMENTS = [
-    "The capital of France is Paris.",
-    "The capital of Spain is Madrid.",
-    "The river of Paris is the Seine.",
-    "The capital of Peru is Lima.",
-    "The language of Germany is German.",
-    "The capital of Italy is Rome.",
-    "The country of Toronto is Canada.",
-    "The capital of Japan is Tokyo.",
-    "The capital of Egypt is Cairo.",
-    "The capital of Kenya is Nairobi.",
-    "The language of Brazil is Portuguese.",
-    "The capital of Chile is Santiago.",
-]
-CONTRAST = ContrastParams(positive="Answer the question briefly.", negative="Complete the sentence: ?")
 
 
 def unit(seed: int, dim: int = 64) -> torch.Tensor:

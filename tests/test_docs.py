@@ -1,7 +1,7 @@
 """Every code block of README.md and docs/ runs or is checked, and every relative link resolves.
 
 - ```python blocks run. The blocks of one page run in order in one namespace, as a reader pastes them, in a project
-  directory where the pipeline has run: tests/test_pipeline.py's ``pipeline`` fixture (every stage on the hand-made
+  directory where the pipeline has run: a copy of tests/conftest.py's ``pipeline`` (every stage on the hand-made
   fixtures with the tiny Llama, registering ``dior-early``, ``dior-early-extended`` and ``dior-realtime``), plus
   ``index_corpus`` (the ``facts`` corpus) and the CtrlA stages (``ctrla-honesty``, ``ctrla-confidence``). The working
   directory is that project's root and ``$MLFLOW_TRACKING_URI`` names its store. A block that cannot run in a test
@@ -31,8 +31,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
-from test_pipeline import pipeline, run_ctrla_stages  # noqa: F401 - the module-scoped fixture: every stage run once on the fixtures
+from conftest import ROOT, copy_project, run_ctrla_stages
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`]*)$")
@@ -312,27 +311,29 @@ def test_a_block_that_does_not_run_says_why_and_compiles(block):
 
 
 @pytest.fixture(scope="module")
-def project(pipeline, tmp_path_factory):  # noqa: F811 - the imported fixture
-    """The pipeline's project directory with a BM25 index of the ``facts`` corpus and CtrlA's detectors registered
-    (the CtrlA stages as tests/test_pipeline.py runs them on the tiny Llama)."""
+def project(pipeline, tmp_path_factory):
+    """A copy of the pipeline's project directory (tests/conftest.py) with a BM25 index of the ``facts`` corpus and
+    CtrlA's detectors registered (the CtrlA stages as tests/test_pipeline.py runs them on the tiny Llama): the blocks
+    run stages and register in it, never in the pipeline other modules read."""
     from pipelines import evaluate_directions, extract_directions, index_corpus, register_ctrla
 
+    project = copy_project(pipeline, tmp_path_factory.mktemp("docs") / "project")
     previous = Path.cwd()
-    os.chdir(pipeline)
+    os.chdir(project)
     try:
 
         def facts_only(values: dict) -> None:
             values["index_corpus"]["corpora"] = {"facts": values["index_corpus"]["corpora"]["facts"]}
 
         run_ctrla_stages(
-            pipeline,
+            project,
             (index_corpus, extract_directions, evaluate_directions, register_ctrla),
             "params_docs.yaml",
             facts_only,
         )
     finally:
         os.chdir(previous)
-    return pipeline
+    return project
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,6 +1,8 @@
 """The whole DAG on the tiny Llama and the hand-made QA and article fixtures: prepare → build_early →
 train_early, prepare_articles → build_realtime → train_realtime, evaluate → register, then the
-registered detectors loaded back through the inference module."""
+registered detectors loaded back through the inference module. The stages run once per test run (``pipeline`` in
+tests/conftest.py, shared with other modules); a test that runs a stage again or registers works on its own copy
+(``pipeline_copy``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import QA_FIXTURE, ROOT, TEST_DEVICE, build_tiny_llama, known_facts, training_accelerator
+from conftest import ROOT, build_tiny_llama, known_facts, run_ctrla_stages
 from safetensors.numpy import load_file
 
 from detectors import load_detector
@@ -27,80 +29,12 @@ from detectors.registry.store import register, validation_digest
 from pipelines import (
     build_early,
     build_realtime,
-    build_utility,
     evaluate,
-    prepare,
-    prepare_articles,
     train_early,
-    train_realtime,
-    train_utility,
 )
 from pipelines import register as register_stage
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
-
-ARTICLES_FIXTURE = ROOT / "data" / "fixtures" / "articles_small.json"
-
-
-def write_params(workdir: Path, checkpoint: Path) -> Path:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["llm"].update(source=str(checkpoint), dtype="float32", device=str(TEST_DEVICE))
-    params["qa"].update(source=str(QA_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25})
-    params["build_early"]["features"].update(n_steps=4, ig_batch_size=4, hidden_layers=[1, -1])
-    params["build_early"]["features"]["prompt"].update(
-        template="{question}", chat=False
-    )  # as the tiny Llama learnt them
-    params["build_early"].update(max_new_tokens=4, shard_size=8, answer_hidden_layers=[1, -1])
-    params["train_early"].update(ablation=[["attribution"]])
-    params["train_early"]["training"].update(
-        max_epochs=15, patience=5, batch_size=8, accelerator=training_accelerator(), seeds=2
-    )
-    params["articles"].update(
-        source=str(ARTICLES_FIXTURE), limit=None, splits={"train": 0.5, "val": 0.25, "test": 0.25}
-    )
-    params["build_realtime"].update(
-        hidden_layers=[1, -1],
-        max_new_tokens=6,
-        batch_size=4,
-        shard_size=8,
-        max_article_chars=400,
-        prompt={"template": "{text}", "chat": False},
-    )
-    params["train_realtime"]["training"].update(
-        hidden=16, max_epochs=15, patience=5, batch_size=16, accelerator=training_accelerator(), seeds=2
-    )
-    params["build_utility"][
-        "corpora"
-    ] = []  # the tiny Llama never learnt to read passages (tests/test_utility.py trains one that did)
-    path = workdir / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
-
-
-@pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_checkpoint):
-    """Run every stage once in a fresh directory; yields that directory."""
-    workdir = tmp_path_factory.mktemp("pipeline")
-    previous = Path.cwd()
-    os.chdir(workdir)
-    try:
-        write_params(workdir, tiny_checkpoint)
-        for stage in (
-            prepare,
-            prepare_articles,
-            build_early,
-            build_realtime,
-            train_early,
-            train_realtime,
-            evaluate,
-            build_utility,
-            train_utility,
-            register_stage,
-        ):
-            stage.main(["--params", "params.yaml"])
-        yield workdir
-    finally:
-        os.chdir(previous)
 
 
 def test_prepare_reports_bad_records_and_splits(pipeline):
@@ -142,8 +76,8 @@ def test_early_set_has_both_labels_and_valid_features(pipeline):
     assert correct[memorised].mean() >= correct[~memorised].mean() + 0.4  # measured: 0.58 vs 0.0
 
 
-def test_build_early_resumes_without_redoing_finished_shards(pipeline):
-    os.chdir(pipeline)
+def test_build_early_resumes_without_redoing_finished_shards(pipeline_copy):
+    pipeline = pipeline_copy  # it deletes and rebuilds the early set: its own copy, the working directory
     shards = sorted((pipeline / "data/early/shards").glob("shard-*.parquet"))
     before = pd.read_parquet(pipeline / "data/early/early.parquet")
     stamps = {p.name: p.stat().st_mtime_ns for p in shards[:-1]}
@@ -286,9 +220,9 @@ def test_each_trained_detector_shows_its_single_seeds_beside_its_row(pipeline):
     assert runs.loc["dior-early", "metrics.seed_auroc_max"] == pytest.approx(m["seed_auroc_max"])
 
 
-def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pipeline):
+def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pipeline_copy):
     """CtrlA score tables with several columns join by id; every early detector directory is a scorer."""
-    os.chdir(pipeline)
+    pipeline = pipeline_copy  # it evaluates again, logging to the store: its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     alt = pipeline / "alt"
     alt.mkdir()
@@ -357,9 +291,9 @@ def test_train_early_writes_each_named_detector_and_ablation_in_its_own_director
         assert m["threshold"] == configs[name]["threshold"] and 0 <= m["val_trigger_rate"] <= 1, name
 
 
-def test_train_early_leaves_only_this_runs_detectors(pipeline, tmp_path):
+def test_train_early_leaves_only_this_runs_detectors(pipeline_copy, tmp_path):
     """A rerun with fewer detectors removes the others: evaluate scores every sub-directory of paths.early_model."""
-    os.chdir(pipeline)
+    pipeline = pipeline_copy  # it trains again: its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     params["train_early"].update(detectors={"dior-early": ["attribution", "entropy"]}, ablation=[])
     params["train_early"]["training"].update(max_epochs=1)
@@ -428,8 +362,8 @@ def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny
     )  # only the same feature set competes for champion
 
 
-def test_register_refuses_an_early_detector_that_was_not_trained(pipeline, tmp_path):
-    os.chdir(pipeline)
+def test_register_refuses_an_early_detector_that_was_not_trained(pipeline_copy, tmp_path):
+    pipeline = pipeline_copy  # it runs the register stage (to be refused): its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     params["register_early"]["names"] = {"dior-early": "dior-early", "dior-early-paper": "dior-early-paper"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
@@ -443,7 +377,9 @@ def test_register_refuses_an_early_detector_that_was_not_trained(pipeline, tmp_p
 
 
 def test_pyfunc_model_predicts_from_questions(pipeline):
-    mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
+    uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)  # models:/ reads the registry: this store's, not the one an earlier test configured
     model = mlflow.pyfunc.load_model("models:/dior-early@champion")
     questions = ["The capital of Peru is", "The river of Paris is"]
     out = model.predict(pd.DataFrame({"question": questions}))
@@ -462,11 +398,11 @@ def test_detector_refuses_a_different_llm(pipeline, tokenizer):
         load_detector("dior-early", tracking_uri=uri, llm=other)
 
 
-def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_validation_units(pipeline, tmp_path):
+def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_validation_units(pipeline_copy, tmp_path):
     """Registering the same detectors again: each new version is level with its champion on the same validation
     questions (or answers), so it is registered as the challenger and the champion stays; the runs carry the choices
     training made and the seeds."""
-    os.chdir(pipeline)
+    pipeline = pipeline_copy  # it registers new versions: its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     for key in ("registry_early", "registry_realtime", "registry_utility"):  # the first registration's files stay
         params["paths"][key] = str(tmp_path / Path(params["paths"][key]).name)
@@ -572,8 +508,8 @@ def test_realtime_set_reports_bad_articles_and_has_both_labels(pipeline):
         assert row.label == int(any(e["hallucinated"] for e in json.loads(row.entities)))
 
 
-def test_build_realtime_resumes_without_redoing_finished_shards(pipeline):
-    os.chdir(pipeline)
+def test_build_realtime_resumes_without_redoing_finished_shards(pipeline_copy):
+    pipeline = pipeline_copy  # it deletes and rebuilds the real-time set: its own copy, the working directory
     shards = sorted((pipeline / "data/realtime/shards").glob("shard-*.parquet"))
     before = pd.read_parquet(pipeline / "data/realtime/realtime.parquet")
     hidden = load_file(str(pipeline / "data/realtime/hidden.safetensors"))["hidden"]
@@ -652,39 +588,12 @@ def test_registered_realtime_detector_scores_generation_as_stored(pipeline, tiny
     assert {"text", "probabilities", "trigger", "keywords"} <= set(pred.columns)
 
 
-def run_ctrla_stages(pipeline: Path, stages, name: str, edit=None) -> None:
-    """Run ``stages`` (modules with ``main``) in ``pipeline`` (the working directory) with its params sized for the tiny
-    Llama's CtrlA directions (``edit(values)`` changes more) written to ``name``, and an offline TruthfulQA task
-    file."""
-    values = yaml.safe_load((pipeline / "params.yaml").read_text())
-    for concept in ("honesty", "confidence"):
-        values["extract_directions"][concept]["statements"].update(limit=24)
-    values["extract_directions"].update(size_curve=[4, 8], batch_size=8)
-    values["evaluate_directions"]["truthfulqa"].update(limit=3, lambdas=[0.0, 0.05])
-    values["evaluate_directions"]["layer_window"] = 1  # windows of one of the tiny Llama's two layers
-    if edit is not None:
-        edit(values)
-    (pipeline / name).write_text(yaml.safe_dump(values))
-    task = pipeline / "data/raw/bigbench/truthful_qa/task_mc.json"  # offline stand-in for the bigbench file
-    task.parent.mkdir(parents=True, exist_ok=True)
-    examples = [
-        {
-            "input": f"What is the capital of {c}?",
-            "target_scores": {a: int(a == r) for a in ("Paris", "Lima", "Madrid")},
-        }
-        for c, r in (("France", "Paris"), ("Peru", "Lima"), ("Spain", "Madrid"))
-    ]
-    task.write_text(json.dumps({"task_prefix": "Q: What is 2+2?\nA: 4\n", "examples": examples}))
-    for stage in stages:
-        stage.main(["--params", name])
-
-
-def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline, tiny_llm, tokenizer):
+def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline_copy, tiny_llm, tokenizer):
     """extract_directions → evaluate_directions → register_ctrla on the tiny Llama, then both served kinds."""
     from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
     from pipelines import evaluate_directions, extract_directions, register_ctrla
 
-    os.chdir(pipeline)
+    pipeline = pipeline_copy  # it runs the CtrlA stages and registers: its own copy, the working directory
     run_ctrla_stages(pipeline, (extract_directions, evaluate_directions, register_ctrla), "params_ctrla.yaml")
 
     extracted = json.loads((pipeline / "data/metrics/extract_directions.json").read_text())

@@ -12,8 +12,7 @@ import re
 import pandas as pd
 import pytest
 import yaml
-from conftest import ROOT
-from test_qa import HOTPOTQA, hotpotqa_dir, offline_hf  # noqa: F401 - the fixture
+from conftest import HOTPOTQA, ROOT, hotpotqa_dir
 
 from detectors.config import ParamsError, StageParams, load_all, read_params
 from detectors.config.presets import NEW, apply, changes, leaves, main, read_preset
@@ -89,7 +88,7 @@ def test_applied_preset_validates_as_every_stage_reads_it(applied):
         )  # what each stage validates first
 
 
-def test_preset_question_source_reads_hotpotqa_as_the_hub_lays_it_out(applied, tmp_path, offline_hf):  # noqa: F811
+def test_preset_question_source_reads_hotpotqa_as_the_hub_lays_it_out(applied, tmp_path, offline_hf):
     """The preset's dataset, config and split on a local copy laid out as the hub's, through the prepare stage."""
     from pipelines.prepare import prepare_qa
 

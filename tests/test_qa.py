@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import HOTPOTQA, hotpotqa_dir
 
 from detectors.errors import SourceError
 from detectors.sources.ids import sample, split_of, stable_id
@@ -461,43 +462,6 @@ def test_upper_case_suffix_is_read(tmp_path):
 
 # --- hf: sources (datasets.load_dataset), on local directories laid out as the hub's copies -----------------
 
-# HotpotQA's fields as hotpotqa/hotpot_qa serves them (less its context and supporting facts); its two configs
-HOTPOTQA = {
-    "distractor": [
-        {
-            "id": "5a8b57f25542995d1e6f1371",
-            "question": "Were Scott Derrickson and Ed Wood of the same nationality?",
-            "answer": "yes",
-            "type": "comparison",
-            "level": "hard",
-        },
-        {
-            "id": "5a8c7595554299585d9e36b6",
-            "question": (
-                "What government position was held by the woman who portrayed Corliss Archer in the film Kiss and Tell?"
-            ),
-            "answer": "Chief of Protocol",
-            "type": "bridge",
-            "level": "hard",
-        },
-        {
-            "id": "5a85ea095542994775f606a8",
-            "question": "Which country is the film Amélie set in?",
-            "answer": "",
-            "type": "bridge",
-            "level": "easy",
-        },  # no usable answer: rejected
-    ],
-    "fullwiki": [
-        {
-            "id": "5adbf0a255429947ff17385a",
-            "question": "Who directed the film that Kiss and Tell (1945) was based on?",
-            "answer": "Richard Wallace",
-            "type": "bridge",
-            "level": "medium",
-        },
-    ],
-}
 # 2WikiMultihopQA's dev.json: a JSON list whose records are identified by _id
 TWOWIKI = [
     {
@@ -521,37 +485,11 @@ TWOWIKI = [
 ]
 
 
-def hotpotqa_dir(root: Path) -> Path:
-    """A local dataset directory laid out as the hub's hotpotqa/hotpot_qa: one parquet file per config and split,
-    the configs declared in the README's metadata (``load_dataset(root, "distractor", split="validation")``)."""
-    for config, rows in HOTPOTQA.items():
-        (root / config).mkdir(parents=True)
-        pd.DataFrame(rows).to_parquet(root / config / "validation-00000-of-00001.parquet")
-    configs = "".join(
-        f"- config_name: {c}\n  data_files:\n  - split: validation\n    path: {c}/validation-*.parquet\n"
-        for c in HOTPOTQA
-    )
-    (root / "README.md").write_text(f"---\nconfigs:\n{configs}---\n", encoding="utf-8")
-    return root
-
-
 def twowiki_dir(root: Path) -> Path:
     """A local directory holding 2WikiMultihopQA's ``dev.json`` (the datasets library reads ``dev`` as validation)."""
     root.mkdir(parents=True)
     (root / "dev.json").write_text(json.dumps(TWOWIKI, ensure_ascii=False), encoding="utf-8")
     return root
-
-
-@pytest.fixture
-def offline_hf(tmp_path, monkeypatch):
-    """The datasets library offline, its cache under tmp_path: a test never downloads, nor writes to ~/.cache."""
-    import datasets
-    import huggingface_hub
-
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
-    return tmp_path / "hf-cache"
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -160,21 +162,22 @@ def test_each_query_formulation_is_built_by_name_with_its_settings():
         return 2.0
 
     built = {name: make_query(name, params, 0.25, idf) for name in QUERIES}
-    assert built == {
+    expected = {
         "question": QuestionQuery(),
         "flare": FlareQuery(0.75),  # words masked under 1 - FLARE's threshold
         "qfs": QfsQuery(3),
         "dior": DiorQuery(DiorWeights(0.1, 0.2, 0.3, 0.4), 2, idf),
         "ctrla": CtrlAQuery(),
     }
+    assert {name: built.get(name) for name in expected} == expected
     assert all(q.name == name for name, q in built.items())
+    assert all(make_query(name, params).name == name for name in QUERIES)  # each builds from the section alone
     assert make_query("flare", params) == FlareQuery(0.5)  # no FLARE trigger among the configuration's
     assert make_query("dior", params).idf is None  # no retriever
 
 
 def test_an_unknown_query_formulation_is_one_error_naming_the_known_ones():
     params = RagQueryParams(qfs_top_n=3, dior_top=2, dior_weights=DiorWeightsParams(0.1, 0.2, 0.3, 0.4))
-    with pytest.raises(
-        InputError, match=r"^no query formulation named 'hyde'; known: ctrla, dior, flare, qfs, question$"
-    ):
+    known = re.escape(", ".join(sorted(QUERIES)))  # every registered formulation
+    with pytest.raises(InputError, match=rf"^no query formulation named 'hyde'; known: {known}$"):
         make_query("hyde", params)

@@ -17,11 +17,11 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TEST_DEVICE, build_tiny_llama, known_facts, qa_rows
+from conftest import ROOT, SIT, TEST_DEVICE, build_tiny_llama, known_facts, qa_rows
 
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
-from detectors.config.rag import CtrlARefusalParams, DiorWeightsParams, RagQueryParams, SitParams
+from detectors.config.rag import CtrlARefusalParams, DiorWeightsParams, RagQueryParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.registered import ConfidenceDetector
@@ -32,7 +32,7 @@ from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.evaluation.answer_metrics import summarise
-from detectors.extensions import make_query
+from detectors.extensions import TRAINING_FREE, make_query
 from detectors.interfaces import Level
 from detectors.llm.generate import generate
 from detectors.llm.judge import word_token_ids, yes_probability
@@ -133,14 +133,6 @@ def registry(tmp_path_factory, tiny_llm) -> str:
             info = store.log_detector(load_artifact(directory), directory, {"kind": det.KIND})
             store.register(info.model_uri, name, "champion", 0.5, "val", "llm")
     return uri
-
-
-# Stitch-in-Time's validation with the words the tiny Llama has as single tokens (its P(yes) is what the test reads)
-SIT = from_dict(
-    SitParams, {**PARAMS["rag_eval"]["sit"], "concepts": "entities", "yes_words": ["Y"], "no_words": ["N"]}, "sit"
-)  # the tiny
-# Llama names no concepts when instructed: the validation tests read spaCy's (the LLM's:
-# test_sit_validates_the_concepts_the_llm_names)
 
 
 def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT, ctrla=None):
@@ -598,7 +590,8 @@ def test_detectors_that_are_not_registered_or_not_triggers_are_refused(tiny_llm,
         make_trigger("nope@champion", tiny_llm, {}, SPACY, tracking_uri=registry)
     with pytest.raises(InputError, match="no threshold"):
         make_trigger("flare", tiny_llm, {}, SPACY)
-    with pytest.raises(InputError, match=r"^no training-free trigger named 'dior'; known: always, entropy_max, "):
+    known = re.escape(", ".join(sorted(TRAINING_FREE)))  # every training-free trigger
+    with pytest.raises(InputError, match=rf"^no training-free trigger named 'dior'; known: {known}$"):
         make_trigger("dior", tiny_llm, {}, SPACY)  # the registry's error (params.yaml's validation refuses it first)
 
 

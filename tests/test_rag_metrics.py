@@ -8,6 +8,7 @@ import csv
 import dataclasses
 import json
 import math
+import re
 
 import mlflow
 import numpy as np
@@ -51,6 +52,7 @@ from detectors.evaluation.rag_sweep import (
     trace_events,
 )
 from detectors.evaluation.rag_tuning import choose_candidates, tuning_candidates
+from detectors.extensions import FRAMEWORKS, QUERIES, TRAINING_FREE
 from detectors.rag.experiment import split_questions
 from detectors.rag.systems import Run, System, run_questions
 from detectors.registry import store
@@ -616,6 +618,11 @@ def test_configuration_rows_take_the_shared_defaults_and_override_them():
         load_section("rag_eval", data=data)
 
 
+def known(registry) -> str:
+    """The pattern of a registry's names as an error lists them: every one, sorted."""
+    return re.escape(", ".join(sorted(registry)))
+
+
 @pytest.mark.parametrize(
     "path, value, message",
     [
@@ -627,16 +634,19 @@ def test_configuration_rows_take_the_shared_defaults_and_override_them():
         (
             ("configurations", "flare", "query"),
             "hyde",
-            r"configurations.flare.query = 'hyde': no query formulation of that name; known: ctrla, dior, flare, qfs, "
-            r"question$",
+            rf"configurations.flare.query = 'hyde': no query formulation of that name; known: {known(QUERIES)}$",
         ),
         (
             ("configurations", "flare", "triggers"),
             ["flare", "dior-early"],
-            r"triggers\[1\] = 'dior-early': no training-free trigger of that name; known: always, entropy_max, "
-            r"entropy_mean, flare, rind, sit, sit_min or a registered detector as <name>@<alias>",
+            rf"triggers\[1\] = 'dior-early': no training-free trigger of that name; known: {known(TRAINING_FREE)} "
+            r"or a registered detector as <name>@<alias>",
         ),
-        (("frameworks",), ["selfrag"], r"frameworks\[0\] = 'selfrag': no framework of that name; known: retrorag$"),
+        (
+            ("frameworks",),
+            ["selfrag"],
+            rf"frameworks\[0\] = 'selfrag': no framework of that name; known: {known(FRAMEWORKS)}$",
+        ),
         (("configurations", "flare", "steering"), "ctrla-honesty", r"steering = 'ctrla-honesty'.*<name>@<alias>"),
         (("sweep", "corpus"), "web", r"sweep.corpus = 'web': must be one of rag_eval.corpora"),
         (("sweep", "query"), "dior", r"sweep.query = 'dior': must be one of \['question'\]"),

@@ -10,9 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from test_build_resume import edit_params
-from test_pipeline import write_params
-from test_rag_loop import SIT
+from conftest import SIT, edit_params, write_params
 
 from detectors.config import load_section
 from detectors.imports import ROOT, import_closure

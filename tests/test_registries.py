@@ -5,6 +5,7 @@ the registries."""
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
@@ -30,16 +31,30 @@ def test_builders_of_one_registry_share_one_signature():
             assert len(inspect.signature(registry.load(name)).parameters) == arity, (registry.what, name)
 
 
-def test_an_unknown_framework_is_one_error_naming_the_known_ones():
-    with pytest.raises(InputError, match=r"^no framework named 'selfrag'; known: retrorag$"):
+@pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.what)
+def test_an_unknown_name_is_one_error_naming_every_known_one(registry):
+    """A name no entry has is one error of the registry's own type that names it and lists every registered name,
+    sorted: whatever entries a registry holds, a reader sees all of them."""
+    known = re.escape(", ".join(sorted(registry)))
+    with pytest.raises(registry.error, match=rf"^no {re.escape(registry.what)} named 'no-such-entry'; known: {known}$"):
+        registry.load("no-such-entry")
+
+
+def test_an_unknown_framework_is_an_input_error():
+    with pytest.raises(InputError, match=r"^no framework named 'selfrag'; known: .*\bretrorag\b"):
         FRAMEWORKS.load("selfrag")
     assert FRAMEWORKS.load("retrorag").__name__ == "RetroRag"
 
 
 def test_the_command_lines_detector_kinds_come_from_the_detector_classes():
     """``dynrag assess`` takes the kinds that decide from the question, ``monitor`` those that watch a generation
-    (``Detector.DECIDES``, declared by each class); every kind a trigger can be built from decides one of the two."""
-    assert kinds_deciding("question") == ["dior-early", "utility"]
-    assert kinds_deciding("generation") == ["dior-realtime", "ctrla-confidence"]
-    assert set(DETECTOR_KINDS) == set(kinds_deciding("question")) | set(kinds_deciding("generation"))
+    (``Detector.DECIDES``, declared by each class): every registered kind decides one of the two or none, and every kind
+    a trigger can be built from decides one of the two."""
+    question, generation = kinds_deciding("question"), kinds_deciding("generation")
+    for kind in KINDS:
+        decides = KINDS.load(kind).DECIDES
+        assert decides in ("question", "generation", None), (kind, decides)
+        assert (kind in question, kind in generation) == (decides == "question", decides == "generation"), kind
+    assert set(DETECTOR_KINDS) == set(question) | set(generation)
+    assert {"dior-early", "utility"} <= set(question) and {"dior-realtime", "ctrla-confidence"} <= set(generation)
     assert KINDS.load("ctrla-honesty").DECIDES is None

