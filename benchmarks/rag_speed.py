@@ -8,10 +8,9 @@ once, by the stages that write the results), every configuration of ``rag_eval``
 corpus (a configuration without triggers on the first corpus only, as the stage does), every framework (RetroRAG) and
 the accuracy vs retrieval-rate sweep answer the questions on each side:
 
-* **reference**: the code of ``--reference`` (a git commit at or after the one that moved the RAG runtime into the
-  library, ``detectors.rag.runtime``: this file drives both sides through its API; earlier results, against
-  ``f91a37a``, are in ``benchmarks/results/``), checked out into a temporary git worktree and run in a child process,
-  in the dtype it chose by default;
+* **reference**: the code of ``--reference`` (a git commit, default ``183626a``: the last full run before the
+  evaluation's new rules, whose validation sweeps took 5.6 min), checked out into a temporary git worktree and run in
+  a child process, in the dtype it chose by default;
 * **ours**: this checkout, in each dtype of ``--dtypes`` (default ``auto``, the new default, then ``float32``, the
   reference's, so that the answers can be compared with the same arithmetic).
 
@@ -21,7 +20,7 @@ corpus one after another on the same questions (as the stage's question-major sh
 and how many answers and retrieval traces (trigger, position, queries, passages) are identical; overall, the ratio of
 the total times. Timings are reported, never asserted. Run nothing else on the machine meanwhile.
 
-Run: ``python -m benchmarks.rag_speed --reference COMMIT [--questions N] [--dtypes auto float32] [--out PATH]`` after
+Run: ``python -m benchmarks.rag_speed [--questions N] [--reference COMMIT] [--dtypes auto float32] [--out PATH]`` after
 ``dvc repro rag_eval``.
 """
 
@@ -48,21 +47,52 @@ def trace(line: dict) -> list:
     )
 
 
+def systems(params):
+    """The importable tree's RAG runtime as this benchmark drives it (``configuration``, ``framework``, ``sweep``
+    returning systems with ``answer``): this layout's :class:`~detectors.rag.runtime.RagRuntime`, or, in a reference
+    tree from before it moved into the library, the stage's runtime module behind an adapter (the one place a
+    benchmark reads a stage module: older commits have nothing else)."""
+    try:
+        from detectors.rag.runtime import RagRuntime
+
+        return RagRuntime(params)
+    except ImportError:
+        import importlib
+        import types
+
+        old = importlib.import_module("pipelines._rag_runtime").RagRuntime(params)
+        first = lambda made: made[0] if isinstance(made, tuple) else made  # noqa: E731 - (answer, code[, kinds])
+        rag = params["rag_eval"]
+
+        def configuration(name, corpus, thresholds):
+            return types.SimpleNamespace(answer=first(old.loop(name, rag.configurations[name], corpus, thresholds)))
+
+        def framework(name, corpus):
+            return types.SimpleNamespace(answer=first(old.framework(name, corpus)))
+
+        def sweep(name, corpus, references):
+            run = first(old.sweep_loop(corpus))
+            return types.SimpleNamespace(answer=lambda qs, _: run(qs, [references[q] for q in qs]))
+
+        return types.SimpleNamespace(llm=old.llm, configuration=configuration, framework=framework, sweep=sweep)
+
+
 def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | None) -> dict:
     """Answer the questions with the importable code (this checkout, or the reference worktree) in ``dtype``."""
     import dataclasses
 
     import pandas as pd
     import torch
+    import yaml
 
-    from detectors.config import StageParams
-    from detectors.rag.experiment import split_questions
-    from detectors.rag.runtime import RagRuntime
+    from detectors.config import StageParams, read_params
 
-    p = StageParams.of("rag_eval", params_path)
+    reads = yaml.safe_load(Path(params_path).with_name("dvc.yaml").read_text())["stages"]["rag_eval"]["params"]
+    p = StageParams(read_params(params_path), reads, "rag_eval")  # StageParams.of, in a tree from before it too
     object.__setattr__(p["llm"], "dtype", dtype) if dataclasses.is_dataclass(p["llm"]) else None
     rag = p["rag_eval"]
-    rows = split_questions(pd.read_parquet(p["paths.qa"]), "val").head(n)
+    qa = pd.read_parquet(p["paths.qa"])
+    rows = qa[qa["split"] == "val"].reset_index(drop=True).head(n)  # the validation questions in the table's order
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
     metrics = Path(p["paths.rag_metrics"])
     if not metrics.exists():
@@ -70,7 +100,7 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
             f"{metrics} is missing: run `dvc repro rag_eval` first (the benchmark uses the thresholds it chose)"
         )
     thresholds = json.loads(metrics.read_text())["thresholds"]
-    runtime = RagRuntime(p)
+    runtime = systems(p)
     out = {
         "side": side,
         "dtype": runtime.llm.dtype_name,
@@ -171,7 +201,7 @@ def compare(reference: dict, ours: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--questions", type=int, default=32, help="test questions (the first of rag_eval's sample)")
-    parser.add_argument("--reference", required=True, help="git commit of the reference code")
+    parser.add_argument("--reference", default="183626a", help="git commit of the reference code")
     parser.add_argument("--dtypes", nargs="+", default=["auto", "float32"], help="llm.dtype of our side, one run each")
     parser.add_argument("--only", nargs="*", help="configurations and frameworks to run (default: all, and the sweep)")
     parser.add_argument("--params", default="params.yaml")
