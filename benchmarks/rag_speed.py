@@ -200,7 +200,9 @@ def compare(reference: dict, ours: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--questions", type=int, default=32, help="test questions (the first of rag_eval's sample)")
+    parser.add_argument(
+        "--questions", type=int, default=32, help="validation questions (the first in the QA table's order)"
+    )
     parser.add_argument("--reference", default="183626a", help="git commit of the reference code")
     parser.add_argument("--dtypes", nargs="+", default=["auto", "float32"], help="llm.dtype of our side, one run each")
     parser.add_argument("--only", nargs="*", help="configurations and frameworks to run (default: all, and the sweep)")

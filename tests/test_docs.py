@@ -199,9 +199,8 @@ def check_command(cmd: list[str]) -> None:
         assert module.split(".")[0] in ("pipelines", "benchmarks", "detectors"), (
             f"python -m {module}: not a project module"
         )
-        source = module_source(module) + (
-            module_source("pipelines._stage") if module.startswith("pipelines.") else ""
-        )  # --params
+        # --params
+        source = module_source(module) + (module_source("pipelines._stage") if module.startswith("pipelines.") else "")
         for option in (a.split("=", 1)[0] for a in args[2:] if a.startswith("--")):
             assert option in source, f"python -m {module} {option}: the module has no option {option}"
     elif name == "dynrag":

@@ -16,6 +16,7 @@ from detectors.evaluation.compare import COLUMNS
 from detectors.evaluation.rag_report import headline as rag_headline
 from detectors.evaluation.report import directions_headline, headline, nested_metrics, write_headline
 
+# one class in the test split: no AUROC
 ROWS = [  # scorer, kind, dataset, level, auroc, delta_vs
     ("first_token_prob", "baseline", "early", "question", 0.70126, None),
     ("dior-early", "detector", "early", "question", 0.73391, "first_token_prob"),
@@ -27,7 +28,7 @@ ROWS = [  # scorer, kind, dataset, level, auroc, delta_vs
         "question",
         math.nan,
         "first_token_prob",
-    ),  # one class in the test split: no AUROC
+    ),
     ("sit_min", "baseline", "realtime", "continuation", 0.66, None),
     ("mlp", "detector", "realtime", "continuation", 0.61, "token_entropy"),
     ("mlp[served]", "detector", "realtime", "continuation", 0.64444, "token_entropy"),
@@ -88,11 +89,12 @@ def test_evaluate_headline_gives_the_best_detectors_and_the_best_baselines_test_
             "baseline_name": "token_entropy",
         },
     }
+    # levels in order, not the table's
     assert list(out) == [
         "early_question",
         "realtime_token",
         "realtime_continuation",
-    ]  # levels in order, not the table's
+    ]
     # the same numbers as the detailed report of each dataset
     detailed = nested_metrics(table, "realtime")
     assert out["realtime_continuation"]["baseline"] == round(detailed["continuation"]["token_entropy"]["auroc"], 4)
@@ -273,10 +275,11 @@ def test_only_the_headlines_are_metrics_and_every_other_report_a_plain_out_kept_
     for key in reports:
         stage = next(name for name, entries in outs.items() if paths[key] in entries)
         entry = next(e for e in stages[stage]["outs"] if isinstance(e, dict) and "${paths." + key + "}" in e)
+        # stays in the workspace, as the metric did
         assert entry["${paths." + key + "}"] == {"cache": False}, (
             stage,
             key,
-        )  # stays in the workspace, as the metric did
+        )
 
 
 def test_every_plot_is_an_image_so_dvc_plots_show_needs_no_javascript_renderer():

@@ -78,9 +78,8 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, project):
         rows = {}
         for run in found:
             tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
-            assert (
-                "mlflow.parentRunId" not in tags
-            )  # flat: the runs table lists every scorer without expanding anything
+            # flat: the runs table lists every scorer without expanding anything
+            assert "mlflow.parentRunId" not in tags
             assert (
                 tags["dataset"] == dataset
                 and tags["kind"] in {"detector", "baseline", "trained baseline"}
@@ -88,9 +87,8 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, project):
             )
             assert tags["mlflow.runName"] == f"{tags['detector']} · {tags['level']}"
             rows[tags["level"], tags["detector"]] = {m["key"]: m["value"] for m in run["data"]["metrics"]}
-        assert set(rows) == {
-            (level, scorer) for level, by in by_level.items() for scorer in by
-        }  # one run per scorer × level
+        # one run per scorer × level
+        assert set(rows) == {(level, scorer) for level, by in by_level.items() for scorer in by}
         for (level, scorer), logged in rows.items():
             assert logged["test_auroc"] == pytest.approx(by_level[level][scorer]["auroc"])
         order = [m["value"] for run in found for m in run["data"]["metrics"] if m["key"] == "test_auroc"]
@@ -135,9 +133,8 @@ def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline
         register_stage.main(["--params", str(tmp_path / "params.yaml")])
         first = json.loads((tmp_path / "early.json").read_text())["dior-early"]
         assert first["version"] == 1 and first["alias_moved"]
-        assert any(
-            artifacts.rglob("*.safetensors")
-        )  # the weights went to the server's artifact store, not the project's
+        # the weights went to the server's artifact store, not the project's
+        assert any(artifacts.rglob("*.safetensors"))
         served = load_detector("dior-early", alias="champion", tracking_uri=url, llm=tiny_llm)
         local = load_detector("dior-early", alias="champion", tracking_uri=local_uri, llm=tiny_llm)
         for question in ("The capital of Spain is", "The river of Paris is"):

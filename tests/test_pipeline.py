@@ -131,9 +131,8 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     for name, m in metrics.items():
         assert keys <= set(m), name
         assert m["auroc_ci_low"] <= m["auroc"] <= m["auroc_ci_high"], name
-        assert m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), (
-            name
-        )  # of the stored test-split scores
+        # of the stored test-split scores
+        assert m["auroc"] == pytest.approx(auroc(test["label"], test[name]), abs=1e-6), name
         assert m["trigger_rate"] == pytest.approx(float((test[name] >= m["threshold"]).mean())), name
     # what the tiny Llama planted (memorised facts answered right, and confidently) shows in the training-free
     # first-token
@@ -142,11 +141,12 @@ def test_evaluate_writes_same_metrics_for_every_scorer(pipeline):
     # still depended on the checkout's path); test_training checks that they learn.
     assert metrics["first_token_prob"]["auroc"] > 0.7
     best = max((n for n, m in metrics.items() if m["kind"] == "baseline"), key=lambda n: metrics[n]["auroc"])
+    # each trained detector against the best baseline, on the same questions
     for name in (
         "dior-early",
         "dior-early-extended",
         "gru[attribution]",
-    ):  # each trained detector against the best baseline, on the same questions
+    ):
         assert metrics[name]["delta_vs"] == best
         assert metrics[name]["delta_auroc"] == pytest.approx(metrics[name]["auroc"] - metrics[best]["auroc"])
         assert metrics[name]["delta_ci_low"] <= metrics[name]["delta_auroc"] <= metrics[name]["delta_ci_high"]
@@ -269,9 +269,8 @@ def test_evaluate_joins_score_tables_and_reads_every_early_detector_directory(pi
     realtime = table[table["dataset"] == "realtime"]
     assert set(realtime.loc[realtime["scorer"] == "ctrla_confidence", "level"]) == {"token", "entity", "continuation"}
     token = realtime[realtime["level"] == "token"].set_index("scorer")
-    assert token.loc["ctrla_confidence", "auroc"] == pytest.approx(
-        token.loc["flare", "auroc"]
-    )  # the list became a per-token stat
+    # the list became a per-token stat
+    assert token.loc["ctrla_confidence", "auroc"] == pytest.approx(token.loc["flare", "auroc"])
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     assert set(mlflow.search_runs(experiment_names=["alt-evaluation-early"])["tags.detector"]) == set(question.index)
 
@@ -316,10 +315,11 @@ def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tin
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     val_ids = early.loc[(early["status"] == "ok") & (early["split"] == "val"), "id"]
     assert registry_out["val_digest"] == validation_digest(val_ids)
+    # the artifact records where its LLM is relative to the project, and its dtype
     for model in (
         "early/dior-early",
         "realtime",
-    ):  # the artifact records where its LLM is relative to the project, and its dtype
+    ):
         llm_section = json.loads((pipeline / f"data/models/{model}/detector.json").read_text())["llm"]
         assert llm_section["dir"] == "data/llm" and llm_section["dtype"] == "float32"
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
@@ -357,9 +357,8 @@ def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny
         and run.data.params["features"] == "attribution,entropy,first_token,hidden"
     )
     version = mlflow.MlflowClient().get_model_version("dior-early-extended", str(out["version"]))
-    assert (
-        version.tags["features"] == "attribution,entropy,first_token,hidden"
-    )  # only the same feature set competes for champion
+    # only the same feature set competes for champion
+    assert version.tags["features"] == "attribution,entropy,first_token,hidden"
 
 
 def test_register_refuses_an_early_detector_that_was_not_trained(pipeline_copy, tmp_path):
@@ -477,9 +476,8 @@ def test_comparison_notebook_runs_on_the_store(pipeline):
     )
     mlflow.set_tracking_uri(f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["detector-evaluation-early", "detector-evaluation-realtime"])
-    for dataset, level in set(
-        zip(runs["tags.dataset"], runs["tags.level"])
-    ):  # a table per set × level, every scorer in it
+    # a table per set × level, every scorer in it
+    for dataset, level in set(zip(runs["tags.dataset"], runs["tags.level"])):
         assert f"{dataset} set, {level} level" in outputs
     assert set(runs["tags.detector"]) <= set(outputs.split()) and "(not described here)" not in outputs
     assert "ΔAUROC" in outputs or "no paired differences" in outputs
@@ -641,9 +639,8 @@ def test_ctrla_directions_are_extracted_evaluated_registered_and_served(pipeline
 
     registered = json.loads((pipeline / "data/registry/ctrla.json").read_text())
     assert registered["honesty"]["name"] == "ctrla-honesty" and registered["confidence"]["alias_moved"]
-    assert (
-        registered["confidence"]["layers"] == confidence["validation"]["layers"]
-    )  # params: confidence_layers: validation
+    # params: confidence_layers: validation
+    assert registered["confidence"]["layers"] == confidence["validation"]["layers"]
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     honesty = load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm)
     confidence = load_detector("ctrla-confidence", tracking_uri=uri, llm=tiny_llm)

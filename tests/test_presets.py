@@ -83,9 +83,8 @@ def test_applied_preset_validates_as_every_stage_reads_it(applied):
     assert sections["build_early"].answer_hidden_layers == sections["build_realtime"].hidden_layers
     data = read_params(applied)
     for name, stage in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
-        StageParams(
-            data, importlib.import_module(stage["cmd"].split()[2]).READS, name
-        )  # what each stage validates first
+        # what each stage validates first
+        StageParams(data, importlib.import_module(stage["cmd"].split()[2]).READS, name)
 
 
 def test_preset_question_source_reads_hotpotqa_as_the_hub_lays_it_out(applied, tmp_path, offline_hf):
@@ -134,9 +133,8 @@ def test_preset_corpus_reads_psgs_w100_converted_as_the_docs_convert_it(applied,
     ]
     assert passages[0].text == 'Aaron Aaron ( or ; "Ahärôn") is a prophet, high priest, and the brother of Moses.'
     assert retriever.manifest["build"]["skipped"] == {"empty text": 1}
-    question = HOTPOTQA["distractor"][1][
-        "question"
-    ]  # ... the woman who portrayed Corliss Archer in the film Kiss and Tell?
+    # ... the woman who portrayed Corliss Archer in the film Kiss and Tell?
+    question = HOTPOTQA["distractor"][1]["question"]
     assert retriever.search(question, 1)[0].passage.id == "2"
     assert recall_at_k(retriever, [question], [["Shirley Temple"]], [1]) == {"answer_recall@1": 1.0}
 

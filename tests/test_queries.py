@@ -125,15 +125,17 @@ def test_chunks_never_cross_sentences_and_cover_the_text_once():
         "Its river, the Garonne, flows to Bordeaux; it is long.",
     ]
     assert all(any(b in s for s in sentences) for b in blocks)  # every block inside one sentence
+    # every clause brings query terms: one block
     assert chunk_passage("Occitania, capital Toulouse, pink city.", "capital of Occitania Toulouse pink city") == [
         "Occitania, capital Toulouse, pink city."
-    ]  # every clause brings query terms: one block
+    ]
+    # a clause without query terms starts a new block
     assert chunk_passage(
         "Occitania has Toulouse, which hosts many old buildings and several large museums.", "Occitania Toulouse"
     ) == [
         "Occitania has Toulouse,",
         "which hosts many old buildings and several large museums.",
-    ]  # a clause without query terms starts a new block
+    ]
 
 
 def test_passages_render_as_numbered_blocks():

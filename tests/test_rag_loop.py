@@ -272,9 +272,8 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
     """CtrlA's Alg. 1 (lines 6-10): a flagged segment is retrieved for, re-predicted with the passages and appended,
     never judged again; a new-content word is one outside the question and the answer so far (Eq. 3's q ∪ y<t), so a
     word that the prompt's few-shot primer shows ("Paris") still counts as new."""
-    confidence = trigger(
-        "t-confidence@champion", tiny_llm, registry
-    )  # tau = 100: every new content word is unconfident
+    # tau = 100: every new content word is unconfident
+    confidence = trigger("t-confidence@champion", tiny_llm, registry)
     config = RagConfig("ctrla", PROMPT, k=1, max_new_tokens=6, max_retrievals=3)
     (trace,) = RagLoop(tiny_llm, retriever, config, [confidence]).trace(["The capital of Kenya is"])
     assert trace.answer.startswith("Paris") and "Paris" in PROMPT.template
@@ -286,9 +285,8 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
     assert len(paris) >= 1 and trace.stats["new_content"][paris].all()  # new, though the primer shows it
     for question in QUESTIONS[:6] + ["The capital of Kenya is"]:
         result = RagLoop(tiny_llm, retriever, config, [confidence]).answer(question)
-        segments = 1 + sum(
-            1 for _ in re.finditer(r"[.!?]\s", result.answer)
-        )  # the answer's sentences: at most one retrieval each
+        # the answer's sentences: at most one retrieval each
+        segments = 1 + sum(1 for _ in re.finditer(r"[.!?]\s", result.answer))
         assert len(result.retrievals) <= segments, (question, result.answer, len(result.retrievals))
     assert len(result.retrievals) == 1  # Kenya: "Paris" fired it once
 
@@ -310,9 +308,8 @@ def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm
     within max_retrievals); then it is kept. Here every re-predicted segment "refuses" (a pattern that matches any
     text)."""
     question = "The capital of Kenya is"
-    config = RagConfig(
-        "ctrla", PROMPT, context="{passages} ", k=1, max_new_tokens=6, max_retrievals=5
-    )  # a context the tiny Llama continues
+    # a context the tiny Llama continues
+    config = RagConfig("ctrla", PROMPT, context="{passages} ", k=1, max_new_tokens=6, max_retrievals=5)
     confidence = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)  # K = 2
     refusing = changed(confidence, "handler", patterns=[r"\S"])
     result = RagLoop(tiny_llm, retriever, config, [refusing], make_query("ctrla", QUERY)).answer(question)
@@ -328,9 +325,8 @@ def test_ctrla_rewrites_the_query_while_the_repredicted_segment_refuses(tiny_llm
         tiny_llm, retriever, dataclasses.replace(config, max_retrievals=2), [refusing], make_query("ctrla", QUERY)
     ).answer(question)
     assert [r.trigger for r in capped.retrievals] == ["t-confidence", "t-confidence:refusal"]
-    kept = RagLoop(tiny_llm, retriever, config, [confidence], make_query("ctrla", QUERY)).answer(
-        question
-    )  # no refusal: one retrieval
+    # no refusal: one retrieval
+    kept = RagLoop(tiny_llm, retriever, config, [confidence], make_query("ctrla", QUERY)).answer(question)
     assert [r.trigger for r in kept.retrievals] == ["t-confidence"]
 
 
@@ -357,13 +353,14 @@ def test_ctrla_predicts_the_segment_after_a_retrieval_without_its_passages(talke
     plain = talker.render(question, prompt)[0]
     result = RagLoop(talker, retriever, config, [fires]).answer(question, record_prompts=True)
     assert result.answer.count(".") == 2 and len(result.retrievals) == 2  # two sentences, each retrieved for once
+    # the last finds the end of the answer
     assert [p == plain for p in result.prompts] == [
         True,
         False,
         True,
         False,
         True,
-    ]  # the last finds the end of the answer
+    ]
     keeping = RagLoop(
         talker,
         retriever,
@@ -382,10 +379,11 @@ def test_flare_accepts_the_regenerated_sentence_and_uses_its_passages_for_that_s
         question, record_prompts=True
     )
     plain = talker.render(question, prompt)[0]
+    # once a sentence
     assert result.answer.count(".") == 2 and [r.trigger for r in result.retrievals] == [
         "flare",
         "flare",
-    ]  # once a sentence
+    ]
     assert [p == plain for p in result.prompts] == [True, False, True, False, True]
 
 
@@ -403,9 +401,8 @@ def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_
     validation = SIT.validation_question.format(question=question, sentence="", concept="Paris")
     passes, fails = runs["passes"], runs["fails"]
     assert passes.answer == plain.answer and [r.used for r in passes.retrievals] == [False]
-    assert passes.retrievals[0].queries == [validation] and passes.retrievals[0].passage_ids == [
-        "p3"
-    ]  # Kenya's passage
+    # Kenya's passage
+    assert passes.retrievals[0].queries == [validation] and passes.retrievals[0].passage_ids == ["p3"]
     assert not any(PASSAGES[2].text in p for p in passes.prompts)
     expected = yes_probability(
         tiny_llm,
@@ -414,9 +411,8 @@ def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_
         word_token_ids(tiny_llm.tokenizer, ["N"]),
     )
     assert passes.retrievals[0].gate_score == pytest.approx(float(expected[0]), abs=1e-6)
-    assert [r.used for r in fails.retrievals] == [
-        True
-    ]  # repaired once; the repair is kept, though the trigger fires anywhere
+    # repaired once; the repair is kept, though the trigger fires anywhere
+    assert [r.used for r in fails.retrievals] == [True]
     assert PASSAGES[2].text in fails.prompts[-1] and fails.prompts[-1].endswith(question)
     assert fails.forward_passes > passes.forward_passes
 
@@ -424,15 +420,14 @@ def test_sit_validates_the_uncertain_concept_and_repairs_the_sentence_only_when_
 def test_llm_named_concepts_cover_the_segment_tokens_of_each_phrase():
     offsets = [0, 4, 8, 9]  # segment " English." as " Eng" "lish" "."
     question = "The language of Owen Meany is"
-    assert concept_spans(question, " English.", offsets, "English, language") == [
-        [0, 1]
-    ]  # "language" is in the question only
+    # "language" is in the question only
+    assert concept_spans(question, " English.", offsets, "English, language") == [[0, 1]]
+    # numbered lines
     assert concept_spans(question, " English.", offsets, "1. The language of Owen Meany is English.\n2. english") == [
         [0, 1]
-    ]  # numbered lines
-    assert concept_spans(question, " English.", offsets, "Meany is Eng") == [
-        [0]
-    ]  # a phrase across question and segment: its segment part
+    ]
+    # a phrase across question and segment: its segment part
+    assert concept_spans(question, " English.", offsets, "Meany is Eng") == [[0]]
     assert concept_spans(question, " English.", offsets, "French") == []
 
 
@@ -621,9 +616,8 @@ def test_a_comparison_scorer_becomes_a_trigger_without_touching_the_loop(tiny_ll
     entropy = Trigger("token_entropy", TokenEntropy(Level.TOKEN), 0.0, Policy("token"))
     loop = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6, max_retrievals=1), [entropy])
     (trace,) = RagLoop(tiny_llm, retriever, RagConfig("t", PROMPT, k=1, max_new_tokens=6), [entropy]).trace([QUESTION])
-    entropy.threshold = float(
-        np.sort(trace.token_scores["token_entropy"])[-2]
-    )  # fires at the second most uncertain token or before
+    # fires at the second most uncertain token or before
+    entropy.threshold = float(np.sort(trace.token_scores["token_entropy"])[-2])
     result = loop.answer(QUESTION)
     expected = int(np.flatnonzero(trace.stats["entropy"] >= entropy.threshold)[0])
     assert [(r.trigger, r.position) for r in result.retrievals] == [("token_entropy", expected)]
@@ -718,6 +712,7 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
     handling = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)
     steering = {1: 3.0 * confidence.calculators[0].detector.directions.vectors[0]}
     config = lambda name, **kw: RagConfig(name, PROMPT, k=2, max_new_tokens=8, **kw)  # noqa: E731
+    # some re-predictions "refuse"
     return {
         "dior": RagLoop(
             tiny_llm,
@@ -746,7 +741,7 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
             config("ctrla-refusal", context="{passages} "),
             [changed(handling, "handler", patterns=[r"\bis\b"])],
             make_query("ctrla", QUERY),
-        ),  # some re-predictions "refuse"
+        ),
     }
 
 
@@ -1010,6 +1005,5 @@ def test_every_online_score_equals_the_offline_score_of_the_same_tokens(tiny_llm
     unsteered = realtime_set(tiny_llm, directions, frame, batch_size=4).token_scores(
         directions.layers, params.tau, params.clip
     )
-    assert not np.allclose(
-        np.concatenate(unsteered), np.concatenate(offline), atol=1e-3
-    )  # the monitor sees the steered stream
+    # the monitor sees the steered stream
+    assert not np.allclose(np.concatenate(unsteered), np.concatenate(offline), atol=1e-3)

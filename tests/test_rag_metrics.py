@@ -112,10 +112,9 @@ def test_accuracy_and_answer_recall_are_whole_word_containment():
 
 
 def test_summarise_gives_every_metric_of_one_configuration():
+    # right, 2 retrievals, 1 recalled
     results = [
-        result(
-            "Paris", [["Lyon"], ["Paris is in France"]], passes=12, tokens=6, wall=1.0
-        ),  # right, 2 retrievals, 1 recalled
+        result("Paris", [["Lyon"], ["Paris is in France"]], passes=12, tokens=6, wall=1.0),
         result("Rome", [["nothing here"]], error="no passage retrieved", passes=8, tokens=2, wall=0.5),
         result("Berlin, Germany", passes=4, tokens=4, wall=0.0),
     ]
@@ -258,9 +257,8 @@ def test_paired_intervals_compare_each_configuration_with_the_references_on_the_
         and rev["accuracy_vs_never_ci_low"] < -0.2
         and rev["accuracy_vs_never_ci_high"] > 0.2
     )
-    assert (
-        reference_deltas(results, refs, {"never": "absent"})["one-more"] == {}
-    )  # a reference that did not run: no difference
+    # a reference that did not run: no difference
+    assert reference_deltas(results, refs, {"never": "absent"})["one-more"] == {}
     # a framework that answered a sample of the questions is compared on those questions only; a row with `versus` with
     # that row
     results["sampled"] = [r for r in results["reversed"] if r["id"] in {f"q{i}" for i in range(10, 20)}]
@@ -326,20 +324,21 @@ def test_each_configuration_is_tried_at_its_triggers_candidates_together_and_fix
         {"label": "rate 0.3", "thresholds": {"a": 0.9}},
         {"label": "rate 0.7", "thresholds": {"a": 0.5}},
     ]
+    # b never helps: its best point never retrieves
     assert [c["thresholds"] for c in got["two"]] == [
         {"a": inf, "b": inf},
         {"a": -inf, "b": -inf},
         {"a": 0.7, "b": inf},
         {"a": 0.9, "b": 0.8},
         {"a": 0.5, "b": 0.4},
-    ]  # b never helps: its best point never retrieves
+    ]
+    # fixed in params: tried once
     assert tuning_candidates(configs, "wiki", curves_, {"a": 0.1}, [0.3, 0.7])["one"] == [
         {"label": "fixed", "thresholds": {"a": 0.1}}
-    ]  # fixed in params: tried once
+    ]
     own = {"one": dataclasses.replace(configs["one"], thresholds={"a": -inf})}
-    assert tuning_candidates(own, "wiki", curves_, {}, [0.3])["one"] == [
-        {"label": "fixed", "thresholds": {"a": -inf}}
-    ]  # fixed in the configuration's own row
+    # fixed in the configuration's own row
+    assert tuning_candidates(own, "wiki", curves_, {}, [0.3])["one"] == [{"label": "fixed", "thresholds": {"a": -inf}}]
     repeated = tuning_candidates({"one": configs["one"]}, "wiki", {"a": val_curve([0.9], [True], [False])}, {}, [0.0])
     assert [c["label"] for c in repeated["one"]] == ["never", "always"]  # best and rate 0 repeat never: tried once
 
@@ -556,10 +555,11 @@ def test_log_rag_runs_logs_one_run_per_corpus_and_configuration_and_replaces_ear
         frozenset(c[len("metrics.") :] for c in runs.columns if c.startswith("metrics.") and not pd.isna(row[c]))
         for _, row in config_runs.iterrows()
     }
+    # the same names; a None recall left out
     assert names == {
         frozenset(METRICS) - {"answer_recall_at_k"},
         frozenset(METRICS),
-    }  # the same names; a None recall left out
+    }
     flare_wiki = config_runs[
         (config_runs["tags.corpus"] == "wiki") & (config_runs["tags.configuration"] == "flare")
     ].iloc[0]
@@ -591,9 +591,8 @@ def test_log_rag_runs_logs_one_run_per_corpus_and_configuration_and_replaces_ear
         )
     with pytest.raises(ValueError, match=r"corpora \['facts'\] have no digest"):
         log_rag_runs(METRICS_BY_CORPUS, None, params, "rag-test", {"llm_digest": "abc"}, tracking, {"wiki": "w1"})
-    assert (
-        len(mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)) == 4
-    )  # refused before logging
+    # refused before logging
+    assert len(mlflow.search_runs(experiment_names=["rag-test"], run_view_type=ViewType.ACTIVE_ONLY)) == 4
 
 
 # ---- the rag_eval params section -----------------------------------------------------------------------------------
@@ -759,16 +758,18 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
     assert again.calls == [("question 2", False), ("question 3", False), ("question 4", False)]  # only the missing ones
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(5)]
     assert lines[0]["prompts"] == ["prompt of question 0"] and lines[2]["prompts"] == []  # prompts of the first 2 only
+    # each shard with its manifest entry
     assert sorted(p.name for p in run.glob("shard-*")) == [
         name for k in range(3) for name in (f"shard-0000{k}.manifest.json", f"shard-0000{k}.parquet")
-    ]  # each shard with its manifest entry
+    ]
     m = summarise(lines, [[f"a{i}"] for i in range(5)])
+    # a recorded outcome is counted, not a crash
     assert (m["accuracy"], m["no_passage"], m["failed"], m["n"]) == (
         0.2,
         1,
         0,
         5,
-    )  # a recorded outcome is counted, not a crash
+    )
 
     nothing = Answerer()
     assert (
@@ -776,14 +777,12 @@ def test_a_killed_run_resumes_without_redoing_finished_questions(tmp_path):
         and nothing.calls == []
     )
     other = Answerer()
-    run_questions([Run(System("r", other, "2"), run, {}, 2)], rows, "wiki · flare", shard_size=2)[
-        "r"
-    ]  # other code: every question again
+    # other code: every question again
+    run_questions([Run(System("r", other, "2"), run, {}, 2)], rows, "wiki · flare", shard_size=2)["r"]
     assert len(other.calls) == 5
     fewer = Answerer()
-    run_questions([Run(System("r", fewer, "2"), run, {}, 2)], rows.iloc[1:], "wiki · flare", shard_size=2)[
-        "r"
-    ]  # other questions: their shards differ
+    # other questions: their shards differ
+    run_questions([Run(System("r", fewer, "2"), run, {}, 2)], rows.iloc[1:], "wiki · flare", shard_size=2)["r"]
     assert len(fewer.calls) == 4
 
 
@@ -817,10 +816,11 @@ def test_runs_answer_question_major_and_each_resumes_its_own_shards(tmp_path):
     assert shards == [(0, ["question 0", "question 1"]), (2, ["question 2", "question 3"])]
     assert set(lines) == {"a", "b"} and [x["id"] for x in lines["b"]] == ["q0", "q1", "q2", "q3"]
     order.clear()
+    # b's code changed
     runs = [
         Run(System("a", Logged("a"), "1"), tmp_path / "a"),
         Run(System("b", Logged("b"), "2"), tmp_path / "b"),
-    ]  # b's code changed
+    ]
     again = run_questions(runs, rows, "wiki · 2 configurations", shard_size=2)
     assert (
         order == [("b", ("question 0", "question 1")), ("b", ("question 2", "question 3"))] and again["a"] == lines["a"]

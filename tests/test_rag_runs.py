@@ -49,9 +49,8 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
         "detectors/dior/early_detector.py",
     }
     assert not others & closure([flare])
-    assert "detectors/baselines/stitch_in_time.py" in closure([sit]) & closure(
-        [sit_min]
-    )  # SiT's validator beside its detector
+    # SiT's validator beside its detector
+    assert "detectors/baselines/stitch_in_time.py" in closure([sit]) & closure([sit_min])
 
 
 def test_a_runs_params_hold_the_query_settings_its_formulation_reads():
@@ -162,9 +161,7 @@ def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     rag_eval.main(["--params", "params.yaml"])
     after = shard_times(project)
     sit = {"sit", *(run for run in before if run.startswith("tune-val/sit/"))}
-    assert all(
-        after[k] != before[k] for k in sit
-    )  # Stitch-in-Time's validation changed: its runs restarted, on validation and test
-    assert {k: v for k, v in after.items() if k not in sit} == {
-        k: v for k, v in before.items() if k not in sit
-    }  # every other run resumed whole
+    # Stitch-in-Time's validation changed: its runs restarted, on validation and test
+    assert all(after[k] != before[k] for k in sit)
+    # every other run resumed whole
+    assert {k: v for k, v in after.items() if k not in sit} == {k: v for k, v in before.items() if k not in sit}

@@ -88,9 +88,8 @@ def test_truncation_is_before_an_entity_never_at_a_sentence_start(tools):
     assert cuts <= starts and 0 not in cuts  # before an entity, not the one opening the sentence
     assert all(c < text.index(". ") for c in cuts)  # inside the first sentence
     assert len(cuts) > 1  # the entity is picked per article...
-    assert truncation_point(tools, "id3", text, 1, 0) == truncation_point(
-        tools, "id3", text, 1, 0
-    )  # ...deterministically
+    # ...deterministically
+    assert truncation_point(tools, "id3", text, 1, 0) == truncation_point(tools, "id3", text, 1, 0)
     with pytest.raises(RecordError, match="no entity"):
         truncation_point(tools, "x", "it rains here and the wind blows.", 1, 0)
 
@@ -227,9 +226,10 @@ def test_the_serving_recorder_records_what_the_set_was_built_with(tiny_llm):
     for prompt, trace in zip(prompts, built):
         enc = tiny_llm.tokenizer(prompt, return_tensors="pt")
         with torch.no_grad(), GenerationRecorder(tiny_llm.model, [1, 2]) as recorder:
+            # one token more: the last kept token's hidden state
             tiny_llm.model.generate(
                 **enc, logits_processor=[recorder], max_new_tokens=7, do_sample=False, pad_token_id=0
-            )  # one token more: the last kept token's hidden state
+            )
         (served,) = recorder.traces(eos_ids(tiny_llm), limit=6)
         assert served.gen_ids == trace.gen_ids and trace.gen_ids
         np.testing.assert_allclose(served.prob, trace.prob, atol=1e-5)

@@ -140,9 +140,8 @@ def test_a_champion_with_another_feature_set_is_not_compared(logged):
     as before."""
     store.configure(logged["tracking_uri"])
     uri, name = logged["dior-early"], "feature-sets"
-    store.register(
-        uri, name, "champion", 0.73, "val-a", "llm-a"
-    )  # registered before versions were tagged with features
+    # registered before versions were tagged with features
+    store.register(uri, name, "champion", 0.73, "val-a", "llm-a")
     paper = units(0.3, 1)
     register = lambda record, features="attribution,entropy": store.register(  # noqa: E731
         uri, name, "champion", auroc_of(record), "val-a", "llm-a", features, record, versus
@@ -349,9 +348,8 @@ def test_bad_frames_are_refused_by_name_through_the_pyfunc_and_the_detector(regi
     called (nothing reaches the LLM, which is never loaded here)."""
     store.configure(registered)
     model = mlflow.pyfunc.load_model("models:/dior-early@champion")
-    with pytest.raises(
-        MlflowException, match=r"missing inputs \['question'\]"
-    ):  # MLflow's schema check, from the signature
+    # MLflow's schema check, from the signature
+    with pytest.raises(MlflowException, match=r"missing inputs \['question'\]"):
         model.predict(pd.DataFrame({"query": ["The capital of France is"]}))
     with pytest.raises(
         InputError, match=r"'dior-early': row 1 of column 'question' is missing \(None/NaN\): give a non-blank string"
@@ -375,9 +373,8 @@ def test_bad_frames_are_refused_by_name_through_the_pyfunc_and_the_detector(regi
     honesty = load_detector("ctrla-honesty", tracking_uri=registered, load_llm=False)
     with pytest.raises(FrameInputError, match=r"'ctrla-honesty': row 0 of column 'lam' is inf: give a finite number"):
         honesty.predict_frame(pd.DataFrame({"question": ["x"], "lam": [math.inf]}))
-    with pytest.raises(
-        InputError, match=r"row 0 of column 'lam' is missing"
-    ):  # through the pyfunc: MLflow passes None as NaN
+    # through the pyfunc: MLflow passes None as NaN
+    with pytest.raises(InputError, match=r"row 0 of column 'lam' is missing"):
         mlflow.pyfunc.load_model("models:/ctrla-honesty@champion").predict(
             pd.DataFrame({"question": ["x"], "lam": [None]})
         )
@@ -501,9 +498,8 @@ def test_a_moved_store_is_read_without_writing_and_relocated_on_request(tmp_path
     assert "StoreMovedError" in capsys.readouterr().err
     assert _state(db) == before  # reading a moved store never writes to it
     vectors = HonestySteering.load(artifacts["ctrla-honesty"]).directions.vectors
-    assert torch.equal(
-        load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm).directions.vectors, vectors
-    )  # the original: in place
+    # the original: in place
+    assert torch.equal(load_detector("ctrla-honesty", tracking_uri=uri, llm=tiny_llm).directions.vectors, vectors)
 
     shutil.rmtree(project)  # only the clone's own artifacts can serve it from now on
     assert cli.main(["relocate", "--tracking-uri", clone_uri]) == 0

@@ -214,9 +214,8 @@ def test_a_killed_worker_loses_only_its_shard_in_flight(project, cluster):
     assert killed, "no Ray worker was found to kill"
     after = shard_times(shards)
     assert len(after) == 6 and finished_before
-    assert {mark.name.rsplit(".", 1)[0] for mark in (project / "writers").iterdir()} == set(
-        after
-    )  # every shard's writer is known
+    # every shard's writer is known
+    assert {mark.name.rsplit(".", 1)[0] for mark in (project / "writers").iterdir()} == set(after)
     rewritten = [name for name, t in finished_before.items() if after[name] != t]
     assert all((project / "writers" / f"{name}.{killed[0]}").exists() for name in rewritten), (
         rewritten,
@@ -317,9 +316,8 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
             rag_eval.main(["--params", "params.yaml"])
         runs = {}
         root = project / f"data/rag/runs-{backend}/facts"
-        for run in sorted(
-            {p.parent for p in root.rglob("shard-*.parquet")}
-        ):  # the tuning's runs: tune-val/<configuration>/<j>
+        # the tuning's runs: tune-val/<configuration>/<j>
+        for run in sorted({p.parent for p in root.rglob("shard-*.parquet")}):
             stored = pd.concat([pd.read_parquet(shard) for shard in sorted(run.glob("shard-*.parquet"))])
             runs[str(run.relative_to(root))] = [
                 {k: v for k, v in json.loads(line).items() if k not in ("wall_s", "seconds")} for line in stored["line"]
@@ -342,12 +340,12 @@ def test_rag_eval_on_ray_answers_as_local(project, cluster):
         "sweep",
         "sweep-val",
     }
-    assert all(
-        1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag"]
-    )  # RetroRAG's own row: one per iteration
+    # RetroRAG's own row: one per iteration
+    assert all(1 <= len(line["retrievals"]) <= 2 for line in results["local"][0]["retrorag"])
+    # validation: every val question
     assert all(
         len(lines) == 6 for name, lines in results["local"][0].items() if name != "sweep-val" and name not in tuned
-    )  # validation: every val question
+    )
     assert results["ray"] == results["local"]
 
 

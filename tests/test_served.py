@@ -60,11 +60,12 @@ def record(rid: str, token_label: list[int], split: str = "test", status: str = 
 
 
 # token labels (-1: no entity) and the detector's probability of each generated token
+# fires inside the hallucinated entity, 1 token late
 CASES = {
     "after": (
         [-1, -1, 1, 1, -1, 0],
         [0.1, 0.2, 0.3, 0.9, 0.1, 0.2],
-    ),  # fires inside the hallucinated entity, 1 token late
+    ),
     "before": ([-1, 1, -1], [0.7, 0.1, 0.1]),  # fires one token before it, on a non-entity token
     "at": ([0, -1, 1], [0.1, 0.1, 0.6]),  # fires on its first token
     "never": ([1, -1], [0.1, 0.2]),
@@ -92,12 +93,10 @@ def test_served_behaviour_on_a_hand_made_frame(served_frame):
     assert out["trigger_rate_hallucinated"] == 0.75 and out["trigger_rate_correct"] == 0.5
     assert [out[k] for k in ("trigger_before", "trigger_at", "trigger_after", "never_triggered")] == [0.25] * 4
     assert out["median_trigger_offset"] == 0.0  # offsets -1, 0, +1
-    assert out["n_non_entity_tokens"] == 10 and out["false_trigger_rate_non_entity"] == pytest.approx(
-        0.2
-    )  # 0.7 and 0.6
-    assert out["n_supported_entity_tokens"] == 5 and out["false_trigger_rate_supported_entity"] == pytest.approx(
-        0.2
-    )  # 0.8
+    # 0.7 and 0.6
+    assert out["n_non_entity_tokens"] == 10 and out["false_trigger_rate_non_entity"] == pytest.approx(0.2)
+    # 0.8
+    assert out["n_supported_entity_tokens"] == 5 and out["false_trigger_rate_supported_entity"] == pytest.approx(0.2)
     assert out["n_hallucinated_entity_tokens"] == 5 and out["hit_rate_hallucinated_entity"] == pytest.approx(0.4)
     # a token exactly at the threshold fires, as in the monitor (>=); nothing hallucinated leaves the shares undefined
     at = served_behaviour(frame[frame["id"] == "quiet"], scores, threshold=0.4)
@@ -107,10 +106,11 @@ def test_served_behaviour_on_a_hand_made_frame(served_frame):
 
 def test_served_behaviour_needs_every_token_scored(served_frame):
     frame, scores = served_frame
+    # what record_scores gave before
     entity_only = {
         **scores,
         "after": np.array([np.nan, np.nan, 0.3, 0.9, np.nan, 0.2]),
-    }  # what record_scores gave before
+    }
     with pytest.raises(InputError, match=r"record 'after': 3 scored tokens of 6 generated"):
         served_behaviour(frame, entity_only, 0.5)
     with pytest.raises(InputError, match="record 'quiet' has no detector scores"):

@@ -49,9 +49,8 @@ def test_todo_is_the_unfinished_shards_and_run_shards_requires_each_to_be_writte
     run_shards(store, table, 4, worker, LOCAL, FailureBudget(10, 0.0, "x", tmp_path), "test", "item")
     assert store.read_all(10, 4)["y"].tolist() == list(range(10)) and store.todo(table, 4) == []
     fresh = ShardStore(tmp_path / "other", {"a": 1})
-    with pytest.raises(
-        RuntimeError, match="shard 0 .* returned without writing it"
-    ):  # never silently skipped on resume
+    # never silently skipped on resume
+    with pytest.raises(RuntimeError, match="shard 0 .* returned without writing it"):
         run_shards(
             fresh,
             table,

@@ -46,10 +46,11 @@ def test_a_prefix_several_rows_share_runs_once_and_only_when_it_saves_enough():
     base = list(range(100, 100 + BLOCK + 4))
     rows = [base + [1, 2, 3], base + [1, 2, 4], base + [9] * 20 + [5], base + [9] * 20 + [6]]
     prefixes = shared_prefixes(rows)
+    # base + [1, 2] adds only two tokens to base: not worth a pass
     assert prefixes == [
         tuple(base),
         tuple(base + [9] * 20),
-    ]  # base + [1, 2] adds only two tokens to base: not worth a pass
+    ]
 
 
 def test_the_cache_finds_the_longest_prefix_and_keeps_within_its_budget(tiny_llm):

@@ -121,9 +121,8 @@ def test_one_flat_run_per_row_in_one_experiment_per_dataset(tracking, artifacts,
         experiment = mlflow.get_experiment_by_name(f"{tracking}-{dataset}")
         assert experiment.tags[store.EXPERIMENT_KIND_TAG] == "custom_model_development"
         assert "test_auroc" in experiment.tags["mlflow.note.content"]
-        view = json.loads(
-            experiment.tags["mlflow.sharedViewState.comparison"]
-        )  # the comparison view the UI opens by key
+        # the comparison view the UI opens by key
+        view = json.loads(experiment.tags["mlflow.sharedViewState.comparison"])
         assert view["orderByKey"] == "metrics.`test_auroc`" and view["orderByAsc"] is False
         assert {"metrics.`test_auroc`", "metrics.`delta_auroc`", "tags.`level`"} <= set(view["selectedColumns"])
         runs = active_runs(f"{tracking}-{dataset}")

@@ -202,9 +202,8 @@ def test_a_trained_utility_trigger_reads_its_thresholds_from_validation_and_roun
     assert labelled["utility"].isin([HELPS, HURTS, NEITHER]).all() and len(labelled) == 48
     for split in ("train", "val"):
         part = labelled[labelled["split"] == split]
-        assert (part["utility"] == HELPS).any() and not (part["utility"] == HELPS).all(), (
-            split
-        )  # both classes to learn and choose from
+        # both classes to learn and choose from
+        assert (part["utility"] == HELPS).any() and not (part["utility"] == HELPS).all(), split
     detector = trained
     val = labelled[labelled["split"] == "val"]
     scores = detector.predict_proba(val.to_dict("records"))
@@ -333,9 +332,8 @@ def test_only_labelled_rows_are_joined_from_records_or_from_the_labels_table():
     table = pd.DataFrame(
         {"id": ["a", "b", "c"], "utility": [HELPS, None, NEITHER], "status": ["ok", "skipped: too long", "ok"]}
     )
-    assert (
-        list(joined(records, early)["id"]) == ["a"] == list(joined(table, early)["id"])
-    )  # c: its question is not usable
+    # c: its question is not usable
+    assert list(joined(records, early)["id"]) == ["a"] == list(joined(table, early)["id"])
     assert joined(records[records["id"] == "b"].dropna(axis=1), early).empty  # no row labelled: no utility column
 
 
