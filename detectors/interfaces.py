@@ -1,8 +1,8 @@
 """The two interfaces every part shares.
 
-- :class:`Detector` — a registered artifact (``dior-early``, ``dior-realtime``, ``ctrla-honesty``,
-  ``ctrla-confidence``): its kind, load/save, the fingerprint of the LLM it was built with, attaching
-  (or loading) that LLM, and ``predict_frame``, the MLflow pyfunc view.
+- :class:`Detector` — a registered artifact (``dior-early``, ``dior-early-extended``, ``dior-realtime``,
+  ``ctrla-honesty``, ``ctrla-confidence``, ``utility-<corpus>``): its kind, load/save, the fingerprint of the LLM it
+  was built with, attaching (or loading) that LLM, and ``predict_frame``, the MLflow pyfunc view.
 - :class:`Scorer` — anything that gives each unit of a :class:`Level` a hallucination score (higher =
   more likely hallucinated): trained detectors and training-free baselines alike. The comparison
   iterates scorers; a RAG loop wraps them as retrieval triggers.

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import STATEMENTS as SHARED_STATEMENTS
 
 from detectors.baselines.ctrla_confidence import question_scorers, realtime_scorers
 from detectors.config.schema import ContrastParams, PromptParams, StatementParams
@@ -26,16 +27,7 @@ from pipelines.register_ctrla import chosen_range
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
-STATEMENTS = [
-    "The capital of France is Paris.",
-    "The capital of Spain is Madrid.",
-    "The river of Paris is the Seine.",
-    "The capital of Peru is Lima.",
-    "The language of Germany is German.",
-    "The capital of Italy is Rome.",
-    "The country of Toronto is Canada.",
-    "The capital of Japan is Tokyo.",
-]
+STATEMENTS = SHARED_STATEMENTS[:8]  # the tiny Llama's facts
 
 
 # ---- choosing a window on validation ----------------------------------------------------------------
