@@ -14,7 +14,8 @@ the accuracy vs retrieval-rate sweep answer the questions on each side:
 * **ours**: this checkout, in each dtype of ``--dtypes`` (default ``auto``, the new default, then ``float32``, the
   reference's, so that the answers can be compared with the same arithmetic).
 
-Every side uses the thresholds the last ``rag_eval`` chose (``paths.rag_metrics``) and answers the configurations of a
+Every side runs the configurations at the thresholds the last ``rag_eval`` chose (``paths.rag_metrics``; the sweep
+alone, ``--only sweep``, needs none) and answers the configurations of a
 corpus one after another on the same questions (as the stage's question-major shards do). Only the answering is timed
 (loading the LLM, detectors and indexes is not). Reported per unit: seconds per question on each side and their ratio,
 and how many answers and retrieval traces (trigger, position, queries, passages) are identical; overall, the ratio of
@@ -94,12 +95,6 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
     qa = pd.read_parquet(p["paths.qa"])
     rows = qa[qa["split"] == "val"].reset_index(drop=True).head(n)  # the validation questions in the table's order
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
-    metrics = Path(p["paths.rag_metrics"])
-    if not metrics.exists():
-        raise SystemExit(
-            f"{metrics} is missing: run `dvc repro rag_eval` first (the benchmark uses the thresholds it chose)"
-        )
-    thresholds = json.loads(metrics.read_text())["thresholds"]
     runtime = systems(p)
     out = {
         "side": side,
@@ -126,7 +121,7 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
             made = (
                 runtime.framework(name, corpus)
                 if name in rag.frameworks
-                else runtime.configuration(name, corpus, own(thresholds[corpus], name))
+                else runtime.configuration(name, corpus, own(chosen(p)[corpus], name))
             )
             start = time.perf_counter()
             answers = made.answer(questions, [False] * len(questions))
@@ -140,6 +135,18 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
         }
         print(f"{side} ({out['dtype']}): {corpus} · {name}: {seconds:.1f} s", file=sys.stderr, flush=True)
     return out
+
+
+def chosen(p) -> dict:
+    """The thresholds the last ``rag_eval`` chose (``paths.rag_metrics``), which the configurations run at (the sweep
+    needs none)."""
+    metrics = Path(p["paths.rag_metrics"])
+    if not metrics.exists():
+        raise SystemExit(
+            f"{metrics} is missing: run `dvc repro rag_eval` first (the configurations run at the thresholds it chose;"
+            " `--only sweep` needs none)"
+        )
+    return json.loads(metrics.read_text())["thresholds"]
 
 
 def own(thresholds: dict, name: str) -> dict[str, float]:
