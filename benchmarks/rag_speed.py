@@ -15,11 +15,16 @@ the accuracy vs retrieval-rate sweep answer the questions on each side:
   reference's, so that the answers can be compared with the same arithmetic).
 
 Every side runs the configurations at the thresholds the last ``rag_eval`` chose (``paths.rag_metrics``; the sweep
-alone, ``--only sweep``, needs none) and answers the configurations of a
-corpus one after another on the same questions (as the stage's question-major shards do). Only the answering is timed
+alone, ``--only sweep``, needs none) and answers the configurations of a corpus one after another on the same
+questions (as the stage's question-major shards do). Only the answering is timed
 (loading the LLM, detectors and indexes is not). Reported per unit: seconds per question on each side and their ratio,
 and how many answers and retrieval traces (trigger, position, queries, passages) are identical; overall, the ratio of
-the total times. Timings are reported, never asserted. Run nothing else on the machine meanwhile.
+the total times. Timings are reported, never asserted. Run nothing else on the machine meanwhile: two processes whose
+threads share the cores slow each other far more than twice.
+
+A reference from before the seed ensembles (``183626a`` is one) cannot load the detectors registered now (its
+``EarlyGRU`` takes no ``members``): there, only the configurations of training-free triggers compare (the sweep reads
+every configuration's triggers).
 
 Run: ``python -m benchmarks.rag_speed [--questions N] [--reference COMMIT] [--dtypes auto float32] [--out PATH]`` after
 ``dvc repro rag_eval``.
