@@ -100,6 +100,14 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
     qa = pd.read_parquet(p["paths.qa"])
     rows = qa[qa["split"] == "val"].reset_index(drop=True).head(n)  # the validation questions in the table's order
     questions, refs = list(rows["question"]), [list(a) for a in rows["answers"]]
+    corpora = rag.corpora
+    units = [
+        (c, n_) for c in corpora for n_, config in rag.configurations.items() if config.triggers or c == corpora[0]
+    ]
+    units += [(c, f) for c in corpora for f in rag.frameworks] + [(rag.sweep.corpus, SWEEP)]
+    units = [(c, n_) for c, n_ in units if not only or n_ in only]
+    # read once, before the LLM loads, and only where a configuration runs at them
+    thresholds = chosen(p) if any(n_ != SWEEP and n_ not in rag.frameworks for _, n_ in units) else {}
     runtime = systems(p)
     out = {
         "side": side,
@@ -108,15 +116,7 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
         "questions": len(questions),
         "units": {},
     }
-    corpora = rag.corpora
-    units = [
-        (c, n_) for c in corpora for n_, config in rag.configurations.items() if config.triggers or c == corpora[0]
-    ]
-    units += [(c, f) for c in corpora for f in rag.frameworks] + [(rag.sweep.corpus, SWEEP)]
     for corpus, name in units:
-        if only and name not in only:
-            continue
-        start = time.perf_counter()
         if name == SWEEP:
             sweep = runtime.sweep(SWEEP, corpus, dict(zip(questions, refs)))
             start = time.perf_counter()
@@ -126,7 +126,7 @@ def run_side(side: str, params_path: str, n: int, dtype: str, only: list[str] | 
             made = (
                 runtime.framework(name, corpus)
                 if name in rag.frameworks
-                else runtime.configuration(name, corpus, own(chosen(p)[corpus], name))
+                else runtime.configuration(name, corpus, own(thresholds[corpus], name))
             )
             start = time.perf_counter()
             answers = made.answer(questions, [False] * len(questions))
