@@ -20,7 +20,8 @@ that tokenizer's vocabulary, 49,152 rows instead of Llama-2's 32,000), and repor
   with every token's hidden states captured; the spaCy labelling is CPU work outside the LLM).
 * **Generation with a monitor attached vs plain**, at batch 1 and 16 (``--max-new-tokens``, no early
   stop): the real-time recorder with an MLP scorer (a random ``TokenMLP`` of the served shape) and
-  CtrlA's honesty steering + confidence monitor (random unit directions). Ratios of total times, and the tensor
+  CtrlA's honesty steering + confidence monitor (random unit directions). Ratios of the fastest times, the median
+  and quartiles of each round's paired ratio (variant over the same round's plain call), and the tensor
   operations each dispatches per generated token (what bounds a step at batch 1 on a GPU, counted the same on any
   device).
 * **The RAG loop**, s/question: the questions advanced together (``batch_size`` 16) against one at a time
@@ -298,11 +299,17 @@ def monitor_section(llm: LLM, max_new_tokens: int, repeats: int) -> dict:
             for name, fn in (("plain", plain), ("realtime", realtime), ("ctrla", ctrla)):
                 times[name].append(timed(fn, dev, 1)[0])
         best = {k: min(v) for k, v in times.items()}
+        paired = {k: np.array(times[k]) / np.array(times["plain"]) for k in ("realtime", "ctrla")}
         out[f"batch_{batch}"] = {
             "plain_s": round(best["plain"], 4),
             "realtime_over_plain": round(best["realtime"] / best["plain"], 3),
             "ctrla_over_plain": round(best["ctrla"] / best["plain"], 3),
+            # each round's variant over the same round's plain call: the median and the middle half of the rounds
+            "paired_ratio_median_q25_q75": {
+                k: [round(float(np.quantile(v, q)), 3) for q in (0.5, 0.25, 0.75)] for k, v in paired.items()
+            },
             "operations_per_token": {k: round(v, 1) for k, v in ops.items()},
+            "added_operations_percent": {k: round(100 * (ops[k] / ops["plain"] - 1), 1) for k in ("realtime", "ctrla")},
         }
     return out
 
