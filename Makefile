@@ -32,8 +32,10 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
+# one pytest-xdist worker a core (at most 4), a test file's tests on one worker (its module fixtures built once);
+# tests/conftest.py gives each worker its share of the cores for PyTorch's threads
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 bench: setup
 	PATH="$(abspath $(BIN)):$$PATH" dvc repro prepare

@@ -13,9 +13,22 @@ tests' tolerances; the tiny pipeline's stages load it there and train there (``b
 
 from __future__ import annotations
 
+# ruff: noqa: E402 (the environment below is set before any import reads it)
+import os
+
+# the tests never reach the Hugging Face Hub: a name that is no local path fails at once instead of after the hub
+# client's retries (23 s a lookup where no network answers). Set before transformers and huggingface_hub read it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# under pytest-xdist (`make test` runs `-n auto`) the workers share the cores: each takes its share of them for
+# PyTorch's threads, and the processes it starts (stages, servers) inherit it, instead of every process spinning
+# a thread on every core
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
+
 import importlib
 import json
-import os
 import shutil
 import urllib.error
 import urllib.request
