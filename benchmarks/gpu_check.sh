@@ -5,9 +5,11 @@
 #
 # bench: `python -m benchmarks.throughput --device cuda` at the default LLM's shape and a 7B shape (random weights,
 #        bfloat16): IG, the build workers, the monitors, the RAG loop -> OUT/throughput_gpu.json
+#        (SHAPES and SECTIONS choose; REPEATS sets its --repeats)
 # tests: the tests marked `gpu` on the GPU (DYNRAG_TEST_DEVICE=cuda; tests/conftest.py): the tiny pipeline's build
 #        stages and training, the recorder, the monitors, the RAG loop, and tests/test_cuda.py's CPU/CUDA parity
-#        -> OUT/tests.log, OUT/junit.xml
+#        -> OUT/tests.log, OUT/junit.xml; only the test files with such tests are collected, on WORKERS pytest-xdist
+#        workers (default 8; each takes its share of the cores for PyTorch's threads)
 # TOKENIZER=DIR names the tokenizer directory when `data/llm` (the prepare stage's output) is not there; PYTHON the
 # interpreter (default python3).
 # Every part runs even when one before it failed; the exit status is 1 when any failed.
@@ -23,11 +25,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.
 "$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
     | tee -a "$out/gpu.txt"
 if [[ $part == bench || $part == all ]]; then
-    "$py" -m benchmarks.throughput --device "$DYNRAG_TEST_DEVICE" --shape smollm2-135m llama2-7b \
-        ${TOKENIZER:+--tokenizer "$TOKENIZER"} --out "$out/throughput_gpu.json" 2>&1 | tee "$out/bench.log" || status=1
+    # shellcheck disable=SC2086  # SHAPES and SECTIONS are lists of words
+    "$py" -m benchmarks.throughput --device "$DYNRAG_TEST_DEVICE" --shape ${SHAPES:-smollm2-135m llama2-7b} \
+        ${SECTIONS:+--sections $SECTIONS} ${REPEATS:+--repeats "$REPEATS"} ${TOKENIZER:+--tokenizer "$TOKENIZER"} \
+        --out "$out/throughput_gpu.json" 2>&1 | tee "$out/bench.log" || status=1
 fi
 if [[ $part == tests || $part == all ]]; then
-    "$py" -m pytest -q -m gpu -p no:cacheprovider --junitxml "$out/junit.xml" "$@" 2>&1 | tee "$out/tests.log" \
-        || status=1
+    mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+    "$py" -m pytest -q -m gpu -n "${WORKERS:-8}" --dist loadfile -p no:cacheprovider --junitxml "$out/junit.xml" \
+        "$@" "${files[@]}" 2>&1 | tee "$out/tests.log" || status=1
 fi
 exit $status
