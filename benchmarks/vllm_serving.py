@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> None:
             "throughput": None
             if args.parity_only
             else throughput(engine, llm, uri, args.batches, args.max_new_tokens, args.repeats),
+            # the allocator: the detector's statistics allocate full-vocabulary buffers each step, which glibc's
+            # defaults hand back to the kernel and fault in again (docs/serving.md)
+            "allocator": {
+                k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+            },
             "machine": platform.machine(),
             "processor": platform.processor(),
             "cpus": os.cpu_count(),
