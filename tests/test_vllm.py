@@ -221,7 +221,8 @@ def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served,
         body = {"model": str(path), "prompt": prompt, "max_tokens": N, "temperature": 0, "vllm_xargs": xargs or None}
         return post(f"{base}/v1/completions", body)
 
-    with running(cmd, f"{base}/health", tmp_path / "serve.log", cwd=tmp_path, env=env, timeout=300):
+    with running(cmd, f"{base}/health", tmp_path / "serve.log", cwd=tmp_path, env=env, timeout=300) as server:
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
         status, scored = complete(PROMPTS[0], detector="dior-realtime")
         bad = [
             complete(PROMPTS[0], detector="no-such-detector"),
@@ -230,6 +231,8 @@ def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served,
         ]
         status_stop, stopped = complete(prompt, detector="dior-realtime-stop", stop=1)
         status_plain, plain = complete(PROMPTS[0])
+    if VLLM_COMMAND == "dynrag-vllm":  # the CPU build's command keeps freed memory (docs/serving.md)
+        assert b"MALLOC_TRIM_THRESHOLD_=4294967296" in environ and b"MALLOC_MMAP_THRESHOLD_=4294967296" in environ
     assert status == 200, scored
     choice = scored["choices"][0]
     ran = [s for s in choice["dynrag"]["scores"] if s is not None]
