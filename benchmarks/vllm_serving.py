@@ -46,6 +46,7 @@ from detectors import load_detector
 from detectors.ctrla.monitor import generate_segment
 from detectors.dior.recorder import generate_traced
 from detectors.llm.loading import load_llm, prepared_reference
+from detectors.serving.vllm_cli import KEEP_FREED
 
 QA = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "qa_small.jsonl"
 
@@ -202,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             else throughput(engine, llm, uri, args.batches, args.max_new_tokens, args.repeats),
             # the allocator: the detector's statistics allocate full-vocabulary buffers each step, which glibc's
             # defaults hand back to the kernel and fault in again (docs/serving.md)
-            "allocator": {
-                k: os.environ.get(k) for k in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-            },
+            "allocator": {k: os.environ.get(k) for k in ("LD_PRELOAD", *KEEP_FREED)},
             "machine": platform.machine(),
             "processor": platform.processor(),
             "cpus": os.cpu_count(),
