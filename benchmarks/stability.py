@@ -1,15 +1,23 @@
-"""Do the trained detectors' headline rows survive another training seed? (issue 47, item 7)
+"""Do the trained detectors' headline rows, and the RAG operating points chosen with them, survive another training
+seed? (issue 47, item 7 and its target)
 
 In a project where the pipeline ran, the training stages are run again with other first seeds, the sets built once:
-each training is a copy of the checkout (its DVC cache shared) whose ``train_early`` and
-``train_realtime`` seeds are moved, then ``dvc repro evaluate`` (the two training stages and the comparison; nothing
+each training is a copy of the checkout (its DVC cache shared) whose ``train_early``, ``train_realtime`` and
+``train_utility`` seeds are moved, then ``dvc repro evaluate`` (the training stages and the comparison; nothing
 upstream reruns). The run's own training is the first column. Written: ``docs/results/stability.md`` and
 ``benchmarks/results/stability_cpu.json``: every trained detector's test AUROC and interval in each training, the
 spread (max - min) beside half the narrowest interval's width (the issue's target: the spread below it), and the
 real-time candidate each training registered. The checkout itself is read, never changed.
 
-Run: ``python -m benchmarks.stability --checkout /path/to/built/clone [--seeds 100 200]`` (about 15 min a seed on
-a 2-core CPU at the default params).
+With ``--rag`` each copy also registers its detectors (``dvc repro register``, and ``register_ctrla`` into the copy's
+own MLflow store) and runs the RAG evaluation's validation half
+(:func:`detectors.rag.experiment.choose_operating_points`: the validation sweeps, every configuration at its candidate
+thresholds, the rule of choices; no test question is read). The page then shows each configuration's chosen operating
+point in every training and the candidates the rule called ties. The copy starts from the run's finished RAG runs,
+so only runs that read a registered detector compute again.
+
+Run: ``python -m benchmarks.stability --checkout /path/to/built/clone [--seeds 100 200] [--rag]`` (about 15 min a
+seed on a 2-core CPU at the default params; with ``--rag`` about 45 more).
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-SECTIONS = ("train_early", "train_realtime")
+SECTIONS = ("train_early", "train_realtime", "train_utility")
+ROOT = Path(__file__).resolve().parents[1]  # the project this benchmark belongs to: its code runs in the copies
 PAGE = Path("docs/results/stability.md")
 OUT = Path("benchmarks/results/stability_cpu.json")
 
@@ -69,9 +78,35 @@ def copy(path: Path, target: Path) -> None:
         shutil.copy2(path, target, follow_symlinks=False)
 
 
-def retrain(checkout: Path, seed: int, work: Path) -> dict:
+def operating_points(metrics: dict) -> dict:
+    """``{corpus: {configuration: {"chosen", "ties"}}}`` of a ``rag_eval`` metrics file's (or
+    :func:`choose_operating_points`') tuning: the label of the candidate each configuration runs at, and the
+    candidates the rule found level with it."""
+    return {
+        corpus: {name: {"chosen": t["choice"]["chosen"], "ties": t["choice"]["ties"]} for name, t in tuned.items()}
+        for corpus, tuned in metrics["tuning"].items()
+    }
+
+
+def validation_half(out: Path) -> None:
+    """Run the RAG evaluation's validation half in the working directory (a built checkout) and write its tuning to
+    ``out``."""
+    import pandas as pd
+
+    from detectors.config import StageParams
+    from detectors.io import write_json
+    from detectors.rag.experiment import choose_operating_points, shared_inputs, split_questions
+
+    params = StageParams.of("rag_eval")
+    rows = {"val": split_questions(pd.read_parquet(params["paths.qa"]), "val")}
+    points = choose_operating_points(params, rows, shared_inputs(params))
+    write_json(out, {"tuning": points.tuning, "thresholds": points.thresholds})
+
+
+def retrain(checkout: Path, seed: int, work: Path, rag: bool = False) -> dict:
     """Copy ``checkout`` into ``work``, move its training seeds to ``seed`` and rerun the comparison there (a copy
-    left by a stopped run is resumed)."""
+    left by a stopped run is resumed); with ``rag``, register the detectors there and choose the RAG operating points
+    on the validation questions (:func:`validation_half`)."""
     clone = work / f"seed-{seed}"
     env = {**os.environ, "PATH": f"{checkout / '.venv/bin'}:{os.environ['PATH']}"}
     run = dict(cwd=clone, env=env, check=True)
@@ -88,7 +123,29 @@ def retrain(checkout: Path, seed: int, work: Path) -> dict:
         (clone / "params.yaml").write_text(with_seed((clone / "params.yaml").read_text(), seed))
     print(f"seed {seed}: dvc repro evaluate in {clone}", flush=True)
     subprocess.run(["dvc", "repro", "evaluate"], **run)
-    return training(clone)
+    result = training(clone)
+    if rag:
+        points = clone / "stability_points.json"
+        if not points.exists():
+            print(f"seed {seed}: registering and choosing the RAG operating points in {clone}", flush=True)
+            subprocess.run(["dvc", "repro", "register"], **run)
+            if not _registered(clone, "ctrla-honesty"):  # its directions are not seeded: registered as they are
+                subprocess.run(["dvc", "repro", "--single-item", "--force", "register_ctrla"], **run)
+            half = ["python", "-m", "benchmarks.stability", "--validation-half", str(points)]
+            subprocess.run(half, cwd=clone, env={**env, "PYTHONPATH": str(ROOT)}, check=True)
+        result["operating_points"] = operating_points(json.loads(points.read_text()))
+    return result
+
+
+def _registered(clone: Path, name: str) -> bool:
+    """Whether the copy's own MLflow store holds a registered model ``name``."""
+    import sqlite3
+
+    db = clone / "data/mlflow/mlflow.db"
+    if not db.exists():
+        return False
+    with sqlite3.connect(db) as con:
+        return bool(con.execute("select 1 from registered_models where name = ?", (name,)).fetchone())
 
 
 def spread(trainings: dict[str, dict]) -> list[dict]:
@@ -109,6 +166,31 @@ def spread(trainings: dict[str, dict]) -> list[dict]:
                 "stable": max(aurocs) - min(aurocs) < half,
             }
         )
+    return out
+
+
+def point_stability(trainings: dict[str, dict]) -> list[dict]:
+    """Per corpus and configuration with a point to choose: the candidate each training chose, whether all chose the
+    same, and the candidates the rule called level with the chosen one in any training."""
+    names = [n for n, t in trainings.items() if "operating_points" in t]
+    if not names:
+        return []
+    first = trainings[names[0]]["operating_points"]
+    out = []
+    for corpus, configurations in first.items():
+        for name in configurations:
+            points = [trainings[n]["operating_points"].get(corpus, {}).get(name) for n in names]
+            chosen = {n: p["chosen"] if p else None for n, p in zip(names, points)}
+            ties = sorted({t for p in points if p for t in p["ties"]})
+            out.append(
+                {
+                    "corpus": corpus,
+                    "configuration": name,
+                    "chosen": chosen,
+                    "same": len(set(chosen.values())) == 1,
+                    "ties": ties,
+                }
+            )
     return out
 
 
@@ -142,28 +224,65 @@ def markdown(result: dict) -> str:
         f"Stable rows: {sum(r['stable'] for r in result['rows'])} of {len(result['rows'])}.",
         "",
     ]
+    points = result.get("operating_points") or []
+    if points:
+        named = list(points[0]["chosen"])
+        lines += [
+            "## RAG operating points",
+            "",
+            "Each configuration's operating point as the RAG evaluation's validation half chose it with each",
+            "training's registered detectors (the validation sweeps, every candidate on the validation questions, the",
+            "rule of choices; no test question read): the default (never retrieving, or always when surely better)",
+            "unless a candidate beats it by a paired interval above 0. *Level with* lists the candidates the rule",
+            "found level with the chosen one in any training: a choice that differs between trainings is stable only",
+            "as one of those ties.",
+            "",
+            "| corpus | configuration | " + " | ".join(named) + " | same | level with |",
+            "| --- | --- | " + " | ".join("---" for _ in named) + " | --- | --- |",
+        ]
+        for p in points:
+            cells = " | ".join(f"`{p['chosen'][n]}`" for n in named)
+            ties = ", ".join(f"`{t}`" for t in p["ties"]) or "none"
+            lines.append(
+                f"| {p['corpus']} | {p['configuration']} | {cells} | {'yes' if p['same'] else '**no**'} | {ties} |"
+            )
+        same = sum(p["same"] for p in points)
+        lines += ["", f"The same operating point in every training: {same} of {len(points)}.", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkout", required=True, type=Path, help="a clone where `make repro` ran")
+    parser.add_argument("--checkout", type=Path, help="a clone where `make repro` ran")
     parser.add_argument("--seeds", type=int, nargs="+", default=[100, 200], help="first seeds of the other trainings")
     parser.add_argument("--work", type=Path, default=None, help="where the clones go (default: a temporary dir)")
+    parser.add_argument("--rag", action="store_true", help="also choose the RAG operating points in each training")
+    parser.add_argument("--validation-half", type=Path, help=argparse.SUPPRESS)  # inside a copy (retrain)
     parser.add_argument("--page", type=Path, default=PAGE)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
+    if args.validation_half:
+        validation_half(args.validation_half)
+        return
+    if args.checkout is None:
+        parser.error("--checkout is required")
     checkout = args.checkout.resolve()
     seed = yaml.safe_load((checkout / "params.yaml").read_text())["train_early"]["training"]["seed"]
     trainings = {f"seed {seed} (the run)": training(checkout)}
+    if args.rag:
+        run_metrics = yaml.safe_load((checkout / "params.yaml").read_text())["paths"]["rag_metrics"]
+        trainings[f"seed {seed} (the run)"]["operating_points"] = operating_points(
+            json.loads((checkout / run_metrics).read_text())
+        )
     work = args.work or Path(tempfile.mkdtemp(prefix="stability-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
     for s in args.seeds:  # the page is written after each training, so a stopped run keeps what it measured
-        trainings[f"seed {s}"] = retrain(checkout, s, work)
+        trainings[f"seed {s}"] = retrain(checkout, s, work, args.rag)
         result = {
             "commit": commit.stdout.strip(),
             "trainings": trainings,
             "rows": spread(trainings),
+            "operating_points": point_stability(trainings),
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)

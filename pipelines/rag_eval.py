@@ -1,6 +1,6 @@
 """Stage rag_eval: registered detectors and training-free triggers inside a dynamic RAG loop, measured end to end.
 
-Reads the params, runs the library's evaluation (:func:`detectors.evaluation.rag_experiment.run_evaluation`) and
+Reads the params, runs the library's evaluation (:func:`detectors.rag.experiment.run_evaluation`) and
 writes what it found. On a deterministic sample of the QA test split (by id hash), every configuration of
 ``rag_eval.configurations`` answers every question over every corpus of ``rag_eval.corpora`` (the bm25s indexes of
 ``index_corpus``) at its operating point for that corpus: the thresholds ``rag_eval.thresholds`` (or the
@@ -44,8 +44,8 @@ from detectors.evaluation.rag_report import (
 )
 from detectors.evaluation.rag_sweep import curves as sweep_curves
 from detectors.evaluation.report import write_headline
-from detectors.io import file_digest, write_json
-from detectors.rag.experiment import SWEEP, evaluation_rows, run_evaluation
+from detectors.io import write_json
+from detectors.rag.experiment import SWEEP, evaluation_rows, run_evaluation, shared_inputs
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("rag_eval")
@@ -109,14 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     rag = params["rag_eval"]
     rows = evaluation_rows(pd.read_parquet(params["paths.qa"]), rag)
     answers = {i: list(a) for i, a in zip(rows["test"]["id"], rows["test"]["answers"])}
-    # what shapes every run's answers besides its system (each adds its code, params, thresholds and champions)
-    shared = {
-        "qa": file_digest(params["paths.qa"]),
-        "prompt": dataclasses.asdict(params["build_early.features.prompt"]),
-        "stop": list(params["build_early.stop"]),
-        "spacy_model": params["build_realtime.spacy_model"],
-    }
-    evaluation = run_evaluation(params, rows, shared)
+    evaluation = run_evaluation(params, rows, shared_inputs(params))
     metrics = evaluation_metrics(evaluation.lines, evaluation.tuning, rag, answers)
     curves = sweep_curves(
         evaluation.sweep, list(evaluation.sweep_triggers), rag.bootstrap, rag.seed, evaluation.sweep_triggers

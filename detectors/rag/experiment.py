@@ -32,6 +32,7 @@ from detectors.evaluation.rag_metrics import check_failures
 from detectors.evaluation.rag_sweep import curves as sweep_curves
 from detectors.evaluation.rag_tuning import choose_candidates, tuning_candidates
 from detectors.execution import map_units
+from detectors.io import file_digest
 from detectors.rag.runtime import RagRuntime
 from detectors.rag.systems import Run, run_questions
 from detectors.registry import store
@@ -224,10 +225,19 @@ class Evaluation:
     corpora: dict[str, str]
 
 
-def run_evaluation(params, rows: dict[str, pd.DataFrame], shared: dict[str, Any]) -> Evaluation:
-    """The whole evaluation of the ``rag_eval`` params (see the module's docstring) over ``rows``
-    (:func:`evaluation_rows`); ``shared``: what shapes every run's answers besides its system."""
-    rag = params["rag_eval"]
+def shared_inputs(params) -> dict[str, Any]:
+    """What shapes every run's answers besides its system (each run adds its code, params, thresholds and
+    champions): the QA table's digest, the prompt, the stop strings and the spaCy model."""
+    return {
+        "qa": file_digest(params["paths.qa"]),
+        "prompt": dataclasses.asdict(params["build_early.features.prompt"]),
+        "stop": list(params["build_early.stop"]),
+        "spacy_model": params["build_realtime.spacy_model"],
+    }
+
+
+def _answerer(params, rows: dict[str, pd.DataFrame], shared: dict[str, Any]):
+    """A function answering a list of units in order (locally, or on Ray actors), its worker built per call."""
     worker = functools.partial(UnitWorker, params, rows, shared, champion_versions(params))
 
     def answered(units: list) -> list[dict[str, Any]]:
@@ -236,6 +246,27 @@ def run_evaluation(params, rows: dict[str, pd.DataFrame], shared: dict[str, Any]
             results[i] = result
         return results
 
+    return answered
+
+
+@dataclasses.dataclass
+class OperatingPoints:
+    """What the validation half of the evaluation chose, by corpus: the rule's ``tuning`` of the configurations with
+    more than one candidate, the ``thresholds`` every configuration runs at, and the corpora's digests."""
+
+    tuning: dict[str, dict[str, dict[str, Any]]]
+    thresholds: dict[str, dict[str, dict[str, float]]]
+    corpora: dict[str, str]
+
+
+def choose_operating_points(
+    params, rows: dict[str, pd.DataFrame], shared: dict[str, Any], answered=None
+) -> OperatingPoints:
+    """The validation half of :func:`run_evaluation`: every corpus's validation sweep proposes the candidates, the
+    configurations with more than one answer the validation questions at each, and the rule of choices picks their
+    operating points. Reads ``rows["val"]`` only. ``answered``: the caller's unit runner (default: its own)."""
+    rag = params["rag_eval"]
+    answered = answered or _answerer(params, rows, shared)
     swept = dict(zip(rag.corpora, answered([Sweep(c, "val") for c in rag.corpora])))
     candidates = {
         c: tuning_candidates(
@@ -272,6 +303,17 @@ def run_evaluation(params, rows: dict[str, pd.DataFrame], shared: dict[str, Any]
     }
     for corpus, chosen in thresholds.items():
         log.info("%s: thresholds chosen on %d validation questions: %s", corpus, len(rows["val"]), chosen)
+    return OperatingPoints(tuning, thresholds, {c: swept[c]["corpus_digest"] for c in rag.corpora})
+
+
+def run_evaluation(params, rows: dict[str, pd.DataFrame], shared: dict[str, Any]) -> Evaluation:
+    """The whole evaluation of the ``rag_eval`` params (see the module's docstring) over ``rows``
+    (:func:`evaluation_rows`); ``shared``: what shapes every run's answers besides its system
+    (:func:`shared_inputs`)."""
+    rag = params["rag_eval"]
+    answered = _answerer(params, rows, shared)
+    points = choose_operating_points(params, rows, shared, answered)
+    tuning, thresholds = points.tuning, points.thresholds
     # a corpus's configurations in one unit (answered question-major, so that they share their decoding), the test
     # sweep with those of its corpus; a configuration that never retrieves answers the same on every corpus: run once;
     # each framework its own unit, on its sample of the test questions
@@ -306,5 +348,5 @@ def run_evaluation(params, rows: dict[str, pd.DataFrame], shared: dict[str, Any]
         tuning,
         thresholds,
         tuple(test_sweep["llm"]),
-        {c: digests.get(c, swept[c]["corpus_digest"]) for c in rag.corpora},
+        {c: digests.get(c, points.corpora[c]) for c in rag.corpora},
     )
