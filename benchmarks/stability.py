@@ -131,8 +131,10 @@ def retrain(checkout: Path, seed: int, work: Path, rag: bool = False) -> dict:
             subprocess.run(["dvc", "repro", "register"], **run)
             if not _registered(clone, "ctrla-honesty"):  # its directions are not seeded: registered as they are
                 subprocess.run(["dvc", "repro", "--single-item", "--force", "register_ctrla"], **run)
-            half = ["python", "-m", "benchmarks.stability", "--validation-half", str(points)]
-            subprocess.run(half, cwd=clone, env={**env, "PYTHONPATH": str(ROOT)}, check=True)
+            # this project's code, ahead of the copy's own (the working directory comes first on sys.path)
+            code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import benchmarks.stability as s; s.main()"
+            half = ["python", "-c", code, "--validation-half", str(points)]
+            subprocess.run(half, cwd=clone, env=env, check=True)
         result["operating_points"] = operating_points(json.loads(points.read_text()))
     return result
 
