@@ -30,8 +30,8 @@ Variants:
   before the flagged one, its top 25 content tokens (the released code keeps 25-35 words); configured: the flagged
   token's own row, its top 8 (``rag_eval.query.qfs_top_n``).
 * ``sit-spacy-entities`` (procedure): Stitch-in-Time's concepts as they were before 2026-11-26: spaCy's entities of
-  the segment; configured (``rag_eval.sit.concepts: llm``): the paper's preferred technique (§2.1.1), the keyphrases
-  the LLM names when instructed (Table 3).
+  the segment; configured (``rag_eval.settings.sit.concepts: llm``): the paper's preferred technique (§2.1.1), the
+  keyphrases the LLM names when instructed (Table 3).
 * ``sit-repair-instruction`` (procedure): Stitch-in-Time's repair (§2.2, Table 3): the evidence, the hallucinated
   sentence and the instruction to repair it, before the question the answer continues; configured: the evidence
   alone (``rag_eval.context``), the segment generated again.
@@ -138,7 +138,7 @@ TVQ = (
 class TvqQuery:
     """CtrlA's f_TVQ: the question followed by the search query the LLM writes (greedily, its first line) from the
     question and the flagged segment; the question alone before anything is generated. ``chat`` and ``tokens`` as the
-    refusal handling's rewrite (``rag_eval.ctrla``)."""
+    refusal handling's rewrite (``rag_eval.settings.ctrla-confidence``)."""
 
     chat: bool
     tokens: int
@@ -204,7 +204,8 @@ def _flare_rescore(trigger, runtime):
 
 
 def _tvq(query, runtime):
-    return TvqQuery(runtime.params.ctrla.chat, runtime.params.ctrla.query_tokens)
+    refusal = runtime.params.settings["ctrla-confidence"]
+    return TvqQuery(refusal["chat"], refusal["query_tokens"])
 
 
 def _released_qfs(query, runtime):

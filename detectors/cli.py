@@ -161,26 +161,13 @@ def assess(args: argparse.Namespace) -> None:
 def monitor(args: argparse.Namespace) -> None:
     """Generate a continuation with the detector attached and show where it would trigger retrieval."""
     det, load_llm = detector(args, "generation", "use `dynrag assess` for a detector that decides from the question")
-    if det.KIND == "dior-realtime" and not args.title:
-        raise InputError(
-            "dior-realtime continues the opening of a Wikipedia article (DioR's prompt): pass its title with "
-            "--title TITLE"
-        )
+    for name, why in det.WATCH_NEEDS.items():  # asked before the LLM loads
+        if not getattr(args, name, None):
+            raise InputError(f"{det.KIND} {why}: pass its {name} with --{name} {name.upper()}")
     load_llm()
-    if det.KIND == "dior-realtime":
-        r = det.generate(args.title, args.text, args.max_new_tokens or 32)
-        tokens, scores, trigger = r.tokens, r.probabilities, r.trigger
-        rule, extra = f"P(hallucination) >= {det.threshold:.3f}", {"keywords": r.keywords}
-    else:
-        seg = det.generate(args.text, max_new_tokens=args.max_new_tokens)
-        tokens, scores, trigger = (
-            [det.llm.tokenizer.decode([t]) for t in seg.token_ids],
-            seg.scores,
-            seg.trigger_position,
-        )
-        from detectors.ctrla.monitor import FIRING_RULE
-
-        rule, extra = FIRING_RULE, {"refusal": seg.refusal, "query": seg.query}
+    needs = {name: getattr(args, name) for name in det.WATCH_NEEDS}
+    w = det.watch(args.text, args.max_new_tokens, **needs)
+    tokens, scores, trigger, rule, extra = w.tokens, w.scores, w.trigger, w.rule, w.extra
     if args.json:
         print(
             json.dumps(

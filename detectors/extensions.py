@@ -16,27 +16,29 @@ from typing import Any
 
 from detectors.lazy import LazyRegistry
 
-# name -> builder(llm, threshold, spacy model, settings); the ones with a threshold take it from rag_eval.thresholds
+# name -> its TriggerEntry (detectors.rag.triggers: builder, own settings' type, offline scorer); the ones with a
+# threshold take it from rag_eval.thresholds, their settings from rag_eval.settings.<name>
 TRAINING_FREE = LazyRegistry(
     "training-free trigger",
     {
-        "always": "detectors.rag.kinds.always:build",
-        "flare": "detectors.rag.kinds.flare:build",
-        "rind": "detectors.rag.kinds.rind:build",
-        "sit_min": "detectors.rag.kinds.sit:build_min",
-        "sit": "detectors.rag.kinds.sit:build",
-        "entropy_mean": "detectors.rag.kinds.entropy:build_mean",
-        "entropy_max": "detectors.rag.kinds.entropy:build_max",
+        "always": "detectors.rag.kinds.always:ALWAYS",
+        "flare": "detectors.rag.kinds.flare:FLARE",
+        "rind": "detectors.rag.kinds.rind:RIND",
+        "sit_min": "detectors.rag.kinds.sit:SIT_MIN",
+        "sit": "detectors.rag.kinds.sit:SIT",
+        "entropy_mean": "detectors.rag.kinds.entropy:ENTROPY_MEAN",
+        "entropy_max": "detectors.rag.kinds.entropy:ENTROPY_MAX",
     },
 )
-# registered detector kind -> builder(name, detector attached to the loop's LLM, settings)
+# registered detector kind -> its TriggerEntry (built with the detector attached to the loop's LLM in its context;
+# its settings from rag_eval.settings.<kind>)
 DETECTOR_KINDS = LazyRegistry(
     "trigger kind of a registered detector",
     {
-        "dior-early": "detectors.rag.kinds.dior:early",
-        "dior-realtime": "detectors.rag.kinds.dior:realtime",
-        "ctrla-confidence": "detectors.rag.kinds.ctrla:build",
-        "utility": "detectors.rag.kinds.utility:build",
+        "dior-early": "detectors.rag.kinds.dior:EARLY",
+        "dior-realtime": "detectors.rag.kinds.dior:REALTIME",
+        "ctrla-confidence": "detectors.rag.kinds.ctrla:CTRLA",
+        "utility": "detectors.rag.kinds.utility:UTILITY",
     },
 )
 # query formulation -> builder(rag_eval.query section, FLARE's threshold, idf) (make_query)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -20,6 +21,19 @@ import pandas as pd
 
 from detectors.llm.fingerprint import Fingerprint, require_dtype
 from detectors.llm.loading import LLM, load_recorded
+
+
+@dataclasses.dataclass
+class Watch:
+    """A generation watched token by token by a detector that decides during it (:meth:`Detector.watch`): the
+    generated ``tokens``, each one's ``score``, the first token that fires (None: none), the firing ``rule`` in words
+    and what else the detector says of the generation (``extra``: DioR's keywords, CtrlA's refusal and query)."""
+
+    tokens: list[str]
+    scores: list[float]
+    trigger: int | None
+    rule: str
+    extra: dict[str, Any]
 
 
 class Detector(abc.ABC):
@@ -34,6 +48,8 @@ class Detector(abc.ABC):
     # when it decides retrieval: "question" (before generating, from the question: `dynrag assess`), "generation"
     # (token by token while the LLM generates: `dynrag monitor`), None (it does not decide retrieval: a steering)
     DECIDES: ClassVar[str | None] = None
+    # what :meth:`watch` needs besides the text (name -> why), for a caller to ask before loading the LLM
+    WATCH_NEEDS: ClassVar[dict[str, str]] = {}
     fingerprint: Fingerprint
     llm_ref: dict[str, Any]
     llm: LLM | None
@@ -87,6 +103,11 @@ class Detector(abc.ABC):
     def require_llm(self) -> LLM:
         """The attached LLM, loaded first if none is attached."""
         return self.llm if self.llm is not None else self.load_llm()
+
+    def watch(self, text: str, max_new_tokens: int | None = None, **needs: Any) -> Watch:
+        """A detector that decides during generation (``DECIDES == "generation"``): generate from ``text`` with it
+        attached and say where it fires; ``needs`` gives what :data:`WATCH_NEEDS` names."""
+        raise NotImplementedError(f"a {self.KIND!r} detector does not watch a generation (DECIDES={self.DECIDES!r})")
 
 
 class Level(str, enum.Enum):

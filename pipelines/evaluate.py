@@ -2,7 +2,8 @@
 
 Early set (question level): every trained early detector (one directory each under ``paths.early_model``)
 beside the question baselines (the logistic probe, fitted on the train split, listed apart as a trained baseline).
-Real-time set: the MLP beside the training-free token baselines at token, entity and continuation level. Other
+Real-time set: the MLP beside the training-free token baselines at token, entity and continuation level (the
+catalog's, and every training-free RAG trigger's offline score). Other
 stages' per-id score tables (CtrlA's confidence, RIND, RetroRAG's evaluator on the LLM's own answer) are joined by id
 when they exist. Every score is a
 :class:`~detectors.interfaces.Scorer` compared by :func:`detectors.evaluation.compare.compare`, with clustered
@@ -35,6 +36,7 @@ from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
 from detectors.io import file_digest, write_json
+from detectors.rag.kinds import trigger_scorers
 from detectors.registry import store
 from pipelines._stage import run, stage_params
 
@@ -139,9 +141,9 @@ def realtime_inputs(params) -> tuple[pd.DataFrame, dict, dict]:
     stats = realtime_token_stats(frame, mlp, joined, single)
     units = realtime_units(frame, stats)
     names = set().union(*(s.keys() for s in stats.values())) - set(single)
-    scorers = {
-        level: [realtime_detector_scorer(level, seeds=seeds)] + realtime_baselines(level, names) for level in units
-    }
+    baselines = {level: realtime_baselines(level, names) for level in units}
+    baselines = {level: listed + trigger_scorers(level, names, listed) for level, listed in baselines.items()}
+    scorers = {level: [realtime_detector_scorer(level, seeds=seeds)] + baselines[level] for level in units}
     # what monitor() does: the max over every token
     scorers[Level.CONTINUATION].insert(1, served_scorer(detector.threshold, seeds))
     served = served_behaviour(frame, mlp, detector.threshold) | {"tokens": detector.info.get("tokens")}

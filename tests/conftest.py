@@ -43,8 +43,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from detectors.config.core import from_dict
-from detectors.config.rag import SitParams
 from detectors.config.schema import ContrastParams, EarlyFeatureParams, TrainingParams
+from detectors.config.triggers import SitParams
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.registry.relocate import relocate
@@ -517,7 +517,7 @@ def offline_hf(tmp_path, monkeypatch):
 SIT = from_dict(
     SitParams,
     {
-        **yaml.safe_load((ROOT / "params.yaml").read_text())["rag_eval"]["sit"],
+        **yaml.safe_load((ROOT / "params.yaml").read_text())["rag_eval"]["settings"]["sit"],
         "concepts": "entities",
         "yes_words": ["Y"],
         "no_words": ["N"],

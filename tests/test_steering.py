@@ -30,7 +30,7 @@ from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.steering import steer, steering_vectors
 from detectors.llm.layers import LayerTap, decoder_layers
 from detectors.rag.kinds.ctrla import build as ctrla_trigger
-from detectors.rag.triggers import TriggerSettings
+from detectors.rag.triggers import TriggerContext
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
@@ -280,7 +280,7 @@ def test_the_rag_loops_ctrla_trigger_fires_where_the_monitor_does(tiny_llm, dire
     monitor = yaml.safe_load((ROOT / "params.yaml").read_text())["extract_directions"]["monitor"]
     config = {"llm": {"dtype": "float32"}, "n_statements": 4, "monitor": monitor}
     detector = ConfidenceDetector(dataclasses.replace(directions, config=config)).attach(tiny_llm)
-    trigger = ctrla_trigger("ctrla", detector, TriggerSettings())
+    trigger = ctrla_trigger(TriggerContext(tiny_llm, name="ctrla", detector=detector), None)
     for eq2, new in (
         ([0.0, 0.3, 0.0], [True, True, True]),  # exactly 0: confident, no retrieval
         ([0.0, -0.0, -1e-30, -0.4], [True, True, True, True]),

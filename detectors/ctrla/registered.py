@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -22,9 +23,9 @@ import torch
 from detectors.config.core import from_dict
 from detectors.config.schema import MonitorParams, SteeringParams
 from detectors.ctrla.directions import Directions
-from detectors.ctrla.monitor import ConfidenceMonitor, Segment, generate_segment
+from detectors.ctrla.monitor import FIRING_RULE, ConfidenceMonitor, Segment, generate_segment
 from detectors.ctrla.steering import steer, steering_vectors
-from detectors.interfaces import Detector
+from detectors.interfaces import Detector, Watch
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.registry.artifact import FrameInputs
@@ -124,6 +125,14 @@ class ConfidenceDetector(_CtrlADetector):
             question=question,
             refusal_patterns=p.refusal_patterns,
         )
+
+    def watch(self, text: str, max_new_tokens: int | None = None, **needs: Any) -> Watch:
+        """:meth:`generate` (unsteered) from ``text``, as a :class:`Watch`: CtrlA's trigger rule, the refusal and the
+        rewritten query."""
+        seg = self.generate(text, max_new_tokens=max_new_tokens)
+        tokens = [self.require_llm().tokenizer.decode([t]) for t in seg.token_ids]
+        extra = {"refusal": seg.refusal, "query": seg.query}
+        return Watch(tokens, list(seg.scores), seg.trigger_position, FIRING_RULE, extra)
 
     def predict_frame(self, frame: pd.DataFrame) -> pd.DataFrame:
         """pyfunc view: ``question`` in; the answer, per-token scores, retrieve, refusal and query out."""

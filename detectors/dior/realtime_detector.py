@@ -33,7 +33,7 @@ from detectors.dior.recorder import (
 )
 from detectors.ensemble import per_seed
 from detectors.evaluation.metrics import first_hit
-from detectors.interfaces import Detector
+from detectors.interfaces import Detector, Watch
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets, words_and_tokens
@@ -131,6 +131,7 @@ class RealtimeDetector(Detector):
 
     KIND = "dior-realtime"
     DECIDES = "generation"
+    WATCH_NEEDS = {"title": "continues the opening of a Wikipedia article (DioR's prompt)"}
     INPUTS = FrameInputs({"title": "string", "text": "string"})
 
     net: TokenMLP
@@ -271,6 +272,12 @@ class RealtimeDetector(Detector):
             self.llm, [prompt], self.state_indices, max_new_tokens, self.prompt.chat, self.score_tokens
         )
         return self._result(traces[0])
+
+    def watch(self, text: str, max_new_tokens: int | None = None, **needs: Any) -> Watch:
+        """:meth:`generate` continuing the article ``needs["title"]`` from ``text``, as a :class:`Watch`."""
+        r = self.generate(needs["title"], text, max_new_tokens or 32)
+        rule = f"P(hallucination) >= {self.threshold:.3f}"
+        return Watch(r.tokens, r.probabilities, r.trigger, rule, {"keywords": r.keywords})
 
     def _result(self, trace: TokenTrace) -> RealtimeResult:
         probs = trace.scores.tolist() if trace.scores is not None else []

@@ -28,7 +28,7 @@ from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.retriever import BM25Retriever, open_index
 from detectors.rag.systems import System, resilient
-from detectors.rag.triggers import TriggerSettings, check_threshold
+from detectors.rag.triggers import check_threshold
 from detectors.registry import store
 
 # modules that dispatch by name (registries, the runtime's builders): their function-level imports and registry entries
@@ -64,13 +64,14 @@ def run_code(triggers: list, *parts: Any) -> str:
 
 def run_params(rag, config, triggers: list) -> dict[str, Any]:
     """The ``rag_eval`` params that shape a configuration's answers: the loop's budget and context, its own entry, and
-    the sections only some systems read (the query's settings, Stitch-in-Time's validation, CtrlA's refusal handling)
-    only where its query or triggers read them."""
+    the settings only some systems read (the query's, and its triggers' own: Stitch-in-Time's validation, CtrlA's
+    refusal handling) only where its query or triggers read them."""
     out: dict[str, Any] = {k: getattr(rag, k) for k in ("k", "max_retrievals", "max_new_tokens", "context")}
     out["configuration"] = dataclasses.asdict(config)
     out.update(make_query(config.query, rag.query).settings())  # the settings its formulation reads
-    for section in dict.fromkeys(t.controller.section for t in triggers if t.controller.section):
-        out[section] = dataclasses.asdict(getattr(rag, section))
+    for t in triggers:
+        if t.settings is not None:
+            out.setdefault("settings", {})[t.entry] = dataclasses.asdict(t.settings)
     return out
 
 
@@ -162,10 +163,8 @@ class RagRuntime:
         corpus) at its threshold in ``thresholds`` (by trigger name; None: a sweep, where no threshold is read)."""
         spec = on_corpus(spec, corpus)
         if spec not in self._triggers:  # built once, without a threshold: each loop sets its triggers' thresholds below
-            settings = TriggerSettings(sit=self.params.sit, ctrla=self.params.ctrla)
-            trigger = make_trigger(
-                spec, self.llm, None, self.stage_params["build_realtime.spacy_model"], self.tracking_uri, settings
-            )
+            spacy_model = self.stage_params["build_realtime.spacy_model"]
+            trigger = make_trigger(spec, self.llm, None, spacy_model, self.tracking_uri, self.params.settings)
             if trigger.name in self.params.thresholds:
                 check_threshold(trigger, self.params.thresholds[trigger.name], f"rag_eval.thresholds.{trigger.name}")
             self._triggers[spec] = trigger

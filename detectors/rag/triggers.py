@@ -24,12 +24,19 @@ Stitch-in-Time's validation and repair (:mod:`~detectors.rag.controllers.validat
 (:mod:`~detectors.rag.controllers.refusal`).
 
 A trigger brings the calculators of the statistics its scorer needs; the loop knows no concrete trigger.
+
+Each trigger family is one module of :mod:`detectors.rag.kinds` holding a :class:`TriggerEntry` per trigger, and one
+line of :mod:`detectors.extensions` naming it: the entry builds the trigger from a :class:`TriggerContext` and its own
+settings (``rag_eval.settings.<entry name>``, of the type the entry declares), and names its offline scorer (the
+comparison lists it among the real-time baselines).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -83,6 +90,8 @@ class Trigger:
     controller: Controller = RETRIEVE  # what its firing does (detectors.rag.controllers)
     source: str = ""  # the module that built it (detectors.rag.kinds.<family>)
     detector: Any = None  # the registered detector it serves, if any
+    settings: Any = None  # its entry's own settings (rag_eval.settings.<entry>): part of the key of a run that reads it
+    entry: str = ""  # the registry entry that built it (TRAINING_FREE's name, or the detector's kind)
 
     def parts(self) -> list[Any]:
         """Everything it runs: its scorer, calculators, controller (and what it runs) and detector (whose modules are
@@ -129,14 +138,38 @@ class Trigger:
 PROBABILITY = (0.0, 1.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class TriggerSettings:
-    """What some triggers read beyond a threshold (``rag_eval.sit``, ``rag_eval.ctrla``): Stitch-in-Time's validation
-    (:class:`~detectors.config.rag.SitParams`; the ``sit`` trigger needs it) and CtrlA's refusal handling
-    (:class:`~detectors.config.rag.CtrlARefusalParams`; None: a refusal after a retrieval is kept)."""
+@dataclasses.dataclass
+class TriggerContext:
+    """What a trigger's builder reads besides its own settings: the LLM the loop generates with, the spaCy pipeline
+    (``spacy_model``, loaded once, on first use, for every trigger built with this context) and, for the kind of a
+    registered detector, the trigger's ``name`` and the ``detector`` attached to that LLM."""
 
-    sit: Any = None
-    ctrla: Any = None
+    llm: Any
+    spacy_model: str = ""
+    name: str = ""
+    detector: Any = None
+
+    @functools.cached_property
+    def nlp(self) -> Any:
+        if not self.spacy_model:
+            raise InputError("this trigger needs a spaCy model: pass build_realtime.spacy_model to make_trigger")
+        import spacy
+
+        return spacy.load(self.spacy_model)
+
+
+@dataclasses.dataclass(frozen=True)
+class TriggerEntry:
+    """One trigger of a family (the object :data:`detectors.extensions.TRAINING_FREE` and
+    :data:`~detectors.extensions.DETECTOR_KINDS` name): ``build(context, settings)`` makes it (a training-free one
+    without its threshold: +inf until one is set), ``settings`` is the type of its own params
+    (``rag_eval.settings.<entry name>``; None: it takes none; the builder gets None when they are not given) and
+    ``offline`` its scorer's class (a :class:`~detectors.evaluation.scorers.TokenStatScorer` over the real-time set's
+    statistics), which the comparison lists among the real-time baselines (None: it has no offline score)."""
+
+    build: Callable[[TriggerContext, Any], Trigger]
+    settings: type | None = None
+    offline: type | None = None
 
 
 def check_threshold(trigger: Trigger, value: float, key: str) -> None:

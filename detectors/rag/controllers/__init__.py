@@ -59,10 +59,7 @@ class Fire:
 
 class Controller:
     """Retrieve with the loop's query where the trigger fires, and keep what is generated after (see the module's
-    docstring). Subclasses change one step; ``section`` names the ``rag_eval`` params section they read (a run's key
-    holds it)."""
-
-    section: str | None = None
+    docstring). Subclasses change one step (the settings they read are their trigger's, in a run's key)."""
 
     def parts(self) -> list[Any]:
         """What it runs beside itself (whose modules are the run's code)."""

@@ -21,7 +21,6 @@ class RefusalRetry(Controller):
     recorded as ``<trigger>:refusal`` with score +inf (the refusal detector's)."""
 
     handler: Any
-    section: str | None = "ctrla"
 
     def parts(self) -> list[Any]:
         return [self.handler]

@@ -25,7 +25,6 @@ class ValidateAndRepair(Controller):
     ``used=False`` and the validator's P(yes))."""
 
     validator: Any
-    section: str | None = "sit"
 
     def parts(self) -> list[Any]:
         return [self.validator]

@@ -5,39 +5,61 @@ family's code reruns only the configurations that use it (rag_eval's runs are ke
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
+from detectors.config.core import from_dict
 from detectors.errors import InputError
 from detectors.extensions import DETECTOR_KINDS, TRAINING_FREE
-from detectors.rag.triggers import Trigger, TriggerSettings
+from detectors.rag.triggers import Trigger, TriggerContext, TriggerEntry
 
 if TYPE_CHECKING:
+    from detectors.interfaces import Level
     from detectors.llm.loading import LLM
+
+
+def entry_settings(entry: TriggerEntry, name: str, settings: Mapping[str, Any] | None) -> Any:
+    """The settings of entry ``name`` from ``settings`` (``rag_eval.settings``: a mapping of entry name to its params,
+    as a mapping or already of the entry's type), of the type the entry declares; None when none are given. Settings
+    for an entry that takes none are refused."""
+    given = (settings or {}).get(name)
+    if given is None:
+        return None
+    if entry.settings is None:
+        raise InputError(
+            f"rag_eval.settings.{name}: trigger {name!r} takes no settings; remove the key (entries with settings: "
+            "those whose TriggerEntry declares a settings type)"
+        )
+    if isinstance(given, entry.settings):
+        return given
+    return from_dict(entry.settings, given, f"rag_eval.settings.{name}", strict=True)
 
 
 def make_trigger(
     spec: str,
     llm: LLM,
-    thresholds: dict[str, float] | None,
-    spacy_model: str,
+    thresholds: dict[str, float] | None = None,
+    spacy_model: str = "",
     tracking_uri: str | None = None,
-    settings: TriggerSettings | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> Trigger:
     """The trigger named ``spec``: one of :data:`TRAINING_FREE` (its threshold from ``thresholds``; None: +inf, to be
     set later, as a sweep does) or ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from
     ``tracking_uri``) onto ``llm``; the detector's kind decides the trigger, and a detector built with another LLM is
-    refused by its fingerprint. ``settings``: what the ``sit`` and CtrlA triggers read beyond a threshold."""
-    settings = settings or TriggerSettings()
+    refused by its fingerprint. ``settings``: ``rag_eval.settings``, each entry's own params by its name
+    (:func:`entry_settings`); ``spacy_model``: the pipeline of the triggers that find entities."""
     if "@" not in spec:  # a training-free trigger
-        build = TRAINING_FREE.load(spec)  # an unknown name: an InputError listing the known ones
+        entry: TriggerEntry = TRAINING_FREE.load(spec)  # an unknown name: an InputError listing the known ones
         if thresholds is not None and spec != "always" and spec not in thresholds:
             raise InputError(
                 f"trigger {spec!r} has no threshold: give rag_eval.thresholds.{spec} (a number or `validation`)"
             )
-        trigger = build(llm, math.inf if thresholds is None else thresholds.get(spec), spacy_model, settings)
-        trigger.source = TRAINING_FREE.module(spec)
-        return trigger
+        own = entry_settings(entry, spec, settings)
+        trigger = entry.build(TriggerContext(llm, spacy_model), own)
+        if thresholds is not None and spec in thresholds:
+            trigger = dataclasses.replace(trigger, threshold=thresholds[spec])
+        return dataclasses.replace(trigger, source=TRAINING_FREE.module(spec), entry=spec, settings=own)
     name, alias = spec.split("@", 1)
     from detectors.inference import load_detector
 
@@ -48,6 +70,23 @@ def make_trigger(
             f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of "
             f"{', '.join(DETECTOR_KINDS)})"
         )
-    trigger = DETECTOR_KINDS.load(detector.KIND)(name, detector, settings)
-    trigger.source, trigger.detector = DETECTOR_KINDS.module(detector.KIND), detector
-    return trigger
+    entry = DETECTOR_KINDS.load(detector.KIND)
+    context = TriggerContext(llm, spacy_model, name, detector)
+    own = entry_settings(entry, detector.KIND, settings)
+    trigger = entry.build(context, own)
+    module = DETECTOR_KINDS.module(detector.KIND)
+    return dataclasses.replace(trigger, source=module, detector=detector, entry=detector.KIND, settings=own)
+
+
+def trigger_scorers(level: Level, stats: set[str], listed: list) -> list:
+    """The training-free triggers' offline scorers (their entries' ``offline``) defined at ``level`` whose per-token
+    statistic is among ``stats``, one per class not already among ``listed`` (the catalog's baselines): with them the
+    comparison scores every trigger offline, a new trigger's score included, with no second registry entry."""
+    classes, out = {type(s) for s in listed}, []
+    for name in TRAINING_FREE:
+        cls = TRAINING_FREE.load(name).offline
+        if cls is None or cls in classes or level not in cls.levels or cls.stat not in stats:
+            continue
+        classes.add(cls)
+        out.append(cls(level))
+    return out

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from detectors.rag.triggers import Constant, Policy, Trigger
+from detectors.rag.triggers import Constant, Policy, Trigger, TriggerContext, TriggerEntry
 
 
-def build(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+def build(context: TriggerContext, settings: None) -> Trigger:
     return Trigger("always", Constant(), 0.0, Policy("question"))
+
+
+ALWAYS = TriggerEntry(build)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from detectors.baselines.ctrla_confidence import CtrlAConfidence
+from detectors.config.triggers import CtrlARefusalParams
 from detectors.ctrla.monitor import FIRING_THRESHOLD, ConfidenceMonitor, detect_refusal, new_content, pooled_scores
 from detectors.ctrla.refusal import RefusalHandler
 from detectors.interfaces import Level
 from detectors.rag.controllers import RETRIEVE
 from detectors.rag.controllers.refusal import RefusalRetry
 from detectors.rag.stats import Calculator, SegmentView
-from detectors.rag.triggers import Policy, Trigger
+from detectors.rag.triggers import Policy, Trigger, TriggerContext, TriggerEntry
 
 
 class CtrlACalculator(Calculator):
@@ -37,10 +38,10 @@ class CtrlACalculator(Calculator):
             v.stats["refusal"] = bool(detect_refusal(v.text, list(self.params.refusal_patterns)))
 
 
-def build(name: str, detector, settings: object) -> Trigger:
+def build(context: TriggerContext, settings: CtrlARefusalParams | None) -> Trigger:
     """CtrlA's Alg. 3: retrieval when a new content word is unconfident or the segment refuses (f_d); the segment is
-    re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when ``settings.ctrla``
-    gives it; the next segment is predicted without the passages (line 4).
+    re-predicted with the passages and kept (Alg. 1, lines 6-10), after the refusal handling H_R when ``settings``
+    (``rag_eval.settings.ctrla-confidence``) gives it; the next segment is predicted without the passages (line 4).
 
     Unconfident is the monitor's :func:`~detectors.ctrla.monitor.unconfident` (Eq. 2 < 0; Eq. 2 already subtracts
     tau): the trigger's score is -Eq. 2 and its threshold :data:`~detectors.ctrla.monitor.FIRING_THRESHOLD`, CtrlA's
@@ -48,8 +49,11 @@ def build(name: str, detector, settings: object) -> Trigger:
     policy = Policy(
         "token", cut="segment", eligible="new_content", forced="refusal", after_retrieval="accept", passages="segment"
     )
-    controller = RETRIEVE
-    if settings.ctrla is not None:
-        controller = RefusalRetry(RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings.ctrla))
+    name, detector, controller = context.name, context.detector, RETRIEVE
+    if settings is not None:
+        controller = RefusalRetry(RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings))
     scorer = CtrlAConfidence(Level.TOKEN, name=name)
     return Trigger(name, scorer, FIRING_THRESHOLD, policy, (CtrlACalculator(detector),), controller=controller)
+
+
+CTRLA = TriggerEntry(build, CtrlARefusalParams)

@@ -13,7 +13,7 @@ from detectors.interfaces import Level
 from detectors.llm.layers import StateTap
 from detectors.rag.kinds.early import EarlyCalculator
 from detectors.rag.stats import Calculator, SegmentView
-from detectors.rag.triggers import PROBABILITY, Policy, Trigger
+from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
 
 
 class MlpCalculator(Calculator):
@@ -46,7 +46,8 @@ class MlpCalculator(Calculator):
         return self.detector.keywords(kept + view.gen_ids, np.concatenate([np.zeros(len(kept)), view.stats["mlp"]]))
 
 
-def early(name: str, detector, settings: object) -> Trigger:
+def early(context: TriggerContext, settings: None) -> Trigger:
+    name, detector = context.name, context.detector
     return Trigger(
         name,
         DetectorScorer(name, detector),
@@ -57,8 +58,13 @@ def early(name: str, detector, settings: object) -> Trigger:
     )
 
 
-def realtime(name: str, detector, settings: object) -> Trigger:
+def realtime(context: TriggerContext, settings: None) -> Trigger:
+    name, detector = context.name, context.detector
     scorer = realtime_detector_scorer(Level.TOKEN, name)
     return Trigger(
         name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),), scores=PROBABILITY
     )
+
+
+EARLY = TriggerEntry(early)
+REALTIME = TriggerEntry(realtime)

@@ -19,7 +19,7 @@ import numpy as np
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.interfaces import Level
-from detectors.rag.triggers import Policy, Trigger
+from detectors.rag.triggers import Policy, Trigger, TriggerContext, TriggerEntry
 
 ENTROPY = (0.0, math.inf)  # nats
 
@@ -48,21 +48,25 @@ class MeanTokenEntropy(TokenStatScorer):
         return out
 
 
-def build_max(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+def build_max(context: TriggerContext, settings: None) -> Trigger:
     return Trigger(
         "entropy_max",
         TokenEntropy(Level.TOKEN, name="entropy_max"),
-        threshold,
+        math.inf,
         Policy("token", cut="segment", after_retrieval="accept"),
         scores=ENTROPY,
     )
 
 
-def build_mean(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+def build_mean(context: TriggerContext, settings: None) -> Trigger:
     return Trigger(
         "entropy_mean",
         MeanTokenEntropy(Level.CONTINUATION),
-        threshold,
+        math.inf,
         Policy("token", cut="segment", after_retrieval="accept"),
         scores=ENTROPY,
     )
+
+
+ENTROPY_MAX = TriggerEntry(build_max, offline=TokenEntropy)
+ENTROPY_MEAN = TriggerEntry(build_mean, offline=MeanTokenEntropy)

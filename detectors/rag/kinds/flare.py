@@ -5,17 +5,22 @@ serve that sentence only (FLARE's §3, as DRAGIN's released TokenRAG also runs i
 
 from __future__ import annotations
 
+import math
+
 from detectors.baselines.flare import Flare
 from detectors.interfaces import Level
-from detectors.rag.triggers import PROBABILITY, Policy, Trigger
+from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
 
 
-def build(llm: object, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+def build(context: TriggerContext, settings: None) -> Trigger:
     # 1 - the token's probability
     return Trigger(
         "flare",
         Flare(Level.TOKEN),
-        threshold,
+        math.inf,
         Policy("token", cut="segment", after_retrieval="accept", passages="segment"),
         scores=PROBABILITY,
     )
+
+
+FLARE = TriggerEntry(build, offline=Flare)

@@ -10,7 +10,7 @@ from detectors.llm.kv import crop_states
 from detectors.llm.loading import LLM
 from detectors.llm.words import spacy_stopwords
 from detectors.rag.stats import Calculator, SegmentView
-from detectors.rag.triggers import Policy, Trigger
+from detectors.rag.triggers import Policy, Trigger, TriggerContext, TriggerEntry
 
 
 class RindCalculator(Calculator):
@@ -33,8 +33,10 @@ class RindCalculator(Calculator):
             v.stats["rind"] = trace.rind
 
 
-def build(llm: LLM, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    stopwords = spacy_stopwords(spacy_model, "build_realtime.spacy_model")
-    return Trigger(
-        "rind", Rind(Level.TOKEN), threshold, Policy("token"), (RindCalculator(llm, stopwords),), scores=(0.0, math.inf)
-    )
+def build(context: TriggerContext, settings: None) -> Trigger:
+    stopwords = spacy_stopwords(context.spacy_model, "build_realtime.spacy_model")
+    calculator = RindCalculator(context.llm, stopwords)
+    return Trigger("rind", Rind(Level.TOKEN), math.inf, Policy("token"), (calculator,), scores=(0.0, math.inf))
+
+
+RIND = TriggerEntry(build, offline=Rind)

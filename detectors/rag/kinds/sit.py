@@ -4,12 +4,13 @@ uncertain one, repair), and the calculators of the segment's concepts."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
-import spacy
 
 from detectors.baselines.stitch_in_time import SitMin, SitValidator
+from detectors.config.triggers import SitParams
 from detectors.errors import InputError
 from detectors.interfaces import Level
 from detectors.llm.generate import generate, instruction_prompt
@@ -17,7 +18,7 @@ from detectors.llm.loading import LLM
 from detectors.llm.offsets import entity_tokens, token_offsets
 from detectors.rag.controllers.validation import ValidateAndRepair
 from detectors.rag.stats import Calculator, SegmentView
-from detectors.rag.triggers import PROBABILITY, Policy, Trigger
+from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
 
 
 class EntityCalculator(Calculator):
@@ -57,9 +58,9 @@ def concept_spans(question: str, segment: str, offsets: list[int], named: str) -
 
 class ConceptCalculator(Calculator):
     """``entities`` as Stitch-in-Time's preferred technique finds concepts (§2.1.1): the LLM, instructed
-    (``rag_eval.sit.concepts_prompt``, Table 3), names the important keyphrases of the sentence (the question and the
-    segment), greedily, the segments batched; each one's tokens in the segment are a concept (:func:`concept_spans`):
-    ``concepts``, beside the entities ``sit_min`` reads."""
+    (``rag_eval.settings.sit.concepts_prompt``, Table 3), names the important keyphrases of the sentence (the question
+    and the segment), greedily, the segments batched; each one's tokens in the segment are a concept
+    (:func:`concept_spans`): ``concepts``, beside the entities ``sit_min`` reads."""
 
     key, provides = "concepts", ("concepts",)
 
@@ -83,30 +84,35 @@ class ConceptCalculator(Calculator):
             ]
 
 
-def build_min(llm: LLM, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
+def build_min(context: TriggerContext, settings: None) -> Trigger:
     return Trigger(
         "sit_min",
         SitMin(Level.ENTITY),
-        threshold,
+        math.inf,
         Policy("token"),
-        (EntityCalculator(llm, spacy.load(spacy_model)),),
+        (EntityCalculator(context.llm, context.nlp),),
         scores=PROBABILITY,
     )
 
 
-def build(llm: LLM, threshold: float | None, spacy_model: str, settings: object) -> Trigger:
-    """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2: the concepts of ``rag_eval.sit.concepts``, each
-    scored by its least probable token, as ``sit_min``), validate each uncertain concept (§2.1.3-2.1.5) and repair the
+def build(context: TriggerContext, settings: SitParams | None) -> Trigger:
+    """Stitch-in-Time as its paper runs it: detect (§2.1.1-2.1.2: the concepts of ``settings.concepts``, each scored
+    by its least probable token, as ``sit_min``), validate each uncertain concept (§2.1.3-2.1.5) and repair the
     sentence with the passages when one fails (§2.2; the repair is kept)."""
-    if settings.sit is None:
+    if settings is None:
         raise InputError(
-            "trigger 'sit' validates with rag_eval.sit: give its params (concepts, validation_question, prompt, "
-            "yes/no words, threshold)"
+            "trigger 'sit' validates with rag_eval.settings.sit: give its params (concepts, validation_question, "
+            "prompt, yes/no words, threshold)"
         )
+    llm = context.llm
     policy = Policy("token", cut="segment", after_retrieval="accept")
-    if settings.sit.concepts == "llm":
-        scorer, concepts = SitMin(Level.ENTITY, spans="concepts"), ConceptCalculator(llm, settings.sit)
+    if settings.concepts == "llm":
+        scorer, concepts = SitMin(Level.ENTITY, spans="concepts"), ConceptCalculator(llm, settings)
     else:
-        scorer, concepts = SitMin(Level.ENTITY), EntityCalculator(llm, spacy.load(spacy_model))
-    controller = ValidateAndRepair(SitValidator(llm, settings.sit))
-    return Trigger("sit", scorer, threshold, policy, (concepts,), scores=PROBABILITY, controller=controller)
+        scorer, concepts = SitMin(Level.ENTITY), EntityCalculator(llm, context.nlp)
+    controller = ValidateAndRepair(SitValidator(llm, settings))
+    return Trigger("sit", scorer, math.inf, policy, (concepts,), scores=PROBABILITY, controller=controller)
+
+
+SIT_MIN = TriggerEntry(build_min, offline=SitMin)
+SIT = TriggerEntry(build, SitParams)

@@ -6,11 +6,12 @@ from __future__ import annotations
 from detectors.evaluation.scorers import DetectorScorer
 from detectors.rag.controllers.gate import Gated
 from detectors.rag.kinds.early import EarlyCalculator
-from detectors.rag.triggers import PROBABILITY, Policy, Trigger
+from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
 from detectors.utility.detector import UtilityGate
 
 
-def build(name: str, detector, settings: object) -> Trigger:
+def build(context: TriggerContext, settings: None) -> Trigger:
+    name, detector = context.name, context.detector
     return Trigger(
         name,
         DetectorScorer(name, detector),
@@ -20,3 +21,6 @@ def build(name: str, detector, settings: object) -> Trigger:
         PROBABILITY,
         controller=Gated(UtilityGate(detector)),
     )
+
+
+UTILITY = TriggerEntry(build)
