@@ -11,7 +11,7 @@ reads this module's entries as names there).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from detectors.lazy import LazyRegistry
@@ -41,7 +41,7 @@ DETECTOR_KINDS = LazyRegistry(
         "utility": "detectors.rag.kinds.utility:UTILITY",
     },
 )
-# query formulation -> builder(rag_eval.query section, FLARE's threshold, idf) (make_query)
+# query formulation -> builder(rag_eval.query section, the configuration's triggers, idf) (make_query)
 QUERIES = LazyRegistry(
     "query formulation",
     {
@@ -58,12 +58,11 @@ QUERIES = LazyRegistry(
 FRAMEWORKS = LazyRegistry("framework", {"retrorag": "detectors.rag.retroactive:RetroRag"})
 
 
-def make_query(
-    name: str, params: Any, flare_threshold: float | None = None, idf: Callable[[str], float] | None = None
-) -> Any:
+def make_query(name: str, params: Any, triggers: Sequence[Any] = (), idf: Callable[[str], float] | None = None) -> Any:
     """The formulation ``name`` of :data:`QUERIES` (:mod:`detectors.rag.queries`) with its settings: ``params`` is the
-    ``rag_eval.query`` section (:class:`~detectors.config.rag.RagQueryParams`), ``flare_threshold`` the threshold of
-    the configuration's FLARE trigger (None without one), ``idf`` the retriever's (None without a retriever). An
+    ``rag_eval.query`` section (:class:`~detectors.config.rag.RagQueryParams`), ``triggers`` the configuration's (the
+    formulation reads what it needs of them: FLARE's query its trigger's threshold), ``idf`` the retriever's (None
+    without a retriever). An
     unknown name is an InputError listing the known ones. Here, not beside the formulations: the registry names them,
     so they cannot import it back."""
-    return QUERIES.load(name)(params, flare_threshold, idf)
+    return QUERIES.load(name)(params, triggers, idf)

@@ -29,15 +29,17 @@ def file_digest(path: str | Path, length: int | None = 16) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()[:length]
 
 
-def _threads(n: int) -> int:
-    return max(1, min(n, len(os.sched_getaffinity(0))))
+def cpu_threads(limit: int | None = None) -> int:
+    """The CPUs this process may run on (its affinity), at most ``limit``, at least 1."""
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus if limit is None else min(limit, cpus))
 
 
 def file_digests(directory: str | Path, names: Iterable[str]) -> dict[str, str]:
     """The full SHA-256 of each file ``names`` (paths relative to ``directory``), to record when they are written;
     several files are read at once (hashlib releases the GIL), so a large index is hashed at the disk's speed."""
     names = list(names)
-    with ThreadPoolExecutor(_threads(len(names))) as pool:
+    with ThreadPoolExecutor(cpu_threads(len(names))) as pool:
         return dict(zip(names, pool.map(lambda name: file_digest(Path(directory) / name, None), names)))
 
 
@@ -60,6 +62,6 @@ def changed_file(directory: str | Path, recorded: Mapping[str, str]) -> str | No
     """What is wrong with the first file of ``recorded`` (:func:`file_digests`) that is missing, unreadable or not what
     was written, naming its path (None: every file matches); the files are read several at once."""
     items = list(recorded.items())
-    with ThreadPoolExecutor(_threads(len(items))) as pool:
+    with ThreadPoolExecutor(cpu_threads(len(items))) as pool:
         problems = pool.map(lambda item: _problem(Path(directory) / item[0], item[1]), items)
         return next((p for p in problems if p is not None), None)

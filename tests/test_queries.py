@@ -14,6 +14,7 @@ from detectors.extensions import QUERIES, make_query
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.rag.context import chunk_passage, render_passages, stepwise_retrieve
 from detectors.rag.corpus import Passage
+from detectors.rag.kinds import make_trigger
 from detectors.rag.queries import (
     CtrlAQuery,
     DiorQuery,
@@ -154,16 +155,17 @@ def test_passages_render_as_numbered_blocks():
 # ---- the formulations by name (detectors.extensions.QUERIES) --------------------------------------------------
 
 
-def test_each_query_formulation_is_built_by_name_with_its_settings():
-    """A builder reads what it needs of the ``rag_eval.query`` section, the FLARE trigger's threshold and the
-    retriever's idf; what it builds is what the loop ran before the formulations were a registry (same objects, same
-    settings), and each registered name is its formulation's own name."""
+def test_each_query_formulation_is_built_by_name_with_its_settings(tiny_llm):
+    """A builder reads what it needs of the ``rag_eval.query`` section, the configuration's triggers (FLARE's
+    threshold) and the retriever's idf; what it builds is what the loop ran before the formulations were a registry
+    (same objects, same settings), and each registered name is its formulation's own name."""
     params = RagQueryParams(qfs_top_n=3, dior_top=2, dior_weights=DiorWeightsParams(0.1, 0.2, 0.3, 0.4))
 
     def idf(word: str) -> float:
         return 2.0
 
-    built = {name: make_query(name, params, 0.25, idf) for name in QUERIES}
+    flare = make_trigger("flare", tiny_llm, {"flare": 0.25})
+    built = {name: make_query(name, params, [flare], idf) for name in QUERIES}
     expected = {
         "question": QuestionQuery(),
         "flare": FlareQuery(0.75),  # words masked under 1 - FLARE's threshold

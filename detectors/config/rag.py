@@ -74,8 +74,10 @@ class RagConfigurationParams:
     post-retrieval (``stepwise`` selection, sentence-level ``chunk``ing), CtrlA's honesty ``steering`` (a registered
     detector as ``<name>@<alias>``, or null), the ``context`` put before the question with the passages (null:
     ``rag_eval.context``), ``thresholds`` that fix some of its triggers in this configuration only (by trigger name;
-    -.inf: always fires, .inf: never) and ``versus``, the configuration it is compared with beside the references (its
-    accuracy minus that one's, paired: what the one thing they differ in is worth; null: none)."""
+    -.inf: always fires, .inf: never), ``versus``, the configuration it is compared with beside the references (its
+    accuracy minus that one's, paired: what the one thing they differ in is worth; null: none) and ``headline``, its
+    role in the headline (true: one of DioR's rows, whose best is the headline's ``dior`` column; false: the other
+    rows, whose best is its ``baseline``). ``headline`` only reports: it is not part of a run's key."""
 
     triggers: list[str]
     query: str  # a formulation of detectors.extensions.QUERIES
@@ -85,6 +87,7 @@ class RagConfigurationParams:
     context: str | None
     thresholds: dict[str, float]
     versus: str | None
+    headline: bool
 
     def check(self, where: str) -> None:
         for i, trigger in enumerate(self.triggers):

@@ -23,12 +23,6 @@ def check_failures(lines: list[dict], what: str, share: float = 0.5) -> None:
         raise RuntimeError(f"{what}: {len(failed)} of {len(lines)} questions failed, e.g. {failed[0]['error']}")
 
 
-def dior_configurations(configurations: dict) -> list[str]:
-    """DioR's configurations (the headline's ``dior``): those whose every trigger is one of its registered detectors
-    (``dior-early``, ``dior-realtime``: the names ``register`` gives them)."""
-    return [name for name, c in configurations.items() if c.triggers and all(t.startswith("dior-") for t in c.triggers)]
-
-
 def other_template(configurations: dict, context: str, always: str | None) -> list[str]:
     """The configurations that put their passages in another template than the ``always`` reference does (``context``:
     ``rag_eval.context``, where a configuration's own is null): comparing them with it would count the template as the

@@ -9,7 +9,6 @@ worst, one comparison each). Each thread owns one accumulator, kept between quer
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,6 @@ import numba
 import numpy as np
 
 PARALLEL_MIN_PASSAGES = 100_000  # a smaller corpus is searched on one thread (a query takes ~0.1 ms there)
-
-
-def cpu_threads() -> int:
-    """The CPUs this process may run on."""
-    return max(1, len(os.sched_getaffinity(0)))
 
 
 @numba.njit(inline="always")

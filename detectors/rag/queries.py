@@ -20,7 +20,7 @@ below).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -316,26 +316,30 @@ class CtrlAQuery(_Formulation):
 
 
 # ---- the builders, registered by name in detectors.extensions.QUERIES -----------------------------------------
-# Each takes the ``rag_eval.query`` section (detectors.config.rag.RagQueryParams), the threshold of the configuration's
-# FLARE trigger (None without one) and the retriever's idf (None without a retriever), and reads what it needs.
+# Each takes the ``rag_eval.query`` section (detectors.config.rag.RagQueryParams), the configuration's triggers (its
+# siblings in the loop) and the retriever's idf (None without a retriever), and reads what it needs of them.
+
+Idf = Callable[[str], float] | None
 
 
-def build_question(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> QuestionQuery:
+def build_question(params: Any, triggers: Sequence[Any], idf: Idf) -> QuestionQuery:
     return QuestionQuery()
 
 
-def build_flare(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> FlareQuery:
-    """Words are masked under 1 - the FLARE trigger's threshold (0.5 without a FLARE trigger)."""
-    return FlareQuery(0.5 if flare_threshold is None else 1 - flare_threshold)
+def build_flare(params: Any, triggers: Sequence[Any], idf: Idf) -> FlareQuery:
+    """Words are masked under 1 - the threshold of the configuration's FLARE trigger (the trigger built by the
+    ``flare`` entry; 0.5 without one)."""
+    threshold = next((t.threshold for t in triggers if t.entry == "flare"), None)
+    return FlareQuery(0.5 if threshold is None else 1 - threshold)
 
 
-def build_qfs(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> QfsQuery:
+def build_qfs(params: Any, triggers: Sequence[Any], idf: Idf) -> QfsQuery:
     return QfsQuery(params.qfs_top_n)
 
 
-def build_dior(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> DiorQuery:
+def build_dior(params: Any, triggers: Sequence[Any], idf: Idf) -> DiorQuery:
     return DiorQuery(DiorWeights(**dataclasses.asdict(params.dior_weights)), params.dior_top, idf)
 
 
-def build_ctrla(params: Any, flare_threshold: float | None, idf: Callable[[str], float] | None) -> CtrlAQuery:
+def build_ctrla(params: Any, triggers: Sequence[Any], idf: Idf) -> CtrlAQuery:
     return CtrlAQuery()

@@ -46,7 +46,6 @@ from detectors.rag.bm25_build import (
 )
 from detectors.rag.corpus import Passage, PassageFile, PassageList, PassageSource
 
-_bm25s = import_bm25s  # bm25s, imported without JAX
 TERMS_REMEMBERED = 100_000  # query terms whose ids a retriever keeps (a dict, cleared when full)
 
 
@@ -109,7 +108,8 @@ class BM25Retriever:
     queries of a batch are scored at once (default: the CPUs the process may use)."""
 
     def __init__(self, directory: str | Path, manifest: dict, threads: int | None = None, owner=None):
-        from detectors.rag.bm25_search import Searcher, cpu_threads
+        from detectors.io import cpu_threads
+        from detectors.rag.bm25_search import Searcher
 
         self.directory, self.manifest, self._owner = Path(directory), manifest, owner  # owner: a temporary dir
         self.params, self.digest = dict(manifest["params"]), manifest["digest"]
@@ -197,7 +197,7 @@ class BM25Retriever:
         return self._terms([text])[0]
 
     def _terms(self, texts: list[str]) -> list[list[str]]:
-        bm25s = _bm25s()
+        bm25s = import_bm25s()  # without JAX
 
         return bm25s.tokenize(
             texts, stopwords=self.params["stopwords"], stemmer=self._stemmer, return_ids=False, show_progress=False

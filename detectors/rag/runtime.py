@@ -67,7 +67,7 @@ def run_params(rag, config, triggers: list) -> dict[str, Any]:
     the settings only some systems read (the query's, and its triggers' own: Stitch-in-Time's validation, CtrlA's
     refusal handling) only where its query or triggers read them."""
     out: dict[str, Any] = {k: getattr(rag, k) for k in ("k", "max_retrievals", "max_new_tokens", "context")}
-    out["configuration"] = dataclasses.asdict(config)
+    out["configuration"] = {k: v for k, v in dataclasses.asdict(config).items() if k != "headline"}  # reporting only
     out.update(make_query(config.query, rag.query).settings())  # the settings its formulation reads
     for t in triggers:
         if t.settings is not None:
@@ -201,10 +201,9 @@ class RagRuntime:
         )
 
     def query(self, name: str, triggers: list, retriever: BM25Retriever | None):
-        """Formulation ``name`` with the ``rag_eval.query`` settings, the FLARE trigger's threshold (FLARE's query
-        masks words under 1 - it) and the retriever's idf."""
-        flare = next((t.threshold for t in triggers if t.name == "flare"), None)
-        return make_query(name, self.params.query, flare, getattr(retriever, "idf", None))
+        """Formulation ``name`` with the ``rag_eval.query`` settings, the configuration's triggers (FLARE's query masks
+        words under 1 - its trigger's threshold) and the retriever's idf."""
+        return make_query(name, self.params.query, triggers, getattr(retriever, "idf", None))
 
     def champions(self, specs: list[str]) -> dict[str, str]:
         """The registered versions the ``<name>@<alias>`` specs point to now (a promotion restarts the systems that
