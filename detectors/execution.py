@@ -38,6 +38,36 @@ log = logging.getLogger(__name__)
 UNIT_RETRIES = 2  # a unit whose actor died is retried this many times (a unit that kills every actor stops the run)
 
 
+def batch_or_each(
+    compute: Callable[[list], Sequence[Any]],
+    items: list,
+    what: str = "a batch",
+    propagate: tuple[type[BaseException], ...] = (),
+) -> list:
+    """The one policy for a batch that fails: ``compute(items)`` (one result per item); when the batch raises, each item
+    is computed alone, and an item that raises alone comes back as its exception while the others are computed. So one
+    bad record never loses its batch, nor the run (the caller records the exceptions as failures, which the next run
+    retries). Exceptions of the ``propagate`` types are the batch's own problem (out of memory: its size), raised."""
+    try:
+        return list(compute(items))
+    except propagate:
+        raise
+    except Exception as err:  # noqa: BLE001 - computed one by one below, where an item's own failure is kept
+        if len(items) == 1:
+            return [err]
+        log.warning("%s of %d raised (%s: %s); computing them one by one", what, len(items), type(err).__name__, err)
+    out: list = []
+    for item in items:
+        try:
+            out.extend(compute([item]))
+        except propagate:
+            raise
+        except Exception as err:  # noqa: BLE001 - the item's failure, returned
+            log.warning("%s: an item raised alone (%s: %s)", what, type(err).__name__, err)
+            out.append(err)
+    return out
+
+
 def worker_device(device: str, execution: ExecutionParams) -> str:
     """The device the workers load the LLM on: ``llm.device`` as given, but ``auto`` on Ray is decided by
     ``gpus_per_worker`` (the driver may have no GPU, the actors may have one)."""

@@ -18,7 +18,7 @@ import torch
 from safetensors.numpy import save_file
 
 from detectors.dior.early import early_records
-from detectors.execution import LLMSpec
+from detectors.execution import LLMSpec, batch_or_each
 from detectors.io import write_json
 from detectors.llm.layers import hidden_state_indices
 from detectors.shards import OK, ShardStore, failure_status, run_shards, status_counts
@@ -75,25 +75,12 @@ def _records(llm, rows: list, params, state_indices: list[int]) -> list[dict]:
             state_indices,
         )
 
-    try:
-        results = compute(bases)
-    except torch.OutOfMemoryError:
-        raise  # the batch size's problem (build_early.features.ig_batch_size), not a record's
-    except Exception as err:
-        results = [err] if len(bases) == 1 else [res for base in bases for res in _alone(compute, base)]
+    # out of memory: the batch size's problem (build_early.features.ig_batch_size), not a record's
+    results = batch_or_each(compute, bases, "build_early: a batch", (torch.OutOfMemoryError,))
     return [
         {**base, "status": failure_status(res)} if isinstance(res, Exception) else {**base, "status": OK, **res}
         for base, res in zip(bases, results)
     ]
-
-
-def _alone(compute, base: dict) -> list:
-    try:
-        return compute([base])
-    except (
-        Exception
-    ) as err:  # one bad record is reported (an error is retried on the next run), never the end of the run
-        return [err]
 
 
 def report(frame: pd.DataFrame) -> dict:

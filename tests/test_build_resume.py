@@ -243,3 +243,33 @@ def test_build_utility_keeps_a_corpus_shards_when_the_list_of_corpora_changes(pr
         check_exact=False,
         atol=1e-5,
     )
+
+
+def test_a_realtime_batch_that_raises_loses_only_the_article_that_raises_alone(project, monkeypatch, caplog):
+    """One policy for a failing batch (detectors.execution.batch_or_each): the batch's articles are continued one by
+    one, and only the article that raises alone is recorded as failed; the others are continued as in a clean run."""
+    prepare_articles.main(["--params", "params.yaml"])
+    edit_params(project, "build_realtime", max_failed_share=0.5)
+    build_realtime.main(["--params", "params.yaml"])
+    clean = pd.read_parquet(project / "data/realtime/realtime.parquet")
+    ok = clean[clean["status"] == "ok"]
+    bad = ok.iloc[0]
+    (project / "data/realtime/shards/manifest.json").unlink()
+    real = realtime_set.generate_traced
+
+    def flaky(llm, prompts, *args, **kwargs):
+        if any(bad["title"] in p for p in prompts):
+            raise OSError(f"cannot continue {bad['title']!r}")
+        return real(llm, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(realtime_set, "generate_traced", flaky)
+    with caplog.at_level(logging.WARNING, logger="detectors.execution"):
+        build_realtime.main(["--params", "params.yaml"])
+    assert "build_realtime: a batch of" in caplog.text  # the failing batch held other articles
+    after = pd.read_parquet(project / "data/realtime/realtime.parquet").set_index("id")
+    failed = set(after.index[after["status"].str.startswith("error: ")])
+    assert failed == set(ok.loc[ok["title"] == bad["title"], "id"])
+    kept = ok[~ok["id"].isin(failed)]
+    assert len(kept) and (after.loc[kept["id"], "status"] == "ok").all()
+    for row in kept.itertuples():  # continued alone: the same greedy tokens as in their batch
+        assert list(after.loc[row.id, "gen_ids"]) == list(row.gen_ids), row.id

@@ -11,6 +11,7 @@ import pandas as pd
 
 from detectors.dior.entities import PARTS, label_continuation, prepare_article
 from detectors.dior.recorder import generate_traced
+from detectors.execution import batch_or_each
 from detectors.shards import OK, failure_status, status_counts
 
 
@@ -49,14 +50,20 @@ def build_records(
     by_length = sorted(range(len(ready)), key=lengths.__getitem__)  # prompts of similar length together: less padding
     for k in range(0, len(ready), params.batch_size):
         batch = [ready[i] for i in by_length[k : k + params.batch_size]]
-        try:
-            prompt_ids, traces = generate_traced(
-                llm, [b[2] for b in batch], state_indices, params.max_new_tokens, params.prompt.chat
+
+        def continue_all(group: list) -> list:
+            ids, traces = generate_traced(
+                llm, [b[2] for b in group], state_indices, params.max_new_tokens, params.prompt.chat
             )
-        except Exception as err:
-            done.update((b[0]["id"], _failure(b[0], err)) for b in batch)
-            continue
-        for (base, text, _, cut, warnings), ids, trace in zip(batch, prompt_ids, traces):
+            return list(zip(ids, traces))
+
+        for (base, text, _, cut, warnings), generated in zip(
+            batch, batch_or_each(continue_all, batch, "build_realtime: a batch")
+        ):
+            if isinstance(generated, Exception):
+                done[base["id"]] = _failure(base, generated)
+                continue
+            ids, trace = generated
             record = {**base, "cut": cut, "prompt_ids": ids, "gen_ids": trace.gen_ids, "warnings": warnings}
             try:
                 labels = label_continuation(

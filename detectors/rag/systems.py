@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import pandas as pd
 
 from detectors.evaluation.answer_metrics import FAILED
+from detectors.execution import batch_or_each
 from detectors.progress import progress
 from detectors.rag.results import RagResult, result
 from detectors.shards import ERROR, OK, ShardStore
@@ -57,24 +58,21 @@ class System:
 
 
 def resilient(name: str, answer_all: Callable[[list[str], list[bool]], list[RagResult]]) -> Answer:
-    """``answer_all`` as JSON-able dicts; when a batch raises, its questions are answered one by one, so that only the
-    question that raises is recorded as failed (``failed: <error>``) and the others are answered."""
+    """``answer_all`` as JSON-able dicts; when a batch raises, its questions are answered one by one
+    (:func:`~detectors.execution.batch_or_each`), so that only a question that raises alone is recorded as failed
+    (``failed: <error>``: never a crash halfway; the stage stops if most questions fail) and the others are answered."""
 
     def answer(questions: list[str], records: list[bool]) -> list[dict]:
-        try:
-            return [dataclasses.asdict(r) for r in answer_all(questions, records)]
-        except Exception:  # noqa: BLE001 - retried one by one below, where a question's own failure is recorded
-            if len(questions) == 1:
-                raise
-            log.warning("%s: a batch of %d questions raised; answering them one by one", name, len(questions))
-        out = []
-        for question, record in zip(questions, records):
-            try:
-                out.append(dataclasses.asdict(answer_all([question], [record])[0]))
-            except Exception as err:  # recorded, never a crash halfway; the stage stops if most questions fail
-                log.exception("%s: %r failed", name, question)
-                out.append(dataclasses.asdict(result(question, "", [], 0, 0, 0.0, [], f"{type(err).__name__}: {err}")))
-        return out
+        pairs = list(zip(questions, records))
+        answered = batch_or_each(
+            lambda batch: answer_all([q for q, _ in batch], [r for _, r in batch]), pairs, f"{name}: a batch"
+        )
+        return [
+            dataclasses.asdict(result(q, "", [], 0, 0, 0.0, [], f"{type(r).__name__}: {r}"))
+            if isinstance(r, Exception)
+            else dataclasses.asdict(r)
+            for (q, _), r in zip(pairs, answered)
+        ]
 
     return answer
 
