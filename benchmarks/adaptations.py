@@ -67,9 +67,9 @@ from detectors.baselines.rind import rind_on_states
 from detectors.llm.generate import generate, instruction_prompt
 from detectors.llm.kv import crop_states
 from detectors.rag.controllers.validation import ValidateAndRepair
-from detectors.rag.kinds.ctrla import CtrlACalculator
-from detectors.rag.kinds.rind import RindCalculator
-from detectors.rag.kinds.sit import EntityCalculator
+from detectors.rag.families.ctrla import CtrlACalculator
+from detectors.rag.families.rind import RindCalculator
+from detectors.rag.families.sit import EntityCalculator
 from detectors.rag.queries import QfsQuery, qfs_query
 from detectors.rag.runtime import RagRuntime
 

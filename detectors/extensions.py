@@ -21,13 +21,13 @@ from detectors.lazy import LazyRegistry
 TRAINING_FREE = LazyRegistry(
     "training-free trigger",
     {
-        "always": "detectors.rag.kinds.always:ALWAYS",
-        "flare": "detectors.rag.kinds.flare:FLARE",
-        "rind": "detectors.rag.kinds.rind:RIND",
-        "sit_min": "detectors.rag.kinds.sit:SIT_MIN",
-        "sit": "detectors.rag.kinds.sit:SIT",
-        "entropy_mean": "detectors.rag.kinds.entropy:ENTROPY_MEAN",
-        "entropy_max": "detectors.rag.kinds.entropy:ENTROPY_MAX",
+        "always": "detectors.rag.families.always:ALWAYS",
+        "flare": "detectors.rag.families.flare:FLARE",
+        "rind": "detectors.rag.families.rind:RIND",
+        "sit_min": "detectors.rag.families.sit:SIT_MIN",
+        "sit": "detectors.rag.families.sit:SIT",
+        "entropy_mean": "detectors.rag.families.entropy:ENTROPY_MEAN",
+        "entropy_max": "detectors.rag.families.entropy:ENTROPY_MAX",
     },
 )
 # registered detector kind -> its TriggerEntry (built with the detector attached to the loop's LLM in its context;
@@ -35,10 +35,10 @@ TRAINING_FREE = LazyRegistry(
 DETECTOR_KINDS = LazyRegistry(
     "trigger kind of a registered detector",
     {
-        "dior-early": "detectors.rag.kinds.dior:EARLY",
-        "dior-realtime": "detectors.rag.kinds.dior:REALTIME",
-        "ctrla-confidence": "detectors.rag.kinds.ctrla:CTRLA",
-        "utility": "detectors.rag.kinds.utility:UTILITY",
+        "dior-early": "detectors.rag.families.dior:EARLY",
+        "dior-realtime": "detectors.rag.families.dior:REALTIME",
+        "ctrla-confidence": "detectors.rag.families.ctrla:CTRLA",
+        "utility": "detectors.rag.families.utility:UTILITY",
     },
 )
 # query formulation -> builder(rag_eval.query section, the configuration's triggers, idf) (make_query)

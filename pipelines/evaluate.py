@@ -36,7 +36,7 @@ from detectors.evaluation.tracking import log_comparison
 from detectors.evaluation.units import realtime_token_stats, realtime_units
 from detectors.interfaces import Level
 from detectors.io import file_digest, write_json
-from detectors.rag.kinds import trigger_scorers
+from detectors.rag.families import trigger_scorers
 from detectors.registry import store
 from pipelines._stage import run, stage_params
 

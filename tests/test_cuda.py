@@ -24,7 +24,7 @@ from detectors.evaluation.metrics import auroc
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.rag.corpus import Passage
-from detectors.rag.kinds import make_trigger
+from detectors.rag.families import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import BM25Retriever
 

@@ -220,7 +220,7 @@ def test_validating_the_rag_sections_reads_the_registries_names_not_their_code()
     for stage in ("pipelines.index_corpus", "pipelines.train_utility"):
         closure = stage_closure(stage)
         assert Path("detectors/extensions.py") in closure
-        assert not {Path("detectors/rag/kinds/flare.py"), Path("detectors/rag/retroactive.py")} & closure, stage
-    assert {Path("detectors/rag/kinds/flare.py"), Path("detectors/rag/retroactive.py")} <= stage_closure(
+        assert not {Path("detectors/rag/families/flare.py"), Path("detectors/rag/retroactive.py")} & closure, stage
+    assert {Path("detectors/rag/families/flare.py"), Path("detectors/rag/retroactive.py")} <= stage_closure(
         "pipelines.rag_eval"
     )

@@ -24,7 +24,7 @@ from detectors.evaluation.compare import compare_levels
 from detectors.evaluation.scorers import TokenStatScorer
 from detectors.extensions import TRAINING_FREE
 from detectors.interfaces import Level
-from detectors.rag.kinds import make_trigger, trigger_scorers
+from detectors.rag.families import make_trigger, trigger_scorers
 from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
 from pipelines import index_corpus, prepare, rag_eval
 

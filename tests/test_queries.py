@@ -14,7 +14,7 @@ from detectors.extensions import QUERIES, make_query
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.rag.context import chunk_passage, render_passages, stepwise_retrieve
 from detectors.rag.corpus import Passage
-from detectors.rag.kinds import make_trigger
+from detectors.rag.families import make_trigger
 from detectors.rag.queries import (
     CtrlAQuery,
     DiorQuery,

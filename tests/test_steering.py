@@ -29,7 +29,7 @@ from detectors.ctrla.monitor import (
 from detectors.ctrla.registered import ConfidenceDetector
 from detectors.ctrla.steering import steer, steering_vectors
 from detectors.llm.layers import LayerTap, decoder_layers
-from detectors.rag.kinds.ctrla import build as ctrla_trigger
+from detectors.rag.families.ctrla import build as ctrla_trigger
 from detectors.rag.triggers import TriggerContext
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)

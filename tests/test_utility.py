@@ -24,7 +24,7 @@ from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.rag.controllers.gate import PostRetrieval
 from detectors.rag.corpus import qa_fact_passages
-from detectors.rag.kinds import make_trigger
+from detectors.rag.families import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.recording import recording_loop
 from detectors.rag.retriever import BM25Retriever

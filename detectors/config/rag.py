@@ -183,7 +183,7 @@ class RagEvalParams:
     framework_questions: int | None  # the frameworks' fixed sample of the test questions (None: all of them)
     query: RagQueryParams
     # a trigger entry's own settings by its name (a training-free trigger's, or a detector kind's), of the type its
-    # TriggerEntry declares: checked when the trigger is built (detectors.rag.kinds.entry_settings)
+    # TriggerEntry declares: checked when the trigger is built (detectors.rag.families.entry_settings)
     settings: dict[str, dict[str, Any]]
     sweep: RagSweepParams
     prompts_sample: int

@@ -5,12 +5,12 @@ questions at once.
     from detectors.rag.retriever import BM25Retriever
     from detectors.rag.loop import RagConfig, RagLoop
     from detectors.extensions import make_query
-    from detectors.rag.kinds import make_trigger
+    from detectors.rag.families import make_trigger
 
 Modules: ``corpus`` (passages and their sources), ``retriever`` (``Retriever``, ``open_index``, ``BM25Retriever``),
 ``bm25_build`` (the streaming index build), ``bm25_search`` (the top-k kernel), ``stats`` (what the loop measures
 while the LLM generates, under the stored sets' names), ``triggers`` (a scorer, a threshold and a policy: when to
-retrieve), ``kinds`` (one module per trigger family, with the calculators of what it reads; ``make_trigger``),
+retrieve), ``families`` (one module per trigger family, with the calculators of what it reads; ``make_trigger``),
 ``queries`` (what to retrieve), ``context`` (DioR's post-retrieval:
 stepwise selection, chunking, the passages block), ``loop`` (the batched loop, the threshold sweep's trace),
 ``recording`` (the loop that labels retrieval utility); ``retroactive`` (RetroRAG, a loop of its own). Scoring the

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from detectors.rag.controllers.gate import Gated
-from detectors.rag.kinds import make_trigger
+from detectors.rag.families import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.retriever import Retriever
 from detectors.utility.labels import RecordingGate

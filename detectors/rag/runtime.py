@@ -23,7 +23,7 @@ from detectors.extensions import FRAMEWORKS, make_query
 from detectors.imports import closure_digest
 from detectors.inference import load_detector
 from detectors.rag.decoder import Shared
-from detectors.rag.kinds import make_trigger
+from detectors.rag.families import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.retriever import BM25Retriever, open_index
@@ -35,7 +35,7 @@ from detectors.registry import store
 # are not part of a run's code; the modules of what a run actually built are (run_code)
 DISPATCH = (
     "detectors.rag.runtime",
-    "detectors.rag.kinds",
+    "detectors.rag.families",
     "detectors.extensions",
     "detectors.rag.queries",
     "detectors.registry.kinds",

@@ -9,7 +9,7 @@ scorer (:mod:`detectors.evaluation.scorers`, :mod:`detectors.baselines`) compute
 offline and from the generation online: one definition of each score.
 
 A :class:`Calculator` provides some of these statistics for a batch of segments (or questions) at once; each trigger
-family brings its own (:mod:`detectors.rag.kinds`). It may
+family brings its own (:mod:`detectors.rag.families`). It may
 ask the loop for a *probe* (``key``, a context manager attaching hooks, ``take() -> [B, T, d]``): the loop runs its
 forward passes with the probe attached and keeps what it recorded at every position of every row, so hidden
 states (:class:`~detectors.llm.layers.StateTap`) and CtrlA's projections

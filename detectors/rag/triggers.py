@@ -25,7 +25,7 @@ Stitch-in-Time's validation and repair (:mod:`~detectors.rag.controllers.validat
 
 A trigger brings the calculators of the statistics its scorer needs; the loop knows no concrete trigger.
 
-Each trigger family is one module of :mod:`detectors.rag.kinds` holding a :class:`TriggerEntry` per trigger, and one
+Each trigger family is one module of :mod:`detectors.rag.families` holding a :class:`TriggerEntry` per trigger, and one
 line of :mod:`detectors.extensions` naming it: the entry builds the trigger from a :class:`TriggerContext` and its own
 settings (``rag_eval.settings.<entry name>``, of the type the entry declares), and names its offline scorer (the
 comparison lists it among the real-time baselines).
@@ -88,7 +88,7 @@ class Trigger:
     calculators: tuple[Calculator, ...] = ()
     scores: tuple[float, float] = (-math.inf, math.inf)  # the range of its scores (a threshold outside it is refused)
     controller: Controller = RETRIEVE  # what its firing does (detectors.rag.controllers)
-    source: str = ""  # the module that built it (detectors.rag.kinds.<family>)
+    source: str = ""  # the module that built it (detectors.rag.families.<family>)
     detector: Any = None  # the registered detector it serves, if any
     settings: Any = None  # its entry's own settings (rag_eval.settings.<entry>): part of the key of a run that reads it
     entry: str = ""  # the registry entry that built it (TRAINING_FREE's name, or the detector's kind)

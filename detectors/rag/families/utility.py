@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from detectors.evaluation.scorers import DetectorScorer
 from detectors.rag.controllers.gate import Gated
-from detectors.rag.kinds.early import EarlyCalculator
+from detectors.rag.families.early import EarlyCalculator
 from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
 from detectors.utility.detector import UtilityGate
 

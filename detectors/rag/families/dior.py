@@ -11,7 +11,7 @@ import torch
 from detectors.evaluation.scorers import DetectorScorer, realtime_detector_scorer
 from detectors.interfaces import Level
 from detectors.llm.layers import StateTap
-from detectors.rag.kinds.early import EarlyCalculator
+from detectors.rag.families.early import EarlyCalculator
 from detectors.rag.stats import Calculator, SegmentView
 from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
 
