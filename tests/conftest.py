@@ -195,6 +195,29 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     return path
 
 
+def small_rag_params(project: Path, configurations: dict[str, dict | None], **rag) -> dict:
+    """``project/params.yaml``'s params (not written back) for a small RAG evaluation of the tiny Llama: one corpus
+    (``facts``, the QA table's facts), 6 test questions, 4 new tokens, shards of 3, no framework, and
+    ``configurations`` (name -> its row, or None for params.yaml's row of that name); ``rag`` overrides ``rag_eval``
+    keys."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["index_corpus"]["corpora"] = {
+        "facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}
+    }
+    rows = params["rag_eval"]["configurations"]
+    params["rag_eval"].update(
+        questions=6,
+        corpora=["facts"],
+        configurations={name: rows[name] if row is None else row for name, row in configurations.items()},
+        sweep={"corpus": "facts", "query": "question"},
+        max_new_tokens=4,
+        frameworks=[],
+        shard_size=3,
+        **rag,
+    )
+    return params
+
+
 def edit_params(project: Path, section: str, **values) -> None:
     """Update ``section`` of ``project/params.yaml`` with ``values``."""
     params = yaml.safe_load((project / "params.yaml").read_text())

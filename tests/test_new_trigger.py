@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from conftest import edit_params, write_params
+from conftest import edit_params, small_rag_params, write_params
 
 from detectors.baselines.catalog import realtime_baselines
 from detectors.config.core import fail
@@ -113,22 +113,8 @@ def test_it_runs_through_the_sweep_the_tuning_and_the_loop(registered, tmp_path,
     write_params(tmp_path, tiny_checkpoint)
     edit_params(tmp_path, "qa", limit=24)
     prepare.main(["--params", "params.yaml"])
-    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["index_corpus"]["corpora"] = {
-        "facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}
-    }
-    rows = params["rag_eval"]["configurations"]
-    params["rag_eval"].update(
-        questions=6,
-        corpora=["facts"],
-        configurations={"no-retrieval": rows["no-retrieval"], "single-round": rows["single-round"]}
-        | {"surprise": {"triggers": ["surprise"]}},
-        sweep={"corpus": "facts", "query": "question"},
-        max_new_tokens=4,
-        frameworks=[],
-        shard_size=3,
-    )
-    params["rag_eval"]["settings"] = {"surprise": {"floor": 0.05}}
+    configurations = {"no-retrieval": None, "single-round": None, "surprise": {"triggers": ["surprise"]}}
+    params = small_rag_params(tmp_path, configurations, settings={"surprise": {"floor": 0.05}})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     index_corpus.main(["--params", "params.yaml"])
     rag_eval.main(["--params", "params.yaml"])

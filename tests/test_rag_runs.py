@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import SIT, edit_params, write_params
+from conftest import SIT, edit_params, small_rag_params, write_params
 
 from detectors.config import load_section
 from detectors.imports import ROOT, import_closure
@@ -80,22 +80,7 @@ def project(tmp_path, tiny_checkpoint, monkeypatch):
     write_params(tmp_path, tiny_checkpoint)
     edit_params(tmp_path, "qa", limit=24)
     prepare.main(["--params", "params.yaml"])
-    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["index_corpus"]["corpora"] = {
-        "facts": {"source": "qa", "id_field": None, "title_field": None, "text_field": None}
-    }
-    configurations = {
-        name: params["rag_eval"]["configurations"][name] for name in ("no-retrieval", "single-round", "flare", "sit")
-    }
-    params["rag_eval"].update(
-        questions=6,
-        corpora=["facts"],
-        configurations=configurations,
-        sweep={"corpus": "facts", "query": "question"},
-        max_new_tokens=4,
-        frameworks=[],
-        shard_size=3,
-    )
+    params = small_rag_params(tmp_path, dict.fromkeys(("no-retrieval", "single-round", "flare", "sit")))
     params["rag_eval"]["settings"]["sit"].update(yes_words=["Y"], no_words=["N"])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     index_corpus.main(["--params", "params.yaml"])

@@ -3,24 +3,18 @@ passages."""
 
 from __future__ import annotations
 
-from detectors.evaluation.scorers import DetectorScorer
+import dataclasses
+
 from detectors.rag.controllers.gate import Gated
-from detectors.rag.families.early import EarlyCalculator
-from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext, TriggerEntry
+from detectors.rag.families.dior import early
+from detectors.rag.triggers import Trigger, TriggerContext, TriggerEntry
 from detectors.utility.detector import UtilityGate
 
 
 def build(context: TriggerContext, settings: None) -> Trigger:
-    name, detector = context.name, context.detector
-    return Trigger(
-        name,
-        DetectorScorer(name, detector),
-        float(detector.threshold),
-        Policy("question"),
-        (EarlyCalculator(detector),),
-        PROBABILITY,
-        controller=Gated(UtilityGate(detector)),
-    )
+    """DioR's early trigger on the utility detector's decision (a question trigger over its early-set columns), its
+    firing gated on the passages."""
+    return dataclasses.replace(early(context, settings), controller=Gated(UtilityGate(context.detector)))
 
 
 UTILITY = TriggerEntry(build)
