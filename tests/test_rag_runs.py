@@ -146,3 +146,20 @@ def test_a_change_to_one_systems_params_reruns_only_its_runs(project):
     assert all(after[k] != before[k] for k in sit)
     # every other run resumed whole
     assert {k: v for k, v in after.items() if k not in sit} == {k: v for k, v in before.items() if k not in sit}
+
+
+def test_the_validation_half_alone_chooses_what_the_evaluation_chose(project):
+    """choose_operating_points (what benchmarks.stability runs in each training) reads the validation questions only
+    (no test row is given) and chooses what the whole evaluation chose (its runs read back)."""
+    from detectors.config import StageParams, read_params
+    from detectors.rag.experiment import choose_operating_points, shared_inputs, split_questions
+
+    rag_eval.main(["--params", "params.yaml"])
+    metrics = json.loads((project / "data/metrics/rag_eval.json").read_text())
+    params = StageParams(read_params(project / "params.yaml"), rag_eval.READS, "rag_eval")
+    rows = {"val": split_questions(pd.read_parquet(params["paths.qa"]), "val")}
+    before = shard_times(project)
+    points = choose_operating_points(params, rows, shared_inputs(params))
+    assert json.loads(json.dumps(points.tuning)) == metrics["tuning"]
+    assert json.loads(json.dumps(points.thresholds)) == metrics["thresholds"]
+    assert shard_times(project) == before  # every validation run was read back, none computed again
