@@ -1,7 +1,7 @@
 """Seconds of the training stages on the test suite's fixtures: ``train_early`` and ``train_realtime`` run as stages
 (each in its own process, as DVC runs it, start-up included) on the tiny pipeline of ``tests/conftest.py`` (the
 tiny Llama, the hand-made QA and article fixtures), and the utility trigger's training
-(:func:`~detectors.utility.detector.train_utility_detector`) on that pipeline's early set with planted utility labels
+(:func:`~detectors.utility.training.train_utility_detector`) on that pipeline's early set with planted utility labels
 (the tiny Llama never learnt to read passages: ``build_utility`` gives it nothing to learn).
 
 What it measures: how much the trainers' own work (several seeds, candidates, the choice) costs beside each other on
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def utility_rows(early: pd.DataFrame) -> pd.DataFrame:
     """The early set's ok rows with planted utility labels and post-retrieval columns (the early ones, shifted for the
-    questions retrieval helps), in the shape :func:`~detectors.utility.detector.joined` gives."""
+    questions retrieval helps), in the shape :func:`~detectors.utility.training.joined` gives."""
     from detectors.utility.labels import HELPS, HURTS, NEITHER
 
     ok = early[early["status"] == "ok"].reset_index(drop=True)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     from detectors.config.core import from_dict
     from detectors.config.schema import EarlyFeatureParams, TrainingParams
     from detectors.llm.loading import prepared_reference
-    from detectors.utility.detector import train_utility_detector
+    from detectors.utility.training import train_utility_detector
 
     seconds: dict[str, list[float]] = {"train_early": [], "train_realtime": [], "train_utility": []}
     cpu: dict[str, list[float]] = {name: [] for name in seconds}

@@ -36,13 +36,13 @@ from detectors.evaluation.rag_metrics import evaluation_metrics
 from detectors.evaluation.rag_report import (
     curves_table,
     headline,
-    log_rag_runs,
     markdown_table,
     tuning_table,
     write_curves,
     write_prompts,
 )
 from detectors.evaluation.rag_sweep import curves as sweep_curves
+from detectors.evaluation.rag_tracking import log_rag_runs
 from detectors.evaluation.report import write_headline
 from detectors.io import write_json
 from detectors.rag.experiment import SWEEP, evaluation_rows, run_evaluation, shared_inputs

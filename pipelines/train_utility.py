@@ -1,6 +1,6 @@
 """Stage train_utility: the retrieval-utility trigger of each corpus (Lightning, GPU when present).
 
-For each corpus of ``build_utility.corpora``, :func:`~detectors.utility.detector.train_utility_detector` trains the
+For each corpus of ``build_utility.corpora``, :func:`~detectors.utility.training.train_utility_detector` trains the
 retrieval decision (P(helps)) and the post-retrieval gate on the train split of the labels, with every operating
 point chosen on validation, and writes ``paths.utility_model/<corpus>/``. ``paths.train_utility_metrics`` holds per
 corpus the thresholds, the training summaries and what the test split says: the AUROC of P(helps) for ``helps`` and
@@ -24,8 +24,9 @@ from detectors.evaluation.metrics import auroc
 from detectors.io import write_json
 from detectors.llm.loading import prepared_reference
 from detectors.training import reported
-from detectors.utility.detector import UtilityDetector, joined, train_utility_detector
+from detectors.utility.detector import UtilityDetector
 from detectors.utility.labels import HELPS, as_post
+from detectors.utility.training import joined, train_utility_detector
 from pipelines._stage import run, stage_params
 from pipelines._swap import swapped_in
 

@@ -30,16 +30,8 @@ from detectors.evaluation.answer_metrics import (
     summarise,
     token_f1,
 )
-from detectors.evaluation.rag_metrics import check_failures, other_template
-from detectors.evaluation.rag_report import (
-    curves_table,
-    log_rag_runs,
-    markdown_table,
-    reference_deltas,
-    versus_always,
-    write_curves,
-    write_prompts,
-)
+from detectors.evaluation.rag_metrics import check_failures, other_template, reference_deltas, versus_always
+from detectors.evaluation.rag_report import curves_table, markdown_table, write_curves, write_prompts
 from detectors.evaluation.rag_sweep import (
     Outcome,
     candidate_names,
@@ -51,6 +43,7 @@ from detectors.evaluation.rag_sweep import (
     sweep_line,
     trace_events,
 )
+from detectors.evaluation.rag_tracking import log_rag_runs
 from detectors.evaluation.rag_tuning import choose_candidates, tuning_candidates
 from detectors.extensions import FRAMEWORKS, QUERIES, TRAINING_FREE
 from detectors.rag.experiment import split_questions

@@ -30,7 +30,7 @@ from detectors.rag.recording import recording_loop
 from detectors.rag.retriever import BM25Retriever
 from detectors.registry import store
 from detectors.registry.kinds import load_artifact
-from detectors.utility.detector import UtilityDetector, joined, operating_threshold, train_utility_detector
+from detectors.utility.detector import UtilityDetector
 from detectors.utility.labels import (
     HELPS,
     HURTS,
@@ -42,6 +42,7 @@ from detectors.utility.labels import (
     utility_label,
     utility_records,
 )
+from detectors.utility.training import joined, operating_threshold, train_utility_detector
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 

@@ -6,11 +6,12 @@ rules that say which rows are comparable (the same context template) and when a 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from detectors.config.rag import references
-from detectors.evaluation.answer_metrics import FAILED, summarise
-from detectors.evaluation.rag_report import TRADE, reference_deltas, versus_always
+from detectors.evaluation.answer_metrics import FAILED, accuracy, summarise
+from detectors.evaluation.bootstrap import paired_mean_delta
 
 log = logging.getLogger("rag_eval")
 
@@ -90,3 +91,64 @@ def evaluation_metrics(
                 "val_retrievals_per_question": point["retrievals_per_question"],
             }
     return metrics
+
+
+# AdaRAGUE's view against always retrieving (:func:`versus_always`)
+TRADE = (
+    "retrievals_saved_vs_always",
+    "accuracy_lost_vs_always",
+)
+
+
+def reference_deltas(
+    results: dict[str, Sequence[dict]],
+    answers: Mapping[str, Sequence[str]],
+    references: dict[str, str],
+    n: int = 1000,
+    seed: int = 0,
+    versus: Mapping[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
+    "always": name}``, no retrieval and retrieving once before generating) with the paired 95% bootstrap interval:
+    ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``; and minus the configuration ``versus`` names for it
+    (``accuracy_vs_versus`` and its interval, ``versus``: that configuration). Pairs are the questions both answered
+    (``answers``: the references of each question, by the ``id`` of the results' lines; a framework may answer a sample
+    of them). A reference absent from ``results`` is left out."""
+    correct = {
+        name: {r["id"]: accuracy(r["answer"], answers[r["id"]]) for r in lines} for name, lines in results.items()
+    }
+
+    def paired(name: str, other: str, key: str) -> dict[str, float]:
+        ids = [i for i in correct[other] if i in correct[name]]
+        delta, low, high = paired_mean_delta([correct[name][i] for i in ids], [correct[other][i] for i in ids], n, seed)
+        return {key: delta, f"{key}_ci_low": low, f"{key}_ci_high": high}
+
+    out: dict[str, dict[str, Any]] = {name: {} for name in results}
+    for ref, ref_name in references.items():
+        if ref_name in correct:
+            for name in correct:
+                out[name].update(paired(name, ref_name, f"accuracy_vs_{ref}"))
+    for name, other in (versus or {}).items():
+        if name in correct and other in correct:
+            out[name].update(paired(name, other, "accuracy_vs_versus"), versus=other)
+    return out
+
+
+def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict[str, dict[str, float]]:
+    """AdaRAGUE's comparison with always retrieving, per configuration of one corpus: where its accuracy is at least the
+    ``always`` configuration's, ``retrievals_saved_vs_always`` = 1 − its retrievals per question / always's (negative:
+    it retrieves more); else ``accuracy_lost_vs_always``, always's accuracy minus its own (the paired interval of that
+    difference is ``accuracy_vs_always``'s)."""
+    if always not in configs:
+        return {name: {} for name in configs}
+    ref = configs[always]
+    out = {}
+    for name, values in configs.items():
+        lost = float(ref["accuracy"]) - float(values["accuracy"])
+        if lost <= 0:
+            out[name] = {
+                TRADE[0]: 1.0 - float(values["retrievals_per_question"]) / float(ref["retrievals_per_question"])
+            }
+        else:
+            out[name] = {TRADE[1]: lost}
+    return out

@@ -1,27 +1,19 @@
 """The RAG evaluation as Markdown (shaped like DioR's Tables 1–4: metrics as rows, configurations as columns, one
-block per corpus) and in MLflow (one run per corpus × configuration with the same metric names, one per swept
-trigger), from the metrics ``summarise`` gives, each configuration's paired differences to the reference configurations
-(:func:`reference_deltas`) and the curves' summaries ``sweep`` gives; at a glance, as the stage's ``dvc metrics``
-(:func:`headline`); and the curves (CSV) and prompts (JSON lines) files."""
+block per corpus), from the metrics :mod:`detectors.evaluation.rag_metrics` gives and the curves' summaries ``sweep``
+gives; at a glance, as the stage's ``dvc metrics`` (:func:`headline`); and the curves (CSV) and prompts (JSON lines)
+files. The MLflow runs: :mod:`detectors.evaluation.rag_tracking`."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import mlflow
-from mlflow.entities import ViewType
-from mlflow.tracking import MlflowClient
-
-from detectors.evaluation.answer_metrics import accuracy
-from detectors.evaluation.bootstrap import paired_mean_delta
+from detectors.evaluation.rag_metrics import TRADE
 from detectors.evaluation.report import headline_value
-from detectors.registry import store
 
 DELTA = "delta"  # a paired difference with its interval: ``key``, ``key_ci_low``, ``key_ci_high``
 ROWS = (  # metric key, row label, format
@@ -44,23 +36,8 @@ ROWS = (  # metric key, row label, format
     ("accuracy_vs_always", "Acc − always retrieve [95% CI]", DELTA),
     ("accuracy_vs_versus", "Acc − the row it isolates a step against [95% CI]", DELTA),
 )
-# AdaRAGUE's view against always retrieving (:func:`versus_always`)
-TRADE = (
-    "retrievals_saved_vs_always",
-    "accuracy_lost_vs_always",
-)
 TRADE_ROW = "vs always retrieve: retrievals saved at its accuracy or more, else accuracy lost"
 BOLD = ("em", "f1", "accuracy")  # the best configuration of each corpus is in bold
-SWEEP_METRICS = (
-    "area",
-    "random_area",
-    "area_over_random",
-    "area_over_random_ci_low",
-    "area_over_random_ci_high",
-    "never_accuracy",
-    "always_accuracy",
-    "rate_to_always",
-)
 
 
 def _missing(value: Any) -> bool:
@@ -163,26 +140,6 @@ def headline(
     return out
 
 
-def versus_always(configs: Mapping[str, Mapping[str, Any]], always: str) -> dict[str, dict[str, float]]:
-    """AdaRAGUE's comparison with always retrieving, per configuration of one corpus: where its accuracy is at least the
-    ``always`` configuration's, ``retrievals_saved_vs_always`` = 1 − its retrievals per question / always's (negative:
-    it retrieves more); else ``accuracy_lost_vs_always``, always's accuracy minus its own (the paired interval of that
-    difference is ``accuracy_vs_always``'s)."""
-    if always not in configs:
-        return {name: {} for name in configs}
-    ref = configs[always]
-    out = {}
-    for name, values in configs.items():
-        lost = float(ref["accuracy"]) - float(values["accuracy"])
-        if lost <= 0:
-            out[name] = {
-                TRADE[0]: 1.0 - float(values["retrievals_per_question"]) / float(ref["retrievals_per_question"])
-            }
-        else:
-            out[name] = {TRADE[1]: lost}
-    return out
-
-
 def curves_table(sweep: Mapping[str, Any]) -> str:
     """The curves' summaries (``{"corpus", "query", "curves": {trigger: summary}}``) as Markdown: a row per trigger."""
     out = [
@@ -259,128 +216,6 @@ def tuning_table(tuning: Mapping[str, Mapping[str, Mapping[str, Any]]], n_val: i
             cells.append("<br>".join(tried))
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
-
-
-def _numbers(values: Mapping[str, Any]) -> dict[str, float]:
-    """The finite numbers of ``values`` (None, NaN and infinities are left out rather than logged)."""
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            continue
-        out[key] = float(value)
-    return out
-
-
-def _check(metrics: Mapping, params: Mapping, tags: Mapping, corpus_digests: Mapping) -> None:
-    if not metrics or not any(metrics.values()):
-        raise ValueError("log_rag_runs: no metrics to log ({corpus: {configuration: metrics}} is empty)")
-    missing = sorted({c for configs in metrics.values() for c in configs} - set(params))
-    if missing:
-        raise ValueError(
-            f"log_rag_runs: configurations {missing} have metrics but no params (triggers, query): pass "
-            f"params[configuration]"
-        )
-    for key in ("llm_digest",):
-        if not str(tags.get(key, "")).strip():
-            raise ValueError(f"log_rag_runs: tags lack {key!r}: every RAG run is tagged with the LLM it ran")
-    absent = sorted(set(metrics) - set(corpus_digests))
-    if absent:
-        raise ValueError(
-            f"log_rag_runs: corpora {absent} have no digest: pass corpus_digests[corpus] (the index manifest's digest)"
-        )
-
-
-def reference_deltas(
-    results: dict[str, Sequence[dict]],
-    answers: Mapping[str, Sequence[str]],
-    references: dict[str, str],
-    n: int = 1000,
-    seed: int = 0,
-    versus: Mapping[str, str] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Per configuration, its accuracy minus each reference configuration's (``references``: ``{"never": name,
-    "always": name}``, no retrieval and retrieving once before generating) with the paired 95% bootstrap interval:
-    ``accuracy_vs_<reference>``, ``..._ci_low``, ``..._ci_high``; and minus the configuration ``versus`` names for it
-    (``accuracy_vs_versus`` and its interval, ``versus``: that configuration). Pairs are the questions both answered
-    (``answers``: the references of each question, by the ``id`` of the results' lines; a framework may answer a sample
-    of them). A reference absent from ``results`` is left out."""
-    correct = {
-        name: {r["id"]: accuracy(r["answer"], answers[r["id"]]) for r in lines} for name, lines in results.items()
-    }
-
-    def paired(name: str, other: str, key: str) -> dict[str, float]:
-        ids = [i for i in correct[other] if i in correct[name]]
-        delta, low, high = paired_mean_delta([correct[name][i] for i in ids], [correct[other][i] for i in ids], n, seed)
-        return {key: delta, f"{key}_ci_low": low, f"{key}_ci_high": high}
-
-    out: dict[str, dict[str, Any]] = {name: {} for name in results}
-    for ref, ref_name in references.items():
-        if ref_name in correct:
-            for name in correct:
-                out[name].update(paired(name, ref_name, f"accuracy_vs_{ref}"))
-    for name, other in (versus or {}).items():
-        if name in correct and other in correct:
-            out[name].update(paired(name, other, "accuracy_vs_versus"), versus=other)
-    return out
-
-
-def log_rag_runs(
-    metrics: Mapping[str, Mapping[str, Mapping[str, Any]]],
-    curves: Mapping[str, Any] | None,
-    params: Mapping[str, Mapping[str, Any]],
-    experiment: str,
-    tags: Mapping[str, str],
-    artifact_root: str | None,
-    corpus_digests: Mapping[str, str],
-) -> list[str]:
-    """Log one run per corpus × configuration in ``experiment`` (created under ``artifact_root``), named
-    ``"<configuration> · <corpus>"``, with the same metric names in every run (a None or NaN value is left out) and tags
-    ``corpus``, ``configuration``, ``triggers`` (comma-joined, ``none`` for none), ``query``, ``corpus_digest``,
-    ``llm_digest`` plus ``tags`` and a ``rag_eval`` id of this logging; ``params[configuration]`` is the configuration
-    as in params.yaml (its other keys become MLflow params). ``curves`` (the metrics file's ``sweep``: ``corpus``,
-    ``query``, ``curves: {trigger: summary}``) adds one run per trigger, ``"sweep · <trigger>"``, tagged
-    ``configuration=sweep`` and ``trigger``. Then the experiment's earlier runs are soft-deleted (restorable until
-    ``mlflow gc``), so the runs table shows one logging. Returns the new runs' ids."""
-    _check(metrics, params, tags, corpus_digests)
-    client = MlflowClient()
-    exp = store.experiment(experiment, artifact_root)
-    logging_id = uuid.uuid4().hex[:12]
-    new = []
-    for corpus, configs in metrics.items():
-        for name, values in configs.items():
-            config = dict(params[name])
-            run_tags = {
-                **tags,
-                "corpus": corpus,
-                "configuration": name,
-                "triggers": ",".join(config.pop("triggers", [])) or "none",
-                "query": str(config.pop("query", "")),
-                "corpus_digest": corpus_digests[corpus],
-                "rag_eval": logging_id,
-            }
-            with mlflow.start_run(experiment_id=exp, run_name=f"{name} · {corpus}", tags=run_tags) as run:
-                mlflow.log_params({k: str(v) for k, v in config.items()})
-                mlflow.log_metrics(_numbers(values))
-            new.append(run.info.run_id)
-    if curves:
-        for trigger, summary in curves["curves"].items():
-            run_tags = {
-                **tags,
-                "corpus": curves["corpus"],
-                "configuration": "sweep",
-                "trigger": trigger,
-                "triggers": trigger,
-                "query": curves["query"],
-                "corpus_digest": corpus_digests.get(curves["corpus"], ""),
-                "rag_eval": logging_id,
-            }
-            with mlflow.start_run(experiment_id=exp, run_name=f"sweep · {trigger}", tags=run_tags) as run:
-                mlflow.log_metrics(_numbers({k: summary.get(k) for k in SWEEP_METRICS}))
-            new.append(run.info.run_id)
-    for old in client.search_runs([exp], "", ViewType.ACTIVE_ONLY, max_results=50000):
-        if old.info.run_id not in new:
-            client.delete_run(old.info.run_id)
-    return new
 
 
 def write_curves(path: str | Path, curves: dict) -> None:
