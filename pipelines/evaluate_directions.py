@@ -24,16 +24,9 @@ from pathlib import Path
 import pandas as pd
 
 from detectors.ctrla.directions import Directions
-from detectors.ctrla.quality import (
-    confidence_metrics,
-    early_set,
-    honesty_metrics,
-    load_truthfulqa,
-    realtime_metrics,
-    realtime_set,
-    truthfulqa_grid,
-)
+from detectors.ctrla.quality import confidence_metrics, early_set, honesty_metrics, realtime_metrics, realtime_set
 from detectors.ctrla.statements import load_statements
+from detectors.ctrla.truthfulqa import load_truthfulqa, truthfulqa_grid
 from detectors.evaluation.plots import write_directions_plots
 from detectors.evaluation.report import directions_headline, directions_markdown
 from detectors.evaluation.tracking import log_directions

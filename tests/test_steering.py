@@ -219,7 +219,7 @@ def test_query_masking_drops_only_new_unconfident_words(tiny_llm):
 def test_truthfulqa_questions_batched_score_as_each_alone_under_steering(tiny_llm):
     """MC1 with several questions (and their candidates) per pass picks what a plain full forward of prefix +
     question + candidate picks, with and without steering."""
-    from detectors.ctrla.quality import mc_accuracy
+    from detectors.ctrla.truthfulqa import mc_accuracy
 
     examples = [
         {
