@@ -817,6 +817,34 @@ def test_a_configuration_whose_triggers_never_fire_answers_with_the_no_retrieval
     assert any(t.gen_ids for t in traced)
 
 
+def test_a_loop_whose_triggers_cannot_fire_measures_nothing_for_them(tiny_llm, facts, registry):
+    """Triggers at +inf never fire: the loop answers as no retrieval does and runs none of their calculators (DioR's
+    early detector's attribution passes, the real-time MLP, FLARE's statistics), so a configuration whose validation
+    chose never retrieving costs what no retrieval costs. CtrlA's refusal fires at any threshold: its loop can fire."""
+    quiet = [
+        dataclasses.replace(trigger(spec, tiny_llm, registry), threshold=math.inf)
+        for spec in ("t-early@champion", "t-realtime@champion", "flare")
+    ]
+    loop = RagLoop(tiny_llm, facts, RagConfig("quiet", PROMPT, max_new_tokens=8), quiet)
+    plain = RagLoop(tiny_llm, None, RagConfig("never", PROMPT, max_new_tokens=8))
+    assert not loop.can_fire
+    with passes_of(tiny_llm) as counter:
+        expected = plain.answer_all(QUESTIONS)
+    without = counter.calls
+    with passes_of(tiny_llm) as counter:
+        answered = loop.answer_all(QUESTIONS)
+    assert [comparable(r) for r in answered] == [comparable(r) for r in expected]
+    assert counter.calls == without  # the LLM's own decoding only: no attribution pass
+    early = RagLoop(
+        tiny_llm, facts, RagConfig("early", PROMPT, max_new_tokens=8), [trigger("t-early@champion", tiny_llm, registry)]
+    )
+    with passes_of(tiny_llm) as counter:
+        early.answer_all(QUESTIONS)
+    assert counter.calls > without  # where it can fire, the early detector's attribution runs
+    confidence = dataclasses.replace(trigger("t-confidence@champion", tiny_llm, registry), threshold=math.inf)
+    assert RagLoop(tiny_llm, facts, RagConfig("ctrla", PROMPT), [confidence]).can_fire
+
+
 def test_the_candidate_thresholds_of_a_configuration_decode_together_until_they_part(tiny_llm, facts, registry):
     """A configuration tried at never, always and a middle threshold, sharing its decoding: each candidate answers as
     it does alone, never runs no pass of its own, and together they run fewer passes than one after another."""

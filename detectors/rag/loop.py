@@ -30,6 +30,7 @@ of the statistics it reads (:mod:`detectors.rag.triggers`, :mod:`detectors.rag.s
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -156,9 +157,17 @@ class RagLoop:
     def answer_all(self, questions: Sequence[str], record_prompts: bool | Sequence[bool] = False) -> list[RagResult]:
         """Every question, ``config.batch_size`` at a time; ``record_prompts`` (one flag, or one per question) keeps
         every prompt the LLM continued. A question that cannot be answered (an unusable question for the early
-        detector) comes back with its error; the others are answered."""
+        detector) comes back with its error; the others are answered. A loop none of whose triggers can fire
+        (:attr:`can_fire`) measures nothing for them: it answers as no retrieval does, at its cost."""
         flags = [record_prompts] * len(questions) if isinstance(record_prompts, bool) else list(record_prompts)
-        return self._in_batches([Row(q, record=f) for q, f in zip(questions, flags)], observe=False)
+        rows = [Row(q, record=f) for q, f in zip(questions, flags)]
+        return self._in_batches(rows, observe=False, triggers=self.can_fire)
+
+    @property
+    def can_fire(self) -> bool:
+        """Whether a trigger can fire: one below +inf (a score fires at or above its threshold, and every scorer's
+        scores are finite but where a policy forces a firing, which +inf cannot stop: CtrlA's refusal)."""
+        return any(t.threshold < math.inf or t.policy.forced for t in self.triggers)
 
     def trace(self, questions: Sequence[str]) -> list[QuestionTrace]:
         """The no-retrieval answer of each question (decoded as every answer is, segment by segment: the segments the
