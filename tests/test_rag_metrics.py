@@ -646,6 +646,12 @@ def known(registry) -> str:
         (("thresholds", "entropy"), 0.5, r"thresholds.entropy = 0.5: not a trigger of the configurations"),
         (("configurations", "utility", "triggers"), ["utility-{corpus}"], r"utility-\{corpus\}.*<name>@<alias>"),
         (("context",), "{question}", r"context = '\{question\}': must contain \{passages\}"),
+        (
+            ("settings", "stitch"),
+            {"threshold": 0.5},
+            r"settings.stitch = .*no trigger entry of that name; known: .*'sit'",
+        ),
+        (("configurations", "dior", "headline"), "yes", r"configurations.dior.headline = 'yes': expected"),
         (("corpora",), [], r"corpora = \[\]: name at least one corpus"),
         (("corpora",), ["wiki", "sweep"], r"corpora\[1\] = 'sweep': .* keys of the metrics file"),
         (("questions",), 0, r"questions = 0: must be positive"),
