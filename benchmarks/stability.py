@@ -10,14 +10,15 @@ spread (max - min) beside half the narrowest interval's width (the issue's targe
 real-time candidate each training registered. The checkout itself is read, never changed.
 
 With ``--rag`` each copy also registers its detectors (``dvc repro register``, and ``register_ctrla`` into the copy's
-own MLflow store) and runs the RAG evaluation's validation half
-(:func:`detectors.rag.experiment.choose_operating_points`: the validation sweeps, every configuration at its candidate
-thresholds, the rule of choices; no test question is read). The page then shows each configuration's chosen operating
-point in every training and the candidates the rule called ties. The copy starts from the run's finished RAG runs,
-so only runs that read a registered detector compute again.
+own MLflow store) and runs the RAG evaluation there (``dvc repro rag_eval``: each configuration's operating point
+chosen on the validation questions with that training's detectors, then the test questions answered). The copy starts
+from the run's finished RAG runs, so only runs that read a registered detector compute again. The page then shows
+each configuration's operating point in every training with the candidates the rule called ties, and every paired
+difference of the RAG table (each row against no retrieval, always retrieving and the row it is set ``versus``) whose
+verdict (above, level with, below: what a README claim may say) changes between trainings.
 
 Run: ``python -m benchmarks.stability --checkout /path/to/built/clone [--seeds 100 200] [--rag]`` (about 15 min a
-seed on a 2-core CPU at the default params; with ``--rag`` about 45 more).
+seed on a 2-core CPU at the default params; with ``--rag`` about an hour more).
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import yaml
 
 SECTIONS = ("train_early", "train_realtime", "train_utility")
-ROOT = Path(__file__).resolve().parents[1]  # the project this benchmark belongs to: its code runs in the copies
 PAGE = Path("docs/results/stability.md")
 OUT = Path("benchmarks/results/stability_cpu.json")
 
@@ -88,25 +89,62 @@ def operating_points(metrics: dict) -> dict:
     }
 
 
-def validation_half(out: Path) -> None:
-    """Run the RAG evaluation's validation half in the working directory (a built checkout) and write its tuning to
-    ``out``."""
-    import pandas as pd
+COMPARISONS = ("never", "always", "versus")  # the paired differences a RAG row's claims rest on
 
-    from detectors.config import StageParams
-    from detectors.io import write_json
-    from detectors.rag.experiment import choose_operating_points, shared_inputs, split_questions
 
-    params = StageParams.of("rag_eval")
-    rows = {"val": split_questions(pd.read_parquet(params["paths.qa"]), "val")}
-    points = choose_operating_points(params, rows, shared_inputs(params))
-    write_json(out, {"tuning": points.tuning, "thresholds": points.thresholds})
+def rag_rows(metrics: dict) -> dict[str, dict]:
+    """``{"<corpus> · <configuration>": {"accuracy": a, "<reference>": [delta, low, high], ...}}`` of a ``rag_eval``
+    metrics file: each row's test accuracy and its paired differences to no retrieval, always retrieving and the row it
+    is set ``versus``."""
+    out = {}
+    for corpus in metrics["thresholds"]:
+        for name, m in metrics[corpus].items():
+            row: dict[str, Any] = {"accuracy": m["accuracy"]}
+            for ref in COMPARISONS:
+                key = f"accuracy_vs_{ref}"
+                if m.get(key) is not None:
+                    row[ref] = [m[key], m[f"{key}_ci_low"], m[f"{key}_ci_high"]]
+            out[f"{corpus} · {name}"] = row
+    return out
+
+
+def verdict(delta: list[float]) -> str:
+    """What a paired difference lets a claim say: above (its interval above 0), below, or level with."""
+    return "above" if delta[1] > 0 else "below" if delta[2] < 0 else "level with"
+
+
+def claim_stability(trainings: dict[str, dict]) -> list[dict]:
+    """Per RAG test row and comparison present in every training: each training's difference and verdict, and
+    whether the verdict is the same in all (a README claim on it cannot change sign)."""
+    names = [n for n, t in trainings.items() if "rag_rows" in t]
+    if not names:
+        return []
+    first = trainings[names[0]]["rag_rows"]
+    out = []
+    for row, values in first.items():
+        for ref in COMPARISONS:
+            deltas = [trainings[n]["rag_rows"].get(row, {}).get(ref) for n in names]
+            if ref not in values or any(d is None for d in deltas):
+                continue
+            verdicts = [verdict(d) for d in deltas]
+            out.append(
+                {
+                    "row": row,
+                    "versus": ref,
+                    "delta": dict(zip(names, deltas)),
+                    "verdict": dict(zip(names, verdicts)),
+                    "same": len(set(verdicts)) == 1,
+                    "moved": len({tuple(d) for d in deltas}) > 1,
+                }
+            )
+    return out
 
 
 def retrain(checkout: Path, seed: int, work: Path, rag: bool = False) -> dict:
     """Copy ``checkout`` into ``work``, move its training seeds to ``seed`` and rerun the comparison there (a copy
     left by a stopped run is resumed); with ``rag``, register the detectors there and choose the RAG operating points
-    on the validation questions (:func:`validation_half`)."""
+    on the validation questions and answer the test questions there (``dvc repro rag_eval``: the copy's own code, its
+    finished runs resumed)."""
     clone = work / f"seed-{seed}"
     env = {**os.environ, "PATH": f"{checkout / '.venv/bin'}:{os.environ['PATH']}"}
     run = dict(cwd=clone, env=env, check=True)
@@ -125,18 +163,19 @@ def retrain(checkout: Path, seed: int, work: Path, rag: bool = False) -> dict:
     subprocess.run(["dvc", "repro", "evaluate"], **run)
     result = training(clone)
     if rag:
-        points = clone / "stability_points.json"
-        if not points.exists():
-            print(f"seed {seed}: registering and choosing the RAG operating points in {clone}", flush=True)
-            subprocess.run(["dvc", "repro", "register"], **run)
-            if not _registered(clone, "ctrla-honesty"):  # its directions are not seeded: registered as they are
-                subprocess.run(["dvc", "repro", "--single-item", "--force", "register_ctrla"], **run)
-            # this project's code, ahead of the copy's own (the working directory comes first on sys.path)
-            code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import benchmarks.stability as s; s.main()"
-            half = ["python", "-c", code, "--validation-half", str(points)]
-            subprocess.run(half, cwd=clone, env=env, check=True)
-        result["operating_points"] = operating_points(json.loads(points.read_text()))
+        print(f"seed {seed}: registering and running the RAG evaluation in {clone}", flush=True)
+        subprocess.run(["dvc", "repro", "register"], **run)
+        if not _registered(clone, "ctrla-honesty"):  # its directions are not seeded: registered as they are
+            subprocess.run(["dvc", "repro", "--single-item", "--force", "register_ctrla"], **run)
+        subprocess.run(["dvc", "repro", "rag_eval"], **run)
+        metrics = json.loads((clone / rag_metrics_path(clone)).read_text())
+        result["operating_points"], result["rag_rows"] = operating_points(metrics), rag_rows(metrics)
     return result
+
+
+def rag_metrics_path(checkout: Path) -> str:
+    """Where a checkout's ``rag_eval`` writes its metrics (``paths.rag_metrics``)."""
+    return yaml.safe_load((checkout / "params.yaml").read_text())["paths"]["rag_metrics"]
 
 
 def _registered(clone: Path, name: str) -> bool:
@@ -250,32 +289,55 @@ def markdown(result: dict) -> str:
             )
         same = sum(p["same"] for p in points)
         lines += ["", f"The same operating point in every training: {same} of {len(points)}.", ""]
+    claims = result.get("claims") or []
+    if claims:
+        named = list(claims[0]["verdict"])
+        moved = [c for c in claims if c["moved"]]
+        lines += [
+            "## RAG test rows",
+            "",
+            "Every paired difference of the RAG table (a row's accuracy minus no retrieval's, always retrieving's and",
+            "the row's it is set `versus`, 95 % intervals over the test questions) in each training, with its",
+            "verdict: above (interval above 0), below, or level with. A README claim rests on a verdict. The",
+            "differences that moved with the training:",
+            "",
+            "| row | versus | " + " | ".join(named) + " | same verdict |",
+            "| --- | --- | " + " | ".join("---" for _ in named) + " | --- |",
+        ]
+        for c in moved:
+            cells = " | ".join(
+                f"{c['delta'][n][0]:+.3f} [{c['delta'][n][1]:+.3f}, {c['delta'][n][2]:+.3f}] {c['verdict'][n]}"
+                for n in named
+            )
+            lines.append(f"| {c['row']} | {c['versus']} | {cells} | {'yes' if c['same'] else '**no**'} |")
+        same = sum(c["same"] for c in claims)
+        lines += [
+            "",
+            f"Differences that moved: {len(moved)} of {len(claims)} (the others are identical in every training). The",
+            f"same verdict in every training: {same} of {len(claims)}.",
+            "",
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkout", type=Path, help="a clone where `make repro` ran")
+    parser.add_argument("--checkout", required=True, type=Path, help="a clone where `make repro` ran")
     parser.add_argument("--seeds", type=int, nargs="+", default=[100, 200], help="first seeds of the other trainings")
     parser.add_argument("--work", type=Path, default=None, help="where the clones go (default: a temporary dir)")
     parser.add_argument("--rag", action="store_true", help="also choose the RAG operating points in each training")
-    parser.add_argument("--validation-half", type=Path, help=argparse.SUPPRESS)  # inside a copy (retrain)
     parser.add_argument("--page", type=Path, default=PAGE)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    if args.validation_half:
-        validation_half(args.validation_half)
-        return
-    if args.checkout is None:
-        parser.error("--checkout is required")
     checkout = args.checkout.resolve()
     seed = yaml.safe_load((checkout / "params.yaml").read_text())["train_early"]["training"]["seed"]
     trainings = {f"seed {seed} (the run)": training(checkout)}
     if args.rag:
-        run_metrics = yaml.safe_load((checkout / "params.yaml").read_text())["paths"]["rag_metrics"]
-        trainings[f"seed {seed} (the run)"]["operating_points"] = operating_points(
-            json.loads((checkout / run_metrics).read_text())
-        )
+        metrics = json.loads((checkout / rag_metrics_path(checkout)).read_text())
+        trainings[f"seed {seed} (the run)"] |= {
+            "operating_points": operating_points(metrics),
+            "rag_rows": rag_rows(metrics),
+        }
     work = args.work or Path(tempfile.mkdtemp(prefix="stability-"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
     for s in args.seeds:  # the page is written after each training, so a stopped run keeps what it measured
@@ -285,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             "trainings": trainings,
             "rows": spread(trainings),
             "operating_points": point_stability(trainings),
+            "claims": claim_stability(trainings),
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.stability import markdown, point_stability, spread, with_seed
+from benchmarks.stability import claim_stability, markdown, point_stability, spread, verdict, with_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,3 +50,34 @@ def test_an_operating_point_that_moves_between_trainings_is_named_with_its_ties(
     page = markdown({"commit": "abc", "trainings": trainings, "rows": [], "operating_points": list(rows.values())})
     assert "| wiki | dior | `never` | `best` | **no** | `best`, `never` |" in page
     assert "The same operating point in every training: 1 of 2." in page
+
+
+def test_a_rag_claim_is_stable_when_its_verdict_is_the_same_in_every_training():
+    """A paired difference's verdict (above: interval above 0; below; level with) is what a README claim may say:
+    a difference that moves but keeps its verdict is stable, one whose interval comes to include 0 is named."""
+    assert [verdict([0.1, 0.02, 0.2]), verdict([-0.1, -0.2, -0.01]), verdict([0.0, -0.01, 0.01])] == [
+        "above",
+        "below",
+        "level with",
+    ]
+
+    def rows(dior: list[float], utility: list[float]) -> dict:
+        return {
+            "facts · dior": {"accuracy": 0.9, "always": dior},
+            "facts · utility": {"accuracy": 0.8, "always": utility},
+        }
+
+    trainings = {
+        "seed 0": {"rag_rows": rows([0.08, 0.05, 0.11], [0.0, -0.03, 0.03])},
+        "seed 100": {"rag_rows": rows([0.06, 0.03, 0.09], [0.02, -0.01, 0.05])},
+        "seed 200": {"rag_rows": rows([0.02, -0.01, 0.05], [0.0, -0.03, 0.03])},
+    }
+    claims = {c["row"]: c for c in claim_stability(trainings)}
+    assert claims["facts · utility"]["same"] and claims["facts · utility"]["moved"]
+    assert not claims["facts · dior"]["same"]
+    assert claims["facts · dior"]["verdict"] == {"seed 0": "above", "seed 100": "above", "seed 200": "level with"}
+    page = markdown(
+        {"commit": "abc", "trainings": {}, "rows": [], "operating_points": [], "claims": list(claims.values())}
+    )
+    assert "| facts · dior | always | +0.080 [+0.050, +0.110] above |" in page
+    assert "Differences that moved: 2 of 2" in page and "same verdict in every training: 1 of 2." in page
