@@ -113,13 +113,18 @@ def verdict(delta: list[float]) -> str:
     return "above" if delta[1] > 0 else "below" if delta[2] < 0 else "level with"
 
 
+def measured(trainings: dict[str, dict], key: str) -> tuple[list[str], dict]:
+    """The trainings that measured ``key`` and the first one's measurement ({} when none did)."""
+    names = [n for n, t in trainings.items() if key in t]
+    return names, trainings[names[0]][key] if names else {}
+
+
 def claim_stability(trainings: dict[str, dict]) -> list[dict]:
     """Per RAG test row and comparison present in every training: each training's difference and verdict, and
     whether the verdict is the same in all (a README claim on it cannot change sign)."""
-    names = [n for n, t in trainings.items() if "rag_rows" in t]
+    names, first = measured(trainings, "rag_rows")
     if not names:
         return []
-    first = trainings[names[0]]["rag_rows"]
     out = []
     for row, values in first.items():
         for ref in COMPARISONS:
@@ -213,10 +218,9 @@ def spread(trainings: dict[str, dict]) -> list[dict]:
 def point_stability(trainings: dict[str, dict]) -> list[dict]:
     """Per corpus and configuration with a point to choose: the candidate each training chose, whether all chose the
     same, and the candidates the rule called level with the chosen one in any training."""
-    names = [n for n, t in trainings.items() if "operating_points" in t]
+    names, first = measured(trainings, "operating_points")
     if not names:
         return []
-    first = trainings[names[0]]["operating_points"]
     out = []
     for corpus, configurations in first.items():
         for name in configurations:

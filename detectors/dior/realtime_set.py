@@ -48,15 +48,14 @@ def build_records(
     lengths = [len(llm.tokenizer(r[2], add_special_tokens=not params.prompt.chat)["input_ids"]) for r in ready]
     done: dict[str, dict] = {}
     by_length = sorted(range(len(ready)), key=lengths.__getitem__)  # prompts of similar length together: less padding
+
+    def continue_all(group: list) -> list:
+        prompts = [b[2] for b in group]
+        ids, traces = generate_traced(llm, prompts, state_indices, params.max_new_tokens, params.prompt.chat)
+        return list(zip(ids, traces))
+
     for k in range(0, len(ready), params.batch_size):
         batch = [ready[i] for i in by_length[k : k + params.batch_size]]
-
-        def continue_all(group: list) -> list:
-            ids, traces = generate_traced(
-                llm, [b[2] for b in group], state_indices, params.max_new_tokens, params.prompt.chat
-            )
-            return list(zip(ids, traces))
-
         for (base, text, _, cut, warnings), generated in zip(
             batch, batch_or_each(continue_all, batch, "build_realtime: a batch")
         ):

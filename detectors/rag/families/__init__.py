@@ -1,7 +1,7 @@
-"""The retrieval triggers, one module per family: its builder(s) (registered by name in
-:data:`detectors.extensions.TRAINING_FREE` and :data:`~detectors.extensions.DETECTOR_KINDS`) and the calculators of the
-statistics it reads. A configuration of the loop depends on the modules of its own triggers only, so changing one
-family's code reruns only the configurations that use it (rag_eval's runs are keyed on their code)."""
+"""The retrieval triggers, one module per family: its trigger entries (:class:`~detectors.rag.triggers.TriggerEntry`,
+named in :data:`detectors.extensions.TRAINING_FREE` and :data:`~detectors.extensions.DETECTOR_KINDS`) and the
+calculators of the statistics it reads. A configuration of the loop depends on the modules of its own triggers only, so
+changing one family's code reruns only the configurations that use it (rag_eval's runs are keyed on their code)."""
 
 from __future__ import annotations
 
