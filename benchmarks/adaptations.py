@@ -28,7 +28,7 @@ Variants:
   (Table 7's "q + f_TVQ"); configured: Eq. 3's masked segment after the question (f_CAQ).
 * ``dragin-qfs-released`` (procedure): DRAGIN's query as the released code forms it: the attention row of the token
   before the flagged one, its top 25 content tokens (the released code keeps 25-35 words); configured: the flagged
-  token's own row, its top 8 (``rag_eval.query.qfs_top_n``).
+  token's own row, its top 8 (``rag_eval.query_settings.qfs.top_n``).
 * ``sit-spacy-entities`` (procedure): Stitch-in-Time's concepts as they were before 2026-11-26: spaCy's entities of
   the segment; configured (``rag_eval.settings.sit.concepts: llm``): the paper's preferred technique (§2.1.1), the
   keyphrases the LLM names when instructed (Table 3).
@@ -63,9 +63,9 @@ from typing import Any
 import numpy as np
 import spacy
 
-from detectors.baselines.rind import rind_on_states
+from detectors.baselines.rind import rind_on_kv
 from detectors.llm.generate import generate, instruction_prompt
-from detectors.llm.kv import crop_states
+from detectors.llm.kv import crop_kv
 from detectors.rag.controllers.validation import ValidateAndRepair
 from detectors.rag.families.ctrla import CtrlACalculator
 from detectors.rag.families.rind import RindCalculator
@@ -111,8 +111,8 @@ class GeneratedOnlyRindCalculator(RindCalculator):
     key, provides = "rind_generated", ("rind_generated",)
 
     def segments(self, views) -> None:
-        alone = [crop_states(v.states, 0) for v in views]
-        traces = rind_on_states(
+        alone = [crop_kv(v.kv, 0) for v in views]
+        traces = rind_on_kv(
             self.llm, alone, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords
         )
         for v, trace in zip(views, traces):
@@ -336,7 +336,7 @@ def run_procedure(runtime: VariantRuntime, variant: Procedure, rag, thresholds, 
                 runtime.configuration(variant.configuration, corpus, own).answer(questions, [False] * len(questions))
             )
         runtime.changes, runtime.query_change = {}, None
-        runtime.forget_states()
+        runtime.forget_shared()
         a, b = (summarise(lines, refs) for lines in answered)
         right = [[accuracy(line["answer"], r) for line, r in zip(lines, refs)] for lines in answered]
         delta, low, high = paired_mean_delta(right[1], right[0], rag.bootstrap, rag.seed)
@@ -381,7 +381,7 @@ def run_score(runtime: VariantRuntime, variant: Score, rag, questions, refs) -> 
         kinds = sweep.key["triggers"]
     finally:
         runtime.params, runtime.variants = configured, {}
-        runtime.forget_states()
+        runtime.forget_shared()
     names = list(kinds)
     outcomes = {t: [outcome_from_json(line, t) for line in lines] for t in names}
     before, after = (curve(t, outcomes[t]) for t in names)

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             if saved:
                 saved.writelines(json.dumps({"run": run, **line}) + "\n" for line in now)
                 saved.flush()
-            runtime.forget_states()
+            runtime.forget_shared()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

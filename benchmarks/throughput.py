@@ -62,7 +62,7 @@ from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.dior.recorder import generate_traced
 from detectors.io import write_json
-from detectors.llm.kv import prefix_states, shared_prefix_length
+from detectors.llm.kv import prefix_kv, shared_prefix_length
 from detectors.llm.layers import hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.rag.corpus import Passage
@@ -150,7 +150,7 @@ def captum_per_question(llm: LLM, ids: torch.Tensor, mask: torch.Tensor, target:
     from detectors.llm.kv import as_cache
 
     start = int(mask.nonzero()[0, 0])
-    prefix = prefix_states(llm.model, ids, start)
+    prefix = prefix_kv(llm.model, ids, start)
 
     def forward(inputs_embeds: torch.Tensor) -> torch.Tensor:
         cache = as_cache(prefix, inputs_embeds.shape[0], llm.model.config)
@@ -177,7 +177,7 @@ def ig_section(llm: LLM, prompt, n_questions: int, n_steps: int, repeats: int, p
     dev = llm.device
 
     def batched():
-        prefix = prefix_states(llm.model, enc[0][0], common)
+        prefix = prefix_kv(llm.model, enc[0][0], common)
         items = [IGItem(ids[0, common:], m[common:], t) for (ids, m), t in zip(enc, targets)]
         return batch_token_attributions(llm.model, items, n_steps, prefix=prefix)
 

@@ -3,16 +3,13 @@ triggers, the trigger kinds of registered detectors, the query formulations and 
 own (lazy registries, :mod:`detectors.lazy`). A new trigger family, formulation or framework is one entry here beside
 its code. Below every package (it imports none: its entries are names), so that ``detectors.config`` reads it.
 
-The module holds names only (and :func:`make_query`, the lookup of a formulation), so that validating ``params.yaml``
+The module holds names only, so that validating ``params.yaml``
 (:mod:`detectors.config.rag`) reads them without importing the implementations: the stages that validate the
 ``rag_eval`` section without running a loop do not depend on the loop's code (``pipelines._provenance.stage_closure``
 reads this module's entries as names there).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Sequence
-from typing import Any
 
 from detectors.lazy import LazyRegistry
 
@@ -30,6 +27,16 @@ TRAINING_FREE = LazyRegistry(
         "entropy_max": "detectors.rag.families.entropy:ENTROPY_MAX",
     },
 )
+# the training-free trigger that retrieves once, with the question, before every answer: the one trigger without a
+# threshold, and the trigger of the "always" reference (detectors.config.rag.references)
+FIRES_ALWAYS = "always"
+
+
+def thresholded(spec: str) -> bool:
+    """Whether the configured trigger ``spec`` has a threshold to fix or choose (every one but :data:`FIRES_ALWAYS`)."""
+    return spec != FIRES_ALWAYS
+
+
 # registered detector kind -> its TriggerEntry (built with the detector attached to the loop's LLM in its context;
 # its settings from rag_eval.settings.<kind>)
 DETECTOR_KINDS = LazyRegistry(
@@ -41,28 +48,19 @@ DETECTOR_KINDS = LazyRegistry(
         "utility": "detectors.rag.families.utility:UTILITY",
     },
 )
-# query formulation -> builder(rag_eval.query section, the configuration's triggers, idf) (make_query)
+# query formulation -> its QueryEntry (detectors.rag.queries: builder and own settings' type, which it takes from
+# rag_eval.query_settings.<name>), built by detectors.rag.families.make_query
 QUERIES = LazyRegistry(
     "query formulation",
     {
-        "question": "detectors.rag.queries:build_question",
-        "flare": "detectors.rag.queries:build_flare",
-        "qfs": "detectors.rag.queries:build_qfs",
-        "dior": "detectors.rag.queries:build_dior",
-        "ctrla": "detectors.rag.queries:build_ctrla",
+        "question": "detectors.rag.queries:QUESTION",
+        "flare": "detectors.rag.queries:FLARE",
+        "qfs": "detectors.rag.queries:QFS",
+        "dior": "detectors.rag.queries:DIOR",
+        "ctrla": "detectors.rag.queries:CTRLA",
     },
 )
 
 # seed system with a loop of its own (``rag_eval.frameworks``; its params are the params.yaml section of its name) ->
 # its class, built as ``Class(llm, retriever, params, prompt, batch_size)`` with ``answer_all(questions, records)``
 FRAMEWORKS = LazyRegistry("framework", {"retrorag": "detectors.rag.retroactive:RetroRag"})
-
-
-def make_query(name: str, params: Any, triggers: Sequence[Any] = (), idf: Callable[[str], float] | None = None) -> Any:
-    """The formulation ``name`` of :data:`QUERIES` (:mod:`detectors.rag.queries`) with its settings: ``params`` is the
-    ``rag_eval.query`` section (:class:`~detectors.config.rag.RagQueryParams`), ``triggers`` the configuration's (the
-    formulation reads what it needs of them: FLARE's query its trigger's threshold), ``idf`` the retriever's (None
-    without a retriever). An
-    unknown name is an InputError listing the known ones. Here, not beside the formulations: the registry names them,
-    so they cannot import it back."""
-    return QUERIES.load(name)(params, triggers, idf)

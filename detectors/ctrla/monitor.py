@@ -17,7 +17,7 @@ from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer
 from detectors.evaluation.metrics import first_hit
 from detectors.llm.decoder import Decoder, Row
-from detectors.llm.kv import batches, forward_rows, prefix_states, shared_prefix_length
+from detectors.llm.kv import batches, forward_rows, prefix_kv, shared_prefix_length
 from detectors.llm.layers import LayerTap
 from detectors.llm.loading import LLM
 from detectors.llm.words import content_mask, token_words
@@ -156,7 +156,7 @@ def project_sequences(
     kv, prefix_proj = None, None
     if common:
         with monitor:
-            kv = prefix_states(llm.model, torch.tensor([first[:common]], device=llm.device), common)
+            kv = prefix_kv(llm.model, torch.tensor([first[:common]], device=llm.device), common)
         prefix_proj = monitor.layer_projections()
     rows = [s[common:] for s in sequences]
     out: list[np.ndarray] = [np.zeros((0, len(layers)))] * len(rows)

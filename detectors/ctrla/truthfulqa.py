@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from detectors.ctrla.directions import Directions
 from detectors.ctrla.steering import steer, steering_vectors
-from detectors.llm.kv import as_cache, cache_states, prefix_cache
+from detectors.llm.kv import as_cache, cache_kv, prefix_cache
 from detectors.llm.loading import LLM
 from detectors.progress import progress as progress_bar  # (mc_accuracy has a flag named progress)
 from detectors.sources.bigbench import fetch_bigbench_task
@@ -87,7 +87,7 @@ def mc_accuracy(
             )
             rows = torch.tensor(owner, device=dev)
             cache = DynamicCache(
-                ddp_cache_data=[(k[rows], v[rows]) for k, v in cache_states(out.past_key_values)],
+                ddp_cache_data=[(k[rows], v[rows]) for k, v in cache_kv(out.past_key_values)],
                 config=llm.model.config,
             )
             seen = torch.zeros(len(rows), len(prefix) + width, dtype=torch.long, device=dev)

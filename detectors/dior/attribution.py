@@ -20,7 +20,7 @@ import torch
 from captum.attr._utils.approximation_methods import approximation_parameters
 from transformers import PreTrainedModel
 
-from detectors.llm.kv import KV, as_cache, prefix_states
+from detectors.llm.kv import KV, as_cache, prefix_kv
 from detectors.llm.offsets import words_and_tokens
 
 _EPS = 1e-12
@@ -118,10 +118,10 @@ def token_attributions(
     prefix: KV | None = None,
 ) -> np.ndarray:
     """One question's attribution (``input_ids`` ``[1, L]``, ``question_mask`` ``[L]``): the prompt before the
-    first question token is the cached prefix (pass ``prefix`` from :func:`prefix_states` when the caller has it)."""
+    first question token is the cached prefix (pass ``prefix`` from :func:`prefix_kv` when the caller has it)."""
     start = int(question_mask.nonzero()[0, 0])
     if prefix is None:
-        prefix = prefix_states(model, input_ids, start)
+        prefix = prefix_kv(model, input_ids, start)
     item = IGItem(input_ids[0, start:], question_mask[start:], target_id)
     return batch_token_attributions(model, [item], n_steps, method, batch_size, prefix)[0]
 

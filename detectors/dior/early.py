@@ -25,7 +25,7 @@ from detectors.dior.attribution import (
 from detectors.errors import RecordError
 from detectors.llm.decoder import Decoder, Row
 from detectors.llm.distribution import entropy
-from detectors.llm.kv import KV, as_cache, prefix_states, shared_prefix_length
+from detectors.llm.kv import KV, as_cache, prefix_kv, shared_prefix_length
 from detectors.llm.layers import StateTap, hidden_state_indices
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets
@@ -39,7 +39,7 @@ class Continuation:
     (float32)."""
 
     ids: list[list[int]]
-    states: list[KV]
+    kv: list[KV]
     logits: torch.Tensor  # [rows, vocab]
 
 
@@ -97,7 +97,7 @@ def batch_question_features(
     starts = [int(encoded[i][1].nonzero()[0, 0]) for i in keys]
     common = min(shared_prefix_length(ids), *starts)
     # one pass over the shared prompt prefix (cached for IG and the answers), one over the rest of every prompt
-    prefix = prefix_states(llm.model, torch.tensor([ids[0][:common]], device=llm.device), common)
+    prefix = prefix_kv(llm.model, torch.tensor([ids[0][:common]], device=llm.device), common)
     rows = [r[common:] for r in ids]
     width = max(len(r) for r in rows)
     pad = llm.tokenizer.pad_token_id or 0
@@ -197,7 +197,7 @@ def decode_answers(
         raise ValueError("decode_answers continues one batch: pass features from one batch_question_features call")
     probes = {"states": StateTap(llm.model, state_indices)} if state_indices else {}
     decoder = Decoder(llm, max_new_tokens, stop, probes)
-    rows = [Row(ran=list(cont.ids[f.row]), kv=cont.states[f.row], logits=cont.logits[f.row]) for f in feats]
+    rows = [Row(ran=list(cont.ids[f.row]), kv=cont.kv[f.row], logits=cont.logits[f.row]) for f in feats]
     decoder.decode(rows)
     answers = []
     for row in rows:

@@ -20,7 +20,7 @@ from detectors.llm.decoder import Decoder, Row
 from detectors.llm.distribution import entropy as token_entropy
 from detectors.llm.layers import StateTap
 from detectors.llm.loading import LLM
-from detectors.llm.states import prefill
+from detectors.llm.prefill import prefill
 
 
 @dataclasses.dataclass
@@ -149,15 +149,15 @@ def generate_traced(
     scorer: Callable | None = None,
 ) -> tuple[list[list[int]], list[TokenTrace]]:
     """Greedy continuations of ``prompts`` with every token's trace, up to the end of sequence or ``max_new_tokens``
-    tokens: the prompts run on their shared prefixes (:func:`~detectors.llm.states.prefill`), then the shared decoder
+    tokens: the prompts run on their shared prefixes (:func:`~detectors.llm.prefill.prefill`), then the shared decoder
     (:class:`~detectors.llm.decoder.Decoder`, the RAG loop's) generates them in lockstep, the hidden states of each
     token caught at its own position as it runs (the last kept token runs too). What :class:`GenerationRecorder`
     records of ``model.generate``; ``scorer`` scores each continuation's tokens once it is complete."""
     tok = llm.tokenizer
     prompt_ids = [tok(p, add_special_tokens=not chat)["input_ids"] for p in prompts]
-    ran = prefill(llm, prompt_ids, batch_size=len(prompt_ids), keep_states=True)
+    ran = prefill(llm, prompt_ids, batch_size=len(prompt_ids), keep_kv=True)
     decoder = Decoder(llm, max_new_tokens, probes={"states": StateTap(llm.model, state_indices)}, eos=eos_ids(llm))
-    rows = [Row(ran=list(ids), kv=kv, logits=x) for ids, kv, x in zip(prompt_ids, ran.states, ran.logits)]
+    rows = [Row(ran=list(ids), kv=kv, logits=x) for ids, kv, x in zip(prompt_ids, ran.kv, ran.logits)]
     del ran  # the rows hold the prompts' states, and the decoder lets them go once its batch holds them
     decoder.decode(rows)
     width = len(state_indices) * llm.fingerprint.hidden_size

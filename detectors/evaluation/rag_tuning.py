@@ -12,6 +12,7 @@ from detectors.config.rag import trigger_names
 from detectors.evaluation.answer_metrics import accuracy, summarise
 from detectors.evaluation.choice import choose, mean_deltas
 from detectors.evaluation.rag_sweep import candidate_names, candidate_thresholds
+from detectors.extensions import thresholded
 
 
 def tuning_candidates(
@@ -25,7 +26,7 @@ def tuning_candidates(
     under its first label. A configuration with no threshold to choose has one candidate."""
     out = {}
     for name, config in configurations.items():
-        triggers = [n for t in config.triggers if t != "always" for n in trigger_names(t, [corpus])]
+        triggers = [n for t in config.triggers if thresholded(t) for n in trigger_names(t, [corpus])]
         pinned = {**fixed, **config.thresholds}
         free = [t for t in triggers if t not in pinned]
         per = {t: candidate_thresholds(curves[t], rates) for t in free}

@@ -6,9 +6,9 @@ of the pass that runs it). The RAG loop's segments (:mod:`detectors.rag.decoder`
 all decoded here, so a token, its probability and its entropy are one computation wherever they are recorded.
 
 **Prompts** (:meth:`Decoder.prefill`). The rows that need a prompt run it on the longest prefix already run (their own
-earlier sequence, a sequence in the shared :class:`~detectors.llm.states.StateCache`, a prompt several rows continue,
+earlier sequence, a sequence in the shared :class:`~detectors.llm.prefill.KVCache`, a prompt several rows continue,
 the prefix kept from the last batch), in left-padded batches of similar length. A caller with its prompts' states
-already (the early set's question pass, :func:`~detectors.llm.states.prefill`) gives rows their states and logits.
+already (the early set's question pass, :func:`~detectors.llm.prefill.prefill`) gives rows their states and logits.
 
 **Continuations** (:meth:`Decoder.decode`). Every row generates in lockstep, one batched pass per token, each row
 leaving the batch at its own end: end of sequence (not kept), a stop string (the token completing it is not kept:
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detectors.llm.distribution import entropy
-from detectors.llm.kv import KV, PrefixStore, as_cache, common_prefix, crop_states, join_states, row_states, stack_left
-from detectors.llm.states import StateCache, run_rows, similar_lengths
+from detectors.llm.kv import KV, PrefixStore, as_cache, common_prefix, crop_kv, join_kv, row_kv, stack_left
+from detectors.llm.prefill import KVCache, run_rows, similar_lengths
 
 if TYPE_CHECKING:
     from detectors.llm.loading import LLM
@@ -92,9 +92,9 @@ class Lockstep:
             self.lengths[r] += 1
         return out.logits[:, -1]
 
-    def states(self, i: int) -> KV:
-        """A copy of row ``i``'s (a position in the batch) own states."""
-        return row_states(self.cache, i, self.pads[i])
+    def kv(self, i: int) -> KV:
+        """A copy of row ``i``'s (a position in the batch) own key/value cache."""
+        return row_kv(self.cache, i, self.pads[i])
 
     def drop(self, leaving: list[int]) -> None:
         """Rows at positions ``leaving`` leave the batch."""
@@ -123,7 +123,7 @@ class Decoder:
     ``shared`` (or None) is the cache of sequences others ran with the same hooks; ``batch_size`` bounds a prompt
     pass.
 
-    With ``keep_states`` a row leaves the batch with a copy of its states and the logits after its last token (the
+    With ``keep_kv`` a row leaves the batch with a copy of its states and the logits after its last token (the
     caller continues it later: the RAG loop), and the token that ends a row always runs; without, a row's states are
     dropped once the batch holds them, and the token that ends it runs only when probes read its values."""
 
@@ -135,16 +135,16 @@ class Decoder:
         probes: dict[str, Any] | None = None,
         *,
         hooks: Callable[[], contextlib.AbstractContextManager] | None = None,
-        shared: StateCache | None = None,
+        shared: KVCache | None = None,
         batch_size: int = 16,
         eos: set[int] | None = None,
         temperature: float = 1.0,
-        keep_states: bool = False,
+        keep_kv: bool = False,
     ):
         self.llm, self.max_new_tokens, self.stop = llm, max_new_tokens, tuple(stop)
         self.probes, self.extra_hooks, self.batch_size = dict(probes or {}), hooks, batch_size
-        self.temperature, self.keep_states = temperature, keep_states
-        self.run_last = keep_states or bool(self.probes)
+        self.temperature, self.keep_kv = temperature, keep_kv
+        self.run_last = keep_kv or bool(self.probes)
         self.prefix = PrefixStore(llm, self._hooks, self.probes)
         # states others ran (with the same hooks): reused unless a probe reads the values of every position
         self.shared = shared if not any(getattr(p, "reads_context", False) for p in self.probes.values()) else None
@@ -166,7 +166,7 @@ class Decoder:
         """Run every row's prompt and kept tokens on the longest prefix already run (see the module's docstring);
         every sequence run is offered to the shared cache."""
         by_prompt: dict[tuple[int, ...], list] = {}
-        on_states: list[tuple[Row, list[int], int, Any, dict[str, torch.Tensor] | None]] = []
+        on_kv: list[tuple[Row, list[int], int, Any, dict[str, torch.Tensor] | None]] = []
         for row in rows:
             seq = row.prompt + row.kept
             primer = common_prefix(self.prefix.ids, seq)
@@ -174,9 +174,9 @@ class Decoder:
             cached, kv = self.shared.lookup(seq) if self.shared is not None else (0, None)
             if own > primer and own >= cached:
                 values = {key: torch.cat(v)[:own] for key, v in row.values.items()}
-                on_states.append((row, seq, own, crop_states(row.kv, own), values))
+                on_kv.append((row, seq, own, crop_kv(row.kv, own), values))
             elif cached > primer:
-                on_states.append((row, seq, cached, kv, None))  # a reused prefix's probe values are never read
+                on_kv.append((row, seq, cached, kv, None))  # a reused prefix's probe values are never read
             else:
                 by_prompt.setdefault(tuple(row.prompt), []).append((row, seq))
         # rows with the same prompt (the sweep's retrievals at several positions of one answer) run it once, as their
@@ -188,18 +188,18 @@ class Decoder:
                 self._prefill_chunk(group[start : start + self.batch_size])
         for idx in similar_lengths([len(seq) for _, seq in alone], self.batch_size):
             self._prefill_chunk([alone[i] for i in idx])
-        for idx in similar_lengths([len(seq) - p for _, seq, p, _, _ in on_states], self.batch_size):
-            self._prefill_on_states([on_states[i] for i in idx])
+        for idx in similar_lengths([len(seq) - p for _, seq, p, _, _ in on_kv], self.batch_size):
+            self._prefill_on_kv([on_kv[i] for i in idx])
         if self.shared is not None:
             for row in rows:
                 self.shared.store(row.ran, row.kv)
 
-    def _prefill_on_states(self, items: list[tuple[Row, list[int], int, Any, dict[str, torch.Tensor] | None]]) -> None:
+    def _prefill_on_kv(self, items: list[tuple[Row, list[int], int, Any, dict[str, torch.Tensor] | None]]) -> None:
         """One pass over each row's sequence after a prefix whose states it has (its own, or the shared cache's):
-        the prefixes stacked left-padded, the rest right-padded (:func:`~detectors.llm.states.run_rows`)."""
+        the prefixes stacked left-padded, the rest right-padded (:func:`~detectors.llm.prefill.run_rows`)."""
         with self._hooks():
             seqs, prefixes = [seq for _, seq, _, _, _ in items], [(p, kv) for _, _, p, kv, _ in items]
-            logits, states = run_rows(self.llm, seqs, prefixes, keep_states=True)
+            logits, states = run_rows(self.llm, seqs, prefixes, keep_kv=True)
             values = {key: probe.take() for key, probe in self.probes.items()}
         for b, (row, seq, p, _, before) in enumerate(items):
             row.kv, row.logits, row.ran = states[b], logits[b], list(seq)
@@ -228,7 +228,7 @@ class Decoder:
             )
             values = {key: probe.take() for key, probe in self.probes.items()}
         for b, ((row, seq), pad) in enumerate(zip(chunk, pads)):
-            row.kv = join_states(self.prefix.kv if shared else None, row_states(out.past_key_values, b, shared + pad))
+            row.kv = join_kv(self.prefix.kv if shared else None, row_kv(out.past_key_values, b, shared + pad))
             row.logits, row.ran = out.logits[b, -1], list(seq)
             row.values = {
                 key: [self.prefix.values[key], v[b, pad:].clone()] if shared else [v[b, pad:].clone()]
@@ -243,14 +243,14 @@ class Decoder:
         for row in rows:
             row.gen, row.prob, row.entropy, row.stop_token, row.done = [], [], [], None, False
         batch, live = Lockstep(self.llm, [r.kv for r in rows]), list(rows)
-        if not self.keep_states:
+        if not self.keep_kv:
             for row in rows:
                 row.kv = None  # the batch holds them now
 
         def leave(idx: list[int]) -> None:
-            if self.keep_states:  # a copy of the row's own states (to continue from, or to reuse)
+            if self.keep_kv:  # a copy of the row's own states (to continue from, or to reuse)
                 for i in idx:
-                    live[i].kv = batch.states(i)
+                    live[i].kv = batch.kv(i)
             batch.drop(idx)
             for i in sorted(idx, reverse=True):
                 del live[i]

@@ -1,6 +1,6 @@
 """Batched generation for the LLM's own instruction calls (RetroRAG's generators and SC-generator, CtrlA's query
 rewrite):
-prompts in batches of similar length, each continuing its longest cached prefix (:mod:`detectors.llm.states`), decoded
+prompts in batches of similar length, each continuing its longest cached prefix (:mod:`detectors.llm.prefill`), decoded
 in lockstep, greedy or sampled from one seeded random stream per row, so that a row's continuation never depends on the
 rows beside it or on the batch size."""
 
@@ -16,7 +16,7 @@ import torch
 
 from detectors.llm.decoder import Decoder, Row
 from detectors.llm.kv import batches
-from detectors.llm.states import StateCache, prefill
+from detectors.llm.prefill import KVCache, prefill
 
 if TYPE_CHECKING:
     from detectors.llm.loading import LLM
@@ -60,7 +60,7 @@ def generate(
     generators: list[torch.Generator] | None = None,
     temperature: float = 1.0,
     on_batch: OnBatch | None = None,
-    cache: StateCache | None = None,
+    cache: KVCache | None = None,
 ) -> list[Generation]:
     """Each prompt's continuation, ``batch_size`` prompts of similar length at a time: each prompt runs on its longest
     prefix in ``cache`` (and its states are kept there; without a cache, only the prefixes the batch's prompts share
@@ -81,10 +81,10 @@ def generate(
         def count(_: list[int], n: int, __: float) -> None:
             calls[0] += n
 
-        done = prefill(llm, [rows[i] for i in idx], cache, batch_size=len(idx), keep_states=True, on_batch=count)
+        done = prefill(llm, [rows[i] for i in idx], cache, batch_size=len(idx), keep_kv=True, on_batch=count)
         decoded = [
             Row(ran=list(rows[i]), kv=kv, logits=x, generator=generators[i] if generators is not None else None)
-            for i, kv, x in zip(idx, done.states, done.logits)
+            for i, kv, x in zip(idx, done.kv, done.logits)
         ]
         decoder.decode(decoded)
         passes = max(r.passes for r in decoded)

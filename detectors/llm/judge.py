@@ -19,7 +19,7 @@ import torch
 
 from detectors.llm.generate import OnBatch
 from detectors.llm.loading import LLM
-from detectors.llm.states import StateCache, prefill
+from detectors.llm.prefill import KVCache, prefill
 
 
 def word_token_ids(tokenizer, words: list[str]) -> list[int]:
@@ -61,12 +61,12 @@ def yes_probability(
     add_special_tokens: bool = True,
     on_batch: OnBatch | None = None,
     progress=None,
-    cache: StateCache | None = None,
+    cache: KVCache | None = None,
 ) -> np.ndarray:
     """The evaluator's verdict on each prompt: ``P(yes) / (P(yes) + P(no))`` of its next token (``yes_ids``/``no_ids``:
     :func:`yes_no_ids`).
 
-    Each prompt runs on its longest prefix already run (:func:`~detectors.llm.states.prefill`): the prefixes several
+    Each prompt runs on its longest prefix already run (:func:`~detectors.llm.prefill.prefill`): the prefixes several
     prompts share (an instruction, a reference) run once, and with a ``cache`` the states of earlier calls are reused
     and these prompts' kept. ``on_batch`` hears of each batched call: its row indices, forward calls and seconds (a
     shared prefix's pass is reported for every row it serves)."""

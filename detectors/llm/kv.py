@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per-layer (keys, values) of a batch-1 prompt prefix
 
 
-def prefix_states(model: PreTrainedModel, input_ids: torch.Tensor, end: int) -> KV | None:
+def prefix_kv(model: PreTrainedModel, input_ids: torch.Tensor, end: int) -> KV | None:
     """Key/value states of ``input_ids[:, :end]`` (None when ``end`` is 0)."""
     if end == 0:
         return None
     with torch.no_grad():
-        return cache_states(model(input_ids[:, :end], use_cache=True).past_key_values)
+        return cache_kv(model(input_ids[:, :end], use_cache=True).past_key_values)
 
 
 class _GrowingLayer(DynamicLayer):
@@ -80,14 +80,14 @@ def as_cache(prefix: KV | None, rows: int, config) -> DynamicCache | None:
     return GrowingCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in prefix], config=config)
 
 
-def cache_states(cache) -> KV:
+def cache_kv(cache) -> KV:
     """The per-layer (keys, values) of a model's returned cache, reusable with :func:`as_cache`."""
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def prefix_cache(llm: LLM, prefix: list[int]) -> KV | None:
     """Key/value states of a token prefix shared by many rows (computed once, under whatever hooks are active)."""
-    return prefix_states(llm.model, torch.tensor([prefix], device=llm.device), len(prefix)) if prefix else None
+    return prefix_kv(llm.model, torch.tensor([prefix], device=llm.device), len(prefix)) if prefix else None
 
 
 def shared_prefix_length(rows: list[list[int]]) -> int:
@@ -145,7 +145,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def crop_states(kv: KV, length: int) -> KV:
+def crop_kv(kv: KV, length: int) -> KV:
     """The first ``length`` positions of cached states (views: the key/value of a position depends only on the
     positions before it, so a prefix of a cache is the cache of the prefix)."""
     return [(k[:, :, :length], v[:, :, :length]) for k, v in kv]
@@ -166,7 +166,7 @@ def stack_left(rows: list[KV], width: int) -> KV:
     return out
 
 
-def row_states(cache, row: int, start: int) -> KV:
+def row_kv(cache, row: int, start: int) -> KV:
     """A copy of row ``row``'s states from position ``start`` on (its real positions in a left-padded batch cache);
     a copy, so that the batch's tensors can be freed."""
     return [
@@ -175,7 +175,7 @@ def row_states(cache, row: int, start: int) -> KV:
     ]
 
 
-def join_states(prefix: KV | None, rest: KV) -> KV:
+def join_kv(prefix: KV | None, rest: KV) -> KV:
     """A prefix's states followed by a row's own."""
     if not prefix:
         return rest
@@ -203,7 +203,7 @@ class PrefixStore:
         kept = min(common_prefix(self.ids, rows[0]), shared)
         if kept == len(self.ids) == shared:
             return shared
-        kv = crop_states(self.kv, kept) if kept and self.kv else None
+        kv = crop_kv(self.kv, kept) if kept and self.kv else None
         values = {key: v[:kept] for key, v in self.values.items()} if kept else {}
         if shared > kept:
             ids = torch.tensor([rows[0][kept:shared]], device=self.llm.device)
@@ -218,7 +218,7 @@ class PrefixStore:
                 )
                 new = {key: probe.take()[0] for key, probe in self.probes.items()}
             self.passes += 1
-            kv = cache_states(out.past_key_values)
+            kv = cache_kv(out.past_key_values)
             values = {key: torch.cat([values[key], v]) if key in values else v for key, v in new.items()}
         self.ids, self.kv, self.values = list(rows[0][:shared]), kv, values
         return shared

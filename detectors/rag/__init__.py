@@ -4,8 +4,7 @@ questions at once.
 
     from detectors.rag.retriever import BM25Retriever
     from detectors.rag.loop import RagConfig, RagLoop
-    from detectors.extensions import make_query
-    from detectors.rag.families import make_trigger
+    from detectors.rag.families import make_query, make_trigger
 
 Modules: ``corpus`` (passages and their sources), ``retriever`` (``Retriever``, ``open_index``, ``BM25Retriever``),
 ``bm25_build`` (the streaming index build), ``bm25_search`` (the top-k kernel), ``stats`` (what the loop measures

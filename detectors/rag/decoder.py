@@ -4,7 +4,7 @@ and the view of a segment that triggers and queries score.
 
 **Prompts.** The rows that need a prompt run it on the longest prefix already run (their own earlier prompt when a
 retrieval returned the same first passages; a sequence another configuration ran, from the shared
-:class:`~detectors.llm.states.StateCache`; a prompt several rows continue; the few-shot primer, cached once and kept
+:class:`~detectors.llm.prefill.KVCache`; a prompt several rows continue; the few-shot primer, cached once and kept
 between batches), in left-padded batches of similar length.
 
 **Segments.** Every row generates its next segment in lockstep, one batched pass per token, each row leaving the batch
@@ -41,7 +41,7 @@ import torch
 from detectors.llm import decoder
 from detectors.llm.kv import PrefixStore
 from detectors.llm.loading import LLM
-from detectors.llm.states import StateCache
+from detectors.llm.prefill import KVCache
 from detectors.rag.results import Retrieval
 from detectors.rag.stats import Calculator, SegmentView
 
@@ -161,10 +161,10 @@ def view_key(view: SegmentView) -> tuple:
 
 
 class Offered:
-    """A :class:`~detectors.llm.states.StateCache` a reference decoder offers its states to without reading it: what it
+    """A :class:`~detectors.llm.prefill.KVCache` a reference decoder offers its states to without reading it: what it
     ran serves the other loops' prompts, and its own decoding depends on nothing they ran."""
 
-    def __init__(self, cache: StateCache):
+    def __init__(self, cache: KVCache):
         self.cache = cache
 
     def lookup(self, ids, limit: int | None = None) -> tuple[int, None]:
@@ -177,10 +177,10 @@ class Offered:
 @dataclasses.dataclass
 class Shared:
     """What the loops over one LLM and steering share about the questions they answer now: the states of the sequences
-    they ran (``states``), every segment they decoded (``segments``) and what each calculator measured of each segment
+    they ran (``kv``), every segment they decoded (``segments``) and what each calculator measured of each segment
     (:meth:`measure`). :meth:`clear` when they move on to other questions."""
 
-    states: StateCache = dataclasses.field(default_factory=StateCache)
+    kv: KVCache = dataclasses.field(default_factory=KVCache)
     segments: Segments = dataclasses.field(default_factory=Segments)
     stats: dict[Calculator, dict[tuple, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
@@ -200,7 +200,7 @@ class Shared:
                 known[view_key(v)] = {name: v.stats[name] for name in calculator.provides if name in v.stats}
 
     def clear(self) -> None:
-        self.states = StateCache(self.states.max_bytes)
+        self.kv = KVCache(self.kv.max_bytes)
         self.segments.clear()
         self.stats.clear()
 
@@ -226,9 +226,9 @@ class Decoder(decoder.Decoder):
         self.steering = steering
         self.segments = shared.segments if shared is not None else None
         self.reference = reference
-        states = None if shared is None else Offered(shared.states) if reference else shared.states
+        kv = None if shared is None else Offered(shared.kv) if reference else shared.kv
         super().__init__(
-            llm, max_new_tokens, stop, probes, hooks=self._steer, shared=states, batch_size=batch_size, keep_states=True
+            llm, max_new_tokens, stop, probes, hooks=self._steer, shared=kv, batch_size=batch_size, keep_kv=True
         )
         self.keys = frozenset(self.probes)
 

@@ -146,7 +146,7 @@ class UnitWorker:
         desc = f"{unit.corpus} · {runs[0].name if len(runs) == 1 else f'{len(runs)} runs'}"
 
         def on_shard(questions: list[str]) -> None:
-            runtime.forget_states()
+            runtime.forget_shared()
             runtime.references(unit.corpus, questions)
 
         lines = run_questions(runs, rows, desc, runtime.params.shard_size, on_shard=on_shard)

@@ -214,7 +214,7 @@ class RagLoop:
             last.probes,
             row.question_stats,
             self.lazy,
-            last.states,
+            last.kv,
             len(row.prompt),
         )
 

@@ -13,8 +13,8 @@ statistics it cannot do without (the loop refuses a configuration whose triggers
   early detector's Eq. 3 keywords, the real-time detector's unflagged entity tokens);
 - :class:`CtrlAQuery`: CtrlA's masked query (Eq. 3), :func:`detectors.ctrla.monitor.masked_query`.
 
-:func:`detectors.extensions.make_query` builds one by name from the ``rag_eval.query`` section (the builders
-below).
+:func:`detectors.rag.families.make_query` builds one by name (its :class:`QueryEntry` below) with its own settings
+(``rag_eval.query_settings.<name>``, :mod:`detectors.config.queries`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from detectors.config.queries import DiorQueryParams, DiorWeightsParams, QfsParams
 from detectors.errors import InputError
 from detectors.llm.layers import attention_implementation
 from detectors.llm.loading import LLM
@@ -43,16 +44,6 @@ class QueryInput:
     segment: Any = None  # SegmentView
     position: int = 0
     question_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class DiorWeights:
-    """DioR §3.3.1: weights of the attention, TF-IDF, relative-position and question-similarity terms."""
-
-    attention: float
-    tfidf: float
-    position: float
-    similarity: float
 
 
 def flare_query(tokenizer, question: str, gen_ids: list[int], probs: np.ndarray, theta: float) -> str:
@@ -114,7 +105,7 @@ def importance_scores(
     question: str,
     context_ids: list[int],
     candidates: list[str],
-    weights: DiorWeights,
+    weights: DiorWeightsParams,
     idf: Callable[[str], float],
     attention: np.ndarray | None = None,
 ) -> np.ndarray:
@@ -154,7 +145,7 @@ def dior_query(
     question: str,
     context_ids: list[int],
     candidates: list[str],
-    weights: DiorWeights,
+    weights: DiorWeightsParams,
     idf: Callable[[str], float],
     top: int,
     attention: np.ndarray | None = None,
@@ -183,11 +174,6 @@ class _Formulation:
 
     def formulate_all(self, llm: LLM, inputs: list[QueryInput]) -> list[str]:
         return [self.formulate(llm, q) for q in inputs]
-
-    def settings(self) -> dict[str, Any]:
-        """The ``rag_eval.query`` settings it reads, as a rag_eval run's params record them (a change restarts the
-        runs that formulate with it only); {} when it reads none."""
-        return {}
 
 
 class _Attending(_Formulation):
@@ -248,24 +234,18 @@ class QfsQuery(_Attending):
     def _with_attention(self, llm: LLM, q: QueryInput, context: list[int], attention: np.ndarray | None) -> str:
         return qfs_query(llm, context, len(context) - 1, self.top_n, self.stopwords, attention)
 
-    def settings(self) -> dict[str, Any]:
-        return {"qfs_top_n": self.top_n}
-
 
 @dataclasses.dataclass(frozen=True)
 class DiorQuery(_Attending):
     """DioR's importance-scored query over the keyword candidates the triggers measured (``keywords`` of the
     question and of the segment), or the question's content words when no trigger measures any."""
 
-    weights: DiorWeights = DiorWeights(0.25, 0.25, 0.25, 0.25)
+    weights: DiorWeightsParams = DiorWeightsParams(0.25, 0.25, 0.25, 0.25)
     top: int = 5
     idf: Callable[[str], float] | None = None
     name: str = "dior"
     needs: tuple[str, ...] = ()
     index_statistics: ClassVar[tuple[str, ...]] = ("idf",)  # TF-IDF weighs the candidates by the index's idf
-
-    def settings(self) -> dict[str, Any]:
-        return {"dior": {"top": self.top, "weights": dataclasses.asdict(self.weights)}}
 
     def _idf(self) -> Callable[[str], float]:
         if self.idf is None:
@@ -315,31 +295,46 @@ class CtrlAQuery(_Formulation):
         return masked_query(llm.tokenizer, q.question, preceding, q.segment.gen_ids, q.segment.stats["ctrla_eq2"])
 
 
-# ---- the builders, registered by name in detectors.extensions.QUERIES -----------------------------------------
-# Each takes the ``rag_eval.query`` section (detectors.config.rag.RagQueryParams), the configuration's triggers (its
-# siblings in the loop) and the retriever's idf (None without a retriever), and reads what it needs of them.
+# ---- the entries, registered by name in detectors.extensions.QUERIES ------------------------------------------
 
 Idf = Callable[[str], float] | None
 
 
-def build_question(params: Any, triggers: Sequence[Any], idf: Idf) -> QuestionQuery:
-    return QuestionQuery()
+@dataclasses.dataclass(frozen=True)
+class QueryEntry:
+    """One formulation as :data:`detectors.extensions.QUERIES` names it: ``build(settings, triggers, idf)`` makes it
+    from its own settings (``rag_eval.query_settings.<name>``, of the type ``settings`` declares; None: it takes
+    none), the configuration's triggers (its siblings in the loop; it reads what it needs of them) and the retriever's
+    idf (None without a retriever)."""
+
+    build: Callable[[Any, Sequence[Any], Idf], _Formulation]
+    settings: type | None = None
 
 
-def build_flare(params: Any, triggers: Sequence[Any], idf: Idf) -> FlareQuery:
+def _required(name: str, settings: Any, example: str) -> Any:
+    if settings is None:
+        raise InputError(f"query {name!r} reads rag_eval.query_settings.{name}: give its settings, e.g. {example}")
+    return settings
+
+
+def _flare(settings: None, triggers: Sequence[Any], idf: Idf) -> FlareQuery:
     """Words are masked under 1 - the threshold of the configuration's FLARE trigger (the trigger built by the
     ``flare`` entry; 0.5 without one)."""
     threshold = next((t.threshold for t in triggers if t.entry == "flare"), None)
     return FlareQuery(0.5 if threshold is None else 1 - threshold)
 
 
-def build_qfs(params: Any, triggers: Sequence[Any], idf: Idf) -> QfsQuery:
-    return QfsQuery(params.qfs_top_n)
+def _qfs(settings: QfsParams | None, triggers: Sequence[Any], idf: Idf) -> QfsQuery:
+    return QfsQuery(_required("qfs", settings, "{top_n: 8}").top_n)
 
 
-def build_dior(params: Any, triggers: Sequence[Any], idf: Idf) -> DiorQuery:
-    return DiorQuery(DiorWeights(**dataclasses.asdict(params.dior_weights)), params.dior_top, idf)
+def _dior(settings: DiorQueryParams | None, triggers: Sequence[Any], idf: Idf) -> DiorQuery:
+    own = _required("dior", settings, "{top: 5, weights: {attention: 0.25, tfidf: 0.25, position: 0.25, ...}}")
+    return DiorQuery(own.weights, own.top, idf)
 
 
-def build_ctrla(params: Any, triggers: Sequence[Any], idf: Idf) -> CtrlAQuery:
-    return CtrlAQuery()
+QUESTION = QueryEntry(lambda settings, triggers, idf: QuestionQuery())
+FLARE = QueryEntry(_flare)
+QFS = QueryEntry(_qfs, QfsParams)
+DIOR = QueryEntry(_dior, DiorQueryParams)
+CTRLA = QueryEntry(lambda settings, triggers, idf: CtrlAQuery())

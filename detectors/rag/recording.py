@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from detectors.extensions import FIRES_ALWAYS
 from detectors.rag.controllers.gate import Gated
 from detectors.rag.families import make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
@@ -22,5 +23,5 @@ def recording_loop(
     trigger (one retrieval with the question, before the answer) whose gate records what it saw at the hidden-state
     indices ``layers`` and keeps every retrieval; and that gate."""
     gate = RecordingGate(llm, layers)
-    always = dataclasses.replace(make_trigger("always", llm, {}, ""), controller=Gated(gate))
+    always = dataclasses.replace(make_trigger(FIRES_ALWAYS, llm, {}, ""), controller=Gated(gate))
     return RagLoop(llm, retriever, config, [always]), gate

@@ -66,7 +66,7 @@ from detectors.config.schema import PromptParams
 from detectors.llm.generate import Generation, generate, instruction_prompt, row_generator
 from detectors.llm.judge import yes_no_ids, yes_probability
 from detectors.llm.loading import LLM
-from detectors.llm.states import StateCache
+from detectors.llm.prefill import KVCache
 from detectors.rag.context import with_context
 from detectors.rag.results import RagResult, Retrieval, charge, result
 from detectors.rag.retriever import Hit
@@ -217,7 +217,7 @@ class RetroRag:
         if batch_size < 1:
             raise ValueError(f"RetroRAG: batch_size must be >= 1, got {batch_size}")
         self.llm, self.retriever, self.params, self.prompt, self.batch_size = llm, retriever, params, prompt, batch_size
-        self.cache_bytes, self.cache = cache_bytes, None  # a StateCache while a group of questions runs
+        self.cache_bytes, self.cache = cache_bytes, None  # a KVCache while a group of questions runs
         self.yes_ids, self.no_ids = yes_no_ids(llm.tokenizer, params.yes_words, params.no_words)
 
     # ---- public API ----------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ class RetroRag:
         """Every question through Fig. 3's iterations, ``batch_size`` questions together (the open ones of a group
         advance iteration by iteration, each LLM call batched across them); their states (every iteration kept).
 
-        A group's prompts share one :class:`~detectors.llm.states.StateCache`: a prompt continues the longest prefix
+        A group's prompts share one :class:`~detectors.llm.prefill.KVCache`: a prompt continues the longest prefix
         any earlier prompt of the group ran (evidence scored again against a new matching query, a reference shown to
         every candidate, the Answerer's prompt that grew by an evidence item), so each prefix runs once."""
         states = self.start(questions, record_prompts)
@@ -239,7 +239,7 @@ class RetroRag:
 
     def _run_group(self, states: list[RetroState]) -> None:
         start = time.perf_counter()
-        self.cache = StateCache(self.cache_bytes)
+        self.cache = KVCache(self.cache_bytes)
         p = self.params
         for level in range(p.max_iterations):
             active = [s for s in states if not s.done]

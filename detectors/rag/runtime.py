@@ -19,11 +19,11 @@ from detectors.config.rag import on_corpus, references, trigger_names
 from detectors.errors import InputError
 from detectors.evaluation.rag_sweep import sweep_line, trace_events
 from detectors.execution import LLMSpec
-from detectors.extensions import FRAMEWORKS, make_query
+from detectors.extensions import FIRES_ALWAYS, FRAMEWORKS, thresholded
 from detectors.imports import closure_digest
 from detectors.inference import load_detector
 from detectors.rag.decoder import Shared
-from detectors.rag.families import make_trigger
+from detectors.rag.families import make_query, make_trigger
 from detectors.rag.loop import RagConfig, RagLoop
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.retriever import BM25Retriever, open_index
@@ -64,11 +64,12 @@ def run_code(triggers: list, *parts: Any) -> str:
 
 def run_params(rag, config, triggers: list) -> dict[str, Any]:
     """The ``rag_eval`` params that shape a configuration's answers: the loop's budget and context, its own entry, and
-    the settings only some systems read (the query's, and its triggers' own: Stitch-in-Time's validation, CtrlA's
-    refusal handling) only where its query or triggers read them."""
+    the settings only some systems read (its query formulation's own, and its triggers' own: Stitch-in-Time's
+    validation, CtrlA's refusal handling) only where its query or triggers read them."""
     out: dict[str, Any] = {k: getattr(rag, k) for k in ("k", "max_retrievals", "max_new_tokens", "context")}
     out["configuration"] = {k: v for k, v in dataclasses.asdict(config).items() if k != "headline"}  # reporting only
-    out.update(make_query(config.query, rag.query).settings())  # the settings its formulation reads
+    if config.query in rag.query_settings:  # its formulation's own settings
+        out["query_settings"] = {config.query: rag.query_settings[config.query]}
     for t in triggers:
         if t.settings is not None:
             out.setdefault("settings", {})[t.entry] = dataclasses.asdict(t.settings)
@@ -88,20 +89,20 @@ class RagRuntime:
         self.tracking_uri = store.configure(params["mlflow"].tracking_uri)
         self._retrievers: dict[str, BM25Retriever] = {}
         self._triggers: dict[str, Any] = {}
-        self._states: dict[str, Shared] = {}  # per steering: what every configuration's loop ran
+        self._shared: dict[str, Shared] = {}  # per steering: what every configuration's loop ran
         # per steering, of the loops built since forget_loops: the loops, every probe they read, the steering vectors
         self._loops: dict[str, list[RagLoop]] = {}
         self._probes: dict[str, dict[str, Any]] = {}
         self._steering: dict[str, Any] = {}
 
-    def states(self, steering: str | None) -> Shared:
+    def shared(self, steering: str | None) -> Shared:
         """What the loops that run under ``steering`` share (a prompt one configuration ran, or a segment it
         decoded, another does not run again)."""
-        return self._states.setdefault(steering or "", Shared())
+        return self._shared.setdefault(steering or "", Shared())
 
-    def forget_states(self) -> None:
+    def forget_shared(self) -> None:
         """Drop what the loops share (they moved on to other questions)."""
-        for shared in self._states.values():
+        for shared in self._shared.values():
             shared.clear()
 
     def forget_loops(self) -> None:
@@ -109,7 +110,7 @@ class RagRuntime:
         self._loops.clear()
         self._probes.clear()
         self._steering.clear()
-        self.forget_states()
+        self.forget_shared()
 
     def _built(self, loop: RagLoop, steering: str | None, vectors: Any = None) -> RagLoop:
         """``loop`` is one the references decode for: its probes join theirs."""
@@ -129,7 +130,7 @@ class RagRuntime:
         for steering, probes in self._probes.items():
             for loop in self._loops[steering]:
                 loop.decoder.attach(probes)
-            shared = self.states(steering)
+            shared = self.shared(steering)
             config = self.rag_config("reference")
             vectors = self._steering.get(steering)
             RagLoop(self.llm, None, config, steering=vectors, shared=shared, probes=probes, reference=True).answer_all(
@@ -142,7 +143,7 @@ class RagRuntime:
                 self.llm,
                 self.retriever(corpus),
                 self.rag_config(name, context=self.params.configurations[name].context),
-                [self.trigger("always", corpus)],
+                [self.trigger(FIRES_ALWAYS, corpus)],
                 QuestionQuery(),
                 shared=shared,
                 probes=probes,
@@ -169,7 +170,7 @@ class RagRuntime:
                 check_threshold(trigger, self.params.thresholds[trigger.name], f"rag_eval.thresholds.{trigger.name}")
             self._triggers[spec] = trigger
         trigger = self._triggers[spec]
-        if thresholds is None or trigger.name == "always":
+        if thresholds is None or not thresholded(spec):
             return trigger
         if trigger.name not in thresholds:
             raise InputError(
@@ -201,9 +202,9 @@ class RagRuntime:
         )
 
     def query(self, name: str, triggers: list, retriever: BM25Retriever | None):
-        """Formulation ``name`` with the ``rag_eval.query`` settings, the configuration's triggers (FLARE's query masks
-        words under 1 - its trigger's threshold) and the retriever's idf."""
-        return make_query(name, self.params.query, triggers, getattr(retriever, "idf", None))
+        """Formulation ``name`` with its own settings (``rag_eval.query_settings``), the configuration's triggers
+        (FLARE's query masks words under 1 - its trigger's threshold) and the retriever's idf."""
+        return make_query(name, self.params.query_settings, triggers, getattr(retriever, "idf", None))
 
     def champions(self, specs: list[str]) -> dict[str, str]:
         """The registered versions the ``<name>@<alias>`` specs point to now (a promotion restarts the systems that
@@ -229,7 +230,7 @@ class RagRuntime:
             triggers,
             query,
             steering,
-            self.states(config.steering),
+            self.shared(config.steering),
         )
         self._built(rag, config.steering, steering)
         names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
@@ -262,7 +263,9 @@ class RagRuntime:
         a trigger can first fire (its stored line: :func:`~detectors.evaluation.rag_sweep.sweep_line`, scored against
         ``references[question]``). Its key's ``triggers`` give the swept triggers' kinds by name (``baseline``:
         training-free; ``detector``: trained)."""
-        specs = list(dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if t != "always"))
+        specs = list(
+            dict.fromkeys(t for c in self.params.configurations.values() for t in c.triggers if thresholded(t))
+        )
         triggers = [self.trigger(t, corpus) for t in specs]
         # the query is the job's (the question)
         rag = RagLoop(
@@ -270,7 +273,7 @@ class RagRuntime:
             self.retriever(corpus),
             self.rag_config("sweep", max_retrievals=1),
             triggers,
-            shared=self.states(None),
+            shared=self.shared(None),
         )
         self._built(rag, None)
 

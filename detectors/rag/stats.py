@@ -37,9 +37,7 @@ class SegmentView:
     probes: dict[str, torch.Tensor]
     question_stats: dict[str, Any]
     providers: dict[str, Calculator] = dataclasses.field(default_factory=dict)  # who computes a lazy statistic
-    states: Any = (
-        None  # the LLM's key/value states of context + segment (what the loop ran), for calculators that run more
-    )
+    kv: Any = None  # the LLM's key/value cache of context + segment (what the loop ran), for calculators that run more
     answer_start: int | None = None  # where the kept answer tokens begin in ``context_ids`` (None: no answer kept yet)
 
     def stat(self, name: str, default: Any = None) -> Any:

@@ -1,17 +1,19 @@
 """The retrieval triggers, one module per family: its trigger entries (:class:`~detectors.rag.triggers.TriggerEntry`,
 named in :data:`detectors.extensions.TRAINING_FREE` and :data:`~detectors.extensions.DETECTOR_KINDS`) and the
 calculators of the statistics it reads. A configuration of the loop depends on the modules of its own triggers only, so
-changing one family's code reruns only the configurations that use it (rag_eval's runs are keyed on their code)."""
+changing one family's code reruns only the configurations that use it (rag_eval's runs are keyed on their code).
+:func:`make_trigger` and :func:`make_query` build a configuration's triggers and its query formulation by name, each
+with its entry's own settings."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from detectors.config.core import from_dict
+from detectors.config.core import entry_settings
 from detectors.errors import InputError
-from detectors.extensions import DETECTOR_KINDS, TRAINING_FREE
+from detectors.extensions import DETECTOR_KINDS, QUERIES, TRAINING_FREE, thresholded
 from detectors.rag.triggers import Trigger, TriggerContext, TriggerEntry
 
 if TYPE_CHECKING:
@@ -19,21 +21,8 @@ if TYPE_CHECKING:
     from detectors.llm.loading import LLM
 
 
-def entry_settings(entry: TriggerEntry, name: str, settings: Mapping[str, Any] | None) -> Any:
-    """The settings of entry ``name`` from ``settings`` (``rag_eval.settings``: a mapping of entry name to its params,
-    as a mapping or already of the entry's type), of the type the entry declares; None when none are given. Settings
-    for an entry that takes none are refused."""
-    given = (settings or {}).get(name)
-    if given is None:
-        return None
-    if entry.settings is None:
-        raise InputError(
-            f"rag_eval.settings.{name}: trigger {name!r} takes no settings; remove the key (entries with settings: "
-            "those whose TriggerEntry declares a settings type)"
-        )
-    if isinstance(given, entry.settings):
-        return given
-    return from_dict(entry.settings, given, f"rag_eval.settings.{name}", strict=True)
+SETTINGS = "rag_eval.settings"  # the trigger entries' own settings, by entry name
+QUERY_SETTINGS = "rag_eval.query_settings"  # the query formulations', by name
 
 
 def make_trigger(
@@ -48,14 +37,15 @@ def make_trigger(
     set later, as a sweep does) or ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from
     ``tracking_uri``) onto ``llm``; the detector's kind decides the trigger, and a detector built with another LLM is
     refused by its fingerprint. ``settings``: ``rag_eval.settings``, each entry's own params by its name
-    (:func:`entry_settings`); ``spacy_model``: the pipeline of the triggers that find entities."""
+    (:func:`~detectors.config.core.entry_settings`); ``spacy_model``: the pipeline of the triggers that find
+    entities."""
     if "@" not in spec:  # a training-free trigger
         entry: TriggerEntry = TRAINING_FREE.load(spec)  # an unknown name: an InputError listing the known ones
-        if thresholds is not None and spec != "always" and spec not in thresholds:
+        if thresholds is not None and thresholded(spec) and spec not in thresholds:
             raise InputError(
                 f"trigger {spec!r} has no threshold: give rag_eval.thresholds.{spec} (a number or `validation`)"
             )
-        own = entry_settings(entry, spec, settings)
+        own = entry_settings(entry.settings, spec, settings, SETTINGS, "trigger")
         trigger = entry.build(TriggerContext(llm, spacy_model), own)
         if thresholds is not None and spec in thresholds:
             trigger = dataclasses.replace(trigger, threshold=thresholds[spec])
@@ -72,7 +62,7 @@ def make_trigger(
         )
     entry = DETECTOR_KINDS.load(detector.KIND)
     context = TriggerContext(llm, spacy_model, name, detector)
-    own = entry_settings(entry, detector.KIND, settings)
+    own = entry_settings(entry.settings, detector.KIND, settings, SETTINGS, "trigger")
     trigger = entry.build(context, own)
     module = DETECTOR_KINDS.module(detector.KIND)
     return dataclasses.replace(trigger, source=module, detector=detector, entry=detector.KIND, settings=own)
@@ -90,3 +80,19 @@ def trigger_scorers(level: Level, stats: set[str], listed: list) -> list:
         classes.add(cls)
         out.append(cls(level))
     return out
+
+
+def make_query(
+    name: str,
+    settings: Mapping[str, Any] | None = None,
+    triggers: Sequence[Trigger] = (),
+    idf: Callable[[str], float] | None = None,
+) -> Any:
+    """The formulation ``name`` of :data:`~detectors.extensions.QUERIES` (:mod:`detectors.rag.queries`) built by its
+    entry from its own settings (``settings``: ``rag_eval.query_settings``, each formulation's params by its name),
+    the configuration's ``triggers`` (it reads what it needs of them: FLARE's query its trigger's threshold) and the
+    retriever's ``idf`` (None without a retriever). An unknown name is an InputError listing the known ones."""
+    entry = QUERIES.load(name)
+    return entry.build(
+        entry_settings(entry.settings, name, settings, QUERY_SETTINGS, "query formulation"), triggers, idf
+    )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from detectors.baselines.rind import Rind, rind_on_states
+from detectors.baselines.rind import Rind, rind_on_kv
 from detectors.interfaces import Level
-from detectors.llm.kv import crop_states
+from detectors.llm.kv import crop_kv
 from detectors.llm.loading import LLM
 from detectors.llm.words import spacy_stopwords
 from detectors.rag.stats import Calculator, SegmentView
@@ -14,7 +14,7 @@ from detectors.rag.triggers import Policy, Trigger, TriggerContext, TriggerEntry
 
 
 class RindCalculator(Calculator):
-    """``rind``: DRAGIN's RIND of each generated token (:func:`~detectors.baselines.rind.rind_on_states`): the segments
+    """``rind``: DRAGIN's RIND of each generated token (:func:`~detectors.baselines.rind.rind_on_kv`): the segments
     run once more, in one eager batch, on the loop's cached states of their contexts, with the entropies the loop
     recorded (the real-time set's RIND, :func:`~detectors.baselines.rind.rind_scores`, is the same function on the
     stored continuations)."""
@@ -25,8 +25,8 @@ class RindCalculator(Calculator):
         self.llm, self.stopwords = llm, stopwords
 
     def segments(self, views: list[SegmentView]) -> None:
-        contexts = [crop_states(v.states, len(v.context_ids)) for v in views]
-        traces = rind_on_states(
+        contexts = [crop_kv(v.kv, len(v.context_ids)) for v in views]
+        traces = rind_on_kv(
             self.llm, contexts, [v.gen_ids for v in views], [v.stats["entropy"] for v in views], self.stopwords
         )
         for v, trace in zip(views, traces):

@@ -1,4 +1,4 @@
-"""Prompts that run once: a cache of the key/value states of token sequences already run (:class:`StateCache`, the
+"""Prompts that run once: a cache of the key/value states of token sequences already run (:class:`KVCache`, the
 prefix caching of serving engines such as vLLM), a batched prefill of many prompts that each continue their longest
 cached prefix (:func:`prefill`); the states it leaves are decoded by :mod:`detectors.llm.decoder`.
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from detectors.llm.kv import KV, as_cache, common_prefix, crop_states, row_states, stack_left
+from detectors.llm.kv import KV, as_cache, common_prefix, crop_kv, row_kv, stack_left
 
 if TYPE_CHECKING:
     from detectors.llm.loading import LLM
@@ -36,7 +36,7 @@ class _Entry:
     bytes: int
 
 
-class StateCache:
+class KVCache:
     """Key/value states of token sequences, found again by any sequence that begins with one of them (the longest
     cached prefix wins), kept within ``max_bytes`` (least recently used first out). A sequence that extends a cached
     one replaces it. Entries are indexed by the hashes of their ``BLOCK``-token prefixes, then compared token by
@@ -76,7 +76,7 @@ class StateCache:
             return 0, None
         self.entries.move_to_end(entry)
         self.hits, self.reused = self.hits + 1, self.reused + best
-        return best, crop_states(self.entries[entry].kv, best)
+        return best, crop_kv(self.entries[entry].kv, best)
 
     def store(self, ids: Sequence[int], kv: KV) -> None:
         """Keep the states ``kv`` of ``ids[:n]`` (n: their length), dropping the entries it extends."""
@@ -170,15 +170,15 @@ class Prefilled:
     for, the states of all its tokens."""
 
     logits: list[torch.Tensor]
-    states: list[KV | None]
+    kv: list[KV | None]
 
 
 def run_rows(
-    llm: LLM, rows: list[list[int]], prefixes: list[tuple[int, KV | None]], keep_states: bool
+    llm: LLM, rows: list[list[int]], prefixes: list[tuple[int, KV | None]], keep_kv: bool
 ) -> tuple[torch.Tensor, list[KV | None]]:
     """One forward pass of each row's tokens after its cached prefix (``(length, states)``; the prefixes stacked
     left-padded to the longest, the new tokens right-padded, the padding masked out): the float32 logits at each row's
-    last token and, with ``keep_states``, each row's states (prefix and new). Hooks attached by the caller see the new
+    last token and, with ``keep_kv``, each row's states (prefix and new). Hooks attached by the caller see the new
     positions ``[rows, longest rest, ...]``."""
     device, config = llm.device, llm.model.config
     lengths = [p for p, _ in prefixes]
@@ -206,13 +206,13 @@ def run_rows(
             attention_mask=mask if width or len(set(map(len, rests))) > 1 else None,
             position_ids=positions,
             past_key_values=cache,
-            use_cache=keep_states or cache is not None,
+            use_cache=keep_kv or cache is not None,
         )
         logits = head_logits(llm.model, out.last_hidden_state[torch.arange(len(rows), device=device), last]).float()
     states: list[KV | None] = [None] * len(rows)
-    if keep_states:
+    if keep_kv:
         for b, (_p, r) in enumerate(zip(lengths, rests)):
-            own = row_states(out.past_key_values, b, width)  # this row's new positions (and its right padding)
+            own = row_kv(out.past_key_values, b, width)  # this row's new positions (and its right padding)
             own = [(k[:, :, : len(r)], v[:, :, : len(r)]) for k, v in own]
             prefix = prefixes[b][1]
             states[b] = (
@@ -226,9 +226,9 @@ def run_rows(
 def prefill(
     llm: LLM,
     rows: list[list[int]],
-    cache: StateCache | None = None,
+    cache: KVCache | None = None,
     batch_size: int = 16,
-    keep_states: bool = False,
+    keep_kv: bool = False,
     on_batch: OnBatch | None = None,
 ) -> Prefilled:
     """Run every row (token ids, each at least one token) on its longest cached prefix: first, once each, the prefixes
@@ -238,13 +238,13 @@ def prefill(
     forward call, its seconds."""
     if any(not r for r in rows):
         raise ValueError("prefill: every row needs at least one token")
-    store = cache if cache is not None else StateCache()
+    store = cache if cache is not None else KVCache()
     for prefix in shared_prefixes(rows):
         p, kv = store.lookup(prefix, limit=len(prefix))
         if p == len(prefix):
             continue
         start = time.perf_counter()
-        _, (states,) = run_rows(llm, [list(prefix)], [(p, kv)], keep_states=True)
+        _, (states,) = run_rows(llm, [list(prefix)], [(p, kv)], keep_kv=True)
         store.store(prefix, states)
         if on_batch is not None:
             on_batch(
@@ -255,11 +255,11 @@ def prefill(
     states: list[KV | None] = [None] * len(rows)
     for idx in similar_lengths([len(r) - p for r, (p, _) in zip(rows, found)], batch_size):
         start = time.perf_counter()
-        out, kept = run_rows(llm, [rows[i] for i in idx], [found[i] for i in idx], keep_states or cache is not None)
+        out, kept = run_rows(llm, [rows[i] for i in idx], [found[i] for i in idx], keep_kv or cache is not None)
         for b, i in enumerate(idx):
             logits[i], states[i] = out[b], kept[b]
             if cache is not None:
                 cache.store(rows[i], kept[b])
         if on_batch is not None:
             on_batch(list(idx), 1, time.perf_counter() - start)
-    return Prefilled(logits, states if keep_states else [None] * len(rows))  # type: ignore[arg-type]
+    return Prefilled(logits, states if keep_kv else [None] * len(rows))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Prompts that run once (detectors.llm.states) on the tiny Llama: a prompt continued from cached states gives the
+"""Prompts that run once (detectors.llm.prefill) on the tiny Llama: a prompt continued from cached states gives the
 logits and the continuation of a prompt run whole, the cache finds the longest prefix and keeps within its budget,
 and decoding appends to a cache that grows in place."""
 
@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from detectors.llm.generate import generate, row_generator
-from detectors.llm.kv import GrowingCache, as_cache, cache_states, prefix_cache
-from detectors.llm.states import BLOCK, StateCache, prefill, shared_prefixes
+from detectors.llm.kv import GrowingCache, as_cache, cache_kv, prefix_cache
+from detectors.llm.prefill import BLOCK, KVCache, prefill, shared_prefixes
 
 pytestmark = pytest.mark.gpu  # runs on $DYNRAG_TEST_DEVICE when set (tests/conftest.py)
 
@@ -32,14 +32,14 @@ def test_rows_continued_from_cached_prefixes_give_the_logits_of_the_whole_prompt
     ]
     rows.append(rows[0][:-2])  # a row that is a prefix of another
     expected = whole_logits(tiny_llm, rows)
-    cache = StateCache()
-    first = prefill(tiny_llm, rows, cache, batch_size=2, keep_states=True)
+    cache = KVCache()
+    first = prefill(tiny_llm, rows, cache, batch_size=2, keep_kv=True)
     assert len(cache) >= 1 and all(torch.allclose(a, b, atol=1e-4) for a, b in zip(first.logits, expected))
     passes = []
     again = prefill(tiny_llm, rows, cache, batch_size=4, on_batch=lambda idx, calls, s: passes.append(len(idx)))
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(again.logits, expected))
     assert cache.reused >= sum(len(r) - 1 for r in rows)  # every row ran only its last token the second time
-    assert all(s[0][0].shape[2] == len(r) for s, r in zip(first.states, rows))  # each row's states cover all its tokens
+    assert all(s[0][0].shape[2] == len(r) for s, r in zip(first.kv, rows))  # each row's states cover all its tokens
 
 
 def test_a_prefix_several_rows_share_runs_once_and_only_when_it_saves_enough():
@@ -57,7 +57,7 @@ def test_the_cache_finds_the_longest_prefix_and_keeps_within_its_budget(tiny_llm
     long = ids(tiny_llm, PRIMER + "The capital of Italy is Rome. The capital of Spain is")
     kv = prefix_cache(tiny_llm, long)
     size = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-    cache = StateCache(max_bytes=int(size * 1.5))
+    cache = KVCache(max_bytes=int(size * 1.5))
     cache.store(long[: BLOCK * 2], [(k[:, :, : BLOCK * 2], v[:, :, : BLOCK * 2]) for k, v in kv])
     cache.store(long, kv)  # extends the first entry: it replaces it
     assert len(cache) == 1
@@ -86,7 +86,7 @@ def test_generation_from_cached_states_is_the_models_greedy_continuation(tiny_ll
         said = out[0, len(row) :].tolist()
         cut = next((i for i, t in enumerate(said) if t in tiny_llm.eos_token_ids), len(said))
         expected.append(said[:cut])
-    cache = StateCache()
+    cache = KVCache()
     for _ in range(2):  # the second time every prompt continues its cached states
         got = generate(tiny_llm, prompts, 6, stop=(), batch_size=2, cache=cache)
         assert [g.ids for g in got] == expected
@@ -130,6 +130,4 @@ def test_a_growing_cache_appends_in_place_and_answers_as_a_dynamic_one(tiny_llm)
         outs[name] = (torch.stack(logits), cache)
     assert isinstance(outs["growing"][1], GrowingCache)
     assert torch.allclose(outs["dynamic"][0], outs["growing"][0], atol=1e-5)
-    assert [k.shape for k, _ in cache_states(outs["growing"][1])] == [
-        k.shape for k, _ in cache_states(outs["dynamic"][1])
-    ]
+    assert [k.shape for k, _ in cache_kv(outs["growing"][1])] == [k.shape for k, _ in cache_kv(outs["dynamic"][1])]
