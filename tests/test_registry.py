@@ -5,6 +5,7 @@ project (read without writing, relocated on request)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -14,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import numpy as np
@@ -26,15 +28,19 @@ from mlflow.exceptions import MlflowException
 from packaging.requirements import Requirement
 
 from detectors import cli, load_detector
+from detectors.config.schema import RealtimePromptParams
 from detectors.ctrla.registered import HonestySteering
 from detectors.dior.early_detector import EarlyDetector
+from detectors.dior.nets import TokenMLP
 from detectors.dior.realtime_detector import RealtimeDetector
 from detectors.ensemble import SeedEnsemble
 from detectors.errors import InputError
 from detectors.evaluation.choice import scored_units, versus
 from detectors.evaluation.metrics import auroc
+from detectors.interfaces import Detector
+from detectors.llm.fingerprint import Fingerprint
 from detectors.registry import relocate, store
-from detectors.registry.artifact import ArtifactIntegrityError, FrameInputError
+from detectors.registry.artifact import ArtifactIntegrityError, DeclaredArtifact, FrameInputError, seal
 from detectors.registry.kinds import KINDS, load_artifact
 
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -645,3 +651,67 @@ def test_a_truncated_or_empty_store_is_refused_in_one_line_and_never_written(tmp
     sqlite3.connect(tmp_path / "other.db").execute("CREATE TABLE t (x)").connection.close()  # sqlite, not MLflow
     with pytest.raises(relocate.StoreDamagedError, match=r"other.db is a sqlite database but holds no MLflow store"):
         load_detector("ctrla-honesty", tracking_uri=f"sqlite:///{tmp_path / 'other.db'}")
+
+
+# ---- a kind's artifact from its declared fields (detectors.registry.artifact.DeclaredArtifact) ------------------
+
+
+@dataclasses.dataclass
+class _Declared(DeclaredArtifact, Detector):
+    """A kind defined here, with no save or load of its own: a seed ensemble, an array, a params dataclass, a type with
+    to_dict/from_dict, plain values, a field with a default, and the runtime's fields."""
+
+    KIND = "declared-test"
+
+    net: TokenMLP
+    mean: np.ndarray
+    prompt: RealtimePromptParams
+    fingerprint: Fingerprint
+    llm_ref: dict
+    threshold: float
+    layers: list[int]
+    info: dict
+    name: str = "declared-test"
+    llm: Any = None
+    _cache: Any = None
+
+    def predict_frame(self, frame):
+        return frame
+
+
+def test_a_kind_is_saved_and_loaded_from_its_declared_fields(tmp_path):
+    torch.manual_seed(0)
+    net = SeedEnsemble([TokenMLP(6, hidden=8), TokenMLP(6, hidden=8)])
+    prompt = RealtimePromptParams(template="{title}\n{text}", chat=False)
+    fingerprint = Fingerprint("tiny", "abc", 64, 2, 100)
+    made = _Declared(
+        net,
+        np.arange(3, dtype=np.float32),
+        prompt,
+        fingerprint,
+        {"dir": "data/llm", "dtype": "float32"},
+        0.25,
+        [1, -1],
+        {"seeds": [0, 1]},
+        llm="attached",
+        _cache="runtime",
+    )
+    made.save(tmp_path)
+    stored = json.loads((tmp_path / "detector.json").read_text())
+    assert stored["kind"] == "declared-test" and "llm_ref" not in stored and "_cache" not in stored
+    assert stored["llm"] == {"fingerprint": fingerprint.to_dict(), "dir": "data/llm", "dtype": "float32"}
+    loaded = _Declared.load(tmp_path)
+    assert isinstance(loaded.net, SeedEnsemble) and not loaded.net.training
+    batch = {"x": torch.randn(4, 6)}
+    made.net.eval()
+    assert torch.equal(loaded.net(batch), made.net(batch))
+    assert loaded.mean.dtype == np.float32 and loaded.mean.tolist() == [0, 1, 2]
+    assert (loaded.prompt, loaded.fingerprint, loaded.llm_ref) == (prompt, fingerprint, made.llm_ref)
+    assert (loaded.threshold, loaded.layers, loaded.info, loaded.name) == (0.25, [1, -1], {"seeds": [0, 1]}, made.name)
+    assert loaded.llm is None and loaded._cache is None
+    # an older artifact without a defaulted field loads with the default; without a required one, a clear error
+    del stored["name"], stored["threshold"]
+    (tmp_path / "detector.json").write_text(json.dumps(stored))
+    seal(tmp_path)
+    with pytest.raises(ArtifactIntegrityError, match=r"detector\.json has no 'threshold'"):
+        _Declared.load(tmp_path)

@@ -29,7 +29,6 @@ import pandas as pd
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams, TrainingParams
 from detectors.dior.early import (
     SEQUENCE_DIM,
@@ -46,7 +45,7 @@ from detectors.evaluation.metrics import choose_threshold, require_both_classes
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
-from detectors.registry.artifact import FrameInputs, frame_dtype, llm_section, read_net, write_artifact
+from detectors.registry.artifact import DeclaredArtifact, FrameInputs, frame_dtype
 from detectors.sources.ids import ok_records
 from detectors.training import fit, predict, training_info
 
@@ -91,7 +90,7 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
 
 
 @dataclasses.dataclass
-class EarlyDetector(Detector):
+class EarlyDetector(DeclaredArtifact, Detector):
     """The GRU over a question's attribution sequence (plus per-question features): retrieve before generating?
 
     ``name`` says which of the trained early detectors it is (``dior-early``, ``dior-early-extended``, an ablation
@@ -115,37 +114,6 @@ class EarlyDetector(Detector):
     info: dict[str, Any]
     llm: LLM | None = None
     name: str = KIND
-
-    # ---- artifact -------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        config = {
-            "name": self.name,
-            "net": self.net.config,
-            "groups": self.groups,
-            "static_mean": self.static_mean.tolist(),
-            "static_std": self.static_std.tolist(),
-            "threshold": self.threshold,
-            "features": dataclasses.asdict(self.features),
-            "llm": llm_section(self.fingerprint, self.llm_ref),
-            "info": self.info,
-        }
-        return write_artifact(directory, self.KIND, self.net, config)
-
-    @classmethod
-    def load(cls, directory: str | Path) -> EarlyDetector:
-        config, net, fingerprint, llm_ref = read_net(directory, cls.KIND, EarlyGRU)
-        return cls(
-            net=net,
-            groups=config["groups"],
-            static_mean=np.asarray(config["static_mean"], dtype=np.float32),
-            static_std=np.asarray(config["static_std"], dtype=np.float32),
-            threshold=float(config["threshold"]),
-            features=from_dict(EarlyFeatureParams, config["features"], "detector.features"),
-            fingerprint=fingerprint,
-            llm_ref=llm_ref,
-            info=config["info"],
-            name=config.get("name", cls.KIND),
-        )
 
     def per_seed(self) -> list[EarlyDetector]:
         """The detector once per seed of its seed ensemble (none when trained with one seed)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,6 @@ import pandas as pd
 import torch
 from transformers import StoppingCriteria
 
-from detectors.config.core import from_dict
 from detectors.config.schema import RealtimePromptParams
 from detectors.dior.nets import TokenMLP
 from detectors.dior.recorder import (
@@ -37,7 +35,7 @@ from detectors.interfaces import Detector, Watch
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets, words_and_tokens
-from detectors.registry.artifact import FrameInputs, llm_section, read_net, write_artifact
+from detectors.registry.artifact import DeclaredArtifact, FrameInputs
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -126,13 +124,14 @@ class RealtimeResult:
 
 
 @dataclasses.dataclass
-class RealtimeDetector(Detector):
+class RealtimeDetector(DeclaredArtifact, Detector):
     """The MLP over a generated token's hidden states, probability and entropy: retrieve at this token?"""
 
     KIND = "dior-realtime"
     DECIDES = "generation"
     WATCH_NEEDS = {"title": "continues the opening of a Wikipedia article (DioR's prompt)"}
     INPUTS = FrameInputs({"title": "string", "text": "string"})
+    RENAMED = {"state_indices": "positions"}  # as artifacts written before the rename stored it
 
     net: TokenMLP
     mean: np.ndarray
@@ -149,39 +148,6 @@ class RealtimeDetector(Detector):
     llm: LLM | None = None
     _nlp: Any = None
     _scoring: tuple | None = dataclasses.field(default=None, repr=False)  # (net, device, its copy there, mean, std)
-
-    # ---- artifact -------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        config = {
-            "net": self.net.config,
-            "mean": self.mean.tolist(),
-            "std": self.std.tolist(),
-            "threshold": self.threshold,
-            "hidden_layers": self.hidden_layers,
-            "state_indices": self.state_indices,
-            "prompt": dataclasses.asdict(self.prompt),
-            "spacy_model": self.spacy_model,
-            "llm": llm_section(self.fingerprint, self.llm_ref),
-            "info": self.info,
-        }
-        return write_artifact(directory, self.KIND, self.net, config)
-
-    @classmethod
-    def load(cls, directory: str | Path) -> RealtimeDetector:
-        config, net, fingerprint, llm_ref = read_net(directory, cls.KIND, TokenMLP)
-        return cls(
-            net=net,
-            mean=np.asarray(config["mean"], dtype=np.float32),
-            std=np.asarray(config["std"], dtype=np.float32),
-            threshold=float(config["threshold"]),
-            hidden_layers=list(config["hidden_layers"]),
-            state_indices=list(config["state_indices"] if "state_indices" in config else config["positions"]),
-            prompt=from_dict(RealtimePromptParams, config["prompt"], "detector.prompt"),
-            spacy_model=config["spacy_model"],
-            fingerprint=fingerprint,
-            llm_ref=llm_ref,
-            info=config["info"],
-        )
 
     def per_seed(self) -> list[RealtimeDetector]:
         """The detector once per seed of its seed ensemble (none when trained with one seed)."""

@@ -6,17 +6,21 @@ naming it); and the input columns its ``predict_frame`` (the pyfunc) takes (:cla
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 import numbers
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
+from detectors.config.core import from_dict
 from detectors.ensemble import build_net
 from detectors.errors import InputError
 from detectors.io import changed_file, file_digests, write_json
@@ -199,11 +203,74 @@ def read_llm_section(section: dict[str, Any]) -> tuple[Fingerprint, dict[str, An
     return Fingerprint.from_dict(ref.pop("fingerprint")), ref
 
 
-def read_net(directory: str | Path, kind: str, net_class: type[torch.nn.Module]):
-    """A trained detector's config, its network (weights loaded, eval mode; a seed ensemble of ``net_class`` nets when
-    the config says so, :func:`~detectors.ensemble.build_net`), LLM fingerprint and LLM reference."""
-    config, weights = read_artifact(directory, kind)
-    net = build_net(net_class, config["net"])
-    net.load_state_dict(weights)
-    net.eval()
-    return (config, net, *read_llm_section(config["llm"]))
+class DeclaredArtifact:
+    """A trained detector (a dataclass) saved and loaded from its declared fields, so that a new kind writes no
+    ``save``/``load`` of its own. The field named by ``NET`` is its network: weights in :data:`WEIGHTS`, its config
+    under ``"net"`` (a seed ensemble rebuilt by :func:`~detectors.ensemble.build_net` from the field's type);
+    ``fingerprint`` and ``llm_ref`` are the ``"llm"`` section; every other field is stored under its name by its type:
+    an array as a list (read back as float32), a type with ``to_dict``/``from_dict`` by them, a params dataclass as a
+    mapping (read back with its checks), numbers and JSON values as they are. ``llm`` and fields starting with ``_``
+    are the runtime's, never stored. A field an older artifact lacks takes its default; ``RENAMED`` maps a field to
+    the key older artifacts stored it under."""
+
+    KIND: ClassVar[str]
+    NET: ClassVar[str] = "net"
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def _stored(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.name != "llm" and not f.name.startswith("_")]  # type: ignore[arg-type]
+
+    def save(self, directory: str | Path) -> Path:
+        config: dict[str, Any] = {}
+        for f in self._stored():
+            value = getattr(self, f.name)
+            if f.name == self.NET:
+                config["net"] = value.config
+            elif f.name == "fingerprint":
+                config["llm"] = llm_section(value, self.llm_ref)
+            elif f.name != "llm_ref":
+                config[f.name] = _stored_value(value)
+        return write_artifact(directory, self.KIND, getattr(self, self.NET), config)
+
+    @classmethod
+    def load(cls, directory: str | Path):
+        config, weights = read_artifact(directory, cls.KIND)
+        hints = typing.get_type_hints(cls)
+        fields: dict[str, Any] = {}
+        for f in cls._stored():
+            if f.name == cls.NET:
+                net = build_net(hints[f.name], config["net"])
+                net.load_state_dict(weights)
+                fields[f.name] = net.eval()
+            elif f.name == "fingerprint":
+                fields["fingerprint"], fields["llm_ref"] = read_llm_section(config["llm"])
+            elif f.name != "llm_ref":
+                key = f.name if f.name in config else cls.RENAMED.get(f.name, f.name)
+                if key in config:
+                    fields[f.name] = _read_value(hints[f.name], config[key], f"detector.{f.name}")
+                elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ArtifactIntegrityError(f"{Path(directory) / CONFIG} has no {f.name!r}")
+        return cls(**fields)
+
+
+def _stored_value(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return value
+
+
+def _read_value(tp: Any, value: Any, key: str) -> Any:
+    if tp is np.ndarray:
+        return np.asarray(value, dtype=np.float32)
+    if hasattr(tp, "from_dict"):
+        return tp.from_dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if tp in (int, float):
+        return tp(value)
+    return value

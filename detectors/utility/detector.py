@@ -25,7 +25,6 @@ retrieved). The RAG evaluation chooses its own operating threshold on its valida
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,6 @@ import pandas as pd
 import torch
 from torch import nn
 
-from detectors.config.core import from_dict
 from detectors.config.schema import EarlyFeatureParams
 from detectors.dior.early import features_to_row, question_features, scalar_features
 from detectors.dior.early_detector import collate, per_question
@@ -42,7 +40,7 @@ from detectors.ensemble import build_net, members
 from detectors.interfaces import Detector
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
-from detectors.registry.artifact import FrameInputs, llm_section, read_net, write_artifact
+from detectors.registry.artifact import DeclaredArtifact, FrameInputs
 from detectors.training import predict
 from detectors.utility.labels import post_features
 
@@ -107,11 +105,12 @@ class Standardised:
 
 
 @dataclasses.dataclass
-class UtilityDetector(Detector):
+class UtilityDetector(DeclaredArtifact, Detector):
     """Retrieve for this question, and keep the passages retrieved? (see the module's docstring)."""
 
     KIND = "utility"
     DECIDES = "question"
+    NET = "nets"
     INPUTS = FrameInputs({"question": "string"})
 
     nets: UtilityNets
@@ -140,45 +139,6 @@ class UtilityDetector(Detector):
         """The hidden-state indices the gate reads at the last prompt token (``features.hidden_layers``)."""
         return hidden_state_indices(
             self.features.hidden_layers, self.fingerprint.num_layers, "build_early.features.hidden_layers"
-        )
-
-    # ---- artifact -------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        config = {
-            "name": self.name,
-            "corpus": self.corpus,
-            "net": self.nets.config,
-            "pre_groups": self.pre_groups,
-            "pre_inputs": self.pre_inputs.to_dict(),
-            "gate_inputs": self.gate_inputs.to_dict(),
-            "k": self.k,
-            "threshold": self.threshold,
-            "budget_threshold": self.budget_threshold,
-            "gate_threshold": self.gate_threshold,
-            "features": dataclasses.asdict(self.features),
-            "llm": llm_section(self.fingerprint, self.llm_ref),
-            "info": self.info,
-        }
-        return write_artifact(directory, self.KIND, self.nets, config)
-
-    @classmethod
-    def load(cls, directory: str | Path) -> UtilityDetector:
-        config, nets, fingerprint, llm_ref = read_net(directory, cls.KIND, UtilityNets)
-        return cls(
-            nets=nets,
-            corpus=config["corpus"],
-            pre_groups=config["pre_groups"],
-            pre_inputs=Standardised.from_dict(config["pre_inputs"]),
-            gate_inputs=Standardised.from_dict(config["gate_inputs"]),
-            k=int(config["k"]),
-            threshold=float(config["threshold"]),
-            budget_threshold=float(config["budget_threshold"]),
-            gate_threshold=float(config["gate_threshold"]),
-            features=from_dict(EarlyFeatureParams, config["features"], "detector.features"),
-            fingerprint=fingerprint,
-            llm_ref=llm_ref,
-            info=config["info"],
-            name=config["name"],
         )
 
     # ---- scoring --------------------------------------------------------------------------------
