@@ -12,7 +12,7 @@ import yaml
 from conftest import ROOT
 
 from detectors.errors import InputError
-from pipelines._provenance import PACKAGES, STAGES, dvc_yaml, stage_closure
+from pipelines._provenance import PACKAGES, STAGES, dvc_yaml, ordered_stages, stage_closure
 
 
 def stages() -> dict[str, dict]:
@@ -107,6 +107,28 @@ def test_every_stage_module_is_in_the_dag():
     modules = {stage_module(s) for s in stages().values()}
     on_disk = {f"pipelines.{p.stem}" for p in (ROOT / "pipelines").glob("*.py") if not p.stem.startswith("_")}
     assert on_disk == modules
+
+
+def test_a_new_stage_is_its_module_placed_after_what_it_reads(tmp_path):
+    """No list names the stages: a module added under ``pipelines/`` is a stage of dvc.yaml, placed after every stage
+    whose outputs it reads and before those that read its own; stages that read each other are one error."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "pipelines/audit.py").write_text(
+        'DEPS = ("${paths.registry_early}", "${paths.qa}")\nOUTS = ("${paths.registry_early}.audit",)\n'
+    )
+    order = ordered_stages(tmp_path)
+    assert set(order) == {*STAGES, "audit"} and order.index("audit") > order.index("register")
+    assert "  audit:\n    cmd: python -m pipelines.audit\n" in dvc_yaml(tmp_path)
+    reads = yaml.safe_load(dvc_yaml(tmp_path))["stages"]
+    for name, stage in reads.items():  # every stage after the stages whose outputs it reads
+        for other in order[order.index(name) :]:
+            outs = _declared_files(reads[other]) - set(reads[other].get("deps", []))
+            assert not outs & set(stage.get("deps", [])), (name, other)
+    prepare = tmp_path / "pipelines/prepare.py"
+    prepare.write_text(prepare.read_text() + '\nDEPS = ("${paths.registry_early}.audit",)\n')
+    with pytest.raises(InputError, match=r"stages \[.*'audit'.*'prepare'.*\] read each other's outputs"):
+        ordered_stages(tmp_path)
 
 
 def _declared_files(stage: dict) -> set[str]:
