@@ -14,6 +14,8 @@ import pytest
 from conftest import ROOT, edit_params, write_params
 from safetensors.numpy import load_file
 
+from detectors.config import ParamsError
+from detectors.config.sections import declared_sections
 from detectors.dior import realtime_set
 from detectors.shards import FailedRecordsError
 from pipelines import build_early, build_realtime, build_utility, index_corpus, prepare, prepare_articles
@@ -95,7 +97,8 @@ def test_a_rag_eval_key_leaves_build_earlys_shards(project, monkeypatch):
 
 
 def test_another_sections_type_leaves_build_earlys_code_key_and_deps(tmp_path):
-    """The section types are loaded by name from a registry kept as data (``detectors/config/sections.yaml``):
+    """The section types are loaded by name from a registry kept as data (the ``SECTION_TYPES`` literals of
+    ``detectors/config/``, read without importing them):
     build_early's closure (its dvc.yaml code deps and the code key of its shards) holds the modules of the sections it
     reads, not rag_eval's, and a new section changes neither."""
     for package in PACKAGES:
@@ -109,9 +112,13 @@ def test_another_sections_type_leaves_build_earlys_code_key_and_deps(tmp_path):
     rag.write_text(rag.read_text().replace("class RagEvalParams:\n", "class RagEvalParams:\n    new_key: int\n", 1))
     assert code_digest("pipelines.build_early", tmp_path) == early_digest
     assert code_digest("pipelines.rag_eval", tmp_path) != rag_digest
-    registry = tmp_path / "detectors/config/sections.yaml"  # a new section: one line of data and its type's module
-    registry.write_text(registry.read_text() + "new_stage: detectors.config.new_stage:NewStageParams\n")
-    (tmp_path / "detectors/config/new_stage.py").write_text("class NewStageParams:\n    pass\n")
+    new = tmp_path / "detectors/config/new_stage.py"  # a new section: its type's module, declaring it beside the type
+    new.write_text('SECTION_TYPES = {"new_stage": "NewStageParams"}\n\n\nclass NewStageParams:\n    pass\n')
+    assert declared_sections(new.parent)["new_stage"] == "detectors.config.new_stage:NewStageParams"
+    (tmp_path / "detectors/config/again.py").write_text('SECTION_TYPES = {"new_stage": "Other"}\n')
+    with pytest.raises(ParamsError, match=r"'new_stage' is declared twice \(detectors\.config\.again:Other and "):
+        declared_sections(new.parent)
+    (tmp_path / "detectors/config/again.py").unlink()
     assert code_digest("pipelines.build_early", tmp_path) == early_digest
     assert stage_code_deps("pipelines.build_early", tmp_path) == stage_code_deps("pipelines.build_early")
     sections = tmp_path / "detectors/config/early.py"  # the section build_early reads does count

@@ -11,6 +11,15 @@ from typing import Literal
 
 from detectors.config.core import check_splits, fail, positive
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "llm": "LLMParams",
+    "mlflow": "MLflowParams",
+    "execution": "ExecutionParams",
+    "register_realtime": "RegisterParams",
+    "register_utility": "RegisterParams",
+}
+
 
 def check_sampled_source(where: str, source: str, limit: int | None, splits: dict[str, float], sources: str) -> None:
     """A data source sampled to ``limit`` records (by id hash) and split by id hash."""

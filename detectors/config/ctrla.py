@@ -8,6 +8,13 @@ from typing import Literal
 from detectors.config.core import fail, positive
 from detectors.config.schema import ContrastParams, MonitorParams, SteeringParams
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "extract_directions": "ExtractDirectionsParams",
+    "evaluate_directions": "EvaluateDirectionsParams",
+    "register_ctrla": "RegisterCtrlAParams",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ExtractDirectionsParams:

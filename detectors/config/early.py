@@ -9,6 +9,14 @@ from detectors.config.common import check_model_name, check_sampled_source
 from detectors.config.core import check_share, fail, positive
 from detectors.config.schema import EarlyFeatureParams, TrainingParams, check_feature_groups
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "qa": "QAParams",
+    "build_early": "BuildEarlyParams",
+    "train_early": "TrainEarlyParams",
+    "register_early": "RegisterEarlyParams",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class QAParams:

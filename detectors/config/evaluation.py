@@ -6,6 +6,12 @@ import dataclasses
 
 from detectors.config.core import check_fields, fail, positive
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "score_baselines": "ScoreBaselinesParams",
+    "evaluate": "EvaluateParams",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class EvaluatorParams:

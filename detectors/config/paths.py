@@ -10,6 +10,11 @@ from typing import Any
 
 from detectors.config.core import fail
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "paths": "Paths",
+}
+
 KEY = re.compile(r"[a-z][a-z0-9_]*")
 
 

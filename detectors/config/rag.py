@@ -11,6 +11,12 @@ from detectors.config.core import fail, positive
 from detectors.extensions import DETECTOR_KINDS, FIRES_ALWAYS, FRAMEWORKS, QUERIES, TRAINING_FREE, thresholded
 from detectors.lazy import LazyRegistry
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "index_corpus": "IndexCorpusParams",
+    "rag_eval": "RagEvalParams",
+}
+
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 RESERVED = ("sweep", "digests", "thresholds", "tuning")  # keys of paths.rag_metrics beside the corpora
 REGISTERED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*")  # <registered model>@<alias>

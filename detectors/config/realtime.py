@@ -9,6 +9,13 @@ from detectors.config.common import check_sampled_source
 from detectors.config.core import check_share, fail, positive
 from detectors.config.schema import RealtimePromptParams, TrainingParams
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "articles": "ArticlesParams",
+    "build_realtime": "BuildRealtimeParams",
+    "train_realtime": "TrainRealtimeParams",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ArticlesParams:

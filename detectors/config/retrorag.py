@@ -9,6 +9,11 @@ import math
 
 from detectors.config.core import check_fields, fail, positive
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "retrorag": "RetroRagParams",
+}
+
 # template -> the fields it must hold, each exactly once (and no other braces)
 TEMPLATE_FIELDS: dict[str, tuple[str, ...]] = {
     "answer_context": ("evidence",),

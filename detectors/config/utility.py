@@ -8,6 +8,12 @@ from detectors.config.common import check_model_name
 from detectors.config.core import check_share, fail, positive
 from detectors.config.schema import TrainingParams
 
+# the params.yaml sections these types validate (detectors.config.sections reads this literal, never imports it)
+SECTION_TYPES = {
+    "build_utility": "BuildUtilityParams",
+    "train_utility": "TrainUtilityParams",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class BuildUtilityParams:
