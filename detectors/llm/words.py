@@ -7,12 +7,21 @@ Stop words are spaCy's English list by default; a caller with a loaded spaCy pip
 
 from __future__ import annotations
 
+import re
+
 from spacy.lang.en.stop_words import STOP_WORDS
 
 from detectors.errors import InputError
 from detectors.sources.text import normalize_text, split_sentences
 
 DEFAULT_STOPWORDS: frozenset[str] = frozenset(STOP_WORDS)
+SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
+
+
+def ends_sentence(tokenizer, token_id: int) -> bool:
+    """Whether a generated token ends a sentence (where the RAG loop ends a segment): its text, right-stripped, ends
+    with ``.``, ``!`` or ``?`` and any closing quotes or brackets."""
+    return bool(SENTENCE_END.search(tokenizer.decode([int(token_id)], skip_special_tokens=True).rstrip()))
 
 
 def spacy_stopwords(model: str, key: str) -> frozenset[str]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import time
 from collections import OrderedDict
 from typing import Any
@@ -42,10 +41,9 @@ from detectors.llm import decoder
 from detectors.llm.kv import PrefixStore
 from detectors.llm.loading import LLM
 from detectors.llm.prefill import KVCache
+from detectors.llm.words import ends_sentence
 from detectors.rag.results import Retrieval
 from detectors.rag.stats import Calculator, SegmentView
-
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
 
 
 @dataclasses.dataclass
@@ -323,8 +321,7 @@ class Decoder(decoder.Decoder):
 
     def ends_segment(self, row: Row) -> bool:
         """A segment ends at a sentence end."""
-        last = self.llm.tokenizer.decode(row.gen[-1:], skip_special_tokens=True).rstrip()
-        return bool(_SENTENCE_END.search(last))
+        return bool(row.gen) and ends_sentence(self.llm.tokenizer, row.gen[-1])
 
     def view(self, row: Row, lazy: dict[str, Calculator]) -> SegmentView:
         """The segment just generated, as triggers and queries see it: its tokens, their ``prob`` and ``entropy``,

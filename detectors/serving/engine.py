@@ -14,7 +14,9 @@
   :func:`~detectors.dior.recorder.feature_rows` and the MLP; :func:`~detectors.ctrla.monitor.running_scores` over
   :meth:`~detectors.ctrla.monitor.ConfidenceMonitor.project`); a request that asked to stop and whose token reached
   the threshold gets its end-of-sequence token as the only choice; each sampled token's probability and the entropy
-  of its distribution are kept for its features (the next pass computes its hidden states).
+  of its distribution are kept for its features (the next pass computes its hidden states), and returned to a request
+  that asks for them (``stats``); a request that asks to end at a sentence end (``sentence``) gets its end-of-sequence
+  token as the only choice after a token that ends a sentence (a mask over the vocabulary, made once per engine).
 
 A generated token is scored in the pass that runs it, one step after it was chosen, as in the Hugging Face path
 (:class:`~detectors.dior.recorder.GenerationRecorder`): the last token of a request cut at its token budget never runs
@@ -35,6 +37,7 @@ from detectors.interfaces import Detector
 from detectors.llm.distribution import entropy
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import decoder, decoder_layers
+from detectors.llm.words import ends_sentence
 from detectors.serving.requests import (
     DETECTOR,
     RESULT_KEY,
@@ -104,13 +107,19 @@ class Tracked:
     projections: list[torch.Tensor] = dataclasses.field(default_factory=list)  # CtrlA: [rows, layers] chunks
     n_projected: int = 0
     error: str | None = None
+    token_stats: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)  # (a step's [rows, 2], row)
+    ends: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)  # (a step's sentence ends, row)
 
     def info(self) -> dict[str, Any]:
         scores = torch.cat([s[at].reshape(-1) for s, at in self.scores]).float().cpu().tolist() if self.scores else []
         lam = self.request.lam
         if self.steering is not None and lam is None:
             lam = float(self.steering.detector.params.lam)
+        stats = torch.stack([s[j] for s, j in self.token_stats]).float().cpu() if self.token_stats else None
         return {
+            "probs": [] if stats is None else stats[:, 0].tolist(),
+            "entropies": [] if stats is None else stats[:, 1].tolist(),
+            "ends": torch.stack([e[j] for e, j in self.ends]).cpu().tolist() if self.ends else [],
             "kind": None if self.detector is None else self.detector.kind,
             "threshold": None if self.detector is None else self.detector.threshold,
             "scores": scores[: self.n_scored],
@@ -129,7 +138,7 @@ class Step:
     captured: dict[tuple, torch.Tensor] = dataclasses.field(default_factory=dict)
     realtime: dict[str, list[tuple[Tracked, int]]] = dataclasses.field(default_factory=dict)  # spec -> (t, batch row)
     confidence: dict[str, list[tuple[Tracked, int, int]]] = dataclasses.field(default_factory=dict)  # (t, first, n)
-    sampled: list[tuple[Tracked, int]] = dataclasses.field(default_factory=list)  # real-time requests' batch rows
+    sampled: list[tuple[Tracked, int]] = dataclasses.field(default_factory=list)  # rows whose distribution is read
 
 
 class EngineDetectors:
@@ -151,6 +160,7 @@ class EngineDetectors:
         self._executing = False
         self._installed = False
         self._hooked: set[tuple] = set()
+        self._ends: torch.Tensor | None = None  # which token ids end a sentence
 
     # ---- loading --------------------------------------------------------------------------------------------------
     def served(self) -> ServedLLM:
@@ -199,12 +209,30 @@ class EngineDetectors:
             return Loaded(spec, kind, detector, [("block", layer) for layer in monitor.layers], monitor=monitor)
         return Loaded(spec, kind, detector, [("block", layer) for layer in detector.directions.layers])
 
-    def _install(self, loaded: Loaded) -> None:
+    def install(self) -> None:
+        """Hook the runner's steps (once): what every request that asks something of the engine needs."""
         if not self._installed:
+            self._check_engine()
             self._wrap("execute_model", self._execute_model)
             self._wrap("_model_forward", self._model_forward)
             self._wrap("_sample", self._sample)
             self._installed = True
+
+    def sentence_ends(self, size: int) -> torch.Tensor:
+        """``[size]`` bool on the device: which token ids end a sentence (:func:`~detectors.llm.words.ends_sentence`
+        with the served tokenizer; ids past the tokenizer's never do)."""
+        if self._ends is None or len(self._ends) != size:
+            from transformers import AutoTokenizer
+
+            config = self.worker.vllm_config.model_config
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer, trust_remote_code=config.trust_remote_code)
+            known = min(len(tokenizer), size)
+            mask = [ends_sentence(tokenizer, i) for i in range(known)] + [False] * (size - known)
+            self._ends = torch.tensor(mask, device=self.device)
+        return self._ends
+
+    def _install(self, loaded: Loaded) -> None:
+        self.install()
         blocks = decoder_layers(self.model)
         for site in loaded.sites:
             if site in self._hooked:
@@ -272,7 +300,7 @@ class EngineDetectors:
             self._executing = False
 
     def _model_forward(self, original, *args, **kwargs):
-        self.step = self._plan() if self._executing and (self.tracked or self.loaded) else None
+        self.step = self._plan() if self._executing else None
         return original(*args, **kwargs)
 
     def _plan(self) -> Step | None:
@@ -292,10 +320,12 @@ class EngineDetectors:
             if tracked.steering is not None:
                 rows[("steer", tracked.steering.spec, tracked.request.lam)].extend(range(start, start + count))
             det = tracked.detector
+            realtime = det is not None and det.kind == "dior-realtime"
+            if realtime or tracked.request.stats or tracked.request.sentence:
+                step.sampled.append((tracked, i))
             if det is None:
                 continue
-            if det.kind == "dior-realtime":
-                step.sampled.append((tracked, i))
+            if realtime:
                 position = tracked.prompt_len + tracked.n_scored  # where the next token to score runs
                 if tracked.pending is not None and first <= position < first + count:
                     rows[("capture", det.spec)].append(start + position - first)
@@ -359,12 +389,27 @@ class EngineDetectors:
             self._score_realtime(self.loaded[spec], entries, step, logits)
         for spec, entries in step.confidence.items():
             self._score_confidence(self.loaded[spec], entries, step)
+        ending = [(t, i) for t, i in step.sampled if t.request.sentence and t.ends and t.stop_token is not None]
+        if ending:  # after a sentence end, the end-of-sequence token is the only choice (no host sync)
+            rows_ending = torch.tensor([i for _, i in ending], device=logits.device)
+            tokens = torch.tensor([t.stop_token for t, _ in ending], device=logits.device)
+            ended = torch.stack([t.ends[-1][0][t.ends[-1][1]] for t, _ in ending]).to(logits.device)[:, None]
+            current = logits[rows_ending]
+            forced = torch.full_like(current, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+            logits[rows_ending] = torch.where(ended, forced, current)
         output = original(logits, *args, **kwargs)
         if step.sampled:
             tokens = output.sampled_token_ids[rows, 0].to(logp.device).clamp_min(0)
             stats = torch.stack([logp.gather(1, tokens[:, None])[:, 0].exp(), ent], dim=1)
+            ends = None
+            if any(t.request.sentence for t, _ in step.sampled):
+                ends = self.sentence_ends(logits.shape[-1]).to(tokens.device)[tokens]
             for j, (tracked, _) in enumerate(step.sampled):
                 tracked.pending = (stats, j)
+                if tracked.request.stats:
+                    tracked.token_stats.append((stats, j))
+                if tracked.request.sentence:
+                    tracked.ends.append((ends, j))
         return output
 
     def _score_realtime(self, loaded: Loaded, entries: list[tuple[Tracked, int]], step: Step, logits) -> None:

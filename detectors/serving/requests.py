@@ -8,7 +8,12 @@ A request asks in ``SamplingParams.extra_args`` (``vllm_xargs`` in an HTTP reque
 - ``stop``: true (or 1) to stop the request at the first generated token whose score is at or over the detector's
   threshold (``dior-realtime``; the completion then keeps that token and ends with :func:`stop_reason` of the detector);
 - ``steering``: a registered ``ctrla-honesty`` direction, added at its layers for this request only, with
-  ``lam`` (optional) its strength instead of the registered one.
+  ``lam`` (optional) its strength instead of the registered one;
+- ``stats``: true to get each generated token's probability and the entropy of the distribution it was chosen from
+  (what the real-time detectors and the training-free triggers read), with or without a detector;
+- ``sentence``: true to end the request right after the first generated token that ends a sentence
+  (:func:`detectors.llm.words.ends_sentence`: where the RAG loop ends a segment); the completion then ends with the
+  stop reason :data:`SENTENCE_REASON`.
 
 Each output gets :class:`Scored` back (``completion.dynrag`` offline, ``choices[i].dynrag`` over HTTP).
 """
@@ -21,12 +26,13 @@ from typing import Any
 
 from detectors.errors import InputError
 
-DETECTOR, STOP, STEERING, LAM = "detector", "stop", "steering", "lam"
-KEYS = (DETECTOR, STOP, STEERING, LAM)
+DETECTOR, STOP, STEERING, LAM, STATS, SENTENCE = "detector", "stop", "steering", "lam", "stats", "sentence"
+KEYS = (DETECTOR, STOP, STEERING, LAM, STATS, SENTENCE)
 # set by the engine's front end on its own copy of a request's params (never by a user): where the engine keeps the
 # request's results (the request id the front end answers with) and the token that stops it
 RESULT_KEY, STOP_TOKEN = "_dynrag_request", "_dynrag_stop_token"
 STOP_REASON_PREFIX = "detector:"
+SENTENCE_REASON = "sentence"  # the stop reason of a request ended at a sentence end
 SCORED_KINDS = ("dior-realtime", "ctrla-confidence")  # what ``detector`` serves (per generated token)
 STEERING_KINDS = ("ctrla-honesty",)
 STOPPING_KINDS = ("dior-realtime",)  # a threshold on one token's score; CtrlA's trigger needs the text's words
@@ -59,12 +65,20 @@ class Spec:
 
 @dataclasses.dataclass(frozen=True)
 class DetectorRequest:
-    """What one request asks: a detector to score its tokens (and stop it), a steering direction, or both."""
+    """What one request asks: a detector to score its tokens (and stop it), a steering direction, its tokens'
+    probabilities and entropies, an end at the first sentence end, or any of them together."""
 
     detector: Spec | None = None
     stop: bool = False
     steering: Spec | None = None
     lam: float | None = None
+    stats: bool = False
+    sentence: bool = False
+
+    @property
+    def stops(self) -> bool:
+        """Whether the engine may end it before its budget (at the detector's threshold or a sentence end)."""
+        return self.stop or self.sentence
 
     @classmethod
     def of(cls, extra_args: dict[str, Any] | None) -> DetectorRequest | None:
@@ -88,9 +102,12 @@ class DetectorRequest:
                 lam = math.nan
             if not math.isfinite(lam):
                 raise ServingRequestError(f"{LAM} = {args[LAM]!r}: give a finite number")
-        if detector is None and steering is None:
-            raise ServingRequestError(f"extra args {sorted(args)}: name a '{DETECTOR}' or a '{STEERING}'")
-        return cls(detector, stop, steering, lam)
+        stats, sentence = _flag(args.get(STATS), STATS), _flag(args.get(SENTENCE), SENTENCE)
+        if detector is None and steering is None and not (stats or sentence):
+            raise ServingRequestError(
+                f"extra args {sorted(args)}: name a '{DETECTOR}' or a '{STEERING}', or set '{STATS}' or '{SENTENCE}'"
+            )
+        return cls(detector, stop, steering, lam, stats, sentence)
 
     def loads(self) -> list[tuple[Spec, str]]:
         """The registered models this request needs, each with its role (``detector`` or ``steering``)."""
@@ -143,7 +160,9 @@ def stopped_by_detector(reason: Any) -> bool:
 class Scored:
     """What a request gets back: one score per generated token (None for a token the engine never ran, the last
     one of a request cut at its token budget, and the end-of-sequence token), the detector's threshold, the first
-    token at or over it (``dior-realtime``), and whether the detector stopped the request there."""
+    token at or over it (``dior-realtime``), and whether the detector stopped the request there; with ``stats``, each
+    generated token's probability and entropy (None for the end-of-sequence token that ended it); with ``sentence``,
+    whether it ended at a sentence end."""
 
     detector: str | None
     kind: str | None
@@ -153,6 +172,9 @@ class Scored:
     stopped: bool
     steering: str | None = None
     lam: float | None = None
+    probs: list[float | None] = dataclasses.field(default_factory=list)
+    entropies: list[float | None] = dataclasses.field(default_factory=list)
+    sentence_end: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,9 +186,13 @@ def scored(
     """The result of ``request`` from what the engine recorded (``info``: ``scores`` in generation order, the
     detector's ``kind``, ``threshold``, the steering's ``lam``), aligned with the output's ``token_ids``."""
     info = info or {}
-    raw = list(info.get("scores") or [])
-    n = len(token_ids) - (1 if token_ids and stop_token is not None and token_ids[-1] == stop_token else 0)
-    scores: list[float | None] = [float(s) for s in raw[:n]] + [None] * max(0, len(token_ids) - min(len(raw), n))
+    ended = bool(token_ids) and stop_token is not None and token_ids[-1] == stop_token
+    n = len(token_ids) - (1 if ended else 0)
+
+    def aligned(values: list) -> list[float | None]:
+        return [float(v) for v in values[:n]] + [None] * max(0, len(token_ids) - min(len(values), n))
+
+    scores = aligned(list(info.get("scores") or []))
     threshold = info.get("threshold")
     kind = info.get("kind")
     trigger = None
@@ -181,4 +207,7 @@ def scored(
         stopped=request.stop and trigger is not None,
         steering=None if request.steering is None else str(request.steering),
         lam=info.get("lam"),
+        probs=aligned(list(info.get("probs") or [])) if request.stats else [],
+        entropies=aligned(list(info.get("entropies") or [])) if request.stats else [],
+        sentence_end=request.sentence and ended and 0 < n <= len(info.get("ends") or []) and bool(info["ends"][n - 1]),
     )

@@ -4,15 +4,16 @@ vLLM calls :func:`register` in each of its processes. It
 
 - starts every engine eager and on vLLM's V1 model runner (the engine's hooks, :mod:`detectors.serving.engine`, see
   each layer's output; set ``DYNRAG_VLLM_PLUGIN=0`` to leave vLLM untouched);
-- gives vLLM's workers two methods the front end calls by ``collective_rpc``: ``dynrag_load`` (load a registered
-  detector in the engine, once per engine, and check it against the served LLM) and ``dynrag_results``;
+- gives vLLM's workers three methods the front end calls by ``collective_rpc``: ``dynrag_load`` (load a registered
+  detector in the engine, once per engine, and check it against the served LLM), ``dynrag_install`` (hook the engine
+  for a request that loads nothing: token statistics, a stop at a sentence end) and ``dynrag_results``;
 - makes each request that asks for a detector (:mod:`detectors.serving.requests`) skip reading the prefix cache when
   its detector reads the prompt (CtrlA's Eq. 2), salts the cache of a steered request (its states are not another
   request's), and notes where its results go and which token stops it;
 - in ``LLM.generate`` and ``AsyncLLM.generate`` (``vllm serve``): loads the detectors a request names before it runs
   (a bad one is one :class:`vllm.exceptions.VLLMValidationError` line: HTTP 400, the server goes on), and attaches the
   results to the finished output (``completion.dynrag``; ``choices[i].dynrag`` in an HTTP completion; the stop reason
-  ``detector:<name>@<alias>`` when the detector stopped the request).
+  ``detector:<name>@<alias>`` when the detector stopped the request, ``sentence`` when it ended at a sentence end).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from detectors.serving.requests import (
     DETECTOR,
     READS_PROMPT,
     RESULT_KEY,
+    SENTENCE_REASON,
     STOP_TOKEN,
     DetectorRequest,
     ServingRequestError,
@@ -60,6 +62,7 @@ def register() -> None:
     LLM.generate = _offline(LLM.generate)
     AsyncLLM.generate = _online(AsyncLLM.generate)
     WorkerBase.dynrag_load = _worker_load
+    WorkerBase.dynrag_install = _worker_install
     WorkerBase.dynrag_results = _worker_results
     try:
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
@@ -100,11 +103,11 @@ def _processed(process_inputs):
         token = (
             params.eos_token_id if params.eos_token_id is not None else next(iter(params.stop_token_ids or ()), None)
         )
-        if request.stop and (token is None or params.min_tokens):
+        if request.stops and (token is None or params.min_tokens):
             raise _invalid(
                 ServingRequestError(
-                    "stop needs a token that ends the request at once: keep the end-of-sequence token (no ignore_eos, "
-                    "or give stop_token_ids) and no min_tokens"
+                    "stop and sentence need a token that ends the request at once: keep the end-of-sequence token (no "
+                    "ignore_eos, or give stop_token_ids) and no min_tokens"
                 )
             )
         if token is not None:
@@ -140,12 +143,23 @@ def _needed(requests: list[DetectorRequest | None]) -> list[tuple[Spec, str]]:
     return list(dict.fromkeys(load for r in requests if r is not None for load in r.loads()))
 
 
-def _kind(replies: list) -> str:
-    """The kind the workers loaded (``dynrag_load``'s replies), or the load's error as one request error."""
+def _hooks_only(requests: list[DetectorRequest | None]) -> bool:
+    """Whether a request asks the engine's hooks for something without loading a detector (its statistics, an end at
+    a sentence end): the engine must then be hooked before it runs."""
+    return any(r is not None and (r.stats or r.sentence) for r in requests)
+
+
+def _answered(replies: list) -> list:
+    """The workers' replies to a ``collective_rpc``, or the first error among them as one request error."""
     error = next((r["error"] for r in replies if isinstance(r, dict) and r.get("error")), None)
     if error:
         raise _invalid(ServingRequestError(error))
-    return replies[0]["kind"]
+    return replies
+
+
+def _kind(replies: list) -> str:
+    """The kind the workers loaded (``dynrag_load``'s replies), or the load's error as one request error."""
+    return _answered(replies)[0]["kind"]
 
 
 def _check_detector(params, request: DetectorRequest, kind: str) -> None:
@@ -170,6 +184,8 @@ def _attach(output, request: DetectorRequest, info: dict | None) -> None:
     completion.dynrag = result.to_dict() | {"error": (info or {}).get("error")}
     if result.stopped:
         completion.stop_reason = stop_reason(request.detector)
+    elif result.sentence_end:
+        completion.stop_reason = SENTENCE_REASON
 
 
 # ---- offline: LLM.generate ------------------------------------------------------------------------------------------
@@ -184,6 +200,8 @@ def _offline(generate):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         kinds = {load: _kind(self.collective_rpc("dynrag_load", args=(str(load[0]), load[1], uri))) for load in
                  _needed(requests)}  # fmt: skip
+        if _hooks_only(requests):
+            _answered(self.collective_rpc("dynrag_install"))
         for params, request in zip(_params_list(sampling_params), requests):
             if request is not None and request.detector is not None:
                 _check_detector(params, request, kinds[(request.detector, DETECTOR)])
@@ -211,6 +229,9 @@ def _online(generate):
             for spec, role in request.loads():
                 if (spec, role) not in kinds:
                     kinds[(spec, role)] = _kind(await self.collective_rpc("dynrag_load", args=(str(spec), role, uri)))
+            if _hooks_only([request]) and not self.__dict__.get("_dynrag_installed"):
+                _answered(await self.collective_rpc("dynrag_install"))
+                self._dynrag_installed = True
             if request.detector is not None:
                 _check_detector(sampling_params, request, kinds[(request.detector, DETECTOR)])
         async for output in generate(self, prompt, sampling_params, request_id, *args, **kwargs):
@@ -261,6 +282,15 @@ def _worker_load(self, spec: str, role: str, tracking_uri: str | None = None) ->
             message = f"{type(err).__name__}: {message}"
         return {"error": message}
     return {"kind": loaded.kind}
+
+
+def _worker_install(self) -> dict[str, Any]:
+    """Hook this worker's engine for the requests that load no detector: ``{}``, or ``{"error": one line}``."""
+    try:
+        _engine(self).install()
+    except Exception as err:  # every failure is the request's, never the engine's
+        return {"error": " ".join(str(err).split())}
+    return {}
 
 
 def _worker_results(self, keys: list[str]) -> dict[str, dict]:
