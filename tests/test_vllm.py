@@ -23,14 +23,19 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test inst
 
 import torch  # noqa: E402
 from conftest import build_tiny_llama, known_facts, post  # noqa: E402
+from test_rag_loop import PARAMS, PASSAGES, PROMPT, QUESTIONS, between, comparable  # noqa: E402
 
 from benchmarks import vllm_detectors  # noqa: E402
 from detectors import load_detector  # noqa: E402
 from detectors.ctrla.monitor import generate_segment  # noqa: E402
 from detectors.dior.recorder import generate_traced  # noqa: E402
+from detectors.errors import InputError  # noqa: E402
 from detectors.llm.loading import LLM  # noqa: E402
 from detectors.llm.words import ends_sentence  # noqa: E402
 from detectors.mlflow_ui import free_port, running  # noqa: E402
+from detectors.rag.families import make_trigger  # noqa: E402
+from detectors.rag.loop import RagConfig, RagLoop  # noqa: E402
+from detectors.rag.retriever import BM25Retriever  # noqa: E402
 from detectors.serving.requests import SENTENCE_REASON, stop_reason, stopped_by_detector  # noqa: E402
 
 PROMPTS = ["The capital of France is", "The river of Paris is", "The author of Hamlet is", "The language of Peru is"]
@@ -227,6 +232,27 @@ def test_a_request_ends_at_the_first_sentence_end_where_the_rag_loop_ends_a_segm
         assert got.stop_reason == SENTENCE_REASON and got.dynrag["sentence_end"]
         cut += k + 1 < len(tokens)
     assert cut, "no continuation goes on after its first sentence end: the test proves no stop"
+
+
+def test_the_rag_loop_answers_the_same_with_its_segments_generated_in_vllm(engine, served, registry):
+    """``RagLoop(..., engine=)``: FLARE and the maximum entropy, at thresholds between their scores, on the tiny Llama:
+    every answer, retrieval and query equal to the Hugging Face engine's, some questions retrieving and some not; a
+    loop that reads hidden states is refused with what to do."""
+    _, llm = served
+    retriever = BM25Retriever.build(PASSAGES, PARAMS["index_corpus"]["bm25"])
+    config = RagConfig("t", PROMPT, k=1, max_new_tokens=12, max_retrievals=2)
+    for name in ("flare", "entropy_max"):
+        probe = RagLoop(llm, retriever, config, [make_trigger(name, llm, None)])
+        scores = [float(np.max(t.token_scores[name], initial=-np.inf)) for t in probe.trace(QUESTIONS)]
+        trigger = dataclasses.replace(probe.triggers[0], threshold=between(scores))
+        hf = [comparable(r) for r in RagLoop(llm, retriever, config, [trigger]).answer_all(QUESTIONS)]
+        on_vllm = RagLoop(llm, retriever, config, [trigger], engine=engine).answer_all(QUESTIONS)
+        fired = [bool(r.retrievals) for r in on_vllm]
+        assert any(fired) and not all(fired), (name, fired)
+        assert [comparable(r) for r in on_vllm] == hf, name
+    realtime = make_trigger("dior-realtime@champion", llm, None, tracking_uri=registry["uri"])
+    with pytest.raises(InputError, match=r"the vllm engine returns each token's probability and entropy only"):
+        RagLoop(llm, retriever, config, [realtime], engine=engine)
 
 
 @pytest.mark.parametrize(

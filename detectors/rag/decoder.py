@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from detectors.errors import InputError
 from detectors.llm import decoder
 from detectors.llm.kv import PrefixStore
 from detectors.llm.loading import LLM
@@ -278,7 +279,7 @@ class Decoder(decoder.Decoder):
                 todo.append(row)
             else:
                 self._take(row, segment)
-        self._timed(todo, super().decode)
+        self._timed(todo, self._generate)
         if self.segments is not None:
             for row in todo:
                 passes, generated, spent = row.mark
@@ -297,6 +298,10 @@ class Decoder(decoder.Decoder):
                     row.spent - spent,
                 )
                 self.segments.put(self.key(row), segment, pinned=self.reference)
+
+    def _generate(self, rows: list[Row]) -> None:
+        """Decode the rows' segments (the shared batched decoder)."""
+        decoder.Decoder.decode(self, rows)
 
     def _timed(self, rows: list[Row], run) -> None:
         """``run(rows)``, its seconds shared by the rows."""
@@ -334,3 +339,60 @@ class Decoder(decoder.Decoder):
         return SegmentView(
             row.question, context, list(row.gen), text, stats, probes, row.question_stats, lazy, row.kv, len(row.prompt)
         )
+
+
+class VllmDecoder(Decoder):
+    """The loop's segments generated in a vLLM engine (``engine``: a ``vllm.LLM`` on the same checkpoint as ``llm``,
+    with this package's plugin; ``llm`` still tokenizes and decodes): each row's prompt and kept tokens are one greedy
+    request that ends at its first sentence end (the plugin's ``sentence``) and returns each token's probability and
+    entropy (``stats``); vLLM's prefix cache runs a prompt it has seen once. Triggers that read a segment's
+    probabilities and entropies run on it (FLARE, the entropies); probes (hidden states, attention) and steering need
+    the Hugging Face engine, and a loop that asks for them is refused."""
+
+    def __init__(self, engine: Any, llm: LLM, probes: dict[str, Any], steering: dict, *args, **kwargs):
+        if probes or steering:
+            needs = sorted(probes) + (["steering"] if steering else [])
+            raise InputError(
+                f"the vllm engine returns each token's probability and entropy only, and this loop reads {needs}: run "
+                "its configuration on the Hugging Face engine (llm.engine: hf)"
+            )
+        super().__init__(llm, {}, {}, *args, **kwargs)
+        self.engine = engine
+
+    def prefill(self, rows: list[Row]) -> None:
+        """Nothing runs here: a row's prompt runs in the engine with its segment."""
+        for row in rows:
+            row.known = self.known(row)
+
+    def _generate(self, rows: list[Row]) -> None:
+        from vllm import SamplingParams
+
+        extra = {"stats": 1, "sentence": 1}
+        params = [
+            SamplingParams(
+                max_tokens=max(1, self.max_new_tokens - len(r.kept)), temperature=0, stop=list(self.stop) or None,
+                extra_args=dict(extra),
+            )
+            for r in rows
+        ]  # fmt: skip
+        outputs = self.engine.generate([{"prompt_token_ids": r.prompt + r.kept} for r in rows], params, use_tqdm=False)
+        for row, output in zip(rows, outputs):
+            self._segment(row, output.outputs[0])
+
+    def _segment(self, row: Row, completion: Any) -> None:
+        """The row's segment from the engine's completion: its tokens (an end-of-sequence token ends the answer unless
+        the engine put it after a sentence end; a token that completed a stop string is the row's ``stop_token``)
+        with their probabilities and entropies, and what generating them cost."""
+        ids, result = list(completion.token_ids), completion.dynrag
+        probs, entropies = list(result["probs"]), list(result["entropies"])
+        row.stop_token, row.done = None, completion.finish_reason == "length"
+        if ids and ids[-1] in self.eos:
+            ids.pop()
+            row.done = row.done or not result["sentence_end"]
+        elif completion.finish_reason == "stop" and completion.stop_reason in self.stop:
+            row.stop_token, row.done = ids.pop(), True
+        row.gen, row.prob, row.entropy = ids, probs[: len(ids)], entropies[: len(ids)]
+        row.done = row.done or len(row.kept) + len(ids) >= self.max_new_tokens
+        row.ran, row.kv, row.logits, row.values = row.prompt + row.kept + ids, None, None, {}
+        row.generated += len(ids) + (row.stop_token is not None)
+        row.passes += 1 + len(ids)  # the prompt's pass, then one a token

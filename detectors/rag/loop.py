@@ -30,6 +30,7 @@ of the statistics it reads (:mod:`detectors.rag.triggers`, :mod:`detectors.rag.s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from detectors.config.schema import PromptParams
 from detectors.llm.loading import LLM
 from detectors.rag.context import find_passages, render_passages, with_context
 from detectors.rag.controllers import Fire
-from detectors.rag.decoder import Decoder, Row, Shared
+from detectors.rag.decoder import Decoder, Row, Shared, VllmDecoder
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.results import RagResult, Retrieval, result
 from detectors.rag.retriever import Hit, Retriever
@@ -99,7 +100,9 @@ class RagLoop:
     ({key: probe}, beside those of the triggers' calculators and controllers), so that other loops reading them can
     take its segments. A ``reference`` loop reads nothing others ran (its answers depend on its own questions only)
     and keeps its segments for every loop until ``shared`` is cleared: the no-retrieval and always-retrieve decodings
-    every other loop of a shard of questions branches from.
+    every other loop of a shard of questions branches from. ``engine``: a ``vllm.LLM`` on the same checkpoint (with this
+    package's plugin) that generates the segments instead of the shared decoder
+    (:class:`~detectors.rag.decoder.VllmDecoder`: for triggers that read token probabilities and entropies).
 
     Controllers act through :meth:`retrieve`, :meth:`set_prompt` and :meth:`keep`.
     """
@@ -115,6 +118,7 @@ class RagLoop:
         shared: Shared | None = None,
         probes: dict[str, Any] | None = None,
         reference: bool = False,
+        engine: Any = None,
     ):
         name = config.name
         if "{question}" not in config.prompt.template:
@@ -138,7 +142,7 @@ class RagLoop:
         for t in self.triggers:
             own.update(t.controller.probes())
         self.shared = shared
-        self.decoder = Decoder(
+        self.decoder = (Decoder if engine is None else functools.partial(VllmDecoder, engine))(
             llm,
             {**(probes or {}), **own},
             steering or {},
