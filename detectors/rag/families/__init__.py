@@ -61,7 +61,7 @@ def make_trigger(
             f"{', '.join(DETECTOR_KINDS)})"
         )
     entry = DETECTOR_KINDS.load(detector.KIND)
-    context = TriggerContext(llm, spacy_model, name, detector)
+    context = TriggerContext(llm, spacy_model, name, detector, spec)
     own = entry_settings(entry.settings, detector.KIND, settings, SETTINGS, "trigger")
     trigger = entry.build(context, own)
     module = DETECTOR_KINDS.module(detector.KIND)

@@ -19,13 +19,14 @@ from detectors.rag.triggers import PROBABILITY, Policy, Trigger, TriggerContext,
 class MlpCalculator(Calculator):
     """``mlp``: the real-time detector's P(hallucination) of each generated token, from the hidden states the loop's
     own passes produced (its probe) and the token's probability and entropy, computed by the detector's
-    serving function (:meth:`~detectors.dior.realtime_detector.RealtimeDetector.score_tokens`); lazily
-    ``keywords``: the entity tokens of the generated text it does not flag (DioR §3.2, §3.3.1)."""
+    serving function (:meth:`~detectors.dior.realtime_detector.RealtimeDetector.score_tokens`), or by a serving engine
+    that loaded it as ``served``; lazily ``keywords``: the entity tokens of the generated text it does not flag (DioR
+    §3.2, §3.3.1)."""
 
     key, provides, lazy = "mlp", ("mlp",), ("keywords",)
 
-    def __init__(self, detector):
-        self.detector = detector
+    def __init__(self, detector, served: str | None = None):
+        self.detector, self.served = detector, served or None
         self.probe = StateTap(detector.llm.model, detector.state_indices)
 
     def segments(self, views: list[SegmentView]) -> None:
@@ -61,9 +62,8 @@ def early(context: TriggerContext, settings: None) -> Trigger:
 def realtime(context: TriggerContext, settings: None) -> Trigger:
     name, detector = context.name, context.detector
     scorer = realtime_detector_scorer(Level.TOKEN, name)
-    return Trigger(
-        name, scorer, float(detector.threshold), Policy("token"), (MlpCalculator(detector),), scores=PROBABILITY
-    )
+    calculator = MlpCalculator(detector, context.spec)
+    return Trigger(name, scorer, float(detector.threshold), Policy("token"), (calculator,), scores=PROBABILITY)
 
 
 EARLY = TriggerEntry(early)

@@ -19,7 +19,7 @@ class RindCalculator(Calculator):
     recorded (the real-time set's RIND, :func:`~detectors.baselines.rind.rind_scores`, is the same function on the
     stored continuations)."""
 
-    key, provides = "rind", ("rind",)
+    key, provides, reads_kv = "rind", ("rind",), True
 
     def __init__(self, llm: LLM, stopwords: frozenset[str]):
         self.llm, self.stopwords = llm, stopwords
