@@ -96,7 +96,7 @@ class Detector(abc.ABC):
     ) -> LLM:
         """Load the LLM from where the artifact says it came from (relative locations against ``root``, default
         the working directory), in the recorded feature dtype unless ``dtype`` is given, and attach it."""
-        llm = load_recorded(self.llm_ref, f"detector {self.KIND!r}", dtype, device, root)
+        llm = load_recorded(self.llm_ref, f"detector {self.KIND!r}", dtype, device, root, self.fingerprint)
         self.attach(llm, allow_dtype_mismatch)
         return self.llm
 

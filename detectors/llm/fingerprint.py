@@ -78,10 +78,14 @@ class Fingerprint:
     def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
+    def differences(self, other: Fingerprint) -> dict[str, tuple[Any, Any]]:
+        """The identity fields (not the name) in which ``other`` differs: ``{field: (this, other)}``."""
+        keys = ("weights_digest", "hidden_size", "num_layers", "vocab_size")
+        return {k: (getattr(self, k), getattr(other, k)) for k in keys if getattr(self, k) != getattr(other, k)}
+
     def require_same(self, other: Fingerprint, what: str) -> None:
         """Raise if ``other`` (the LLM in hand) is not the LLM that ``what`` was built with."""
-        keys = ("weights_digest", "hidden_size", "num_layers", "vocab_size")
-        diff = {k: (getattr(self, k), getattr(other, k)) for k in keys if getattr(self, k) != getattr(other, k)}
+        diff = self.differences(other)
         if diff:
             details = ", ".join(f"{k}: built with {a!r}, given {b!r}" for k, (a, b) in diff.items())
             raise LLMMismatchError(

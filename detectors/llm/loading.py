@@ -278,33 +278,45 @@ def prepared_reference(directory: str | Path) -> tuple[Fingerprint, dict[str, An
 
 
 def load_recorded(
-    ref: dict[str, Any], what: str, dtype: str | None = None, device: str = "auto", root: str | Path | None = None
+    ref: dict[str, Any],
+    what: str,
+    dtype: str | None = None,
+    device: str = "auto",
+    root: str | Path | None = None,
+    expected: Fingerprint | None = None,
 ) -> LLM:
     """Load the LLM an artifact recorded (``prepared_reference``): its prepared directory, else its source.
 
     Relative locations are resolved against ``root`` (default: the working directory, i.e. the project
     root). ``dtype`` None loads in the dtype the artifact's features were computed in (``ref["dtype"]``),
-    else ``auto`` for artifacts that record none.
+    else ``auto`` for artifacts that record none. With ``expected`` (the fingerprint the artifact was built with), a
+    location holding another LLM (another project's ``data/llm`` under the same relative path) gives way to the next;
+    when none holds it, the first LLM loaded is returned, for the caller's check to name the difference.
     """
     dtype = dtype or ref.get("dtype") or "auto"
     base = Path(root if root is not None else Path.cwd())
-    errors = []
+    errors, locations = [], []
     if ref.get("dir"):
         directory = base / ref["dir"]
         if (directory / MANIFEST).exists():
-            try:
-                return load_llm(str(directory), dtype, device, ref.get("gguf_file"))
-            except (OSError, ValueError) as err:
-                errors.append(f"{directory}: {err}")
+            locations.append(str(directory))
         else:
             errors.append(f"{directory}: no prepared LLM ({MANIFEST}) there")
     if ref.get("source"):
         source = ref["source"]
-        location = str(base / source) if not Path(source).is_absolute() and (base / source).exists() else source
+        locations.append(str(base / source) if not Path(source).is_absolute() and (base / source).exists() else source)
+    first = None
+    for location in locations:
         try:
-            return load_llm(location, dtype, device, ref.get("gguf_file"))
+            llm = load_llm(location, dtype, device, ref.get("gguf_file"))
         except (OSError, ValueError) as err:
             errors.append(f"{location}: {err}")
+            continue
+        if expected is None or not expected.differences(llm.fingerprint):
+            return llm
+        first = first or llm
+    if first is not None:
+        return first
     raise RuntimeError(
         f"could not load the LLM of {what}: "
         + ("; ".join(errors) or "the artifact records no location")
