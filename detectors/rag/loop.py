@@ -144,12 +144,12 @@ class RagLoop:
                 f"configuration {name!r}: {kv} run the LLM on the loop's key/value cache, which a serving engine keeps "
                 "to itself: run it on the Hugging Face engine"
             )
-        served = {c.provides[0]: c.served for c in self.calculators if c.served} if engine is not None else {}
-        served_keys = {c.key for c in self.calculators if c.served and engine is not None}
-        own = {c.key: c.probe for c in self.calculators if c.probe is not None and c.key not in served_keys}
+        on_engine = [c for c in self.calculators if c.served] if engine is not None else []  # scored by the engine
+        own = {c.key: c.probe for c in self.calculators if c.probe is not None and c not in on_engine}
         for t in self.triggers:
             own.update(t.controller.probes())
         self.shared = shared
+        served = {c.provides[0]: c.served for c in on_engine}
         self.decoder = (Decoder if engine is None else functools.partial(VllmDecoder, engine, served))(
             llm,
             {**(probes or {}), **own},

@@ -390,13 +390,9 @@ class EngineDetectors:
         for spec, entries in step.confidence.items():
             self._score_confidence(self.loaded[spec], entries, step)
         ending = [(t, i) for t, i in step.sampled if t.request.sentence and t.ends and t.stop_token is not None]
-        if ending:  # after a sentence end, the end-of-sequence token is the only choice (no host sync)
-            rows_ending = torch.tensor([i for _, i in ending], device=logits.device)
-            tokens = torch.tensor([t.stop_token for t, _ in ending], device=logits.device)
-            ended = torch.stack([t.ends[-1][0][t.ends[-1][1]] for t, _ in ending]).to(logits.device)[:, None]
-            current = logits[rows_ending]
-            forced = torch.full_like(current, float("-inf")).scatter_(1, tokens[:, None], 0.0)
-            logits[rows_ending] = torch.where(ended, forced, current)
+        if ending:  # after a sentence end, the end-of-sequence token is the only choice
+            ended = torch.stack([t.ends[-1][0][t.ends[-1][1]] for t, _ in ending])
+            _force_stop(logits, [i for _, i in ending], [t.stop_token for t, _ in ending], ended)
         output = original(logits, *args, **kwargs)
         if step.sampled:
             tokens = output.sampled_token_ids[rows, 0].to(logp.device).clamp_min(0)
@@ -426,14 +422,9 @@ class EngineDetectors:
             tracked.n_scored += 1
             tracked.pending = None
         stopping = [j for j, (t, _) in enumerate(entries) if t.request.stop and t.stop_token is not None]
-        if stopping:  # no host sync: the forced row replaces the logits only where the score reached the threshold
-            at = torch.tensor(stopping, device=scores.device)
-            rows = torch.tensor([entries[j][1] for j in stopping], device=logits.device)
-            tokens = torch.tensor([entries[j][0].stop_token for j in stopping], device=logits.device)
-            current = logits[rows]
-            forced = torch.full_like(current, float("-inf")).scatter_(1, tokens[:, None], 0.0)
-            hit = (scores[at] >= det.threshold).to(logits.device)[:, None]
-            logits[rows] = torch.where(hit, forced, current)
+        if stopping:  # where the score reached the threshold, the end-of-sequence token is the only choice
+            hit = scores[torch.tensor(stopping, device=scores.device)] >= det.threshold
+            _force_stop(logits, [entries[j][1] for j in stopping], [entries[j][0].stop_token for j in stopping], hit)
 
     def _score_confidence(self, loaded: Loaded, entries: list[tuple[Tracked, int, int]], step: Step) -> None:
         monitor = loaded.monitor
@@ -454,3 +445,14 @@ class EngineDetectors:
         for b, (tracked, new) in enumerate(scoring):
             tracked.scores.append((scores[b], slice(new, tracked.n_projected)))
             tracked.n_scored += tracked.n_projected - new
+
+
+def _force_stop(logits: torch.Tensor, rows: list[int], tokens: list[int], where: torch.Tensor) -> None:
+    """Leave each of ``rows`` (of ``logits``) its stop token ``tokens`` as the only choice where ``where`` (a bool per
+    row, on any device) holds; elsewhere its logits stay. On the device, with no host synchronisation."""
+    index = torch.tensor(rows, device=logits.device)
+    current = logits[index]
+    forced = torch.full_like(current, float("-inf")).scatter_(
+        1, torch.tensor(tokens, device=logits.device)[:, None], 0.0
+    )
+    logits[index] = torch.where(where.to(logits.device)[:, None], forced, current)
