@@ -140,12 +140,9 @@ def _entry(entry: Any, where: str) -> list[str]:
     return lines + [f"          {key}: {str(value).lower()}" for key, value in options.items()]
 
 
-STAGES = ordered_stages()  # dvc.yaml's stages in order, each ``python -m pipelines.<stage>``
-
-
 def dvc_yaml(root: Path = ROOT) -> str:
-    """The text of ``dvc.yaml``: :data:`HEADER`, then each of :data:`STAGES` from its module's declarations, its code
-    deps (:func:`stage_code_deps`) before its data deps."""
+    """The text of ``dvc.yaml``: :data:`HEADER`, then each stage of :func:`ordered_stages` from its module's
+    declarations, its code deps (:func:`stage_code_deps`) before its data deps."""
     out = [HEADER + "stages:"]
     for i, stage in enumerate(ordered_stages(root)):
         module = f"pipelines.{stage}"

@@ -358,7 +358,7 @@ class VllmDecoder(Decoder):
             needs = sorted(probes) + (["steering"] if steering else []) + sorted(served)[1:]
             raise InputError(
                 f"the vllm engine serves each token's probability and entropy and one registered detector's score, and "
-                f"this loop also reads {needs}: run its configuration on the Hugging Face engine (llm.engine: hf)"
+                f"this loop also reads {needs}: run its configuration on the Hugging Face engine (no engine=)"
             )
         super().__init__(llm, {}, {}, *args, **kwargs)
         self.engine, self.served = engine, dict(served)
