@@ -36,6 +36,18 @@ class Watch:
     extra: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """What registering a trained detector records beside its artifact (:meth:`Detector.registration`): ``features``,
+    what a champion must share with a new version to be compared with it (None: any version); ``params``, logged with
+    its run and kept in the model's metadata; ``val_key``, the ``info`` key of the validation AUROC the champion rule
+    compares."""
+
+    features: str | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    val_key: str = "best_val_auroc"
+
+
 class Detector(abc.ABC):
     """A trained or extracted detector as stored in the registry.
 
@@ -108,6 +120,11 @@ class Detector(abc.ABC):
         """A detector that decides during generation (``DECIDES == "generation"``): generate from ``text`` with it
         attached and say where it fires; ``needs`` gives what :data:`WATCH_NEEDS` names."""
         raise NotImplementedError(f"a {self.KIND!r} detector does not watch a generation (DECIDES={self.DECIDES!r})")
+
+    def registration(self) -> Registration:
+        """What the register stage records of this detector beside its artifact (a trained kind says what sets its
+        versions apart: its feature set, its layers, its corpus)."""
+        return Registration()
 
 
 class Level(str, enum.Enum):

@@ -16,11 +16,13 @@ import ast
 import dataclasses
 import importlib.metadata
 import logging
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from detectors.config.core import load_yaml
 from detectors.config.sections import section_modules
 from detectors.errors import InputError
 from detectors.execution import LLMSpec
@@ -44,36 +46,75 @@ HEADER = """\
 """
 
 
-def declared(module: str, name: str, root: Path = ROOT) -> tuple:
-    """The value of the module-level literal ``name`` (``READS``, ``DEPS``, ``OUTS``, ``METRICS``, ``PLOTS``) of a
-    stage module, read from its source without importing it; () if it has none."""
+def literal(module: str, name: str, root: Path = ROOT) -> Any:
+    """The value of the module-level literal ``name`` of a stage module, read from its source without importing it;
+    None if it has none."""
     path = module_file(module, root)
     for node in ast.parse(path.read_text()).body if path else []:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            return tuple(ast.literal_eval(node.value))
-    return ()
+            return ast.literal_eval(node.value)
+    return None
 
 
-def _outputs(module: str, root: Path) -> list[str]:
-    return [
-        e if isinstance(e, str) else e[0] for key in ("OUTS", "METRICS", "PLOTS") for e in declared(module, key, root)
-    ]
+def declared(module: str, name: str, root: Path = ROOT) -> tuple:
+    """The stage module's declaration ``name`` (``READS``, ``DEPS``, ``OUTS``, ``METRICS``, ``PLOTS``); () if it has
+    none."""
+    return tuple(literal(module, name, root) or ())
+
+
+def _table(key: str, root: Path) -> dict[str, Any]:
+    """The params table ``key`` (a dotted key of ``root/params.yaml``) a ``FOREACH`` stage runs once per key of; {}
+    without a params file there."""
+    path = root / "params.yaml"
+    value: Any = load_yaml(path.read_text(encoding="utf-8")) if path.exists() else {}
+    for part in key.split("."):
+        value = value.get(part, {}) if isinstance(value, dict) else {}
+    return value if isinstance(value, dict) else {}
+
+
+def _paths(module: str, names: tuple[str, ...], root: Path) -> list[str]:
+    """The paths of the stage's declarations ``names``, ``${paths.<key>}`` as written; a ``FOREACH`` stage's once per
+    key of its table, ``${key}`` and ``${item.<field>}`` filled in from the table."""
+    entries = [e if isinstance(e, str) else e[0] for name in names for e in declared(module, name, root)]
+    foreach = literal(module, "FOREACH", root)
+    if not foreach:
+        return entries
+    out = []
+    for key, item in _table(foreach, root).items():
+        fields = {"${key}": str(key)} | {f"${{item.{f}}}": str(v) for f, v in (item or {}).items()}
+        for entry in entries:
+            for template, value in fields.items():
+                entry = entry.replace(template, value)
+            out.append(entry)
+    return out
+
+
+def _resolve(path: str, root: Path) -> str:
+    """``path`` with ``${paths.<key>}`` replaced by ``root/params.yaml``'s value (left as written without one)."""
+    paths = _table("paths", root)
+    return re.sub(r"\$\{paths\.(\w+)\}", lambda m: str(paths.get(m.group(1), m.group(0))), path)
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` are the same or one lies under the other."""
+    a, b = a.rstrip("/"), b.rstrip("/")
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
 
 
 def ordered_stages(root: Path = ROOT) -> tuple[str, ...]:
     """``dvc.yaml``'s stages: every stage module (``pipelines/<stage>.py``, not ``_``-prefixed), each after the
-    stages whose outputs it reads (a ``DEPS`` entry that is, or lies under, one of their ``OUTS``, ``METRICS`` or
-    ``PLOTS``); among those ready, first the one reading the stage placed last (a chain stays together), then by
-    name. A new stage is its module: nothing lists it. Stages that read each other's outputs are an InputError."""
+    stages whose outputs it reads (a ``DEPS`` entry that is, lies under or holds one of their ``OUTS``, ``METRICS`` or
+    ``PLOTS``, a ``FOREACH`` stage's for every key of its table); among those ready, first the one reading the stage
+    placed last (a chain stays together), then by name. A new stage is its module: nothing lists it. Stages that read
+    each other's outputs are an InputError."""
     names = sorted(p.stem for p in (root / "pipelines").glob("*.py") if not p.stem.startswith("_"))
-    outs = {n: _outputs(f"pipelines.{n}", root) for n in names}
+    kinds = {"deps": ("DEPS",), "outs": ("OUTS", "METRICS", "PLOTS")}
+    paths = {
+        n: {k: [_resolve(p, root) for p in _paths(f"pipelines.{n}", keys, root)] for k, keys in kinds.items()}
+        for n in names
+    }
     reads = {
-        n: {
-            m
-            for d in declared(f"pipelines.{n}", "DEPS", root)
-            for m in names
-            if m != n and any(d == o or d.startswith(o.rstrip("/") + "/") for o in outs[m])
-        }
+        n: {m for d in paths[n]["deps"] for m in names if m != n and any(_overlap(d, o) for o in paths[m]["outs"])}
         for n in names
     }
     order: list[str] = []
@@ -142,19 +183,23 @@ def _entry(entry: Any, where: str) -> list[str]:
 
 def dvc_yaml(root: Path = ROOT) -> str:
     """The text of ``dvc.yaml``: :data:`HEADER`, then each stage of :func:`ordered_stages` from its module's
-    declarations, its code deps (:func:`stage_code_deps`) before its data deps."""
+    declarations, its code deps (:func:`stage_code_deps`) before its data deps. A stage with a ``FOREACH`` (a dotted
+    params key naming a table) is DVC's ``foreach`` over that table: one stage per key, run with ``--item <key>``, its
+    declarations free to use ``${key}`` and ``${item.<field>}``."""
     out = [HEADER + "stages:"]
     for i, stage in enumerate(ordered_stages(root)):
         module = f"pipelines.{stage}"
-        lines = ["", f"  {stage}:"] if i else [f"  {stage}:"]
-        lines += [f"    cmd: python -m {module}", "    deps:"]
+        foreach = literal(module, "FOREACH", root)
+        lines = [f"    cmd: python -m {module}" + (" --item ${key}" if foreach else ""), "    deps:"]
         lines += [f"      - {d}" for d in stage_code_deps(module, root) + list(declared(module, "DEPS", root))]
         lines += ["    params:"] + [f"      - {key}" for key in declared_reads(module, root)]
         for section in ("outs", "metrics", "plots"):
             if entries := declared(module, section.upper(), root):
                 where = f"pipelines/{stage}.py {section.upper()}"
                 lines += [f"    {section}:"] + [line for e in entries for line in _entry(e, where)]
-        out += lines
+        if foreach:
+            lines = [f"    foreach: ${{{foreach}}}", "    do:"] + ["  " + line for line in lines]
+        out += (["", f"  {stage}:"] if i else [f"  {stage}:"]) + lines
     return "\n".join(out) + "\n"
 
 

@@ -60,10 +60,7 @@ READS = (
     "mlflow",
     "paths.llm",
     "paths.qa",
-    "paths.registry_early",
-    "paths.registry_realtime",
-    "paths.registry_ctrla",
-    "paths.registry_utility",
+    "paths.registry",
     "paths.rag_index",
     "paths.rag_runs",
     "paths.rag_metrics",
@@ -76,10 +73,7 @@ READS = (
 DEPS = (
     "${paths.llm}",
     "${paths.qa}",
-    "${paths.registry_early}",
-    "${paths.registry_realtime}",
-    "${paths.registry_ctrla}",
-    "${paths.registry_utility}",
+    "${paths.registry}",
     "${paths.rag_index}",
     "${paths.index_report}",
 )

@@ -27,12 +27,12 @@ from detectors.registry import store
 from pipelines._stage import run, stage_params
 
 log = logging.getLogger("register_ctrla")
-READS = ("register_ctrla", "mlflow", "paths.directions", "paths.evaluate_directions_metrics", "paths.registry_ctrla")
+READS = ("register_ctrla", "mlflow", "paths.directions", "paths.evaluate_directions_metrics", "paths.registry")
 DEPS = (
     "${paths.directions}",
     "${paths.evaluate_directions_metrics}",
 )
-OUTS = (("${paths.registry_ctrla}", {"cache": False}),)
+OUTS = (("${paths.registry}/ctrla.json", {"cache": False}),)
 
 
 def _section(metrics: dict, concept: str) -> dict:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         results[concept]["layers"], results[concept]["layer_range"] = d.layers, selection
         log.info("%s", results[concept])
-    write_json(params["paths.registry_ctrla"], results)
+    write_json(Path(params["paths.registry"]) / "ctrla.json", results)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,8 @@ def write_params(workdir: Path, checkpoint: Path) -> Path:
     )
     # the tiny Llama never learnt to read passages (tests/test_utility.py trains one that did)
     params["build_utility"]["corpora"] = []
+    detectors = params["register"]["detectors"]
+    params["register"]["detectors"] = {k: v for k, v in detectors.items() if not k.startswith("utility-")}
     path = workdir / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path

@@ -56,13 +56,12 @@ def test_shipped_params_validate():
         "train_early",
         "evaluate",
         "mlflow",
-        "register_early",
+        "register",
         "articles",
         "build_realtime",
         "train_realtime",
-        "register_realtime",
     } <= set(sections)
-    assert sections["register_realtime"].name == "dior-realtime"
+    assert sections["register"].detectors["dior-realtime"].artifact == "data/models/realtime"
     qa = sections["qa"]
     assert isinstance(qa, QAParams)
     assert abs(sum(qa.splits.values()) - 1.0) < 1e-9
@@ -104,9 +103,9 @@ def test_a_missing_key_or_section_is_an_error_naming_it(shipped, tmp_path):
     with pytest.raises(ParamsError, match=r"build_early\.features\.prompt\.system = None: required key is missing"):
         load_section("build_early", write_params(tmp_path, data))
     data = copy.deepcopy(shipped)
-    del data["register_realtime"]
-    with pytest.raises(ParamsError, match="register_realtime = None: required section is missing"):
-        load_section("register_realtime", write_params(tmp_path, data))
+    del data["register"]
+    with pytest.raises(ParamsError, match="register = None: required section is missing"):
+        load_section("register", write_params(tmp_path, data))
     with pytest.raises(ParamsError, match="no params section named 'nope'"):
         load_section("nope", SHIPPED)
 
@@ -233,10 +232,7 @@ def test_shipped_dior_early_is_the_papers_rnn_over_ig_features():
         "first_token",
         "hidden",
     }
-    assert sections["register_early"].names == {
-        "dior-early": "dior-early",
-        "dior-early-extended": "dior-early-extended",
-    }
+    assert {"dior-early", "dior-early-extended"} <= set(sections["register"].detectors)
 
 
 @pytest.mark.parametrize(
@@ -256,14 +252,19 @@ def test_shipped_dior_early_is_the_papers_rnn_over_ig_features():
             "train_early.ablation[0]",
             "same feature groups as train_early.detectors.dior-early",
         ),
-        ("register_early.names", {}, "register_early.names", "at least one trained early detector"),
+        ("register.detectors", {}, "register.detectors", "at least one trained detector"),
         (
-            "register_early.names",
-            {"dior-early": "x", "dior-early-extended": "x"},
-            "register_early.names",
-            "under one name",
+            "register.detectors",
+            {"models:/x": {"artifact": "a", "metrics": "m.json", "keys": ["question", "x"]}},
+            "register.detectors",
+            "letters, digits",
         ),
-        ("register_early.names", {"dior-early": "models:/x"}, "register_early.names.dior-early", "letters, digits"),
+        (
+            "register.detectors",
+            {"x": {"artifact": "a", "metrics": "m.json", "keys": []}},
+            "register.detectors.x.keys",
+            "keys down to the detector's test metrics",
+        ),
     ],
 )
 def test_early_detector_names_and_feature_sets_are_checked(shipped, tmp_path, key, value, where, why):

@@ -16,12 +16,13 @@ from pipelines._provenance import PACKAGES, dvc_yaml, ordered_stages, stage_clos
 
 
 def stages() -> dict[str, dict]:
-    return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    """dvc.yaml's stages by name, each as it runs (a ``foreach`` stage's ``do``)."""
+    return {name: s.get("do", s) for name, s in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items()}
 
 
 def stage_module(stage: dict) -> str:
     cmd = stage["cmd"].split()
-    assert cmd[:3] == ["python", "-m", cmd[2]] and cmd[2].startswith("pipelines."), f"unexpected cmd {stage['cmd']!r}"
+    assert cmd[:2] == ["python", "-m"] and cmd[2].startswith("pipelines."), f"unexpected cmd {stage['cmd']!r}"
     return cmd[2]
 
 
@@ -87,7 +88,10 @@ def test_each_stage_is_its_modules_declarations_and_its_params_exactly_what_it_r
     """The entry of ``name`` is what its module declares (imported here, read from source by the command): the
     params DVC watches are the keys StageParams lets it read, and its data deps, outs, metrics and plots."""
     stage, module = stages()[name], importlib.import_module(f"pipelines.{name}")
-    assert stage["cmd"] == f"python -m pipelines.{name}"
+    foreach = getattr(module, "FOREACH", None)  # DVC's foreach over that params table, one run per key
+    assert stage["cmd"] == f"python -m pipelines.{name}" + (" --item ${key}" if foreach else "")
+    entry = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][name]
+    assert entry.get("foreach") == (f"${{{foreach}}}" if foreach else None)
     assert stage["params"] == list(module.READS)
     assert stage["deps"][len(stage["deps"]) - len(getattr(module, "DEPS", ())) :] == list(getattr(module, "DEPS", ()))
     assert all(
@@ -114,19 +118,20 @@ def test_a_new_stage_is_its_module_placed_after_what_it_reads(tmp_path):
     whose outputs it reads and before those that read its own; stages that read each other are one error."""
     for package in PACKAGES:
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", tmp_path)  # what a foreach stage (register) runs over, and the paths
     (tmp_path / "pipelines/audit.py").write_text(
-        'DEPS = ("${paths.registry_early}", "${paths.qa}")\nOUTS = ("${paths.registry_early}.audit",)\n'
+        'DEPS = ("${paths.registry}", "${paths.qa}")\nOUTS = ("${paths.registry}.audit",)\n'
     )
     order = ordered_stages(tmp_path)
     assert set(order) == {*ordered_stages(), "audit"} and order.index("audit") > order.index("register")
     assert "  audit:\n    cmd: python -m pipelines.audit\n" in dvc_yaml(tmp_path)
-    reads = yaml.safe_load(dvc_yaml(tmp_path))["stages"]
+    reads = {n: s.get("do", s) for n, s in yaml.safe_load(dvc_yaml(tmp_path))["stages"].items()}
     for name, stage in reads.items():  # every stage after the stages whose outputs it reads
         for other in order[order.index(name) :]:
             outs = _declared_files(reads[other]) - set(reads[other].get("deps", []))
             assert not outs & set(stage.get("deps", [])), (name, other)
     prepare = tmp_path / "pipelines/prepare.py"
-    prepare.write_text(prepare.read_text() + '\nDEPS = ("${paths.registry_early}.audit",)\n')
+    prepare.write_text(prepare.read_text() + '\nDEPS = ("${paths.registry}.audit",)\n')
     with pytest.raises(InputError, match=r"stages \[.*'audit'.*'prepare'.*\] read each other's outputs"):
         ordered_stages(tmp_path)
 

@@ -97,9 +97,7 @@ def test_comparison_runs_are_served_flat_with_their_tags(server, project):
 
 def test_registered_detectors_have_champion_aliases(server, project):
     models = call(server, "/api/2.0/mlflow/registered-models/search?max_results=100")["registered_models"]
-    early = json.loads((project / "data/registry/early.json").read_text())  # one entry per early detector
-    outputs = {entry["name"]: entry for entry in early.values()}
-    outputs["dior-realtime"] = json.loads((project / "data/registry/dior-realtime.json").read_text())
+    outputs = {p.stem: json.loads(p.read_text()) for p in (project / "data/registry").glob("*.json")}  # one a name
     assert {"dior-early", "dior-early-extended", "dior-realtime"} <= set(outputs) <= {m["name"] for m in models}
     for name, registered in outputs.items():
         version = call(server, f"/api/2.0/mlflow/registered-models/alias?name={name}&alias=champion")["model_version"]
@@ -124,14 +122,12 @@ def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline
     pipeline = pipeline_copy  # the register stage runs in it: its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
     params["mlflow"] = {"tracking_uri": url, "artifact_root": None}  # the server chooses where artifacts go
-    params["paths"].update(
-        registry_early=str(tmp_path / "early.json"), registry_realtime=str(tmp_path / "realtime.json")
-    )
+    params["paths"]["registry"] = str(tmp_path)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     local_uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     try:
         register_stage.main(["--params", str(tmp_path / "params.yaml")])
-        first = json.loads((tmp_path / "early.json").read_text())["dior-early"]
+        first = json.loads((tmp_path / "dior-early.json").read_text())
         assert first["version"] == 1 and first["alias_moved"]
         # the weights went to the server's artifact store, not the project's
         assert any(artifacts.rglob("*.safetensors"))
@@ -142,7 +138,7 @@ def test_a_team_server_receives_the_pipelines_detectors_and_serves_them(pipeline
         realtime = load_detector("dior-realtime", tracking_uri=url, llm=tiny_llm)
         assert realtime.threshold == load_detector("dior-realtime", tracking_uri=local_uri, llm=tiny_llm).threshold
         register_stage.main(["--params", str(tmp_path / "params.yaml")])  # the champion rule, through the server
-        second = json.loads((tmp_path / "early.json").read_text())["dior-early"]
+        second = json.loads((tmp_path / "dior-early.json").read_text())
         assert second["version"] == 2 and not second["alias_moved"]  # the same scores: a tie waits as challenger
         client = mlflow.MlflowClient(url, url)
         assert int(client.get_model_version_by_alias("dior-early", "champion").version) == 1

@@ -20,7 +20,6 @@ from conftest import ROOT, build_tiny_llama, known_facts, run_ctrla_stages
 from safetensors.numpy import load_file
 
 from detectors import load_detector
-from detectors.config import ParamsError
 from detectors.errors import InputError
 from detectors.evaluation.metrics import auroc
 from detectors.llm.fingerprint import LLMMismatchError
@@ -307,9 +306,9 @@ def test_train_early_leaves_only_this_runs_detectors(pipeline_copy, tmp_path):
 
 
 def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tiny_llm):
-    registry_out = json.loads((pipeline / "data/registry/early.json").read_text())
-    assert set(registry_out) == {"dior-early", "dior-early-extended"}
-    registry_out = registry_out["dior-early"]
+    registered = {p.stem for p in (pipeline / "data/registry").glob("*.json")}
+    assert registered == {"dior-early", "dior-early-extended", "dior-realtime"}  # one file per registered detector
+    registry_out = json.loads((pipeline / "data/registry/dior-early.json").read_text())
     assert registry_out["name"] == "dior-early"
     assert registry_out["version"] == 1 and registry_out["alias_moved"] and registry_out["decision"] == "champion"
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
@@ -337,7 +336,7 @@ def test_registered_detector_serves_the_features_it_was_trained_on(pipeline, tin
 
 
 def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny_llm):
-    out = json.loads((pipeline / "data/registry/early.json").read_text())["dior-early-extended"]
+    out = json.loads((pipeline / "data/registry/dior-early-extended.json").read_text())
     assert out["name"] == "dior-early-extended" and out["alias_moved"] and out["version"] == 1
     uri = f"sqlite:///{pipeline / 'data/mlflow/mlflow.db'}"
     detector = load_detector("dior-early-extended", tracking_uri=uri, llm=tiny_llm)
@@ -361,18 +360,34 @@ def test_extended_early_detector_is_registered_under_its_own_name(pipeline, tiny
     assert version.tags["features"] == "attribution,entropy,first_token,hidden"
 
 
-def test_register_refuses_an_early_detector_that_was_not_trained(pipeline_copy, tmp_path):
+def test_register_refuses_a_detector_that_was_not_trained_or_evaluated(pipeline_copy, tmp_path):
+    """A register.detectors entry whose artifact or test metrics are missing is refused with what to do, before
+    anything is registered (the other entries included)."""
     pipeline = pipeline_copy  # it runs the register stage (to be refused): its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
-    params["register_early"]["names"] = {"dior-early": "dior-early", "dior-early-paper": "dior-early-paper"}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    before = (pipeline / "data/registry/early.json").read_text()
-    with pytest.raises(
-        ParamsError,
-        match=r"register_early.names = 'dior-early-paper': no trained early detector at .*trained: \['dior-early',",
+    entry = params["register"]["detectors"]["dior-early"]
+    before = (pipeline / "data/registry/dior-early.json").read_text()
+    for name, new, match in (
+        (
+            "dior-early-paper",
+            entry | {"artifact": "data/models/early/dior-early-paper"},
+            r"register.detectors.dior-early-paper.artifact = 'data/models/early/dior-early-paper': no trained "
+            r"detector there \(trained beside it: \['dior-early', 'dior-early-extended', 'gru\[attribution\]'\]\)",
+        ),
+        (
+            "dior-early-copy",
+            entry | {"keys": ["question", "dior-early-paper"]},
+            r"register.detectors.dior-early-copy.keys = \['question', 'dior-early-paper'\]: .* has no "
+            r"'dior-early-paper' under \['question'\] \(there: \[.*'dior-early',",
+        ),
     ):
-        register_stage.main(["--params", str(tmp_path / "params.yaml")])
-    assert (pipeline / "data/registry/early.json").read_text() == before  # nothing was registered
+        params["register"]["detectors"] = {"dior-early": entry, name: new}
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+        with pytest.raises(InputError, match=match):
+            register_stage.main(["--params", str(tmp_path / "params.yaml")])
+        with pytest.raises(InputError, match=r"--item \['dior-early-x'\]: not in register.detectors"):
+            register_stage.main(["--params", str(tmp_path / "params.yaml"), "--item", "dior-early-x"])
+    assert (pipeline / "data/registry/dior-early.json").read_text() == before  # nothing was registered
 
 
 def test_pyfunc_model_predicts_from_questions(pipeline):
@@ -403,11 +418,12 @@ def test_the_champion_stays_unless_a_version_is_surely_better_on_the_same_valida
     training made and the seeds."""
     pipeline = pipeline_copy  # it registers new versions: its own copy, the working directory
     params = yaml.safe_load((pipeline / "params.yaml").read_text())
-    for key in ("registry_early", "registry_realtime", "registry_utility"):  # the first registration's files stay
-        params["paths"][key] = str(tmp_path / Path(params["paths"][key]).name)
+    params["paths"]["registry"] = str(tmp_path)  # the first registration's files stay
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    register_stage.main(["--params", str(tmp_path / "params.yaml")])
-    second = json.loads((tmp_path / "early.json").read_text())["dior-early"]
+    for name in ("dior-early", "dior-realtime"):  # as dvc.yaml runs it: one detector a run
+        register_stage.main(["--params", str(tmp_path / "params.yaml"), "--item", name])
+    assert {p.stem for p in tmp_path.glob("*.json")} == {"dior-early", "dior-realtime"}
+    second = json.loads((tmp_path / "dior-early.json").read_text())
     early = pd.read_parquet(pipeline / "data/early/early.parquet")
     n_val = int(((early["status"] == "ok") & (early["split"] == "val")).sum())
     assert second["version"] == 2 and second["decision"] == "challenger" and second["champion_version"] == 1
@@ -450,14 +466,15 @@ def test_register_compares_the_realtime_detector_on_the_validation_records_train
     assert version.tags["val_digest"] == out["val_digest"]
 
 
-def test_register_refuses_a_realtime_detector_without_its_validation_digest():
-    for info in ({"chosen_on": "answers"}, {"chosen_on": "continuations", "val_digest": None}):
+def test_register_refuses_a_detector_without_its_validation_records():
+    for info in ({"chosen_on": "answers"}, {"chosen_on": "continuations", "val_digest": None, "validation": None}):
         with pytest.raises(
-            InputError,
-            match=r"records no digest of its validation records \(info.val_digest\).*dvc repro train_realtime",
+            InputError, match=r"records no validation records \(info.val_digest, info.validation\).*retrain it"
         ):
-            register_stage.realtime_val_digest(info, "data/models/realtime")
-    assert register_stage.realtime_val_digest({"val_digest": "0123abcd"}, "data/models/realtime") == "0123abcd"
+            register_stage.validation_digest(info, "data/models/realtime")
+    assert register_stage.validation_digest({"val_digest": "0123abcd"}, "data/models/realtime") == "0123abcd"
+    ids = {"ids": ["b", "a"], "labels": [0, 1], "scores": [0.1, 0.9]}
+    assert register_stage.validation_digest({"validation": ids}, "x") == validation_digest(["a", "b"])
 
 
 def test_comparison_notebook_runs_on_the_store(pipeline):

@@ -18,6 +18,7 @@ from detectors.dior.early_detector import PAPER_THRESHOLD, EarlyDetector, load_e
 from detectors.ensemble import SeedEnsemble
 from detectors.ensemble import members as members_of
 from detectors.evaluation.metrics import OneClassError, auroc, choose_threshold
+from detectors.registry import store
 from detectors.registry.artifact import seal
 from detectors.training import fit
 
@@ -158,19 +159,20 @@ def test_an_artifact_written_before_names_loads_as_dior_early(tmp_path):
 
 
 def test_register_digests_the_validation_records_the_trainer_validates_on(tmp_path):
-    """pipelines.register's early validation ids (the registry compares versions by their digest) are the records
-    train_early_detector early-stops and chooses its threshold on: the ok val records, failed ones left out."""
-    from pipelines.register import early_val_ids
+    """The register stage digests the validation records the detector kept (the registry compares versions by that
+    digest): the records train_early_detector early-stops and chooses its threshold on, the ok val records, failed
+    ones left out."""
+    from pipelines.register import validation_digest
 
     frame = synthetic_rows(240)
     failed = frame.index[frame["split"] == "val"][:7]
     frame.loc[failed, "status"] = "failed"
     frame.loc[failed, "label"] = 1 - frame.loc[failed, "label"]  # were they used, the threshold would differ
-    frame.to_parquet(tmp_path / "early.parquet")
-    ids = early_val_ids(tmp_path / "early.parquet")
     det = train(frame, ["attribution"])
+    ids = det.info["validation"]["ids"]
     val = frame[frame["split"] == "val"]
     assert set(ids) == set(val["id"]) - set(frame.loc[failed, "id"]) and det.info["n_val"] == len(ids)
+    assert validation_digest(det.info, tmp_path) == store.validation_digest(set(ids))
     chosen = frame.set_index("id").loc[ids].reset_index()
     p, y = det.predict_proba(chosen.to_dict("records")), chosen["label"].to_numpy()
     youden = lambda t: ((p >= t) & (y == 1)).sum() / (y == 1).sum() - ((p >= t) & (y == 0)).sum() / (y == 0).sum()  # noqa: E731

@@ -45,6 +45,7 @@ class StageParams:
 
     def __init__(self, data: dict[str, Any], reads: Iterable[str], stage: str = "this stage"):
         self.data, self.reads, self.stage = data, tuple(reads), stage
+        self.items: list[str] = []  # a stage run once per key of a params table: the keys this run is for
         self._sections: dict[str, Any] = {}
         for key in self.reads:  # validate every declared section, and that each key exists, before any heavy work
             self._resolve(key)
@@ -55,7 +56,8 @@ class StageParams:
         ``path``) lists them: what a benchmark or notebook that runs a stage's computation reads."""
         dvc = Path(path).with_name("dvc.yaml")
         try:
-            reads = load_yaml(dvc.read_text(encoding="utf-8"))["stages"][stage]["params"]
+            entry = load_yaml(dvc.read_text(encoding="utf-8"))["stages"][stage]
+            reads = entry.get("do", entry)["params"]  # a foreach stage's are those of its ``do``
         except (OSError, KeyError, TypeError) as err:
             raise ParamsError(
                 f"{dvc} lists no params of stage {stage!r} ({type(err).__name__}: {err}): pass the params file "

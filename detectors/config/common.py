@@ -16,8 +16,7 @@ SECTION_TYPES = {
     "llm": "LLMParams",
     "mlflow": "MLflowParams",
     "execution": "ExecutionParams",
-    "register_realtime": "RegisterParams",
-    "register_utility": "RegisterParams",
+    "register": "RegisterParams",
 }
 
 
@@ -114,10 +113,33 @@ class MLflowParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class RegisteredDetector:
+    """A trained detector the register stage registers: its artifact (a directory with ``detector.json``) and its
+    test metrics, the object at ``keys`` in the JSON file ``metrics`` (a dict with an ``auroc``)."""
+
+    artifact: str
+    metrics: str
+    keys: list[str]
+
+    def check(self, where: str) -> None:
+        if not self.keys:
+            fail(f"{where}.keys", self.keys, "give the keys down to the detector's test metrics in the metrics file")
+
+
+@dataclasses.dataclass(frozen=True)
 class RegisterParams:
-    name: str
+    """The trained detectors to register (one ``register`` stage each: ``dvc.yaml``'s ``foreach``), by the name they
+    are registered under, with the champion alias and the MLflow experiment of their runs."""
+
     alias: str
     experiment: str
+    detectors: dict[str, RegisteredDetector]
+
+    def check(self, where: str) -> None:
+        if not self.detectors:
+            fail(f"{where}.detectors", self.detectors, "name at least one trained detector to register")
+        for name in self.detectors:
+            check_model_name(f"{where}.detectors", name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""The params sections of the early-detection set: the QA source, ``build_early``, ``train_early``,
-``register_early``."""
+"""The params sections of the early-detection set: the QA source, ``build_early``, ``train_early``."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ SECTION_TYPES = {
     "qa": "QAParams",
     "build_early": "BuildEarlyParams",
     "train_early": "TrainEarlyParams",
-    "register_early": "RegisterEarlyParams",
 }
 
 
@@ -95,23 +93,3 @@ class TrainEarlyParams:
             if frozenset(feats) in seen:
                 fail(key, feats, f"the same feature groups as {seen[frozenset(feats)]}, trained already: remove one")
             seen[frozenset(feats)] = key
-
-
-@dataclasses.dataclass(frozen=True)
-class RegisterEarlyParams:
-    """``names``: trained early detector (a ``train_early.detectors`` name) → the name it is registered under."""
-
-    names: dict[str, str]
-    alias: str
-    experiment: str
-
-    def check(self, where: str) -> None:
-        if not self.names:
-            fail(
-                f"{where}.names", self.names, "name at least one trained early detector, e.g. {dior-early: dior-early}"
-            )
-        for detector, registered in self.names.items():
-            check_model_name(f"{where}.names", detector)
-            check_model_name(f"{where}.names.{detector}", registered)
-        if len(set(self.names.values())) != len(self.names):
-            fail(f"{where}.names", self.names, "two detectors would be registered under one name: give each its own")

@@ -42,7 +42,7 @@ from detectors.dior.nets import EarlyGRU
 from detectors.ensemble import per_seed
 from detectors.evaluation.choice import scored_units
 from detectors.evaluation.metrics import choose_threshold, require_both_classes
-from detectors.interfaces import Detector
+from detectors.interfaces import Detector, Registration
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.registry.artifact import DeclaredArtifact, FrameInputs, frame_dtype
@@ -118,6 +118,11 @@ class EarlyDetector(DeclaredArtifact, Detector):
     def per_seed(self) -> list[EarlyDetector]:
         """The detector once per seed of its seed ensemble (none when trained with one seed)."""
         return per_seed(self)
+
+    def registration(self) -> Registration:
+        """Only a version of the same feature groups competes with the champion."""
+        features = ",".join(self.groups)
+        return Registration(features, {"detector": self.name, "features": features})
 
     # ---- scoring --------------------------------------------------------------------------------
     def predict_proba(self, rows: list[dict] | pd.DataFrame) -> np.ndarray:

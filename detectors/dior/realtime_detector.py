@@ -31,7 +31,7 @@ from detectors.dior.recorder import (
 )
 from detectors.ensemble import per_seed
 from detectors.evaluation.metrics import first_hit
-from detectors.interfaces import Detector, Watch
+from detectors.interfaces import Detector, Registration, Watch
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.loading import LLM
 from detectors.llm.offsets import token_offsets, words_and_tokens
@@ -43,6 +43,7 @@ def collate(items: list[dict]) -> dict[str, torch.Tensor]:
 
 
 TOKENS = ("entity", "all")  # what a detector trains on: entity tokens, or every generated token
+CONTINUATIONS, ANSWERS = "continuations", "answers"  # the record sets a detector is trained and judged on
 
 
 def token_table(
@@ -152,6 +153,17 @@ class RealtimeDetector(DeclaredArtifact, Detector):
     def per_seed(self) -> list[RealtimeDetector]:
         """The detector once per seed of its seed ensemble (none when trained with one seed)."""
         return per_seed(self)
+
+    def registration(self) -> Registration:
+        """Compared by its served validation AUROC (the max over a record's tokens; its token AUROC is over the token
+        set it was trained on, so not comparable across versions), with a version of the same layers chosen on the
+        same records (an older champion compared on another number waits as challenger)."""
+        layers, chosen_on = ",".join(map(str, self.hidden_layers)), self.info.get("chosen_on", CONTINUATIONS)
+        return Registration(
+            f"hidden layers {layers}; served validation AUROC on the {chosen_on}",
+            {"hidden_layers": layers, "chosen_on": chosen_on},
+            "val_served_auroc",
+        )
 
     # ---- scoring --------------------------------------------------------------------------------
     def predict_proba(self, features: np.ndarray, batch_size: int = 4096) -> np.ndarray:

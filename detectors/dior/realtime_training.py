@@ -22,7 +22,7 @@ import torch
 
 from detectors.config.schema import RealtimePromptParams, TrainingParams
 from detectors.dior.nets import TokenMLP
-from detectors.dior.realtime_detector import RealtimeDetector, collate, token_table
+from detectors.dior.realtime_detector import ANSWERS, CONTINUATIONS, RealtimeDetector, collate, token_table
 from detectors.dior.served import continuation_maxima, served_auroc, served_threshold
 from detectors.errors import InputError
 from detectors.evaluation.choice import auroc_deltas, choose, family_level, scored_units
@@ -36,7 +36,6 @@ from detectors.training import fit, training_info
 
 log = logging.getLogger(__name__)
 
-CONTINUATIONS, ANSWERS = "continuations", "answers"  # the record sets a detector is trained and judged on
 STOP_FOLD = "early-stopping"  # the salt of the fold of train records that early-stops instead of training
 
 

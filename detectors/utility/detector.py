@@ -37,7 +37,7 @@ from detectors.dior.early import features_to_row, question_features, scalar_feat
 from detectors.dior.early_detector import collate, per_question
 from detectors.dior.nets import EarlyGRU
 from detectors.ensemble import build_net, members
-from detectors.interfaces import Detector
+from detectors.interfaces import Detector, Registration
 from detectors.llm.fingerprint import Fingerprint
 from detectors.llm.layers import hidden_state_indices
 from detectors.registry.artifact import DeclaredArtifact, FrameInputs
@@ -159,6 +159,11 @@ class UtilityDetector(DeclaredArtifact, Detector):
             return np.zeros(0, dtype=np.float32)
         raw = np.stack([gate_row(pre, post, self.k) for pre, post in zip(pre_rows, post_rows)])
         return predict(self.nets.gate, self.gate_inputs.items(raw), collate)
+
+    def registration(self) -> Registration:
+        """Only a version of the same corpus and question features competes with the champion."""
+        features = ",".join(self.pre_groups)
+        return Registration(f"{self.corpus}: {features}", {"corpus": self.corpus, "features": features})
 
     def per_seed(self) -> list[UtilityDetector]:
         """One detector per seed of a seed ensemble (each with its own pair of nets), for the spread across seeds; none
