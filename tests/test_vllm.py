@@ -10,6 +10,7 @@ to rounding; ``benchmarks/vllm_serving.py`` gives the difference in bfloat16 on 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.metadata
 import os
@@ -38,6 +39,7 @@ from detectors.rag.loop import RagConfig, RagLoop  # noqa: E402
 from detectors.rag.retriever import BM25Retriever  # noqa: E402
 from detectors.serving.requests import SENTENCE_REASON, stop_reason, stopped_by_detector  # noqa: E402
 
+REALTIME_AND_CONFIDENCE = ("dior-realtime@champion", "ctrla-confidence@champion")
 PROMPTS = ["The capital of France is", "The river of Paris is", "The author of Hamlet is", "The language of Peru is"]
 N = 8  # tokens per request
 TOL = 1e-5  # float32: the engine's and the Hugging Face path's scores agree to rounding
@@ -89,6 +91,9 @@ def registry(tmp_path_factory, served, tiny_llm) -> dict:
     detectors["dior-realtime-stop"] = dataclasses.replace(realtime, threshold=stop_at[2])
     detectors["other-llm"] = vllm_detectors.realtime(tiny_llm.fingerprint, ref, 0.5, [1, -1])
     detectors["dior-early"] = vllm_detectors.early(llm.fingerprint, ref)
+    strong = copy.deepcopy(detectors["ctrla-honesty"])
+    strong.directions.config["steering"]["lam"] = 4.0  # steering strong enough to change the tiny Llama's tokens
+    detectors["ctrla-honesty-strong"] = strong
     uri = vllm_detectors.register(detectors, tmp_path_factory.mktemp("vllm-store"))
     return {"uri": uri, "detectors": detectors, "stop_at": stop_at[:2]}
 
@@ -241,26 +246,36 @@ def same(a: dict, b: dict) -> bool:
 
 
 def test_the_rag_loop_answers_the_same_with_its_segments_generated_in_vllm(engine, served, registry):
-    """``RagLoop(..., engine=)``: FLARE, the maximum entropy and DioR's real-time MLP (scored in the engine), at
-    thresholds between their scores, on the tiny Llama: every answer, retrieval and query as on the Hugging Face
-    engine, some questions retrieving and some not; loops that read hidden states or the key/value cache are refused
-    with what to do."""
+    """``RagLoop(..., engine=)``: FLARE, the maximum entropy, DioR's real-time MLP and CtrlA's confidence under its
+    honesty steering (the detectors scored and the steering applied in the engine), at thresholds between their
+    scores, on the tiny Llama: every answer, retrieval and query as on the Hugging Face engine, some questions
+    retrieving and some not; loops that read hidden states or the key/value cache are refused with what to do."""
     _, llm = served
     retriever = BM25Retriever.build(PASSAGES, PARAMS["index_corpus"]["bm25"])
     config = RagConfig("t", PROMPT, k=1, max_new_tokens=12, max_retrievals=2)
-    for spec in ("flare", "entropy_max", "dior-realtime@champion"):
+    honesty = load_detector("ctrla-honesty-strong", tracking_uri=registry["uri"], llm=llm)
+    steered = {"ctrla-confidence@champion": (honesty.vectors(), "ctrla-honesty-strong@champion")}
+    for spec in ("flare", "entropy_max", "dior-realtime@champion", "ctrla-confidence@champion"):
+        vectors, steering = steered.get(spec, (None, None))
         built = make_trigger(spec, llm, None, tracking_uri=registry["uri"])
-        probe = RagLoop(llm, retriever, config, [built])
+        probe = RagLoop(llm, retriever, config, [built], steering=vectors)
         scores = [float(np.max(t.token_scores[built.name], initial=-np.inf)) for t in probe.trace(QUESTIONS)]
         trigger = dataclasses.replace(built, threshold=between(scores))
-        hf = [comparable(r) for r in RagLoop(llm, retriever, config, [trigger]).answer_all(QUESTIONS)]
-        on_vllm = RagLoop(llm, retriever, config, [trigger], engine=engine).answer_all(QUESTIONS)
+        hf = [comparable(r) for r in RagLoop(llm, retriever, config, [trigger], steering=vectors).answer_all(QUESTIONS)]
+        on_vllm = RagLoop(llm, retriever, config, [trigger], steering=steering, engine=engine).answer_all(QUESTIONS)
         fired = [bool(r.retrievals) for r in on_vllm]
         assert any(fired) and not all(fired), (spec, fired)
         assert all(same(comparable(r), h) for r, h in zip(on_vllm, hf)), spec
-    confidence = make_trigger("ctrla-confidence@champion", llm, None, tracking_uri=registry["uri"])
-    with pytest.raises(InputError, match=r"and this loop also reads \['ctrla'\]: run its configuration on the Hugging"):
-        RagLoop(llm, retriever, config, [confidence], engine=engine)
+        if vectors is not None:  # the steering changes answers: the comparison is of steered decoding
+            plain = [comparable(r) for r in RagLoop(llm, retriever, config, [trigger]).answer_all(QUESTIONS)]
+            assert any(p["answer"] != h["answer"] for p, h in zip(plain, hf)), spec
+    realtime, confidence = (make_trigger(s, llm, None, tracking_uri=registry["uri"]) for s in REALTIME_AND_CONFIDENCE)
+    with pytest.raises(InputError, match=r"and this loop also reads \['mlp'\]: run its configuration on the Hugging"):
+        RagLoop(llm, retriever, config, [confidence, realtime], engine=engine)
+    with pytest.raises(InputError, match=r"reads \['steering vectors'\]"):
+        RagLoop(llm, retriever, config, [confidence], steering=honesty.vectors(), engine=engine)
+    with pytest.raises(ValueError, match=r"steering 'ctrla-honesty' names a registered steering, which a serving"):
+        RagLoop(llm, retriever, config, [confidence], steering="ctrla-honesty")
     with pytest.raises(ValueError, match=r"\['rind'\] run the LLM on the loop's key/value cache"):
         RagLoop(llm, retriever, config, [make_trigger("rind", llm, None, SPACY)], engine=engine)
 

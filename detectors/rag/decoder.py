@@ -347,21 +347,25 @@ class VllmDecoder(Decoder):
     with this package's plugin; ``llm`` still tokenizes and decodes): each row's prompt and kept tokens are one greedy
     request that ends at its first sentence end (the plugin's ``sentence``) and returns each token's probability and
     entropy (``stats``), and, for a calculator the engine serves (``served``: ``{statistic: "name@alias"}``, at most
-    one: DioR's real-time MLP), its detector's score of every token (``detector``); vLLM's prefix cache runs a prompt
-    it has seen once. A request asks for one token past the row's budget, so that the last kept token runs and is
-    scored, as the loop's own decoder runs it. Probes (hidden states, attention) and steering need the Hugging Face
-    engine: a loop that asks for them is refused."""
+    one: DioR's real-time MLP, CtrlA's confidence), its detector's score of every token (``detector``), under the
+    registered steering ``steering`` names (``name@alias``: CtrlA's honesty) when it names one; vLLM's prefix cache runs
+    a prompt it has seen once. A request asks for one token past the row's budget, so that the last kept token runs
+    and is scored, as the loop's own decoder runs it. Probes (hidden states, attention) and steering vectors need the
+    Hugging Face engine: a loop that asks for them is refused."""
 
-    def __init__(self, engine: Any, served: dict[str, str], llm: LLM, probes: dict[str, Any], steering: dict, *args,
-                 **kwargs):  # fmt: skip
-        if probes or steering or len(served) > 1:
-            needs = sorted(probes) + (["steering"] if steering else []) + sorted(served)[1:]
+    def __init__(self, engine: Any, served: dict[str, str], llm: LLM, probes: dict[str, Any],
+                 steering: dict | str | None, *args, **kwargs):  # fmt: skip
+        vectors = bool(steering) and not isinstance(steering, str)
+        if probes or vectors or len(served) > 1:
+            needs = sorted(probes) + (["steering vectors"] if vectors else []) + sorted(served)[1:]
             raise InputError(
-                f"the vllm engine serves each token's probability and entropy and one registered detector's score, and "
-                f"this loop also reads {needs}: run its configuration on the Hugging Face engine (no engine=)"
+                f"the vllm engine serves each token's probability and entropy, one registered detector's score and a "
+                f"registered steering (name@alias), and this loop also reads {needs}: run its configuration on the "
+                "Hugging Face engine (no engine=)"
             )
         super().__init__(llm, {}, {}, *args, **kwargs)
         self.engine, self.served = engine, dict(served)
+        self.steering_spec = steering or None
         self.keys = frozenset(self.served)  # a served score is kept with the segment, as a probe's values are
 
     def prefill(self, rows: list[Row]) -> None:
@@ -373,6 +377,7 @@ class VllmDecoder(Decoder):
         from vllm import SamplingParams
 
         extra = {"stats": 1, "sentence": 1} | ({"detector": next(iter(self.served.values()))} if self.served else {})
+        extra |= {"steering": self.steering_spec} if self.steering_spec else {}
         params = [
             SamplingParams(
                 max_tokens=self.max_new_tokens - len(r.kept) + 1, temperature=0, stop=list(self.stop) or None,

@@ -94,7 +94,8 @@ class RagLoop:
     """Answer questions with retrieval decided by ``triggers`` (checked in order) from ``retriever``, the query
     formulated by ``query`` (default: the question).
 
-    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation. ``shared``: what the
+    ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation; with ``engine``, the
+    registered steering's ``name@alias``, which the engine applies. ``shared``: what the
     loops over the same LLM and steering ran (:class:`~detectors.rag.decoder.Shared`: their states, segments and
     measurements; a segment another loop decoded is taken, not decoded again). ``probes``: more probes on every pass
     ({key: probe}, beside those of the triggers' calculators and controllers), so that other loops reading them can
@@ -102,7 +103,8 @@ class RagLoop:
     and keeps its segments for every loop until ``shared`` is cleared: the no-retrieval and always-retrieve decodings
     every other loop of a shard of questions branches from. ``engine``: a ``vllm.LLM`` on the same checkpoint (with this
     package's plugin) that generates the segments instead of the shared decoder
-    (:class:`~detectors.rag.decoder.VllmDecoder`: for triggers that read token probabilities and entropies).
+    (:class:`~detectors.rag.decoder.VllmDecoder`: for triggers that read token probabilities and entropies, or one
+    registered detector's score the engine computes: DioR's real-time MLP, CtrlA's confidence).
 
     Controllers act through :meth:`retrieve`, :meth:`set_prompt` and :meth:`keep`.
     """
@@ -114,7 +116,7 @@ class RagLoop:
         config: RagConfig,
         triggers: Sequence[Trigger] = (),
         query=None,
-        steering: dict[int, torch.Tensor] | None = None,
+        steering: dict[int, torch.Tensor] | str | None = None,
         shared: Shared | None = None,
         probes: dict[str, Any] | None = None,
         reference: bool = False,
@@ -138,6 +140,11 @@ class RagLoop:
                     f"configuration {name!r}: {what} needs the statistic {need!r}, which none of its triggers measures"
                 )
         self.lazy = {name: c for c in self.calculators for name in c.lazy}
+        if isinstance(steering, str) and engine is None:
+            raise ValueError(
+                f"configuration {name!r}: steering {steering!r} names a registered steering, which a serving engine "
+                "applies: give this package's decoder its vectors (the detector's vectors())"
+            )
         kv = [c.key for c in self.calculators if c.reads_kv]
         if engine is not None and kv:
             raise ValueError(

@@ -19,19 +19,24 @@ class CtrlACalculator(Calculator):
     """CtrlA's monitor on the generation itself (its probe: the projections of every position at the
     detector's layers, under whatever steering the loop runs): ``ctrla_eq2`` (Eq. 2 of each generated token over the
     running sequence), ``ctrla_confidence`` (its negation, the real-time set's CtrlA score), ``new_content`` (the
-    tokens of new non-stopword words, the only ones CtrlA's trigger reads) and ``refusal`` (App. B.3.1)."""
+    tokens of new non-stopword words, the only ones CtrlA's trigger reads) and ``refusal`` (App. B.3.1). A serving
+    engine that loaded the detector as ``served`` gives ``ctrla_eq2`` itself (the same running statistics over the
+    request's prompt, the loop's context, and its tokens)."""
 
     key, provides = "ctrla", ("ctrla_eq2", "ctrla_confidence", "new_content", "refusal")
 
-    def __init__(self, detector):
-        self.detector, self.params = detector, detector.params
+    def __init__(self, detector, served: str | None = None):
+        self.detector, self.params, self.served = detector, detector.params, served or None
         self.probe = ConfidenceMonitor(detector.llm.model, detector.directions)
 
     def segments(self, views: list[SegmentView]) -> None:
         tok = self.detector.llm.tokenizer
         for v in views:  # the probe's values cover exactly context + segment
-            eq2 = pooled_scores(v.probes[self.key], self.params.tau, self.params.clip)[len(v.context_ids) :]
-            eq2 = eq2.astype(np.float64)
+            if "ctrla_eq2" in v.stats:  # the engine's
+                eq2 = np.asarray(v.stats["ctrla_eq2"], np.float64)
+            else:
+                eq2 = pooled_scores(v.probes[self.key], self.params.tau, self.params.clip)[len(v.context_ids) :]
+                eq2 = eq2.astype(np.float64)
             v.stats["ctrla_eq2"], v.stats["ctrla_confidence"] = eq2, -eq2
             preceding = tok.decode(v.kept_ids, skip_special_tokens=True)  # y<t
             v.stats["new_content"] = np.asarray(new_content(tok, v.question, preceding, v.gen_ids), dtype=bool)
@@ -53,7 +58,8 @@ def build(context: TriggerContext, settings: CtrlARefusalParams | None) -> Trigg
     if settings is not None:
         controller = RefusalRetry(RefusalHandler(detector.llm, list(detector.params.refusal_patterns), settings))
     scorer = CtrlAConfidence(Level.TOKEN, name=name)
-    return Trigger(name, scorer, FIRING_THRESHOLD, policy, (CtrlACalculator(detector),), controller=controller)
+    calculator = CtrlACalculator(detector, context.spec)
+    return Trigger(name, scorer, FIRING_THRESHOLD, policy, (calculator,), controller=controller)
 
 
 CTRLA = TriggerEntry(build, CtrlARefusalParams)
