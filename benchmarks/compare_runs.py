@@ -3,7 +3,7 @@
 For two project directories (e.g. a fresh clone after ``make repro`` and an earlier one), every JSON file under
 ``data/metrics/`` present in either is flattened to its leaves (``file: key.key[i]``) and compared: equal, within
 ``--tolerance`` for numbers, or different; then every line of the results pages (``docs/results/*.md``) that differs.
-Keys whose name says they are times or where a run happened (``seconds``, ``wall_s``, ``minutes``, ``started``,
+Keys with a part whose name says it holds times or where a run happened (``seconds``, ``wall_s``, ``minutes``, ``started``,
 ``commit``, ...) are left out by default (``--keep-times`` keeps them). Prints one line per difference and a summary;
 exits 0 either way (a difference is for a person to read: the closing note lists the rows that moved and why).
 
@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-TIMES = re.compile(r"(seconds|wall_s|_s$|minutes|elapsed|started|finished|commit|timestamp|date|host|machine)")
+TIMES = re.compile(r"(seconds|wall_s|_s$|_time$|minutes|elapsed|started|finished|commit|timestamp|date|host|machine)")
 
 
 def leaves(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -52,7 +52,7 @@ def compare(new: Path, old: Path, tolerance: float = 0.0, keep_times: bool = Fal
             continue
         la, lb = leaves(json.loads(a.read_text())), leaves(json.loads(b.read_text()))
         for key in sorted(set(la) | set(lb)):
-            if not keep_times and TIMES.search(key.rsplit(".", 1)[-1]):
+            if not keep_times and any(TIMES.search(part) for part in re.split(r"[.\[]", key)):
                 continue
             if key not in la or key not in lb:
                 out.append(f"{name}: {key} only in {'new' if key in la else 'old'}")
