@@ -4,8 +4,9 @@ For two project directories (e.g. a fresh clone after ``make repro`` and an earl
 ``data/metrics/`` present in either is flattened to its leaves (``file: key.key[i]``) and compared: equal, within
 ``--tolerance`` for numbers, or different; then every line of the results pages (``docs/results/*.md``) that differs.
 Keys with a part whose name says it holds times or where a run happened (``seconds``, ``wall_s``, ``minutes``,
-``started``, ``commit``, ...) are left out by default (``--keep-times`` keeps them). Prints one line per difference and a summary;
-exits 0 either way (a difference is for a person to read: the closing note lists the rows that moved and why).
+``started``, ``commit``, ...) are left out by default (``--keep-times`` keeps them). Prints one line per difference and
+a summary; exits 0 either way (a difference is for a person to read: the closing note lists the rows that moved and
+why).
 
 Run: ``python -m benchmarks.compare_runs NEW OLD [--tolerance 0] [--keep-times]``.
 """
