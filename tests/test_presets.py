@@ -57,9 +57,16 @@ def test_applied_preset_is_params_yaml_with_the_preset_values_and_its_comments(a
         read_preset(PAPER),
     )
     for key, value in leaves(preset):
-        assert leaves_of(written)[key] == value, key
+        node = written
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, key  # a !replace table (register.detectors) as the preset gives it, whole
     set_keys = {key for key, _ in leaves(preset)}
-    untouched = {key: value for key, value in leaves_of(shipped).items() if key not in set_keys}
+    untouched = {
+        key: value
+        for key, value in leaves_of(shipped).items()
+        if not any(key == k or key.startswith(k + ".") for k in set_keys)
+    }
     assert {key: leaves_of(written)[key] for key in untouched} == untouched  # "yes" and "no" words stay strings
     text = applied.read_text(encoding="utf-8")
     assert text.startswith(PARAMS.read_text(encoding="utf-8").splitlines()[0])
@@ -84,7 +91,14 @@ def test_applied_preset_validates_as_every_stage_reads_it(applied):
     data = read_params(applied)
     for name, stage in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
         # what each stage validates first
-        StageParams(data, importlib.import_module(stage["cmd"].split()[2]).READS, name)
+        StageParams(data, importlib.import_module(stage.get("do", stage)["cmd"].split()[2]).READS, name)
+    # the table the preset replaces (!replace): one utility trigger, the corpus's it trains
+    assert set(sections["register"].detectors) == {
+        "dior-early",
+        "dior-early-extended",
+        "dior-realtime",
+        "utility-psgs_w100",
+    }
 
 
 def test_preset_question_source_reads_hotpotqa_as_the_hub_lays_it_out(applied, tmp_path, offline_hf):

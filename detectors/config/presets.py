@@ -1,10 +1,12 @@
 """Presets: a named setting written as an overlay of ``params.yaml`` (``presets/<name>.yaml`` holds only the keys
 that differ, each with its reason), applied by writing a params file that the stages then read.
 
-A preset's mappings merge key by key into ``params.yaml``'s; any other value (a string, a number, a list) replaces
-the value at its key; a key that ``params.yaml`` lacks is added (a new corpus under ``index_corpus.corpora``). The
-result is written by a round-trip YAML writer that keeps ``params.yaml``'s comments and quoting, and validated by
-every section's type (:func:`detectors.config.load_all`, what the stages run) before it is written anywhere::
+A preset's mappings merge key by key into ``params.yaml``'s; any other value (a string, a number, a list), and a
+mapping tagged ``!replace`` (a table whose keys the preset replaces: ``register.detectors`` over other corpora),
+replaces the value at its key; a key that ``params.yaml`` lacks is added (a new corpus under
+``index_corpus.corpora``). The result is written by a round-trip YAML writer that keeps ``params.yaml``'s comments
+and quoting, and validated by every section's type (:func:`detectors.config.load_all`, what the stages run) before
+it is written anywhere::
 
     python -m detectors.config.presets presets/paper.yaml                       # check it, list what it changes
     python -m detectors.config.presets presets/paper.yaml --write params.yaml   # apply it, then `dvc exp run`
@@ -24,10 +26,21 @@ from typing import Any
 import yaml
 
 from detectors.config import load_all
-from detectors.config.core import ParamsError, load_yaml, read_params
+from detectors.config.core import ParamsError, _Yaml12Loader, load_yaml, read_params
 from detectors.errors import one_line, traceback_wanted
 
 NEW = object()  # the old value of a key params.yaml lacks
+
+
+class Whole(dict):
+    """A preset mapping tagged ``!replace``: it replaces the mapping at its key instead of merging into it."""
+
+
+class _PresetLoader(_Yaml12Loader):
+    """The params reader, and ``!replace`` on a mapping (:class:`Whole`)."""
+
+
+_PresetLoader.add_constructor("!replace", lambda loader, node: Whole(loader.construct_mapping(node, deep=True)))
 
 
 def read_preset(path: str | Path) -> dict[str, Any]:
@@ -35,7 +48,7 @@ def read_preset(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"preset {str(path)!r} not found: give a preset file, e.g. presets/paper.yaml")
-    data = load_yaml(path.read_text(encoding="utf-8"))
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=_PresetLoader)
     if not isinstance(data, dict) or not data:
         raise ParamsError(
             f"preset {path} must hold a mapping of params sections (the keys that differ from params.yaml), "
@@ -46,14 +59,14 @@ def read_preset(path: str | Path) -> dict[str, Any]:
 
 def leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     """``(dotted key, value)`` of every value the overlay sets: mappings are walked, anything else (an empty mapping
-    included) is set as a whole."""
+    and a :class:`Whole` included) is set as a whole."""
     out = []
     for key, value in tree.items():
         if not isinstance(key, str) or not key or "." in key:
             raise ParamsError(
                 f"preset key {prefix}{key!r}: keys are non-empty strings without dots (nest mappings instead)"
             )
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict) and value and not isinstance(value, Whole):
             out.extend(leaves(value, f"{prefix}{key}."))
         else:
             out.append((f"{prefix}{key}", value))
@@ -113,7 +126,8 @@ def _node(value: Any) -> Any:
         return seq
     if isinstance(value, dict):
         mapping = CommentedMap((k, _node(v)) for k, v in value.items())
-        mapping.fa.set_flow_style()
+        if not isinstance(value, Whole):  # a replaced table keeps a line an entry
+            mapping.fa.set_flow_style()
         return mapping
     return value
 
