@@ -89,9 +89,8 @@ def _paths(module: str, names: tuple[str, ...], root: Path) -> list[str]:
     return out
 
 
-def _resolve(path: str, root: Path) -> str:
-    """``path`` with ``${paths.<key>}`` replaced by ``root/params.yaml``'s value (left as written without one)."""
-    paths = _table("paths", root)
+def _resolve(path: str, paths: dict[str, Any]) -> str:
+    """``path`` with ``${paths.<key>}`` replaced by the ``paths`` section's value (left as written without one)."""
     return re.sub(r"\$\{paths\.(\w+)\}", lambda m: str(paths.get(m.group(1), m.group(0))), path)
 
 
@@ -108,9 +107,9 @@ def ordered_stages(root: Path = ROOT) -> tuple[str, ...]:
     placed last (a chain stays together), then by name. A new stage is its module: nothing lists it. Stages that read
     each other's outputs are an InputError."""
     names = sorted(p.stem for p in (root / "pipelines").glob("*.py") if not p.stem.startswith("_"))
-    kinds = {"deps": ("DEPS",), "outs": ("OUTS", "METRICS", "PLOTS")}
+    kinds, section = {"deps": ("DEPS",), "outs": ("OUTS", "METRICS", "PLOTS")}, _table("paths", root)
     paths = {
-        n: {k: [_resolve(p, root) for p in _paths(f"pipelines.{n}", keys, root)] for k, keys in kinds.items()}
+        n: {k: [_resolve(p, section) for p in _paths(f"pipelines.{n}", keys, root)] for k, keys in kinds.items()}
         for n in names
     }
     reads = {
