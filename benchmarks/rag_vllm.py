@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> None:
 
     rag, early = load_section("rag_eval", args.params), load_section("build_early", args.params)
     paths = load_section("paths", args.params)
-    uri = store.configure(load_section("mlflow", args.params).tracking_uri)
-    os.environ["MLFLOW_TRACKING_URI"] = uri  # where the engine's plugin loads the detectors the requests name
+    uri = None  # the store of the registered detectors, read only by --configuration rows
+    if args.configuration:
+        uri = store.configure(load_section("mlflow", args.params).tracking_uri)
+        os.environ["MLFLOW_TRACKING_URI"] = uri  # where the engine's plugin loads the detectors the requests name
     qa = pd.read_parquet(paths.qa)
     questions = qa[qa["split"] == "val"]["question"].astype(str).tolist()[: args.questions]
     retriever = BM25Retriever.build(qa_fact_passages(qa), load_section("index_corpus", args.params).bm25)

@@ -38,7 +38,7 @@ DEPS = ("${item.artifact}", "${item.metrics}")
 OUTS = (("${paths.registry}/${key}.json", {"cache": False}),)
 
 
-def test_metrics(entry: RegisteredDetector, name: str) -> dict[str, Any]:
+def read_test_metrics(entry: RegisteredDetector, name: str) -> dict[str, Any]:
     """The test metrics of detector ``name``: the object at ``entry.keys`` in ``entry.metrics``; missing, a clear
     error naming the stage that writes them."""
     path = Path(entry.metrics)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         raise InputError(f"--item {unknown}: not in register.detectors ({sorted(register.detectors)})")
     store.configure(params["mlflow"].tracking_uri)  # an unreachable store: one line, before anything else
     # every artifact and its test metrics exist before anything is registered
-    todo = {n: (artifact_dir(register.detectors[n], n), test_metrics(register.detectors[n], n)) for n in names}
+    todo = {n: (artifact_dir(register.detectors[n], n), read_test_metrics(register.detectors[n], n)) for n in names}
     exp = store.experiment(register.experiment, params["mlflow"].artifact_root)
     for name, (artifact, test) in todo.items():
         result = register_detector(artifact, test, name, register.alias, exp)
