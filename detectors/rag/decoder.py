@@ -249,6 +249,11 @@ class Decoder(decoder.Decoder):
             self.keys = frozenset(self.probes)
             self.prefix = PrefixStore(self.llm, self._hooks, self.probes)
 
+    @property
+    def records(self) -> dict[str, Any]:
+        """What its segments are decoded with (the probes): another loop that reads no more takes them."""
+        return self.probes
+
     @staticmethod
     def key(row: Row) -> Key:
         return tuple(row.prompt), tuple(row.kept)
@@ -367,6 +372,16 @@ class VllmDecoder(Decoder):
         self.engine, self.served = engine, dict(served)
         self.steering_spec = steering or None
         self.keys = frozenset(self.served)  # a served score is kept with the segment, as a probe's values are
+
+    @property
+    def records(self) -> dict[str, str]:
+        """What its segments are decoded with: the served detectors."""
+        return self.served
+
+    def attach(self, probes: dict[str, Any]) -> None:
+        """The loops that take each other's segments on an engine serve the same detector (a request carries one)."""
+        if any(self.served.get(stat) != spec for stat, spec in probes.items()):
+            raise InputError(f"a vllm loop serving {self.served} cannot also record {probes}: one detector a request")
 
     def prefill(self, rows: list[Row]) -> None:
         """Nothing runs here: a row's prompt runs in the engine with its segment."""

@@ -129,12 +129,23 @@ class UnitWorker:
     """Answers the runs of one unit per call, resuming them; builds the LLM, retrievers and triggers once (in the
     caller's process or a Ray actor). ``rows``: the questions by split (``val``, ``test``, ``frameworks``);
     ``shared``: what shapes every run's answers besides the system (the QA table's digest, the prompt); ``champions``:
-    the registered version each ``<name>@<alias>`` points to. Returns each run's lines, the systems' keys and the
-    digests that identify what answered them."""
+    the registered version each ``<name>@<alias>`` points to; ``engine``: the vLLM engine of ``rag_eval.engine: vllm``
+    (None: built when a configuration first runs there, shut down by :meth:`close`). Returns each run's lines, the
+    systems' keys and the digests that identify what answered them."""
 
-    def __init__(self, params, rows: dict[str, pd.DataFrame], shared: dict[str, Any], champions: dict[str, str]):
-        self.runtime, self.rows, self.shared = RagRuntime(params, champions), rows, shared
+    def __init__(
+        self,
+        params,
+        rows: dict[str, pd.DataFrame],
+        shared: dict[str, Any],
+        champions: dict[str, str],
+        engine: Any = None,
+    ):
+        self.runtime, self.rows, self.shared = RagRuntime(params, champions, engine), rows, shared
         self.runs_dir = Path(params["paths.rag_runs"])
+
+    def close(self) -> None:
+        self.runtime.close()
 
     def __call__(self, unit: Unit) -> dict[str, Any]:
         runtime = self.runtime

@@ -30,7 +30,6 @@ of the statistics it reads (:mod:`detectors.rag.triggers`, :mod:`detectors.rag.s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from detectors.config.schema import PromptParams
+from detectors.errors import InputError
 from detectors.llm.loading import LLM
 from detectors.rag.context import find_passages, render_passages, with_context
 from detectors.rag.controllers import Fire
@@ -81,6 +81,21 @@ class QuestionTrace:
     stats: dict[str, Any]  # the answer's per-token statistics (what the triggers' scorers read)
 
 
+def on_engine(triggers: Sequence[Trigger]) -> tuple[dict[str, str], list[str]]:
+    """How a loop with ``triggers`` runs on a serving engine (:class:`~detectors.rag.decoder.VllmDecoder`): the
+    statistics the engine serves (``{statistic: "name@alias"}``: a registered detector's score of every token) and what
+    the loop reads that the engine does not serve, empty when it can run there: the key/value cache (RIND), probes of
+    the loop's passes (hidden states, attention: a calculator's the engine does not serve, a controller's), a second
+    served detector (a request carries one)."""
+    calculators = calculators_of(triggers)
+    served = {c.provides[0]: c.served for c in calculators if c.served}
+    blockers = [f"{c.key} (the key/value cache)" for c in calculators if c.reads_kv]
+    blockers += [c.key for c in calculators if c.probe is not None and not c.served]
+    blockers += [key for t in triggers for key in t.controller.probes()]
+    blockers += [f"{stat} (a second served detector)" for stat in list(served)[1:]]
+    return served, blockers
+
+
 def _grouped(items: list, controller) -> list[tuple[Any, list]]:
     """``items`` grouped by the controller ``controller(item)`` returns (by identity), in order of appearance."""
     groups: dict[int, tuple[Any, list]] = {}
@@ -95,16 +110,16 @@ class RagLoop:
     formulated by ``query`` (default: the question).
 
     ``steering``: honesty steering vectors (CtrlA) active for every forward pass of generation; with ``engine``, the
-    registered steering's ``name@alias``, which the engine applies. ``shared``: what the
-    loops over the same LLM and steering ran (:class:`~detectors.rag.decoder.Shared`: their states, segments and
-    measurements; a segment another loop decoded is taken, not decoded again). ``probes``: more probes on every pass
-    ({key: probe}, beside those of the triggers' calculators and controllers), so that other loops reading them can
-    take its segments. A ``reference`` loop reads nothing others ran (its answers depend on its own questions only)
-    and keeps its segments for every loop until ``shared`` is cleared: the no-retrieval and always-retrieve decodings
-    every other loop of a shard of questions branches from. ``engine``: a ``vllm.LLM`` on the same checkpoint (with this
-    package's plugin) that generates the segments instead of the shared decoder
-    (:class:`~detectors.rag.decoder.VllmDecoder`: for triggers that read token probabilities and entropies, or one
-    registered detector's score the engine computes: DioR's real-time MLP, CtrlA's confidence).
+    registered steering's ``name@alias``, which the engine applies. ``shared``: what the loops over the same LLM and
+    steering ran (:class:`~detectors.rag.decoder.Shared`: their states, segments and measurements; a segment another
+    loop decoded is taken, not decoded again). ``probes``: more probes on every pass ({key: probe}, beside those of the
+    triggers' calculators and controllers; with ``engine``, more served detectors ``{statistic: "name@alias"}``), so
+    that other loops reading them can take its segments. A ``reference`` loop reads nothing others ran (its answers
+    depend on its own questions only) and keeps its segments for every loop until ``shared`` is cleared: the
+    no-retrieval and always-retrieve decodings every other loop of a shard of questions branches from. ``engine``: a
+    ``vllm.LLM`` on the same checkpoint (with this package's plugin) that generates the segments instead of the shared
+    decoder (:class:`~detectors.rag.decoder.VllmDecoder`: for triggers that read token probabilities and entropies, or
+    one registered detector's score the engine computes: DioR's real-time MLP, CtrlA's confidence).
 
     Controllers act through :meth:`retrieve`, :meth:`set_prompt` and :meth:`keep`.
     """
@@ -145,28 +160,22 @@ class RagLoop:
                 f"configuration {name!r}: steering {steering!r} names a registered steering, which a serving engine "
                 "applies: give this package's decoder its vectors (the detector's vectors())"
             )
-        kv = [c.key for c in self.calculators if c.reads_kv]
-        if engine is not None and kv:
-            raise ValueError(
-                f"configuration {name!r}: {kv} run the LLM on the loop's key/value cache, which a serving engine keeps "
-                "to itself: run it on the Hugging Face engine"
-            )
-        on_engine = [c for c in self.calculators if c.served] if engine is not None else []  # scored by the engine
-        own = {c.key: c.probe for c in self.calculators if c.probe is not None and c not in on_engine}
-        for t in self.triggers:
-            own.update(t.controller.probes())
         self.shared = shared
-        served = {c.provides[0]: c.served for c in on_engine}
-        self.decoder = (Decoder if engine is None else functools.partial(VllmDecoder, engine, served))(
-            llm,
-            {**(probes or {}), **own},
-            steering or {},
-            shared,
-            config.batch_size,
-            tuple(config.stop),
-            config.max_new_tokens,
-            reference,
-        )
+        args = (shared, config.batch_size, tuple(config.stop), config.max_new_tokens, reference)
+        if engine is None:
+            own = {c.key: c.probe for c in self.calculators if c.probe is not None}
+            for t in self.triggers:
+                own.update(t.controller.probes())
+            self.decoder: Decoder = Decoder(llm, {**(probes or {}), **own}, steering or {}, *args)
+            return
+        served, blockers = on_engine(self.triggers)
+        if blockers:
+            raise InputError(
+                f"configuration {name!r} reads {blockers}, which a serving engine does not serve (it serves each "
+                "token's probability and entropy, one registered detector's score and a registered steering): run it "
+                "on the Hugging Face engine (no engine=)"
+            )
+        self.decoder = VllmDecoder(engine, {**(probes or {}), **served}, llm, {}, steering, *args)
 
     # ---- public API ----------------------------------------------------------------------------------------
     def answer(self, question: str, record_prompts: bool = False) -> RagResult:

