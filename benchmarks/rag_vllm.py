@@ -12,25 +12,26 @@ timed: loading the LLM and building the engine are not). Differences are the eng
 kernels round differently, and a greedy choice between two close tokens can flip (``tests/test_vllm.py`` checks that
 the answers are identical in float32 on the tiny Llama).
 
-With ``--configuration NAME`` (repeatable), rows of ``rag_eval.configurations`` instead, as ``params.yaml`` writes
-them (triggers, query formulation, DioR's post-retrieval step, steering) with the registered detectors of the project's
-MLflow store (``mlflow.tracking_uri``, after ``dvc repro``) at their own thresholds: ``dior-realtime`` (the engine
-scores DioR's MLP) and ``ctrla`` (the engine scores CtrlA's confidence under the honesty steering it applies). The
-engine loads the detectors from the same store (``$MLFLOW_TRACKING_URI``).
-
 Questions: the first ``--questions`` of the validation split of ``paths.qa`` (a measurement reads no test question).
 Corpus: the QA facts as passages (:func:`detectors.rag.corpus.qa_fact_passages`), indexed in memory with
 ``index_corpus.bm25``. The prompt, context, k, budget and stop strings are ``rag_eval``'s. Run nothing else on the
 machine meanwhile.
 
 Run: ``python -m benchmarks.rag_vllm [--questions 100] [--dtype bfloat16] [--out PATH]`` after ``dvc repro prepare``
-(vLLM installed: ``make setup``); ``python -m benchmarks.rag_vllm --configuration dior-realtime --configuration ctrla
---out benchmarks/results/rag_vllm_detectors_cpu.json`` after ``dvc repro``.
+(vLLM installed: ``make setup``).
+
+``--runs HF VLLM`` compares two ``rag_eval`` evaluations instead, the same params but ``rag_eval.engine`` (``hf``,
+``vllm``), each with its own ``paths.rag_runs``: for every run of one corpus that the second generated in the engine
+(its key's ``engine``), the same counts from the stored lines (``HF`` and ``VLLM``: the two ``<rag_runs>/<corpus>``
+directories) and the seconds a question each engine's lines were charged (their ``wall_s``: a question's share of its
+batches, the measurements it reused included). It reads what the stage wrote and runs nothing:
+``python -m benchmarks.rag_vllm --runs data/rag/runs-hf/facts data/rag/runs-vllm/facts --out PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -41,41 +42,72 @@ ROOT = Path(__file__).resolve().parents[1]
 THRESHOLDS = {"flare": 0.6, "entropy_max": 3.0}  # fixed operating points (FLARE: a token under probability 0.4)
 
 
-def trace(result) -> list:
-    return [[r.trigger, r.position, r.queries, r.passage_ids] for r in result.retrievals]
+def trace(result: dict) -> list:
+    return [[r["trigger"], r["position"], r["queries"], r["passage_ids"]] for r in result["retrievals"]]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llm", default="data/llm", help="the prepared LLM (dvc repro prepare)")
-    parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--questions", type=int, default=100)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE on a CPU")
-    parser.add_argument("--threshold", nargs=2, action="append", metavar=("TRIGGER", "VALUE"), default=[])
-    parser.add_argument("--configuration", action="append", default=[], help="a rag_eval.configurations row")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/rag_vllm_cpu.json"))
-    args = parser.parse_args(argv)
+def compared(results: dict[str, list[dict]], seconds: dict[str, float]) -> dict:
+    """How alike the two engines' results of the same questions are (``results``: by engine, as RAG results' dicts),
+    and their seconds a question."""
+    pairs = list(zip(results["hf"], results["vllm"]))
+    return {
+        "questions": len(pairs),
+        "same_answers": sum(a["answer"] == b["answer"] for a, b in pairs),
+        "same_traces": sum(trace(a) == trace(b) for a, b in pairs),
+        "retrieved": {side: sum(bool(r["retrievals"]) for r in rs) for side, rs in results.items()},
+        "seconds_per_question": seconds,
+        "vllm_over_hf": seconds["vllm"] / seconds["hf"],
+    }
+
+
+def stored(run: Path) -> tuple[dict, list[dict]]:
+    """A ``rag_eval`` run's key and its lines in question order, read from its shard store (never written)."""
+    import pandas as pd
+
+    key = json.loads((run / "manifest.json").read_text())["config"]
+    lines = []
+    for shard in sorted(run.glob("shard-*.parquet")):
+        frame = pd.read_parquet(shard)
+        lines += [{"id": i, **json.loads(line)} for i, line in zip(frame["id"], frame["line"])]
+    return key, lines
+
+
+def compare_runs(hf: Path, on_vllm: Path) -> dict:
+    """Every run of ``on_vllm`` generated in the engine against the run of that name in ``hf``."""
+    out = {"machine": platform.processor() or platform.machine(), "hf": str(hf), "vllm": str(on_vllm)}
+    out["configurations"] = {}
+    for run in sorted(p for p in on_vllm.iterdir() if (p / "manifest.json").exists()):
+        key, lines = stored(run)
+        if key.get("engine") != "vllm":
+            continue  # on the Hugging Face engine in both (RIND, the gate, the sweeps)
+        hf_key, hf_lines = stored(hf / run.name)
+        if [x["id"] for x in hf_lines] != [x["id"] for x in lines]:
+            raise SystemExit(
+                f"{run.name}: the two runs answered other questions (or one is unfinished): rerun rag_eval"
+            )
+        results = {"hf": hf_lines, "vllm": lines}
+        seconds = {side: sum(x["wall_s"] for x in xs) / len(xs) for side, xs in results.items()}
+        out["configurations"][run.name] = {"thresholds": key["thresholds"], **compared(results, seconds)}
+        out["llm"] = key["llm"]  # the digest of the LLM both answered with
+        print(run.name, json.dumps(out["configurations"][run.name]), flush=True)
+    return out
+
+
+def loops(args) -> dict:
+    """FLARE and the maximum entropy, each in a loop on each engine (see the module's docstring)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
-
     import pandas as pd
     import vllm
 
     from detectors.config import load_section
-    from detectors.inference import load_detector
     from detectors.llm.loading import load_llm
     from detectors.rag.corpus import qa_fact_passages
-    from detectors.rag.families import make_query, make_trigger
+    from detectors.rag.families import make_trigger
     from detectors.rag.loop import RagConfig, RagLoop
     from detectors.rag.retriever import BM25Retriever
-    from detectors.registry import store
 
     rag, early = load_section("rag_eval", args.params), load_section("build_early", args.params)
     paths = load_section("paths", args.params)
-    uri = None  # the store of the registered detectors, read only by --configuration rows
-    if args.configuration:
-        uri = store.configure(load_section("mlflow", args.params).tracking_uri)
-        os.environ["MLFLOW_TRACKING_URI"] = uri  # where the engine's plugin loads the detectors the requests name
     qa = pd.read_parquet(paths.qa)
     questions = qa[qa["split"] == "val"]["question"].astype(str).tolist()[: args.questions]
     retriever = BM25Retriever.build(qa_fact_passages(qa), load_section("index_corpus", args.params).bm25)
@@ -90,40 +122,38 @@ def main(argv: list[str] | None = None) -> None:
         "thresholds": thresholds,
         "configurations": {},
     }
-    spacy = load_section("build_realtime", args.params).spacy_model
-    rows = {n: rag.configurations[n] for n in args.configuration}
-    loops = {}  # name -> (its loop's arguments on each engine)
-    for name in rows or thresholds:
-        row = rows.get(name)
-        specs = row.triggers if row else [name]
-        triggers = [make_trigger(s, llm, thresholds, spacy, uri, rag.settings) for s in specs]
-        steering = (row.steering if row else None) or None
-        vectors = None if steering is None else load_detector(*steering.split("@"), llm=llm, tracking_uri=uri).vectors()
-        query = make_query(row.query, rag.query_settings, triggers, getattr(retriever, "idf", None)) if row else None
+    for name, threshold in thresholds.items():
         config = RagConfig(
             name, early.features.prompt, context=rag.context, k=rag.k, max_retrievals=rag.max_retrievals,
             max_new_tokens=rag.max_new_tokens, stop=tuple(early.stop), batch_size=rag.batch_size,
-            stepwise=bool(row and row.stepwise), chunk=bool(row and row.chunk),
         )  # fmt: skip
-        loops[name] = (config, triggers, query, {"hf": {"steering": vectors}, "vllm": {"steering": steering}})
-    if rows:
-        out["thresholds"] = {t.name: t.threshold for _, triggers, _, _ in loops.values() for t in triggers}
-    for name, (config, triggers, query, steering) in loops.items():
+        trigger = make_trigger(name, llm, {name: threshold})
         results, seconds = {}, {}
         for side, kwargs in (("hf", {}), ("vllm", {"engine": engine})):
-            loop = RagLoop(llm, retriever, config, triggers, query, **kwargs, **steering[side])
+            loop = RagLoop(llm, retriever, config, [trigger], **kwargs)
             began = time.perf_counter()
-            results[side] = loop.answer_all(questions)
+            results[side] = [dataclasses.asdict(r) for r in loop.answer_all(questions)]
             seconds[side] = (time.perf_counter() - began) / len(questions)
-        pairs = list(zip(results["hf"], results["vllm"]))
-        out["configurations"][name] = {
-            "same_answers": sum(a.answer == b.answer for a, b in pairs),
-            "same_traces": sum(trace(a) == trace(b) for a, b in pairs),
-            "retrieved": {side: sum(bool(r.retrievals) for r in rs) for side, rs in results.items()},
-            "seconds_per_question": seconds,
-            "vllm_over_hf": seconds["vllm"] / seconds["hf"],
-        }
+        out["configurations"][name] = compared(results, seconds)
         print(name, json.dumps(out["configurations"][name]), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llm", default="data/llm", help="the prepared LLM (dvc repro prepare)")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE on a CPU")
+    parser.add_argument("--threshold", nargs=2, action="append", metavar=("TRIGGER", "VALUE"), default=[])
+    parser.add_argument("--runs", nargs=2, type=Path, metavar=("HF", "VLLM"), help="two rag_eval runs' corpus dirs")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/rag_vllm_cpu.json"))
+    args = parser.parse_args(argv)
+    if args.runs:
+        out = compare_runs(*args.runs)
+    else:
+        out = loops(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from conftest import SPACY, build_tiny_llama, edit_params, known_facts, post, small_rag_params, write_params  # noqa: E402
 from test_rag_loop import PARAMS, PASSAGES, PROMPT, QUESTIONS, between, comparable  # noqa: E402
 
-from benchmarks import vllm_detectors  # noqa: E402
+from benchmarks import rag_vllm, vllm_detectors  # noqa: E402
 from detectors import load_detector  # noqa: E402
 from detectors.ctrla.monitor import generate_segment  # noqa: E402
 from detectors.dior.recorder import generate_traced  # noqa: E402
@@ -342,6 +342,11 @@ def test_rag_eval_on_the_vllm_engine_answers_as_on_the_hugging_face_engine(
     for name in ("flare", "dior-realtime", "ctrla"):
         fired = [bool(line["retrievals"]) for line in answered["vllm"]["lines"][name]]
         assert any(fired) and not all(fired), (name, fired)
+    # what the benchmark reads of two such evaluations: their stored runs, the engine's against the other's
+    compared = rag_vllm.compare_runs(tmp_path / "data/rag/runs-hf/facts", tmp_path / "data/rag/runs-vllm/facts")
+    assert set(compared["configurations"]) == set(names) - {"dragin"}
+    for name, row in compared["configurations"].items():
+        assert row["questions"] == row["same_answers"] == row["same_traces"] == len(questions), name
 
 
 @pytest.mark.parametrize(
