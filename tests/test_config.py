@@ -321,6 +321,8 @@ def test_literal_value_outside_its_choices(shipped, tmp_path):
     assert "train_early.training.threshold" in msg
     assert "'median'" in msg
     assert "youden" in msg
+    msg = params_error(edited(shipped, tmp_path, "rag_eval.engine", "tgi"))  # what generates the RAG loop's segments
+    assert "rag_eval.engine" in msg and "'tgi'" in msg and "'vllm'" in msg
 
 
 @pytest.mark.parametrize("template", ["Q: {query}\nA:", "{question} and again {question}"])

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from detectors.config.rag import on_corpus, references, trigger_names
 from detectors.errors import InputError
 from detectors.evaluation.rag_sweep import sweep_line, trace_events
@@ -128,10 +130,14 @@ class RagRuntime:
                     "on a CUDA machine `pip install vllm`) or set rag_eval.engine: hf"
                 ) from err
             os.environ["MLFLOW_TRACKING_URI"] = self.tracking_uri  # where the plugin loads the detectors requests name
+            memory = {}
             if self.llm.device.type == "cpu":
                 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+            else:  # the Hugging Face model (IG, RIND, the sweeps) keeps its share: the engine takes 80 % of the free
+                free, total = torch.cuda.mem_get_info(self.llm.device)
+                memory["gpu_memory_utilization"] = round(0.8 * free / total, 3)
             model, dtype = str(self.stage_params["paths.llm"]), self.llm.dtype_name
-            self._engine = vllm.LLM(model=model, dtype=dtype, enforce_eager=True, seed=0)
+            self._engine = vllm.LLM(model=model, dtype=dtype, enforce_eager=True, seed=0, **memory)
         return self._engine
 
     def close(self) -> None:
