@@ -167,15 +167,15 @@ class RagLoop:
             for t in self.triggers:
                 own.update(t.controller.probes())
             self.decoder: Decoder = Decoder(llm, {**(probes or {}), **own}, steering or {}, *args)
-            return
-        served, blockers = on_engine(self.triggers)
-        if blockers:
-            raise InputError(
-                f"configuration {name!r} reads {blockers}, which a serving engine does not serve (it serves each "
-                "token's probability and entropy, one registered detector's score and a registered steering): run it "
-                "on the Hugging Face engine (no engine=)"
-            )
-        self.decoder = VllmDecoder(engine, {**(probes or {}), **served}, llm, {}, steering, *args)
+        else:
+            served, blockers = on_engine(self.triggers)
+            if blockers:
+                raise InputError(
+                    f"configuration {name!r} reads {blockers}, which a serving engine does not serve (it serves each "
+                    "token's probability and entropy, one registered detector's score and a registered steering): run "
+                    "it on the Hugging Face engine (no engine=)"
+                )
+            self.decoder = VllmDecoder(engine, {**(probes or {}), **served}, llm, {}, steering, *args)
 
     # ---- public API ----------------------------------------------------------------------------------------
     def answer(self, question: str, record_prompts: bool = False) -> RagResult:
