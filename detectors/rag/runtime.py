@@ -73,8 +73,9 @@ def run_code(triggers: list, *parts: Any, modules: tuple[str, ...] = ()) -> str:
     return closure_digest(run_modules(triggers, *parts, modules=modules), DISPATCH)
 
 
-# what runs in a vLLM engine's processes: this package's plugin and what it runs there
-ENGINE_CODE = ("detectors.serving.vllm_plugin", "detectors.serving.engine")
+# what runs in a vLLM engine's processes: this package's plugin and what it runs there (as registry entries, so that
+# the rag_eval stage's code deps hold them and a run's code holds them only when it runs in the engine: run_code)
+ENGINE_CODE = ("detectors.serving.vllm_plugin:register", "detectors.serving.engine:EngineDetectors")
 # loops that take each other's segments: on the vLLM engine or not, the registered steering, the detectors it serves
 World = tuple[bool, str | None, tuple[tuple[str, str], ...]]
 HF: World = (False, None, ())
@@ -305,7 +306,9 @@ class RagRuntime:
                 [on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else [])
             ),
         } | ({"engine": "vllm"} if on_vllm else {})  # generated in the engine (its plugin's code is the run's too)
-        code = run_code(triggers, query, steerer, modules=ENGINE_CODE if on_vllm else ())
+        code = run_code(
+            triggers, query, steerer, modules=tuple(m.partition(":")[0] for m in ENGINE_CODE) if on_vllm else ()
+        )
         return System(name, resilient(name, rag.answer_all), code, key)
 
     def framework(self, name: str, corpus: str) -> System:
