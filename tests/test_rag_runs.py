@@ -16,7 +16,7 @@ from detectors.config import load_section
 from detectors.imports import ROOT, import_closure
 from detectors.rag.families import make_trigger
 from detectors.rag.queries import QuestionQuery
-from detectors.rag.runtime import DISPATCH, ENGINE_CODE, run_modules, run_params
+from detectors.rag.runtime import DISPATCH, ENGINE_MODULES, run_modules, run_params
 from pipelines import index_corpus, prepare, rag_eval
 from pipelines._provenance import PACKAGES
 
@@ -51,9 +51,9 @@ def test_a_configurations_code_is_its_own_triggers_code(tiny_llm):
     # SiT's validator beside its detector
     assert "detectors/baselines/stitch_in_time.py" in closure([sit]) & closure([sit_min])
     # the vLLM plugin's code is a run's code only when the run generates in the engine (rag_eval.engine: vllm)
-    engine = tuple(m.partition(":")[0] for m in ENGINE_CODE)
     on_engine = {
-        p.as_posix() for p in import_closure(sorted(run_modules([flare], modules=engine)), PACKAGES, ROOT, DISPATCH)[0]
+        p.as_posix()
+        for p in import_closure(sorted(run_modules([flare], modules=ENGINE_MODULES)), PACKAGES, ROOT, DISPATCH)[0]
     }
     assert not any("detectors/serving/" in f for f in closure([flare]))
     assert {"detectors/serving/vllm_plugin.py", "detectors/serving/engine.py"} <= on_engine

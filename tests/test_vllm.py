@@ -314,10 +314,10 @@ def test_rag_eval_on_the_vllm_engine_answers_as_on_the_hugging_face_engine(
     hf = worker("hf")
     runtime, questions = hf.runtime, hf.rows["test"]["question"].tolist()
     thresholds = {}  # between the questions' highest scores: some fire, some not
+    honesty = load_detector("ctrla-honesty", tracking_uri=registry["uri"], llm=runtime.llm).vectors()
     for spec in ("flare", "rind", "dior-realtime@champion", "ctrla-confidence@champion"):
         trigger = runtime.trigger(spec, "facts")
-        honesty = load_detector("ctrla-honesty", tracking_uri=registry["uri"], llm=runtime.llm)
-        steering = honesty.vectors() if spec.startswith("ctrla") else None
+        steering = honesty if spec.startswith("ctrla") else None
         probe = RagLoop(runtime.llm, runtime.retriever("facts"), runtime.rag_config("probe"), [trigger], None, steering)
         scores = [float(np.max(t.token_scores[trigger.name], initial=-np.inf)) for t in probe.trace(questions)]
         thresholds[trigger.name] = between(scores)

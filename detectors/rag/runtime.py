@@ -76,6 +76,7 @@ def run_code(triggers: list, *parts: Any, modules: tuple[str, ...] = ()) -> str:
 # what runs in a vLLM engine's processes: this package's plugin and what it runs there (as registry entries, so that
 # the rag_eval stage's code deps hold them and a run's code holds them only when it runs in the engine: run_code)
 ENGINE_CODE = ("detectors.serving.vllm_plugin:register", "detectors.serving.engine:EngineDetectors")
+ENGINE_MODULES = tuple(entry.partition(":")[0] for entry in ENGINE_CODE)
 # loops that take each other's segments: on the vLLM engine or not, the registered steering, the detectors it serves
 World = tuple[bool, str | None, tuple[tuple[str, str], ...]]
 HF: World = (False, None, ())
@@ -102,10 +103,8 @@ class RagRuntime:
 
     def __init__(self, params, champions: dict[str, str] | None = None, engine: Any = None):
         self.stage_params, self.params = params, params["rag_eval"]
-        self._engine, self._owns_engine = (
-            engine,
-            engine is None,
-        )  # rag_eval.engine vllm: built on first use if not given
+        self._engine = engine  # rag_eval.engine vllm: built on first use if not given
+        self._owns_engine = engine is None
         self._champions = champions or {}  # {"<name>@<alias>": its version}: part of the key of the systems reading it
         self.llm = LLMSpec.of(params).load()
         self.llm_name, self.llm_digest = self.llm.fingerprint.name, store.llm_digest(self.llm.fingerprint)
@@ -113,7 +112,8 @@ class RagRuntime:
         self._retrievers: dict[str, BM25Retriever] = {}
         self._triggers: dict[str, Any] = {}
         self._shared: dict[World, Shared] = {}  # what every configuration's loop ran, per world
-        # per world, of the loops built since forget_loops: the loops, every probe they read, the steering vectors
+        # per world, of the loops built since forget_loops: the loops, every probe they read, their steering (vectors;
+        # on the engine, the registered steering's name@alias)
         self._loops: dict[World, list[RagLoop]] = {}
         self._probes: dict[World, dict[str, Any]] = {}
         self._steering: dict[World, Any] = {}
@@ -164,11 +164,12 @@ class RagRuntime:
         self._steering.clear()
         self.forget_shared()
 
-    def _built(self, loop: RagLoop, world: World, vectors: Any = None) -> RagLoop:
-        """``loop`` is one the references of its ``world`` decode for: what it records joins theirs."""
+    def _built(self, loop: RagLoop, world: World, steering: Any = None) -> RagLoop:
+        """``loop`` is one the references of its ``world`` decode for (under its ``steering``): what it records joins
+        theirs."""
         self._loops.setdefault(world, []).append(loop)
         self._probes.setdefault(world, {}).update(loop.decoder.records)
-        self._steering[world] = vectors
+        self._steering[world] = steering
         return loop
 
     def references(self, corpus: str, questions: list[str]) -> None:
@@ -185,12 +186,11 @@ class RagRuntime:
                 loop.decoder.attach(probes)
             shared = self.shared(world)
             engine = self.engine if on_vllm else None
-            steer = steering if on_vllm else self._steering.get(world)
             RagLoop(
                 self.llm,
                 None,
                 self.rag_config("reference"),
-                steering=steer,
+                steering=self._steering.get(world),
                 shared=shared,
                 probes=probes,
                 reference=True,
@@ -284,7 +284,7 @@ class RagRuntime:
         if config.steering:
             steer_name, alias = config.steering.split("@", 1)
             steerer = load_detector(steer_name, alias=alias, llm=self.llm, tracking_uri=self.tracking_uri)
-            steering = steerer.vectors()
+            steering = config.steering if on_vllm else steerer.vectors()  # the engine applies the registered one
         retriever = self.retriever(corpus) if triggers else None
         query = self.query(config.query, triggers, retriever)
         rag = RagLoop(
@@ -293,7 +293,7 @@ class RagRuntime:
             self.rag_config(name, config.stepwise, config.chunk, context=config.context),
             triggers,
             query,
-            config.steering if on_vllm else steering,
+            steering,
             self.shared(world),
             engine=self.engine if on_vllm else None,
         )
@@ -306,9 +306,7 @@ class RagRuntime:
                 [on_corpus(t, corpus) for t in config.triggers] + ([config.steering] if config.steering else [])
             ),
         } | ({"engine": "vllm"} if on_vllm else {})  # generated in the engine (its plugin's code is the run's too)
-        code = run_code(
-            triggers, query, steerer, modules=tuple(m.partition(":")[0] for m in ENGINE_CODE) if on_vllm else ()
-        )
+        code = run_code(triggers, query, steerer, modules=ENGINE_MODULES if on_vllm else ())
         return System(name, resilient(name, rag.answer_all), code, key)
 
     def framework(self, name: str, corpus: str) -> System:
