@@ -1,7 +1,8 @@
 """The names a RAG configuration (``rag_eval``) is written with, each mapped once to what builds it: the training-free
-triggers, the trigger kinds of registered detectors, the query formulations and the frameworks with a loop of their
-own (lazy registries, :mod:`detectors.lazy`). A new trigger family, formulation or framework is one entry here beside
-its code. Below every package (it imports none: its entries are names), so that ``detectors.config`` reads it.
+triggers, the triggers built around registered detectors, the query formulations and the frameworks with a loop of
+their own (lazy registries, :mod:`detectors.lazy`). A new trigger family, formulation or framework is one entry here
+beside its code; a new trained kind is none (its class declares its ``KIND`` and the ``TRIGGER`` it plugs into). Below
+every package (it imports none: its entries are names), so that ``detectors.config`` reads it.
 
 The module holds names only, so that validating ``params.yaml``
 (:mod:`detectors.config.rag`) reads them without importing the implementations: the stages that validate the
@@ -11,6 +12,7 @@ reads this module's entries as names there).
 
 from __future__ import annotations
 
+from detectors.imports import declared_classes
 from detectors.lazy import LazyRegistry
 
 # name -> its TriggerEntry (detectors.rag.triggers: builder, own settings' type, offline scorer); the ones with a
@@ -37,17 +39,22 @@ def thresholded(spec: str) -> bool:
     return spec != FIRES_ALWAYS
 
 
-# registered detector kind -> its TriggerEntry (built with the detector attached to the loop's LLM in its context;
-# its settings from rag_eval.settings.<kind>)
-DETECTOR_KINDS = LazyRegistry(
-    "trigger kind of a registered detector",
+# the trigger a registered detector's class names (``Detector.TRIGGER``) -> its TriggerEntry, built with the detector
+# attached to the loop's LLM in its context: a new kind that decides like one of these (a probability of the question's
+# early-set columns, of each generated token's hidden states) names it and needs no entry
+DETECTOR_TRIGGERS = LazyRegistry(
+    "trigger of a registered detector",
     {
-        "dior-early": "detectors.rag.families.dior:EARLY",
-        "dior-realtime": "detectors.rag.families.dior:REALTIME",
-        "ctrla-confidence": "detectors.rag.families.ctrla:CTRLA",
+        "early": "detectors.rag.families.dior:EARLY",
+        "realtime": "detectors.rag.families.dior:REALTIME",
+        "ctrla": "detectors.rag.families.ctrla:CTRLA",
         "utility": "detectors.rag.families.utility:UTILITY",
     },
 )
+# the trigger kinds: the KIND of every detector class that declares a TRIGGER, read from the sources as names (the
+# params' validation reads them; a configuration's <registered model>@<alias> loads its class through the registry),
+# each with its settings under rag_eval.settings.<kind>
+DETECTOR_KINDS = tuple(declared_classes("KIND", having="TRIGGER"))
 # query formulation -> its QueryEntry (detectors.rag.queries: builder and own settings' type, which it takes from
 # rag_eval.query_settings.<name>), built by detectors.rag.families.make_query
 QUERIES = LazyRegistry(

@@ -22,11 +22,61 @@ def module_file(module: str, root: Path = ROOT) -> Path | None:
     return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
 
 
-def imported_modules(path: Path, top_level_only: bool = False, registered: bool = True) -> set[str]:
+def declared_classes(attribute: str, having: str | None = None, package: str = "detectors", root: Path = ROOT) -> dict:
+    """``{value: "module:Class"}`` for every class of ``package`` whose body assigns a string to ``attribute`` (and
+    one to ``having`` too, when given), read from the sources, never by importing them: the entries of a declared
+    registry (:meth:`detectors.lazy.LazyRegistry.declared`). Two classes declaring one value is a ValueError naming
+    both."""
+    found: dict[str, str] = {}
+    assigns = re.compile(rf"^[ \t]+{attribute}\s*=", re.M)  # only the files that could declare it are parsed
+    for path in sorted((root / package).rglob("*.py")):
+        text = path.read_text()
+        if not assigns.search(text):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.parse(text).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            values = {
+                t.id: s.value.value
+                for s in node.body
+                if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str)
+                for t in s.targets
+                if isinstance(t, ast.Name)
+            }
+            if attribute not in values or (having is not None and having not in values):
+                continue
+            value, target = values[attribute], f"{module}:{node.name}"
+            if value in found:
+                raise ValueError(f"{attribute} = {value!r} is declared twice ({found[value]} and {target}): keep one")
+            found[value] = target
+    return found
+
+
+def _declared_attribute(node: ast.AST, path: Path) -> str | None:
+    """The ``attribute`` of a ``LazyRegistry.declared(what, attribute, ...)`` call; None for any other node (a
+    ValueError when it is not written as a string: the closure could not read it)."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "declared"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "LazyRegistry"
+    ):
+        return None
+    given = dict(zip(("what", "attribute"), node.args)) | {k.arg: k.value for k in node.keywords}
+    attribute = given.get("attribute")
+    if not (isinstance(attribute, ast.Constant) and isinstance(attribute.value, str)):
+        raise ValueError(f"{path}:{node.lineno}: write LazyRegistry.declared's attribute as a string literal")
+    return attribute.value
+
+
+def imported_modules(path: Path, top_level_only: bool = False, registered: bool = True, root: Path = ROOT) -> set[str]:
     """Every module an import statement of ``path`` names (inside functions too unless ``top_level_only``), and every
-    module a ``"package.module:attribute"`` string names (an entry of a lazy registry, :mod:`detectors.lazy`) unless
-    ``registered`` is False: what the file loads (a closure) counts the entries, its import statements (the layering of
-    the packages) do not.
+    module a ``"package.module:attribute"`` string names (an entry of a lazy registry, :mod:`detectors.lazy`) or a
+    ``LazyRegistry.declared(...)`` call finds declared (:func:`declared_classes` under ``root``) unless
+    ``registered`` is False: what the file loads (a closure) counts the entries, its import statements (the layering
+    of the packages) do not.
 
     Imports inside a module-level ``__getattr__`` are lazy attribute loads (``detectors.load_detector``) that
     run only when the attribute is used, so they are not imports of the module.
@@ -53,6 +103,8 @@ def imported_modules(path: Path, top_level_only: bool = False, registered: bool 
             and REGISTERED.fullmatch(node.value)
         ):
             out.add(node.value.partition(":")[0])
+        elif registered and not top_level_only and (attribute := _declared_attribute(node, path)):
+            out.update(t.partition(":")[0] for t in declared_classes(attribute, root=root).values())
     return out
 
 
@@ -80,7 +132,7 @@ def import_closure(
             path = module_file(prefix, root)
             if path is not None and path not in files:
                 files.add(path)
-                todo.extend(imported_modules(path, top_level_only=prefix in lazy))
+                todo.extend(imported_modules(path, top_level_only=prefix in lazy, root=root))
     return {p.relative_to(root) for p in files}, external
 
 

@@ -96,6 +96,7 @@ class ConfidenceDetector(_CtrlADetector):
 
     KIND = "ctrla-confidence"
     DECIDES = "generation"
+    TRIGGER = "ctrla"
     INPUTS = FrameInputs({"question": "string"})
 
     @property

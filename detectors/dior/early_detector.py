@@ -100,6 +100,7 @@ class EarlyDetector(DeclaredArtifact, Detector):
 
     KIND = "dior-early"
     DECIDES = "question"
+    TRIGGER = "early"
     INPUTS = FrameInputs({"question": "string"})
 
     net: EarlyGRU

@@ -130,6 +130,7 @@ class RealtimeDetector(DeclaredArtifact, Detector):
 
     KIND = "dior-realtime"
     DECIDES = "generation"
+    TRIGGER = "realtime"
     WATCH_NEEDS = {"title": "continues the opening of a Wikipedia article (DioR's prompt)"}
     INPUTS = FrameInputs({"title": "string", "text": "string"})
     RENAMED = {"state_indices": "positions"}  # as artifacts written before the rename stored it

@@ -163,9 +163,10 @@ class TriggerContext:
 @dataclasses.dataclass(frozen=True)
 class TriggerEntry:
     """One trigger of a family (the object :data:`detectors.extensions.TRAINING_FREE` and
-    :data:`~detectors.extensions.DETECTOR_KINDS` name): ``build(context, settings)`` makes it (a training-free one
+    :data:`~detectors.extensions.DETECTOR_TRIGGERS` name): ``build(context, settings)`` makes it (a training-free one
     without its threshold: +inf until one is set), ``settings`` is the type of its own params
-    (``rag_eval.settings.<entry name>``; None: it takes none; the builder gets None when they are not given) and
+    (``rag_eval.settings.<entry name>``, a detector's ``rag_eval.settings.<kind>``; None: it takes none; the builder
+    gets None when they are not given) and
     ``offline`` its scorer's class (a :class:`~detectors.evaluation.scorers.TokenStatScorer` over the real-time set's
     statistics), which the comparison lists among the real-time baselines (None: it has no offline score)."""
 

@@ -1,5 +1,6 @@
 """The registered detector kinds: the ``kind`` written in an artifact's ``detector.json`` names the class that loads
-it (:data:`KINDS`, a lazy registry: each class is imported only when its kind is loaded; a new kind is one entry)."""
+it (:data:`KINDS`, a declared lazy registry: every detector class that declares a ``KIND``, found in the sources; each
+class is imported only when its kind is loaded, and a new kind's class registers itself)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,7 @@ from detectors.interfaces import Detector
 from detectors.lazy import LazyRegistry
 from detectors.registry.artifact import read_config
 
-KINDS = LazyRegistry(
-    "detector kind",
-    {
-        "dior-early": "detectors.dior.early_detector:EarlyDetector",
-        "dior-realtime": "detectors.dior.realtime_detector:RealtimeDetector",
-        "ctrla-honesty": "detectors.ctrla.registered:HonestySteering",
-        "ctrla-confidence": "detectors.ctrla.registered:ConfidenceDetector",
-        "utility": "detectors.utility.detector:UtilityDetector",
-    },
-    ValueError,
-)
+KINDS = LazyRegistry.declared("detector kind", "KIND", error=ValueError)
 
 
 def detector_class(kind: str) -> type[Detector]:

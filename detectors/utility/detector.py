@@ -110,6 +110,7 @@ class UtilityDetector(DeclaredArtifact, Detector):
 
     KIND = "utility"
     DECIDES = "question"
+    TRIGGER = "utility"
     NET = "nets"
     INPUTS = FrameInputs({"question": "string"})
 

@@ -1,5 +1,5 @@
 """The retrieval triggers, one module per family: its trigger entries (:class:`~detectors.rag.triggers.TriggerEntry`,
-named in :data:`detectors.extensions.TRAINING_FREE` and :data:`~detectors.extensions.DETECTOR_KINDS`) and the
+named in :data:`detectors.extensions.TRAINING_FREE` and :data:`~detectors.extensions.DETECTOR_TRIGGERS`) and the
 calculators of the statistics it reads. A configuration of the loop depends on the modules of its own triggers only, so
 changing one family's code reruns only the configurations that use it (rag_eval's runs are keyed on their code).
 :func:`make_trigger` and :func:`make_query` build a configuration's triggers and its query formulation by name, each
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from detectors.config.core import entry_settings
 from detectors.errors import InputError
-from detectors.extensions import DETECTOR_KINDS, QUERIES, TRAINING_FREE, thresholded
+from detectors.extensions import DETECTOR_KINDS, DETECTOR_TRIGGERS, QUERIES, TRAINING_FREE, thresholded
 from detectors.rag.triggers import Trigger, TriggerContext, TriggerEntry
 
 if TYPE_CHECKING:
@@ -35,9 +35,9 @@ def make_trigger(
 ) -> Trigger:
     """The trigger named ``spec``: one of :data:`TRAINING_FREE` (its threshold from ``thresholds``; None: +inf, to be
     set later, as a sweep does) or ``<registered model>@<alias>`` loaded with :func:`detectors.load_detector` (from
-    ``tracking_uri``) onto ``llm``; the detector's kind decides the trigger, and a detector built with another LLM is
-    refused by its fingerprint. ``settings``: ``rag_eval.settings``, each entry's own params by its name
-    (:func:`~detectors.config.core.entry_settings`); ``spacy_model``: the pipeline of the triggers that find
+    ``tracking_uri``) onto ``llm``, with the trigger its class names (``TRIGGER``) built around it; a detector built
+    with another LLM is refused by its fingerprint. ``settings``: ``rag_eval.settings``, each entry's own params by its
+    name (:func:`~detectors.config.core.entry_settings`); ``spacy_model``: the pipeline of the triggers that find
     entities."""
     if "@" not in spec:  # a training-free trigger
         entry: TriggerEntry = TRAINING_FREE.load(spec)  # an unknown name: an InputError listing the known ones
@@ -55,16 +55,16 @@ def make_trigger(
 
     # not registered: NotRegisteredError, an InputError
     detector = load_detector(name, alias=alias, llm=llm, tracking_uri=tracking_uri)
-    if detector.KIND not in DETECTOR_KINDS:
+    if detector.TRIGGER is None:
         raise InputError(
-            f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use one of "
+            f"trigger {spec!r}: a {detector.KIND!r} detector does not decide retrieval (use a detector of kind "
             f"{', '.join(DETECTOR_KINDS)})"
         )
-    entry = DETECTOR_KINDS.load(detector.KIND)
+    entry = DETECTOR_TRIGGERS.load(detector.TRIGGER)
     context = TriggerContext(llm, spacy_model, name, detector, spec)
     own = entry_settings(entry.settings, detector.KIND, settings, SETTINGS, "trigger")
     trigger = entry.build(context, own)
-    module = DETECTOR_KINDS.module(detector.KIND)
+    module = DETECTOR_TRIGGERS.module(detector.TRIGGER)
     return dataclasses.replace(trigger, source=module, detector=detector, entry=detector.KIND, settings=own)
 
 
