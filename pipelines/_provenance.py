@@ -7,13 +7,16 @@ resuming the same computation.
 each stage declares what it reads and writes once, next to the code that does it: ``READS`` (its params), ``DEPS``
 (its data deps, after its code deps), ``OUTS``, ``METRICS`` and ``PLOTS``, module-level literals read from the source
 without importing it. An entry is a path (``${paths.<key>}``, as DVC interpolates it from params.yaml) or ``(path,
-options)`` or ``(path, options, note)``: DVC's options of that output (``cache``, ``persist``) and a comment.
+options)`` or ``(path, options, note)``: DVC's options of that output (``cache``, ``persist``) and a comment. A
+``READS`` entry ``${<section>.<key>}`` is every params section the list at that key names (``rag_eval``'s
+frameworks).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.metadata
 import logging
 import re
@@ -22,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from detectors.config import expanded_reads
 from detectors.config.core import load_yaml
 from detectors.config.sections import section_modules
 from detectors.errors import InputError
@@ -62,11 +66,21 @@ def declared(module: str, name: str, root: Path = ROOT) -> tuple:
     return tuple(literal(module, name, root) or ())
 
 
+def _params(root: Path) -> dict[str, Any]:
+    """``root/params.yaml`` as read (once while it is unchanged); {} without one."""
+    path = root / "params.yaml"
+    return _read_params(path, path.stat().st_mtime_ns) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=4)
+def _read_params(path: Path, mtime_ns: int) -> dict[str, Any]:
+    return load_yaml(path.read_text(encoding="utf-8"))
+
+
 def _table(key: str, root: Path) -> dict[str, Any]:
     """The params table ``key`` (a dotted key of ``root/params.yaml``) a ``FOREACH`` stage runs once per key of; {}
     without a params file there."""
-    path = root / "params.yaml"
-    value: Any = load_yaml(path.read_text(encoding="utf-8")) if path.exists() else {}
+    value: Any = _params(root)
     for part in key.split("."):
         value = value.get(part, {}) if isinstance(value, dict) else {}
     return value if isinstance(value, dict) else {}
@@ -127,8 +141,9 @@ def ordered_stages(root: Path = ROOT) -> tuple[str, ...]:
 
 
 def declared_reads(module: str, root: Path = ROOT) -> tuple[str, ...]:
-    """A stage module's ``READS`` (the params keys it declares); () if it has none."""
-    return declared(module, "READS", root)
+    """A stage module's ``READS`` (the params keys it declares), a ``"${section.key}"`` entry expanded into the
+    sections that list of ``root/params.yaml`` names (:func:`~detectors.config.expanded_reads`); () if it has none."""
+    return expanded_reads(declared(module, "READS", root), _params(root))
 
 
 # modules that hold only registries of names a params section is checked against: validating the section reads the

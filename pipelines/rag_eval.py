@@ -55,7 +55,7 @@ READS = (
     "build_early.stop",
     "build_realtime.spacy_model",
     "rag_eval",
-    "retrorag",
+    "${rag_eval.frameworks}",  # the section of every framework it runs
     "execution",
     "mlflow",
     "paths.llm",

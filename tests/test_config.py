@@ -142,6 +142,24 @@ def test_a_declared_key_that_params_does_not_have_is_refused(shipped):
         StageParams(shipped, ("paths.qaa",), "build_early")
 
 
+def test_a_stage_reads_the_section_of_every_framework_its_params_name_and_no_other(shipped):
+    """``rag_eval`` declares ``"${rag_eval.frameworks}"``: the sections that list names are its params (and its
+    ``dvc.yaml`` params), so a framework's name is written in ``params.yaml`` alone."""
+    from pipelines import rag_eval
+
+    assert "retrorag" not in rag_eval.READS
+    assert StageParams(shipped, rag_eval.READS, "rag_eval")["retrorag"].k == shipped["retrorag"]["k"]
+    data = copy.deepcopy(shipped)
+    data["rag_eval"]["frameworks"] = []
+    p = StageParams(data, rag_eval.READS, "rag_eval")
+    assert "retrorag" not in p.reads and "rag_eval" in p.reads
+    with pytest.raises(ParamsError, match="rag_eval reads params key 'retrorag' but does not declare it"):
+        p["retrorag"]
+    data["rag_eval"]["frameworks"] = "retrorag"
+    with pytest.raises(ParamsError, match=r"rag_eval\.frameworks = 'retrorag': a list of params section names"):
+        StageParams(data, rag_eval.READS, "rag_eval")
+
+
 def test_declared_sections_are_validated_before_any_work(shipped):
     from detectors.config import StageParams
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
+from detectors.config import StageParams, read_params
 from detectors.errors import InputError
 from pipelines._provenance import PACKAGES, dvc_yaml, ordered_stages, stage_closure
 
@@ -55,6 +56,7 @@ def test_an_edit_of_a_stage_modules_declarations_is_what_dvc_yaml_then_says(tmp_
     entry, and nothing else moves; a malformed entry is one error naming the module, the section and the entry."""
     for package in PACKAGES:
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "params.yaml", tmp_path)  # the foreach tables, paths and the sections rag_eval's params name
     module = tmp_path / "pipelines/prepare_articles.py"
     source = module.read_text()
     module.write_text(
@@ -92,7 +94,7 @@ def test_each_stage_is_its_modules_declarations_and_its_params_exactly_what_it_r
     assert stage["cmd"] == f"python -m pipelines.{name}" + (" --item ${key}" if foreach else "")
     entry = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][name]
     assert entry.get("foreach") == (f"${{{foreach}}}" if foreach else None)
-    assert stage["params"] == list(module.READS)
+    assert stage["params"] == list(StageParams(read_params(ROOT / "params.yaml"), module.READS, name).reads)
     assert stage["deps"][len(stage["deps"]) - len(getattr(module, "DEPS", ())) :] == list(getattr(module, "DEPS", ()))
     assert all(
         Path(d).parts[0] in PACKAGES for d in stage["deps"][: len(stage["deps"]) - len(getattr(module, "DEPS", ()))]
@@ -184,8 +186,8 @@ def import_graph(root: Path = ROOT, package: str = "detectors", registered: bool
 def package_graph(root: Path = ROOT, package: str = "detectors") -> dict[str, set[str]]:
     """:func:`import_graph` folded onto ``package``'s first level (``detectors.rag``, ``detectors.cli``, ...): which of
     its sub-packages and top-level modules import which. A lazy registry's entries are not imports: the registry names
-    its kinds by string precisely so that it does not import them (``detectors.registry.kinds`` names the detector
-    classes of ``dior``, ``ctrla`` and ``utility``, which import ``registry.artifact``)."""
+    its kinds by string precisely so that it does not import them (``detectors.registry.kinds`` finds the detector
+    classes of ``dior``, ``ctrla`` and ``utility`` in the sources, and they import ``registry.artifact``)."""
     top = len(package.split(".")) + 1
     graph: dict[str, set[str]] = {}
     for name, deps in import_graph(root, package, registered=False).items():

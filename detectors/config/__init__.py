@@ -16,6 +16,26 @@ from detectors.config.core import ParamsError, fail, from_dict, load_yaml, read_
 from detectors.config.sections import SECTIONS, section_type
 
 
+def expanded_reads(reads: Iterable[str], data: dict[str, Any]) -> tuple[str, ...]:
+    """A stage's declared params keys (``READS``), each ``"${section.key}"`` entry replaced by the sections that the
+    list at that key of ``data`` names: ``rag_eval`` declares ``"${rag_eval.frameworks}"`` and reads the section of
+    every framework it runs, so no stage lists a framework's name. A key that holds something else than a list of
+    names is a ParamsError; a missing one names none (the section's own validation refuses it)."""
+    out: list[str] = []
+    for key in reads:
+        if not (key.startswith("${") and key.endswith("}")):
+            out.append(key)
+            continue
+        value: Any = data
+        for part in key[2:-1].split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        value = [] if value is None else value  # missing: none (its section's validation says so)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            fail(key[2:-1], value, "a list of params section names, e.g. [retrorag] ([] for none)")
+        out += [name for name in value if name not in out]
+    return tuple(out)
+
+
 def load_section(name: str, path: str | Path = "params.yaml", data: dict[str, Any] | None = None) -> Any:
     """Validate and return section ``name`` of the params file as its dataclass (every key required)."""
     kind = section_type(name)
@@ -40,11 +60,12 @@ class StageParams:
     """The params of one stage: only the declared keys (``section`` or ``section.key.subkey``) can be read.
 
     ``params["paths.qa"]`` returns that value; ``params["build_early"]`` the whole validated section.
-    Reading an undeclared key is an error: declare it in the stage's ``READS`` and in ``dvc.yaml``.
+    Reading an undeclared key is an error: declare it in the stage's ``READS`` and in ``dvc.yaml``. A declared
+    ``"${section.key}"`` is every section the list at that key names (:func:`expanded_reads`).
     """
 
     def __init__(self, data: dict[str, Any], reads: Iterable[str], stage: str = "this stage"):
-        self.data, self.reads, self.stage = data, tuple(reads), stage
+        self.data, self.reads, self.stage = data, expanded_reads(reads, data), stage
         self.items: list[str] = []  # a stage run once per key of a params table: the keys this run is for
         self._sections: dict[str, Any] = {}
         for key in self.reads:  # validate every declared section, and that each key exists, before any heavy work

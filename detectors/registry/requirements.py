@@ -20,7 +20,7 @@ from typing import Any
 from detectors.imports import import_closure
 
 PYFUNC_MODULE = "detectors.registry.pyfunc"
-# kinds.detector_class imports every kind inside a function, but only the loaded kind's branch runs
+# kinds.KINDS holds every declared kind, but only the loaded kind's class is imported
 LAZY_MODULES = ("detectors.registry.kinds",)
 DATA_KEYS = (("spacy_model",), ("embedding_model",), ("llm", "source"))  # detector.json entries naming a package
 
