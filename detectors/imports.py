@@ -22,7 +22,9 @@ def module_file(module: str, root: Path = ROOT) -> Path | None:
     return path.with_suffix(".py") if path.with_suffix(".py").exists() else None
 
 
-def declared_classes(attribute: str, having: str | None = None, package: str = "detectors", root: Path = ROOT) -> dict:
+def declared_classes(
+    attribute: str, having: str | None = None, package: str = "detectors", root: Path = ROOT
+) -> dict[str, str]:
     """``{value: "module:Class"}`` for every class of ``package`` whose body assigns a string to ``attribute`` (and
     one to ``having`` too, when given), read from the sources, never by importing them: the entries of a declared
     registry (:meth:`detectors.lazy.LazyRegistry.declared`). Two classes declaring one value is a ValueError naming

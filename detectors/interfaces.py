@@ -60,8 +60,8 @@ class Detector(abc.ABC):
     # when it decides retrieval: "question" (before generating, from the question: `dynrag assess`), "generation"
     # (token by token while the LLM generates: `dynrag monitor`), None (it does not decide retrieval: a steering)
     DECIDES: ClassVar[str | None] = None
-    # the trigger the RAG loop builds around it (a name of detectors.extensions.DETECTOR_TRIGGERS: "early", "realtime",
-    # "ctrla", "utility"); None for a kind that decides no retrieval. A kind that declares one is a trigger kind
+    # the trigger the RAG loop builds around it (a name of detectors.extensions.DETECTOR_TRIGGERS); None for a kind
+    # that decides no retrieval. A kind that declares one is a trigger kind
     TRIGGER: ClassVar[str | None] = None
     # what :meth:`watch` needs besides the text (name -> why), for a caller to ask before loading the LLM
     WATCH_NEEDS: ClassVar[dict[str, str]] = {}
