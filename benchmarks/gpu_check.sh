@@ -12,6 +12,9 @@
 #        workers (default 8; each takes its share of the cores for PyTorch's threads)
 # TOKENIZER=DIR names the tokenizer directory when `data/llm` (the prepare stage's output) is not there; PYTHON the
 # interpreter (default python3).
+# Where `.gpu/manifest.json` was carried (a machine without the project's packages: `python -m benchmarks.gpu_bundle
+# build` here), it first takes the call's part of the bundle; until the last part is there it stops (status 0), then
+# unpacks it and runs with `.gpu/site` on PYTHONPATH and `.gpu/tokenizer` as TOKENIZER.
 # Every part runs even when one before it failed; the exit status is 1 when any failed.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT [bench|tests|all] [pytest arguments...]}
@@ -21,6 +24,15 @@ mkdir -p "$out"
 export DYNRAG_TEST_DEVICE=${DYNRAG_TEST_DEVICE:-cuda} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
 py=${PYTHON:-python3}
+if [[ -f .gpu/manifest.json ]]; then
+    "$py" -m benchmarks.gpu_bundle collect --dir .gpu
+    case $? in
+        0) export PYTHONPATH=$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}
+           [[ -z ${TOKENIZER:-} && ! -d data/llm ]] && export TOKENIZER=$PWD/.gpu/tokenizer ;;
+        3) exit 0 ;;  # parts are still to come
+        *) exit 1 ;;
+    esac
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
 "$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
     | tee -a "$out/gpu.txt"
