@@ -147,24 +147,24 @@ def check_splits(key: str, splits: dict[str, float]) -> None:
         fail(key, splits, f"ratios sum to {total:g}, they must sum to 1")
 
 
-class _Yaml12Loader(yaml.SafeLoader):
+class Yaml12Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's booleans, ``true`` and ``false`` only: ``yes``, ``no``, ``on`` and ``off``
     stay strings, as DVC (a YAML 1.2 reader and writer) reads them, and as it writes them back, unquoted, when
     ``dvc exp run -S`` rewrites the params file."""
 
 
-_Yaml12Loader.yaml_implicit_resolvers = {
+Yaml12Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Yaml12Loader.add_implicit_resolver(
+Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
 
 
 def load_yaml(text: str) -> Any:
-    """A params document as the stages and DVC read it (:class:`_Yaml12Loader`)."""
-    return yaml.load(text, Loader=_Yaml12Loader)
+    """A params document as the stages and DVC read it (:class:`Yaml12Loader`)."""
+    return yaml.load(text, Loader=Yaml12Loader)
 
 
 def read_params(path: str | Path = "params.yaml") -> dict[str, Any]:

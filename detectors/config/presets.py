@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from detectors.config import load_all
-from detectors.config.core import ParamsError, _Yaml12Loader, load_yaml, read_params
+from detectors.config.core import ParamsError, Yaml12Loader, load_yaml, read_params
 from detectors.errors import one_line, traceback_wanted
 
 NEW = object()  # the old value of a key params.yaml lacks
@@ -36,7 +36,7 @@ class Whole(dict):
     """A preset mapping tagged ``!replace``: it replaces the mapping at its key instead of merging into it."""
 
 
-class _PresetLoader(_Yaml12Loader):
+class _PresetLoader(Yaml12Loader):
     """The params reader, and ``!replace`` on a mapping (:class:`Whole`)."""
 
 
