@@ -11,9 +11,9 @@ fit one call beside the working tree::
 
     python -m benchmarks.gpu_bundle build [--out .gpu]      # .gpu/manifest.json, .gpu/part-1 ... .gpu/part-N
 
-``collect`` (there, at the start of each call; ``benchmarks/gpu_check.sh`` runs it) takes the part that call
-carried into ``.gpu/got``, which stays while the machine stays warm; once every part is there it checks them and
-unpacks ``.gpu/site`` (for ``PYTHONPATH``) and ``.gpu/tokenizer``. Exit status 3: parts are still to come.
+``collect`` (there, at the start of each call; ``benchmarks/gpu_check.sh`` runs it) checks the parts carried so
+far (a warm machine keeps the ignored files of earlier calls); once every part is there it unpacks ``.gpu/site``
+(for ``PYTHONPATH``) and ``.gpu/tokenizer``. Exit status 3: parts are still to come.
 """
 
 from __future__ import annotations
@@ -215,38 +215,34 @@ def pack(folders: dict[str, Path], out: Path, part_bytes: int, packages: dict[st
 
 
 def collect(folder: Path) -> bool:
-    """Take the parts carried into ``folder`` (its manifest's) into ``folder/got``; once all are there, check them
-    and unpack the archive's folders into ``folder``. True once unpacked (a second call only checks)."""
+    """Check the parts carried into ``folder`` so far (a part of another build is removed, naming it); once all of its
+    manifest's parts are there, unpack the archive's folders into ``folder``. True once unpacked (a later call only
+    checks). The parts stay where they are: on the GPU machine the ignored files of earlier calls stay while it is
+    warm, and where the bundle was built they are the originals."""
     manifest = json.loads((folder / "manifest.json").read_text())
     done = folder / "unpacked.sha256"
     if done.exists() and done.read_text() == manifest["sha256"]:
         return True
-    got = folder / "got"
-    got.mkdir(exist_ok=True)
-    expected = {p["name"]: p["sha256"] for p in manifest["parts"]}
-    for name, sha in expected.items():
-        for place in (folder / name, got / name):
-            if place.exists() and _sha256([place]) != sha:
-                place.unlink()
-                print(
-                    f"{place} is not this manifest's {name} (a part of another build, or cut short): removed; "
-                    f"carry .gpu/{name} again",
-                    file=sys.stderr,
-                )
-        if (folder / name).exists():
-            (folder / name).replace(got / name)
-    have = [n for n in expected if (got / n).exists()]
-    missing = [n for n in expected if n not in have]
+    have, missing = [], []
+    for part in manifest["parts"]:
+        path = folder / part["name"]
+        if path.exists() and _sha256([path]) != part["sha256"]:
+            path.unlink()
+            print(
+                f"{path} is not this manifest's {part['name']} (a part of another build, or cut short): removed",
+                file=sys.stderr,
+            )
+        (have if path.exists() else missing).append(part["name"])
     if missing:
         print(
-            f"gpu bundle: {len(have)} of {len(expected)} parts here ({', '.join(have) or 'none'}); carry "
+            f"gpu bundle: {len(have)} of {len(have) + len(missing)} parts here ({', '.join(have) or 'none'}); carry "
             f".gpu/manifest.json and .gpu/{missing[0]} next, within the machine's warm time (a cold machine "
-            f"starts bare: then carry every part again)"
+            "starts bare: then carry every part again)"
         )
         return False
-    parts = [got / n for n in expected]
+    parts = [folder / name for name in have]
     if _sha256(parts) != manifest["sha256"]:
-        raise BundleError(f"the parts in {got} do not join into the manifest's archive: build the bundle again")
+        raise BundleError(f"the parts in {folder} do not join into the manifest's archive: build the bundle again")
     joined = folder / "bundle.tar.xz"
     with joined.open("wb") as out:
         for part in parts:
@@ -256,7 +252,6 @@ def collect(folder: Path) -> bool:
     with tarfile.open(joined, "r:xz") as tar:
         tar.extractall(folder, filter="data")
     joined.unlink()
-    shutil.rmtree(got)
     done.write_text(manifest["sha256"])
     print(f"gpu bundle: unpacked {', '.join(manifest['folders'])} into {folder} ({len(manifest['packages'])} packages)")
     return True
@@ -326,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = manifest["parts"]
     print(
         f"gpu bundle: {len(manifest['packages'])} packages and the tokenizer, {manifest['bytes'] / 2**20:.1f} MiB "
-        f"in {len(parts)} parts. One call each, back to back (the machine keeps .gpu/got while warm), each "
+        f"in {len(parts)} parts. One call each, back to back (a warm machine keeps the parts), each "
         "running benchmarks/gpu_check.sh, which unpacks and runs once the last part is there:"
     )
     for p in parts:
