@@ -54,16 +54,22 @@ def test_a_bad_request_is_one_line_naming_the_value(args, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_kinds_the_engine_cannot_serve_are_refused_with_what_it_serves():
-    check_kind(Spec("dior-realtime"), "dior-realtime", "detector")
-    check_kind(Spec("ctrla-honesty"), "ctrla-honesty", "steering")
-    with pytest.raises(ServingRequestError, match=r"detector = 'dior-early@champion' is a dior-early detector.*"):
-        check_kind(Spec("dior-early"), "dior-early", "detector")
+def test_detectors_are_served_by_their_trigger_and_refused_with_what_the_engine_serves():
+    check_kind(Spec("dior-realtime"), "dior-realtime", "realtime", "detector")
+    check_kind(Spec("ctrla-confidence"), "ctrla-confidence", "ctrla", "detector")
+    check_kind(Spec("my-probe"), "my-probe", "realtime", "detector")  # a new kind deciding like DioR's MLP
+    check_kind(Spec("ctrla-honesty"), "ctrla-honesty", None, "steering")
+    with pytest.raises(
+        ServingRequestError,
+        match=r"detector = 'dior-early@champion' is a dior-early detector \(trigger early\).*"
+        r"whose trigger is realtime or ctrla.*detectors.load_detector",
+    ):
+        check_kind(Spec("dior-early"), "dior-early", "early", "detector")
     with pytest.raises(ServingRequestError, match="steering = 'ctrla-confidence@champion' is a ctrla-confidence"):
-        check_kind(Spec("ctrla-confidence"), "ctrla-confidence", "steering")
-    check_stop(DetectorRequest.of({"detector": "d", "stop": 1}), "dior-realtime")
+        check_kind(Spec("ctrla-confidence"), "ctrla-confidence", "ctrla", "steering")
+    check_stop(DetectorRequest.of({"detector": "d", "stop": 1}), "my-probe", "realtime")
     with pytest.raises(ServingRequestError, match="needs the text's words.*read its scores"):
-        check_stop(DetectorRequest.of({"detector": "c", "stop": 1}), "ctrla-confidence")
+        check_stop(DetectorRequest.of({"detector": "c", "stop": 1}), "ctrla-confidence", "ctrla")
 
 
 def test_results_align_with_the_output_tokens():

@@ -410,7 +410,7 @@ def test_vllm_serve_returns_scores_and_stops_over_http_and_keeps_serving(served,
         [
             "cannot load no-such-detector@champion: no model registered",
             "was built with LLM 'tiny-llama' but is used with",
-            "is a dior-early detector, which the engine cannot serve",
+            "is a dior-early detector (trigger early), which the engine cannot serve",
         ],
     ):
         assert code == 400 and message in answer["error"]["message"] and "\n" not in answer["error"]["message"]

@@ -42,6 +42,7 @@ from detectors.serving.requests import (
     DETECTOR,
     RESULT_KEY,
     STOP_TOKEN,
+    STOPPING_TRIGGERS,
     DetectorRequest,
     ServingRequestError,
     Spec,
@@ -81,6 +82,7 @@ class Loaded:
 
     spec: str
     kind: str
+    trigger: str | None  # the detector's ``TRIGGER`` (None for a steering direction)
     detector: Detector
     sites: list[tuple]
     monitor: ConfidenceMonitor | None = None
@@ -88,7 +90,7 @@ class Loaded:
 
     @property
     def threshold(self) -> float | None:
-        return getattr(self.detector, "threshold", None) if self.kind == "dior-realtime" else None
+        return getattr(self.detector, "threshold", None) if self.trigger in STOPPING_TRIGGERS else None
 
 
 @dataclasses.dataclass
@@ -178,12 +180,12 @@ class EngineDetectors:
             from detectors.inference import load_detector
 
             detector = load_detector(spec.name, spec.alias, tracking_uri=tracking_uri, load_llm=False)
-            check_kind(spec, detector.KIND, role)
+            check_kind(spec, detector.KIND, detector.TRIGGER, role)
             detector.check_llm(self.served())
             loaded = self._loaded(str(spec), detector)
             self._install(loaded)
             self.loaded[str(spec)] = loaded
-        check_kind(spec, loaded.kind, role)
+        check_kind(spec, loaded.kind, loaded.trigger, role)
         return loaded
 
     def _check_engine(self) -> None:
@@ -200,14 +202,15 @@ class EngineDetectors:
             raise ServingRequestError("the detectors do not run with speculative decoding: start the engine without it")
 
     def _loaded(self, spec: str, detector: Detector) -> Loaded:
-        kind = detector.KIND
-        if kind == "dior-realtime":
+        kind, trigger = detector.KIND, detector.TRIGGER
+        if trigger == "realtime":
             sites = [("block", i) if i < self.num_layers else ("norm",) for i in detector.state_indices]
-            return Loaded(spec, kind, detector, sites)
-        if kind == "ctrla-confidence":
+            return Loaded(spec, kind, trigger, detector, sites)
+        if trigger == "ctrla":
             monitor = detector.monitor(self.model)
-            return Loaded(spec, kind, detector, [("block", layer) for layer in monitor.layers], monitor=monitor)
-        return Loaded(spec, kind, detector, [("block", layer) for layer in detector.directions.layers])
+            sites = [("block", layer) for layer in monitor.layers]
+            return Loaded(spec, kind, trigger, detector, sites, monitor=monitor)
+        return Loaded(spec, kind, trigger, detector, [("block", layer) for layer in detector.directions.layers])
 
     def install(self) -> None:
         """Hook the runner's steps (once): what every request that asks something of the engine needs."""
@@ -320,7 +323,7 @@ class EngineDetectors:
             if tracked.steering is not None:
                 rows[("steer", tracked.steering.spec, tracked.request.lam)].extend(range(start, start + count))
             det = tracked.detector
-            realtime = det is not None and det.kind == "dior-realtime"
+            realtime = det is not None and det.trigger == "realtime"
             if realtime or tracked.request.stats or tracked.request.sentence:
                 step.sampled.append((tracked, i))
             if det is None:

@@ -2,11 +2,12 @@
 
 A request asks in ``SamplingParams.extra_args`` (``vllm_xargs`` in an HTTP request's body):
 
-- ``detector``: a registered real-time detector, ``name@alias`` (alias ``champion`` when left out): ``dior-realtime``
-  (its MLP's P(hallucination) of every generated token) or ``ctrla-confidence`` (CtrlA's Eq. 2 of every generated
-  token, below 0 = unconfident);
+- ``detector``: a registered real-time detector, ``name@alias`` (alias ``champion`` when left out), one whose trigger
+  is :data:`SCORED_TRIGGERS`': ``dior-realtime`` (its MLP's P(hallucination) of every generated token) or
+  ``ctrla-confidence`` (CtrlA's Eq. 2 of every generated token, below 0 = unconfident);
 - ``stop``: true (or 1) to stop the request at the first generated token whose score is at or over the detector's
-  threshold (``dior-realtime``; the completion then keeps that token and ends with :func:`stop_reason` of the detector);
+  threshold (a ``realtime`` trigger's, as ``dior-realtime``'s; the completion then keeps that token and ends with
+  :func:`stop_reason` of the detector);
 - ``steering``: a registered ``ctrla-honesty`` direction, added at its layers for this request only, with
   ``lam`` (optional) its strength instead of the registered one;
 - ``stats``: true to get each generated token's probability and the entropy of the distribution it was chosen from
@@ -33,10 +34,13 @@ KEYS = (DETECTOR, STOP, STEERING, LAM, STATS, SENTENCE)
 RESULT_KEY, STOP_TOKEN = "_dynrag_request", "_dynrag_stop_token"
 STOP_REASON_PREFIX = "detector:"
 SENTENCE_REASON = "sentence"  # the stop reason of a request ended at a sentence end
-SCORED_KINDS = ("dior-realtime", "ctrla-confidence")  # what ``detector`` serves (per generated token)
-STEERING_KINDS = ("ctrla-honesty",)
-STOPPING_KINDS = ("dior-realtime",)  # a threshold on one token's score; CtrlA's trigger needs the text's words
-READS_PROMPT = ("ctrla-confidence",)  # Eq. 2's running statistics read every prompt position: no prefix cache
+# ``detector`` serves a registered detector by the trigger its class names (``Detector.TRIGGER``), so a new kind that
+# decides like one of these is served as it is: ``realtime`` scores each generated token from its hidden states
+# (``state_indices``, ``score_tokens``), ``ctrla`` with CtrlA's Eq. 2 (``monitor``)
+SCORED_TRIGGERS = ("realtime", "ctrla")
+STOPPING_TRIGGERS = ("realtime",)  # a threshold on one token's score; CtrlA's trigger needs the text's words
+READS_PROMPT = ("ctrla",)  # Eq. 2's running statistics read every prompt position: no prefix cache
+STEERING_KINDS = ("ctrla-honesty",)  # what ``steering`` serves
 
 
 class ServingRequestError(InputError, ValueError):
@@ -124,25 +128,26 @@ def _flag(value: Any, key: str) -> bool:
     raise ServingRequestError(f"{key} = {value!r}: give true or false")
 
 
-def check_kind(spec: Spec, kind: str, role: str) -> None:
-    """Refuse a registered model of a kind the engine cannot serve in ``role``, naming what it serves."""
-    allowed = SCORED_KINDS if role == DETECTOR else STEERING_KINDS
-    if kind not in allowed:
-        served = f"'{DETECTOR}' scores every generated token with {' or '.join(SCORED_KINDS)}; "
-        served += f"'{STEERING}' steers with {' or '.join(STEERING_KINDS)}"
-        raise ServingRequestError(
-            f"{role} = {str(spec)!r} is a {kind} detector, which the engine cannot serve as a {role}: {served} "
-            "(a detector that decides before generating runs with detectors.load_detector)"
-        )
+def check_kind(spec: Spec, kind: str, trigger: str | None, role: str) -> None:
+    """Refuse a registered model the engine cannot serve in ``role`` (a detector by its ``trigger``, a steering
+    direction by its ``kind``), naming what it serves."""
+    if trigger in SCORED_TRIGGERS if role == DETECTOR else kind in STEERING_KINDS:
+        return
+    served = f"'{DETECTOR}' scores every generated token with a detector whose trigger is "
+    served += f"{' or '.join(SCORED_TRIGGERS)}; '{STEERING}' steers with {' or '.join(STEERING_KINDS)}"
+    raise ServingRequestError(
+        f"{role} = {str(spec)!r} is a {kind} detector (trigger {trigger}), which the engine cannot serve as a "
+        f"{role}: {served} (a detector that decides before generating runs with detectors.load_detector)"
+    )
 
 
-def check_stop(request: DetectorRequest, kind: str) -> None:
+def check_stop(request: DetectorRequest, kind: str, trigger: str | None) -> None:
     """Refuse ``stop`` for a detector whose firing rule is not a threshold on one token's score."""
-    if request.stop and kind not in STOPPING_KINDS:
+    if request.stop and trigger not in STOPPING_TRIGGERS:
         raise ServingRequestError(
             f"{STOP} with {DETECTOR} = {str(request.detector)!r} ({kind}): its trigger fires on an unconfident new "
             "content word, which needs the text's words (detectors.ctrla.monitor.trigger_position): read its scores; "
-            f"'{STOP}' serves {' or '.join(STOPPING_KINDS)}"
+            f"'{STOP}' serves a detector whose trigger is {' or '.join(STOPPING_TRIGGERS)}"
         )
 
 
@@ -159,8 +164,8 @@ def stopped_by_detector(reason: Any) -> bool:
 @dataclasses.dataclass
 class Scored:
     """What a request gets back: one score per generated token (None for a token the engine never ran, the last
-    one of a request cut at its token budget, and the end-of-sequence token), the detector's threshold, the first
-    token at or over it (``dior-realtime``), and whether the detector stopped the request there; with ``stats``, each
+    one of a request cut at its token budget, and the end-of-sequence token), the threshold of a detector that stops
+    on one, the first token at or over it, and whether the detector stopped the request there; with ``stats``, each
     generated token's probability and entropy (None for the end-of-sequence token that ended it); with ``sentence``,
     whether it ended at a sentence end."""
 
@@ -184,7 +189,8 @@ def scored(
     request: DetectorRequest, info: dict[str, Any] | None, token_ids: list[int], stop_token: int | None
 ) -> Scored:
     """The result of ``request`` from what the engine recorded (``info``: ``scores`` in generation order, the
-    detector's ``kind``, ``threshold``, the steering's ``lam``), aligned with the output's ``token_ids``."""
+    detector's ``kind``, its ``threshold`` when it stops on one, the steering's ``lam``), aligned with the output's
+    ``token_ids``."""
     info = info or {}
     ended = bool(token_ids) and stop_token is not None and token_ids[-1] == stop_token
     n = len(token_ids) - (1 if ended else 0)
@@ -196,7 +202,7 @@ def scored(
     threshold = info.get("threshold")
     kind = info.get("kind")
     trigger = None
-    if kind in STOPPING_KINDS and threshold is not None:
+    if threshold is not None:  # the engine reports a threshold for a detector that stops on one only
         trigger = next((i for i, s in enumerate(scores) if s is not None and s >= threshold), None)
     return Scored(
         detector=None if request.detector is None else str(request.detector),

@@ -157,19 +157,22 @@ def _answered(replies: list) -> list:
     return replies
 
 
-def _kind(replies: list) -> str:
-    """The kind the workers loaded (``dynrag_load``'s replies), or the load's error as one request error."""
-    return _answered(replies)[0]["kind"]
+def _kind(replies: list) -> tuple[str, str | None]:
+    """The kind and trigger the workers loaded (``dynrag_load``'s replies), or the load's error as one request
+    error."""
+    reply = _answered(replies)[0]
+    return reply["kind"], reply["trigger"]
 
 
-def _check_detector(params, request: DetectorRequest, kind: str) -> None:
-    """Refuse ``stop`` for a detector that cannot stop; a detector that reads the prompt's positions (CtrlA's Eq. 2)
-    makes its request run its whole prompt instead of reading the prefix cache."""
+def _check_detector(params, request: DetectorRequest, loaded: tuple[str, str | None]) -> None:
+    """Refuse ``stop`` for a detector that cannot stop (``loaded``: its kind and trigger); a detector that reads the
+    prompt's positions (CtrlA's Eq. 2) makes its request run its whole prompt instead of reading the prefix cache."""
+    kind, trigger = loaded
     try:
-        check_stop(request, kind)
+        check_stop(request, kind, trigger)
     except ServingRequestError as err:
         raise _invalid(err) from None
-    if kind in READS_PROMPT:
+    if trigger in READS_PROMPT:
         params.skip_reading_prefix_cache = True
 
 
@@ -224,7 +227,8 @@ def _online(generate):
     async def wrapper(self, prompt, sampling_params, request_id, *args, **kwargs):
         request = _request(sampling_params)
         if request is not None:
-            kinds = self.__dict__.setdefault("_dynrag_kinds", {})  # what this engine loaded: (spec, role) -> kind
+            # what this engine loaded: (spec, role) -> (kind, trigger)
+            kinds = self.__dict__.setdefault("_dynrag_kinds", {})
             uri = os.environ.get("MLFLOW_TRACKING_URI")
             for spec, role in request.loads():
                 if (spec, role) not in kinds:
@@ -269,8 +273,8 @@ def _engine(worker):
 
 
 def _worker_load(self, spec: str, role: str, tracking_uri: str | None = None) -> dict[str, Any]:
-    """Load ``spec`` as a ``role`` (``detector`` or ``steering``) in this worker's engine: ``{"kind": ...}``, or
-    ``{"error": one line}`` (an RPC answers; a failing load must not reach the engine's loop)."""
+    """Load ``spec`` as a ``role`` (``detector`` or ``steering``) in this worker's engine: ``{"kind": ...,
+    "trigger": ...}``, or ``{"error": one line}`` (an RPC answers; a failing load must not reach the engine's loop)."""
     try:
         loaded = _engine(self).load(Spec.parse(spec, role), role, tracking_uri)
     except Exception as err:  # every failure is the request's, never the engine's
@@ -281,7 +285,7 @@ def _worker_load(self, spec: str, role: str, tracking_uri: str | None = None) ->
             log.exception("dynrag: loading %s failed", spec)
             message = f"{type(err).__name__}: {message}"
         return {"error": message}
-    return {"kind": loaded.kind}
+    return {"kind": loaded.kind, "trigger": loaded.trigger}
 
 
 def _worker_install(self) -> dict[str, Any]:
