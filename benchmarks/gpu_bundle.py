@@ -52,9 +52,10 @@ class BundleError(RuntimeError):
     pass
 
 
-def requirements(dist: str = PROJECT, python: str = PYTHON) -> dict[str, str]:
-    """Every distribution that ``dist`` needs on Linux x86-64 under ``python`` (markers evaluated there, extras
-    followed), ``dist`` included: canonical name -> the version installed here."""
+def requirements(dist: str = PROJECT, python: str = PYTHON, extras: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every distribution that ``dist`` with its ``extras`` needs on Linux x86-64 under ``python`` (markers evaluated
+    there, the extras its requirements ask for followed), ``dist`` included: canonical name -> the version installed
+    here."""
     env = {
         "python_version": python,
         "python_full_version": f"{python}.0",
@@ -83,7 +84,7 @@ def requirements(dist: str = PROJECT, python: str = PYTHON) -> dict[str, str]:
             if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in ("", *extras_of[key])):
                 visit(req.name, set(req.extras))
 
-    visit(dist, set())
+    visit(dist, set(extras))
     return found
 
 
@@ -269,7 +270,9 @@ def tree_bytes(root: Path = ROOT) -> int:
     return sum((root / p.decode()).stat().st_size for p in listed if p and (root / p.decode()).is_file())
 
 
-def build(out: Path, tokenizer: Path, call_limit: int = CALL_LIMIT, image: Path = IMAGE) -> dict:
+def build(
+    out: Path, tokenizer: Path, call_limit: int = CALL_LIMIT, image: Path = IMAGE, extras: tuple[str, ...] = ()
+) -> dict:
     missing = [f for f in TOKENIZER_FILES[:2] if not (tokenizer / f).exists()]
     if missing:
         raise BundleError(
@@ -280,7 +283,7 @@ def build(out: Path, tokenizer: Path, call_limit: int = CALL_LIMIT, image: Path 
     part_bytes = call_limit - tree - 2**20  # the manifest and a margin
     if part_bytes < 8 * 2**20:
         raise BundleError(f"the working tree is {tree / 2**20:.1f} MiB, leaving under 8 MiB a call for the bundle")
-    wanted = carried(requirements(), image_packages(image), pins())
+    wanted = carried(requirements(extras=extras), image_packages(image), pins())
     print(f"gpu bundle: {len(wanted)} packages to carry", flush=True)
     wheels = fetch(wanted, out / "wheels")
     site, tok = out / "stage" / "site", out / "stage" / "tokenizer"
@@ -303,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", type=Path, default=ROOT / ".gpu")
     b.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: paths.llm)")
     b.add_argument("--image", type=Path, default=IMAGE, help="the GPU image's packages (pip list --format freeze)")
+    b.add_argument("--extra", action="append", default=[], help="an extra of the project's too (scale: Ray)")
     b.add_argument("--call-mib", type=float, default=CALL_LIMIT / 2**20, help="files a call takes, MiB")
     c = verbs.add_parser("collect", help="there: take this call's part; unpack once all are there")
     c.add_argument("--dir", type=Path, default=ROOT / ".gpu")
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             from detectors.config import load_section
 
             args.tokenizer = ROOT / load_section("paths", ROOT / "params.yaml").llm
-        manifest = build(args.out, args.tokenizer, int(args.call_mib * 2**20), args.image)
+        manifest = build(args.out, args.tokenizer, int(args.call_mib * 2**20), args.image, tuple(args.extra))
     except BundleError as e:
         print(f"gpu bundle: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ def test_requirements_are_the_installed_closure_without_extras():
         assert needed[name] == version(name)
     assert "mlflow-skinny" in needed  # a requirement's requirement
     assert "ray" not in needed  # only the project's `scale` extra asks for it
+    assert {"ray", "jsonschema"} <= set(requirements(extras=("scale",)))  # ... and what ray[data] needs
     assert pins()["torch"] == "2.13.0" and "numpy" not in pins()  # numpy is not pinned with ==
 
 
