@@ -14,7 +14,7 @@
 # interpreter (default python3).
 # Where `.gpu/manifest.json` was carried (a machine without the project's packages: `python -m benchmarks.gpu_bundle
 # build` here), it first takes the call's part of the bundle; until the last part is there it stops (status 0), then
-# unpacks it and runs with `.gpu/site` on PYTHONPATH and `.gpu/tokenizer` as TOKENIZER.
+# unpacks it and runs with `.gpu/site` and the project on PYTHONPATH and `.gpu/tokenizer` as TOKENIZER.
 # Every part runs even when one before it failed; the exit status is 1 when any failed.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_check.sh OUT [bench|tests|all] [pytest arguments...]}
@@ -27,7 +27,7 @@ py=${PYTHON:-python3}
 if [[ -f .gpu/manifest.json ]]; then
     "$py" -m benchmarks.gpu_bundle collect --dir .gpu
     case $? in
-        0) export PYTHONPATH=$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}
+        0) export PYTHONPATH=$PWD/.gpu/site:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the project, as `pip install -e .`
            [[ -z ${TOKENIZER:-} && ! -d data/llm ]] && export TOKENIZER=$PWD/.gpu/tokenizer ;;
         3) exit 0 ;;  # parts are still to come
         *) exit 1 ;;
