@@ -1,6 +1,6 @@
 """What a GPU machine without a package registry lacks, carried there in parts that each fit one call.
 
-The GPU machine (docs/scaling.md, "On a GPU") has PyTorch and much of the stack, but not captum, spaCy, MLflow,
+The GPU machine (docs/scaling.md, "One GPU machine") has PyTorch and much of the stack, but not captum, spaCy, MLflow,
 DVC, bm25s or the embedding model, reaches no registry, and takes a limited size of files a call. Two steps:
 
 ``build`` (here, where the registries are) resolves the requirements installed with this project for the GPU
@@ -53,7 +53,7 @@ INCOMPLETE = 3  # collect's exit status while parts are still to come
 
 
 class BundleError(RuntimeError):
-    pass
+    """The bundle cannot be built or unpacked: the message says why and what to do."""
 
 
 def requirements(dist: str = PROJECT, python: str = PYTHON, extras: tuple[str, ...] = ()) -> dict[str, str]:
@@ -73,16 +73,16 @@ def requirements(dist: str = PROJECT, python: str = PYTHON, extras: tuple[str, .
     found: dict[str, str] = {}
     extras_of: dict[str, set[str]] = {}
 
-    def visit(name: str, extras: set[str]) -> None:
+    def visit(name: str, asked: set[str]) -> None:
         key = canonicalize_name(name)
-        if key in found and extras <= extras_of[key]:
+        if key in found and asked <= extras_of[key]:
             return
         try:
             meta = distribution(name)
         except PackageNotFoundError:
             raise BundleError(f"{name} is required but not installed here: `make setup` first") from None
         found[key] = meta.version
-        extras_of[key] = extras_of.get(key, set()) | extras
+        extras_of[key] = extras_of.get(key, set()) | asked
         for line in meta.requires or []:
             req = Requirement(line)
             if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in ("", *extras_of[key])):
@@ -247,8 +247,8 @@ def collect(folder: Path) -> bool:
     if missing:
         print(
             f"gpu bundle: {len(have)} of {len(have) + len(missing)} parts here ({', '.join(have) or 'none'}); carry "
-            f".gpu/manifest.json and .gpu/{missing[0]} next, within the machine's warm time (a cold machine "
-            "starts bare: then carry every part again)"
+            f"{folder / 'manifest.json'} and {folder / missing[0]} next, within the machine's warm time (a cold "
+            "machine starts bare: then carry every part again)"
         )
         return False
     parts = [folder / name for name in have]
@@ -283,6 +283,9 @@ def tree_bytes(root: Path = ROOT) -> int:
 def build(
     out: Path, tokenizer: Path, call_limit: int = CALL_LIMIT, image: Path = IMAGE, extras: tuple[str, ...] = ()
 ) -> dict:
+    """The bundle of what the GPU machine lacks (:func:`needed_there` with ``extras``, less ``image``) and
+    ``tokenizer``'s files, in parts in ``out`` that each fit ``call_limit`` beside the working tree as it is now;
+    its manifest."""
     missing = [f for f in TOKENIZER_FILES[:2] if not (tokenizer / f).exists()]
     if missing:
         raise BundleError(
@@ -338,8 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         f"in {len(parts)} parts. One call each, back to back (a warm machine keeps the parts), each "
         "running benchmarks/gpu_check.sh, which unpacks and runs once the last part is there:"
     )
+    try:
+        where = args.out.resolve().relative_to(ROOT)
+    except ValueError:
+        print(f"  {args.out} is outside the repository: move it into an ignored folder of it to carry it")
+        return 0
     for p in parts:
-        print(f'  carry [".gpu/manifest.json", ".gpu/{p["name"]}"]')
+        print(f'  carry ["{where / "manifest.json"}", "{where / p["name"]}"]')
     return 0
 
 
