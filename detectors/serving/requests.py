@@ -3,7 +3,7 @@
 A request asks in ``SamplingParams.extra_args`` (``vllm_xargs`` in an HTTP request's body):
 
 - ``detector``: a registered real-time detector, ``name@alias`` (alias ``champion`` when left out), one whose trigger
-  is :data:`SCORED_TRIGGERS`': ``dior-realtime`` (its MLP's P(hallucination) of every generated token) or
+  is one of :data:`SCORED_TRIGGERS`, as ``dior-realtime`` (its MLP's P(hallucination) of every generated token) or
   ``ctrla-confidence`` (CtrlA's Eq. 2 of every generated token, below 0 = unconfident);
 - ``stop``: true (or 1) to stop the request at the first generated token whose score is at or over the detector's
   threshold (a ``realtime`` trigger's, as ``dior-realtime``'s; the completion then keeps that token and ends with
