@@ -31,6 +31,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from detectors.io import file_digest  # the standard library only: importable before the bundle is unpacked
+
 PROJECT = "dynrag-detectors"
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = Path(__file__).with_name("gpu_image.txt")
@@ -187,15 +189,6 @@ def stage(wheels: list[Path], site: Path) -> None:
         subprocess.run(["strip", "--strip-debug", *libraries], check=True, capture_output=True)
 
 
-def _sha256(paths: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with path.open("rb") as f:
-            while chunk := f.read(2**20):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
 def pack(folders: dict[str, Path], out: Path, part_bytes: int, packages: dict[str, str] | None = None) -> dict:
     """``folders`` (name in the archive -> folder here) packed with xz and cut into ``out/part-1`` ... of at most
     ``part_bytes`` each; the manifest (written to ``out/manifest.json``) names them with their sha256."""
@@ -206,14 +199,15 @@ def pack(folders: dict[str, Path], out: Path, part_bytes: int, packages: dict[st
     with tarfile.open(archive, "w:xz", preset=6) as tar:
         for name, folder in folders.items():
             tar.add(folder, arcname=name)
-    parts = []
+    parts, whole = [], hashlib.sha256()
     with archive.open("rb") as f:
         while chunk := f.read(part_bytes):
             part = out / f"part-{len(parts) + 1}"
             part.write_bytes(chunk)
             parts.append({"name": part.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
+            whole.update(chunk)
     manifest = {
-        "sha256": _sha256([archive]),
+        "sha256": whole.hexdigest(),
         "bytes": archive.stat().st_size,
         "folders": sorted(folders),
         "python": PYTHON,
@@ -237,7 +231,7 @@ def collect(folder: Path) -> bool:
     have, missing = [], []
     for part in manifest["parts"]:
         path = folder / part["name"]
-        if path.exists() and _sha256([path]) != part["sha256"]:
+        if path.exists() and file_digest(path, None) != part["sha256"]:
             path.unlink()
             print(
                 f"{path} is not this manifest's {part['name']} (a part of another build, or cut short): removed",
@@ -251,13 +245,15 @@ def collect(folder: Path) -> bool:
             "machine starts bare: then carry every part again)"
         )
         return False
-    parts = [folder / name for name in have]
-    if _sha256(parts) != manifest["sha256"]:
-        raise BundleError(f"the parts in {folder} do not join into the manifest's archive: build the bundle again")
-    joined = folder / "bundle.tar.xz"
+    joined, whole = folder / "bundle.tar.xz", hashlib.sha256()
     with joined.open("wb") as out:
-        for part in parts:
-            out.write(part.read_bytes())
+        for name in have:
+            data = (folder / name).read_bytes()
+            whole.update(data)
+            out.write(data)
+    if whole.hexdigest() != manifest["sha256"]:
+        joined.unlink()
+        raise BundleError(f"the parts in {folder} do not join into the manifest's archive: build the bundle again")
     for name in manifest["folders"]:
         shutil.rmtree(folder / name, ignore_errors=True)
     with tarfile.open(joined, "r:xz") as tar:
