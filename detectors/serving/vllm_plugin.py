@@ -157,7 +157,7 @@ def _answered(replies: list) -> list:
     return replies
 
 
-def _kind(replies: list) -> tuple[str, str | None]:
+def _kind_and_trigger(replies: list) -> tuple[str, str | None]:
     """The kind and trigger the workers loaded (``dynrag_load``'s replies), or the load's error as one request
     error."""
     reply = _answered(replies)[0]
@@ -201,8 +201,10 @@ def _offline(generate):
         if not any(requests):
             return generate(self, prompts, sampling_params, *args, **kwargs)
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        kinds = {load: _kind(self.collective_rpc("dynrag_load", args=(str(load[0]), load[1], uri))) for load in
-                 _needed(requests)}  # fmt: skip
+        kinds = {
+            load: _kind_and_trigger(self.collective_rpc("dynrag_load", args=(str(load[0]), load[1], uri)))
+            for load in _needed(requests)
+        }
         if _hooks_only(requests):
             _answered(self.collective_rpc("dynrag_install"))
         for params, request in zip(_params_list(sampling_params), requests):
@@ -232,7 +234,9 @@ def _online(generate):
             uri = os.environ.get("MLFLOW_TRACKING_URI")
             for spec, role in request.loads():
                 if (spec, role) not in kinds:
-                    kinds[(spec, role)] = _kind(await self.collective_rpc("dynrag_load", args=(str(spec), role, uri)))
+                    kinds[(spec, role)] = _kind_and_trigger(
+                        await self.collective_rpc("dynrag_load", args=(str(spec), role, uri))
+                    )
             if _hooks_only([request]) and not self.__dict__.get("_dynrag_installed"):
                 _answered(await self.collective_rpc("dynrag_install"))
                 self._dynrag_installed = True
